@@ -1,0 +1,136 @@
+"""One DP fine-tuning trial: ``run_trial(config, report)``, the one place a DP fine-tune happens.
+
+Plain Python, no Ray: Ray Tune calls it through ``dptune.search``; tests call it directly.
+(Contract written first so that search, records and reports can be built in parallel; the
+implementation of ``run_trial`` lands with issue 3.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+TrialStatus = Literal["ok", "diverged", "error", "pruned_min_steps", "stopped_early"]
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """Everything that defines a trial. Plain data: it round-trips through a dict (Tune config).
+
+    Units: ``epsilon`` and ``delta`` of (ε, δ)-DP under add/remove adjacency; ``epochs`` is the
+    compute budget E (passes over the training set in expectation); ``clip_bound`` is C in
+    gradient-norm units; ``batch_size`` is the *expected* logical batch B = q·N under Poisson
+    sampling; ``learning_rate`` is the η the optimizer uses, ``base_learning_rate`` the η₀ it was
+    coupled from (η = η₀·√(B/B_ref), or η = η₀ when coupling is off).
+    """
+
+    dataset: str
+    backbone: str
+    peft: str
+    epsilon: float
+    delta: float
+    epochs: int
+    clip_bound: float
+    batch_size: int
+    learning_rate: float
+    base_learning_rate: float
+    optimizer: Literal["adam", "sgd"] = "adam"
+    clipping: Literal["standard", "normalized", "auto_s"] = "normalized"
+    seed: int = 0
+    # difficulty knobs and data sizing
+    fraction: float = 1.0
+    examples_per_class: int | None = None
+    classes: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    validation_fraction: float = 0.1
+    # execution
+    device: str = "auto"
+    max_physical_batch_size: int = 256
+    threads: int | None = None
+    engine: Literal["auto", "opacus", "film"] = "auto"
+    # diagnostics: a fixed probe of ≤ diagnostic_examples training examples at a few epochs
+    diagnostics: bool = True
+    diagnostic_examples: int = 256
+
+
+@dataclass
+class EpochMetrics:
+    """Metrics after epoch ``epoch`` (1-based). ``test_accuracy`` is only set after the last one."""
+
+    epoch: int
+    steps: int  # optimizer steps done so far (cumulative)
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    wall_time_s: float  # seconds spent in this epoch (training + evaluation)
+    examples_per_s: float  # training examples processed per second in this epoch
+    test_accuracy: float | None = None
+
+
+@dataclass
+class ClassDiagnostics:
+    """Per-class clipping diagnostics on the probe at one epoch (paper §4–5)."""
+
+    label: int
+    examples: int
+    grad_norm_quantiles: dict[str, float]  # keys "q05","q25","q50","q75","q95"
+    clipped_fraction: float  # share of probe examples of this class with ‖g_i‖ > C
+    retention_weight: float  # w_y(C) = mean over class y of min(1, C/‖g_i‖)
+
+
+@dataclass
+class Diagnostics:
+    """The paper's diagnostics on the probe subset at one epoch (0 = before training).
+
+    ``optimal_clip_bound`` is C* of Theorem 5.2 for the trial's σ and d; ``mse_bias`` and
+    ``mse_variance`` split the per-step MSE of the clipped-noised mean gradient at the trial's C.
+    """
+
+    epoch: int
+    clip_bound: float
+    noise_multiplier: float
+    dimension: int  # d, number of trainable parameters
+    grad_norms: list[float]  # ‖g_i‖ of each probe example (≤ diagnostic_examples values)
+    labels: list[int]  # label of each probe example, aligned with grad_norms
+    mse_bias: float
+    mse_variance: float
+    optimal_clip_bound: float
+    classes: list[ClassDiagnostics] = field(default_factory=list)
+
+
+@dataclass
+class TrialResult:
+    """What a trial produced. ``status`` other than ``ok`` carries a human ``reason``."""
+
+    config: TrialConfig
+    status: TrialStatus
+    reason: str = ""
+    noise_multiplier: float = float("nan")  # σ
+    sample_rate: float = float("nan")  # q = B/N
+    steps: int = 0  # T planned = E·round(N/B)
+    epsilon_spent: float = float("nan")  # from the accountant that drove training; ≤ epsilon
+    num_train: int = 0
+    num_val: int = 0
+    num_test: int = 0
+    num_classes: int = 0
+    trainable_parameters: int = 0
+    val_accuracy: float = float("nan")  # after the last epoch (selection metric)
+    test_accuracy: float = float("nan")  # after the last epoch (never used for selection)
+    train_loss: float = float("nan")
+    wall_time_s: float = 0.0
+    examples_per_s: float = 0.0
+    device: str = "cpu"
+    engine: str = ""
+    epochs: list[EpochMetrics] = field(default_factory=list)
+    class_accuracy: dict[int, float] = field(default_factory=dict)  # test accuracy per class
+    class_names: dict[int, str] = field(default_factory=dict)
+    diagnostics: list[Diagnostics] = field(default_factory=list)
+
+
+Reporter = Callable[[EpochMetrics], None]
+
+
+def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
+    """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch."""
+    raise NotImplementedError("lands with issue 3")

@@ -1,0 +1,274 @@
+"""Result records: the versioned Parquet dataset a search writes and the reports read.
+
+Layout (one directory per search, any filesystem pyarrow understands: a local path or a URI
+such as ``s3://bucket/prefix``)::
+
+    <root>/trials/part-<trial_id>.parquet       one row per trial
+    <root>/epochs/part-<trial_id>.parquet       one row per trial and epoch
+    <root>/classes/part-<trial_id>.parquet      one row per trial and class
+    <root>/diagnostics/part-<trial_id>.parquet  one row per trial and diagnostic epoch
+    <root>/search/part-<search_id>.parquet      one row per (ε, epochs) cell of the search
+
+Invariants:
+- Every part is written whole or not at all: local parts go to a temporary name in the same
+  folder and are renamed (atomic on POSIX); object stores publish a single PUT atomically.
+- A trial's ``trials`` part is written last, so its presence means every other table of that
+  trial is complete; readers keep only rows whose trial has a ``trials`` row.
+- Parts are keyed by trial id, so writing the same trial twice replaces it: a resumed search
+  never shows a trial twice.
+
+The dataset loads with pandas (``read_table``), polars (``pl.read_parquet(root/"trials")``)
+and duckdb (``read_parquet('root/trials/*.parquet')``). Schema changes bump ``SCHEMA_VERSION``,
+stored in every ``search`` row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from dptune.trial import TrialResult
+
+SCHEMA_VERSION = 1
+
+_QUANTILES = ("q05", "q25", "q50", "q75", "q95")
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "trials": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("trial_id", pa.string()),
+            ("cell_id", pa.string()),
+            ("dataset", pa.string()),
+            ("backbone", pa.string()),
+            ("peft", pa.string()),
+            ("fraction", pa.float64()),
+            ("epsilon", pa.float64()),
+            ("delta", pa.float64()),
+            ("epochs", pa.int64()),
+            ("clip_bound", pa.float64()),
+            ("batch_size", pa.int64()),
+            ("base_learning_rate", pa.float64()),
+            ("learning_rate", pa.float64()),
+            ("reference_batch_size", pa.int64()),
+            ("optimizer", pa.string()),
+            ("clipping", pa.string()),
+            ("seed", pa.int64()),
+            ("noise_multiplier", pa.float64()),
+            ("sample_rate", pa.float64()),
+            ("steps", pa.int64()),
+            ("epsilon_spent", pa.float64()),
+            ("status", pa.string()),
+            ("reason", pa.string()),
+            ("val_accuracy", pa.float64()),
+            ("test_accuracy", pa.float64()),
+            ("train_loss", pa.float64()),
+            ("num_train", pa.int64()),
+            ("num_val", pa.int64()),
+            ("num_test", pa.int64()),
+            ("num_classes", pa.int64()),
+            ("trainable_parameters", pa.int64()),
+            ("wall_time_s", pa.float64()),
+            ("examples_per_s", pa.float64()),
+            ("device", pa.string()),
+            ("engine", pa.string()),
+            ("config", pa.string()),  # the full TrialConfig as JSON
+            ("versions", pa.string()),  # package versions as JSON
+            ("finished_at", pa.timestamp("ms", tz="UTC")),
+        ]
+    ),
+    "epochs": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("trial_id", pa.string()),
+            ("epoch", pa.int64()),
+            ("steps", pa.int64()),
+            ("train_loss", pa.float64()),
+            ("val_loss", pa.float64()),
+            ("val_accuracy", pa.float64()),
+            ("test_accuracy", pa.float64()),
+            ("wall_time_s", pa.float64()),
+            ("examples_per_s", pa.float64()),
+        ]
+    ),
+    "classes": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("trial_id", pa.string()),
+            ("label", pa.int64()),
+            ("class_name", pa.string()),
+            ("test_accuracy", pa.float64()),
+            ("diagnostic_epoch", pa.int64()),
+            ("probe_examples", pa.int64()),
+            *[(f"grad_norm_{q}", pa.float64()) for q in _QUANTILES],
+            ("clipped_fraction", pa.float64()),
+            ("retention_weight", pa.float64()),
+        ]
+    ),
+    "diagnostics": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("trial_id", pa.string()),
+            ("epoch", pa.int64()),
+            ("clip_bound", pa.float64()),
+            ("noise_multiplier", pa.float64()),
+            ("dimension", pa.int64()),
+            ("mse_bias", pa.float64()),
+            ("mse_variance", pa.float64()),
+            ("optimal_clip_bound", pa.float64()),
+            ("grad_norms", pa.list_(pa.float64())),
+            ("labels", pa.list_(pa.int64())),
+        ]
+    ),
+    "search": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("name", pa.string()),
+            ("cell_id", pa.string()),
+            ("epsilon", pa.float64()),
+            ("epochs", pa.int64()),
+            ("delta", pa.float64()),
+            ("dataset", pa.string()),
+            ("backbone", pa.string()),
+            ("peft", pa.string()),
+            ("num_train", pa.int64()),
+            ("trials_planned", pa.int64()),
+            ("configurations_pruned", pa.int64()),
+            ("epsilon_per_trial", pa.float64()),
+            ("epsilon_composition", pa.float64()),
+            ("delta_composition", pa.float64()),
+            ("epsilon_selection", pa.float64()),
+            ("delta_selection", pa.float64()),
+            ("spec_yaml", pa.string()),
+            ("spec_hash", pa.string()),
+            ("schema_version", pa.int64()),
+            ("dptune_version", pa.string()),
+            ("created_at", pa.timestamp("ms", tz="UTC")),
+        ]
+    ),
+}
+
+TABLES: tuple[str, ...] = tuple(SCHEMAS)
+
+
+class RecordsError(ValueError):
+    """A results path or table that cannot be read or written."""
+
+
+def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
+    """Resolve a local path or URI into a pyarrow filesystem and a path inside it."""
+    if "://" in root:
+        return pafs.FileSystem.from_uri(root)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root))
+
+
+def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: str,
+               reference_batch_size: int, versions: Mapping[str, str],
+               finished_at: pd.Timestamp) -> dict[str, list[dict[str, Any]]]:
+    """Flatten one ``TrialResult`` into rows for each per-trial table."""
+    config = result.config
+    keys = {"search_id": search_id, "trial_id": trial_id}
+    trial = {
+        **keys,
+        "cell_id": cell_id,
+        **{name: getattr(config, name) for name in (
+            "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
+            "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed")},
+        "reference_batch_size": reference_batch_size,
+        **{name: getattr(result, name) for name in (
+            "noise_multiplier", "sample_rate", "steps", "epsilon_spent", "status", "reason",
+            "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
+            "num_classes", "trainable_parameters", "wall_time_s", "examples_per_s", "device",
+            "engine")},
+        "config": json.dumps(asdict(config), sort_keys=True),
+        "versions": json.dumps(dict(versions), sort_keys=True),
+        "finished_at": finished_at,
+    }
+    epochs = [{**keys, **asdict(metrics)} for metrics in result.epochs]
+    last = result.diagnostics[-1] if result.diagnostics else None
+    per_class = {c.label: c for c in last.classes} if last else {}
+    labels = sorted(set(result.class_accuracy) | set(per_class))
+    classes = []
+    for label in labels:
+        diag = per_class.get(label)
+        classes.append({
+            **keys,
+            "label": label,
+            "class_name": result.class_names.get(label, str(label)),
+            "test_accuracy": result.class_accuracy.get(label),
+            "diagnostic_epoch": last.epoch if diag else None,
+            "probe_examples": diag.examples if diag else None,
+            **{f"grad_norm_{q}": diag.grad_norm_quantiles.get(q) if diag else None for q in _QUANTILES},
+            "clipped_fraction": diag.clipped_fraction if diag else None,
+            "retention_weight": diag.retention_weight if diag else None,
+        })
+    diagnostics = [
+        {**keys, **{k: v for k, v in asdict(d).items() if k != "classes"}} for d in result.diagnostics
+    ]
+    return {"trials": [trial], "epochs": epochs, "classes": classes, "diagnostics": diagnostics}
+
+
+class ResultsStore:
+    """Writes and reads one search's dataset under ``root`` (local path or URI)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._fs, self._path = _filesystem(root)
+
+    def _table_dir(self, table: str) -> str:
+        if table not in SCHEMAS:
+            raise RecordsError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
+        return f"{self._path}/{table}"
+
+    def write_part(self, table: str, key: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Write ``rows`` as ``<table>/part-<key>.parquet`` atomically (replacing an older part)."""
+        directory = self._table_dir(table)
+        self._fs.create_dir(directory, recursive=True)
+        data = pa.Table.from_pylist(list(rows), schema=SCHEMAS[table])
+        final = f"{directory}/part-{key}.parquet"
+        if isinstance(self._fs, pafs.LocalFileSystem):
+            temporary = f"{directory}/.tmp-{key}-{uuid.uuid4().hex}.parquet"
+            pq.write_table(data, temporary, filesystem=self._fs)
+            self._fs.move(temporary, final)  # os.rename: atomic within one folder
+        else:
+            pq.write_table(data, final, filesystem=self._fs)
+
+    def write_trial(self, rows_by_table: Mapping[str, list[dict[str, Any]]], trial_id: str) -> None:
+        """Write a trial's rows; the ``trials`` part goes last and marks the trial complete."""
+        for table, rows in rows_by_table.items():
+            if table != "trials":
+                self.write_part(table, trial_id, rows)
+        self.write_part("trials", trial_id, rows_by_table["trials"])
+
+    def completed_trial_ids(self) -> set[str]:
+        """Ids of trials whose ``trials`` part exists (they are complete)."""
+        return set(read_table(self.root, "trials", columns=["trial_id"])["trial_id"])
+
+
+def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """Read one table of a results dataset into pandas (empty with the schema's columns if none).
+
+    Rows of per-trial tables whose trial has no ``trials`` row yet (a write in progress) are
+    dropped, so a search that is still running reads consistently.
+    """
+    store = ResultsStore(root)
+    directory = store._table_dir(table)
+    schema = SCHEMAS[table]
+    selected = columns or schema.names
+    infos = store._fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+    parts = sorted(i.path for i in infos if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+    if not parts:
+        return schema.empty_table().select(selected).to_pandas()
+    frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(columns=selected).to_pandas()
+    if table not in ("trials", "search") and "trial_id" in frame:
+        frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)
+    return frame

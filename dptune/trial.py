@@ -44,6 +44,8 @@ class TrialConfig:
     classes: tuple[int, ...] | None = None
     max_tokens: int | None = None
     validation_fraction: float = 0.1
+    max_train_examples: int | None = None  # caps for quick runs and tests (seeded, stratified)
+    max_eval_examples: int | None = None
     # execution
     device: str = "auto"
     max_physical_batch_size: int = 256

@@ -1,0 +1,58 @@
+"""Backbones and parameter-efficient fine-tuning (PEFT) for DP trials.
+
+Public API::
+
+    model = build_model("vit_tiny_patch16_224.augreg_in21k", "film", num_classes=100)
+    logits = model(*inputs)                       # inputs as dptune.data yields them
+    trainable_parameter_count(model)              # d, the dimension DP noise is added in
+    check_dp_compatible(model)                    # ModelError if a trainable part has BatchNorm
+
+``build_model(backbone, peft, num_classes, feature_input=True)`` with ``peft == "head"`` is a
+plain ``nn.Linear(feature_dim, num_classes)`` on cached features (see ``dptune.data``).
+Otherwise the model is :class:`Classifier`: ``backbone`` (preprocessing + encoder + pooling,
+``forward(*inputs) -> (n, feature_dim)``) then ``head`` (``nn.Linear``, zero-initialised).
+Exactly the PEFT's parameters have ``requires_grad``:
+
+- ``head``: the classifier only;
+- ``film``: the scale and bias of every LayerNorm/GroupNorm (the FiLM parameters of
+  Tobaben et al.) plus the head;
+- ``lora``: LoRA adapters (``peft`` library) on the attention query and value projections,
+  plus the head;
+- ``full``: everything.
+
+Opacus: importing this package registers Opacus' LayerNorm per-sample-gradient rule for
+timm's ``LayerNorm`` subclass (Opacus matches grad samplers by exact type and would otherwise
+fall back to slow functorch for every ViT norm layer). Full fine-tuning of a timm ViT still
+vmaps the whole model, because ``cls_token``/``pos_embed`` live on the root module: prefer
+FiLM or LoRA for ViTs under DP.
+
+Registries ``BACKBONES`` and ``PEFTS`` are the one place to add a backbone or a PEFT method.
+"""
+
+from dptune.models.build import (
+    Classifier,
+    build_feature_extractor,
+    build_model,
+    check_dp_compatible,
+    load_tokenizer,
+    trainable_parameter_count,
+)
+from dptune.models.opacus_support import register_opacus_grad_samplers
+from dptune.models.registry import BACKBONES, PEFTS, BackboneInfo, ModelError, list_backbones
+
+register_opacus_grad_samplers()
+
+__all__ = [
+    "BACKBONES",
+    "PEFTS",
+    "BackboneInfo",
+    "Classifier",
+    "ModelError",
+    "build_feature_extractor",
+    "build_model",
+    "check_dp_compatible",
+    "list_backbones",
+    "load_tokenizer",
+    "register_opacus_grad_samplers",
+    "trainable_parameter_count",
+]

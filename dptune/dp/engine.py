@@ -1,0 +1,152 @@
+"""The seam between a trial and the code that computes one DP step's gradient.
+
+A trial owns the model, a plain torch optimizer over the trainable parameters and a Poisson
+loader; a :class:`DPEngine` owns the per-example gradients. For each Poisson batch the trial
+calls ``engine.noisy_gradient(physical_batches)``, then ``optimizer.step()`` and
+``optimizer.zero_grad(set_to_none=True)``. Two engines implement the seam: the Opacus hooks
+engine (:mod:`dptune.dp.opacus_engine`, any model Opacus supports) and the fast FiLM/head engine
+(:mod:`dptune.dp.film`). Which one a trial gets is decided by :func:`select_engine`.
+
+The step every engine computes, for the Poisson batch's examples i with per-example gradients
+g_i = ∇_θ ℓ(x_i, y_i) (summed cross-entropy, so g_i is one example's gradient) and the rule's
+f_i, s and scale (:mod:`dptune.dp.clipping`)::
+
+    p.grad = scale · (Σ_i f_i · g_i + N(0, s² I))      for every trainable parameter p
+
+with ``scale = update_scale(C, rule, B)`` and ``B`` the *expected* batch size q·N (never the
+realised one, which would leak the batch size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptune.dp.clipping import ClippingRule, check_rule
+
+#: One physical batch: ``(*inputs, labels)`` already on the engine's device; ``model(*inputs)``
+#: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
+PhysicalBatch = tuple[torch.Tensor, ...]
+
+EngineName = Literal["auto", "opacus", "film"]
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+#: PEFTs whose trainable modules the FiLM engine is designed for (issue 7).
+FILM_ENGINE_PEFTS: tuple[str, ...] = ("film", "head")
+
+
+@dataclass(frozen=True)
+class DPStepSpec:
+    """What defines one DP step's gradient, shared by every engine.
+
+    ``noise_multiplier`` is σ (noise std in units of the sensitivity), ``clip_bound`` is C in
+    gradient-norm units, ``expected_batch_size`` is B = q·N (examples), ``autocast_dtype`` the
+    dtype of the forward pass under ``torch.autocast`` (``None``: full precision).
+    """
+
+    noise_multiplier: float
+    clip_bound: float
+    rule: ClippingRule
+    expected_batch_size: float
+    autocast_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        check_rule(self.rule)
+        if not self.clip_bound > 0:
+            raise ValueError(f"clip_bound must be > 0, got {self.clip_bound}")
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be ≥ 0, got {self.noise_multiplier}")
+        if not self.expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {self.expected_batch_size}")
+
+
+class DPEngine(Protocol):
+    """Computes the clipped, noised and scaled gradient of one Poisson batch.
+
+    Contract, for an engine built by an :class:`EngineFactory` on ``model`` with a
+    :class:`DPStepSpec` and a noise ``generator``:
+
+    - ``noisy_gradient(physical_batches)`` consumes every physical batch of one Poisson batch
+      (their concatenation is the Poisson batch; an *empty* Poisson batch is an empty iterable)
+      and sets ``p.grad`` (same dtype and shape as ``p``) of every trainable parameter ``p`` of
+      ``model`` to ``update_scale · (Σ_i f_i g_i + N(0, s² I))`` (module docstring), with the
+      noise drawn from ``generator``. The norms ‖g_i‖ are over *all* trainable parameters (flat
+      clipping). It returns Σ_i ℓ_i, the summed training loss of the batch's examples as a float
+      (0.0 for an empty batch; a non-finite value tells the trial the run diverged).
+    - It never steps or zeroes the optimizer: the trial calls ``optimizer.step()`` and
+      ``optimizer.zero_grad(set_to_none=True)`` after it.
+    - Outside ``noisy_gradient`` the model behaves as a plain module (evaluation and the
+      diagnostics run ``model(*inputs)`` and ``loss.backward()`` on it directly): any hooks an
+      engine needs are only active, or only have effect, inside the call.
+    """
+
+    name: str
+
+    def noisy_gradient(self, physical_batches: Iterable[PhysicalBatch]) -> float: ...
+
+
+class EngineFactory(Protocol):
+    """Builds an engine: ``factory(model, optimizer, spec, generator) -> DPEngine``.
+
+    ``optimizer`` is the trial's torch optimizer over exactly the trainable parameters of
+    ``model``; an engine may wrap it (the Opacus engine wraps it in a ``DPOptimizer`` for the
+    clip/noise/scale half of the step) but never steps it. ``generator`` draws the DP noise and
+    lives on the model's device.
+    """
+
+    def __call__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: DPStepSpec, generator: torch.Generator
+    ) -> DPEngine: ...
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ_i ℓ_i over a batch, computed in float32 (the loss every engine differentiates)."""
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def check_engine(name: str) -> EngineName:
+    """Return ``name`` if it names an engine choice, else raise naming the choices."""
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINE_NAMES)}")
+    return name  # type: ignore[return-value]
+
+
+def film_engine_refusal(model: nn.Module, peft: str) -> str | None:
+    """Why the FiLM engine cannot run ``model`` with ``peft`` (``None``: it can).
+
+    The FiLM engine (:mod:`dptune.dp.film`) exposes ``unsupported_modules(model) -> list[str]``,
+    the qualified names of trainable modules it cannot compute per-example gradients for.
+    """
+    if peft not in FILM_ENGINE_PEFTS:
+        return f"peft {peft!r} is not one of {', '.join(FILM_ENGINE_PEFTS)}"
+    from dptune.dp.film import unsupported_modules  # the FiLM engine imports this module
+
+    unsupported = unsupported_modules(model)
+    if unsupported:
+        return f"trainable modules not supported by the FiLM engine: {', '.join(unsupported)}"
+    return None
+
+
+def select_engine(requested: str, model: nn.Module, peft: str) -> EngineFactory:
+    """Pick the engine factory for a trial.
+
+    ``"auto"``: the FiLM engine when ``peft`` is film/head and it supports every trainable module
+    of ``model``, else Opacus hooks. ``"film"``: the FiLM engine or a ``ValueError`` saying why
+    not. ``"opacus"``: Opacus hooks (:class:`dptune.dp.opacus_engine.OpacusEngine`).
+    """
+    choice = check_engine(requested)
+    if choice != "opacus":
+        refusal = film_engine_refusal(model, peft)
+        if refusal is None:
+            from dptune.dp.film import FilmEngine
+
+            return FilmEngine
+        if choice == "film":
+            raise ValueError(f"engine 'film' cannot run this model: {refusal}; use engine 'opacus' or 'auto'")
+    from dptune.dp.opacus_engine import OpacusEngine  # imports this module
+
+    return OpacusEngine

@@ -1,0 +1,85 @@
+"""The Opacus engine: per-example gradients from Opacus' grad-sample hooks, any supported model.
+
+Opacus' hooks are attached to the model only for the duration of a step (or a diagnostics probe)
+by :func:`grad_sample_hooks`, so that outside it the model is a plain module (the
+:class:`~dptune.dp.engine.DPEngine` contract) and the diagnostics can attach their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import nn
+
+from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
+from dptune.dp.optimizers import RuleDPOptimizer
+
+
+@contextlib.contextmanager
+def grad_sample_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
+    """Attach Opacus' grad-sample hooks to ``model`` (g_i of a *summed* loss), remove them on exit.
+
+    Inside, each ``loss.backward()`` of a training-mode forward leaves ``p.grad_sample`` of shape
+    (n, *p.shape) on every trainable parameter. On exit hooks and Opacus' parameter attributes
+    are removed. ``strict=True``: trainable modules with buffers (BatchNorm) are refused.
+    """
+    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
+    try:
+        yield hooks
+    finally:
+        hooks.cleanup()
+
+
+def autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """``torch.autocast`` to ``dtype`` on ``device_type``, or no autocast when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+class OpacusEngine:
+    """DP step gradient with Opacus hooks and :class:`~dptune.dp.optimizers.RuleDPOptimizer`.
+
+    Per physical batch: forward (under autocast when ``spec.autocast_dtype``), backward of the
+    summed loss, ``clip_and_accumulate`` (Σ f_i g_i into ``p.summed_grad``), free the per-example
+    gradients. After the last one: ``add_noise`` and ``scale_grad`` leave the released gradient
+    in ``p.grad`` — Opacus' own pre-step split over physical batches, as its
+    ``BatchMemoryManager`` does it.
+    """
+
+    name = "opacus"
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: DPStepSpec, generator: torch.Generator
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.dp_optimizer = RuleDPOptimizer(
+            optimizer,
+            noise_multiplier=spec.noise_multiplier,
+            clip_bound=spec.clip_bound,
+            expected_batch_size=spec.expected_batch_size,
+            rule=spec.rule,
+            generator=generator,
+        )
+        self._device_type = self.dp_optimizer.params[0].device.type
+
+    def noisy_gradient(self, physical_batches: Iterable[PhysicalBatch]) -> float:
+        """Set ``p.grad`` to the rule's released gradient of one Poisson batch; return Σ_i ℓ_i."""
+        self.dp_optimizer.zero_grad(set_to_none=True)  # clears the previous step's summed_grad
+        losses: list[torch.Tensor] = []
+        with grad_sample_hooks(self.model) as hooks:
+            for *inputs, labels in physical_batches:
+                with autocast(self._device_type, self.spec.autocast_dtype):
+                    logits = self.model(*inputs)
+                loss = summed_cross_entropy(logits, labels)
+                loss.backward()
+                losses.append(loss.detach())
+                self.dp_optimizer.clip_and_accumulate()
+                hooks.set_grad_sample_to_none()
+        self.dp_optimizer.add_noise()
+        self.dp_optimizer.scale_grad()
+        return float(torch.stack(losses).sum()) if losses else 0.0  # one device sync per step

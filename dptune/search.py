@@ -1,0 +1,604 @@
+"""The search service: joint (C, B, η₀) search per (ε, epochs) cell on Ray Tune + Optuna.
+
+``python -m dptune.search --space search_spaces/default.yaml`` on a laptop (embedded local Ray),
+``ray job submit -- python -m dptune.search ...`` on a cluster (joins it through RAY_ADDRESS).
+
+Flow: validate the space and the flags (no compute) → load the workload once in the driver
+(fills the feature cache) → plan each cell (steps, σ, min-step pruning) → one Ray Tune run per
+cell, each with its own Optuna sampler → each trial writes its own Parquet rows when it ends →
+the search table (with the privacy cost of tuning) → summary table → report.
+
+Ray appears only here: a trial (``dptune.trial.run_trial``) is a plain function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from dptune import __version__
+from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.privacy import calibrate_noise_multiplier, tuning_privacy_cost
+from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space
+from dptune.trial import EpochMetrics, TrialConfig, TrialResult, run_trial
+
+#: The metric every sampler and scheduler optimises: accuracy on the validation split.
+METRIC = "val_accuracy"
+_VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
+
+
+class SearchError(ValueError):
+    """Bad flags or an unusable results location, reported before any compute."""
+
+
+# --------------------------------------------------------------------------- the plan of a cell
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What a cell will run: the B values that pass the min-step rule and σ for each."""
+
+    cell: Cell
+    clipping: str
+    num_train: int
+    feasible_batch_sizes: tuple[int, ...]
+    pruned_batch_sizes: tuple[int, ...]
+    noise_multipliers: dict[int, float]  # σ per feasible B
+    trials: int  # trials the sampler will schedule
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe id of the cell and its clipping variant, e.g. ``eps1-E5``."""
+        base = f"eps{self.cell.epsilon:g}-E{self.cell.epochs}".replace(".", "p")
+        return base if self.clipping != "auto_s" else f"{base}-auto_s"
+
+
+def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
+    """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and σ per B.
+
+    Raises ``SearchError`` when a cell has no batch size with T ≥ T_min.
+    """
+    candidates = space.batch_size.candidates(num_train)
+    if not candidates:
+        raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
+    variants = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
+    plans = []
+    for cell in space.cells():
+        feasible = tuple(b for b in candidates if total_steps(num_train, b, cell.epochs) >= space.min_steps)
+        pruned = tuple(b for b in candidates if b not in feasible)
+        if not feasible:
+            raise SearchError(
+                f"cell {cell.cell_id}: no batch size gives T ≥ min_steps = {space.min_steps} "
+                f"with N = {num_train} (largest T is {total_steps(num_train, min(candidates), cell.epochs)}); "
+                "lower min_steps, add smaller batch sizes or more epochs"
+            )
+        sigmas = {}
+        for batch_size in feasible:
+            if progress:
+                print(f"  calibrating σ for {cell.cell_id}, B={batch_size} ...", end="\r", file=sys.stderr)
+            sigmas[batch_size] = calibrate_noise_multiplier(
+                cell.epsilon, space.privacy.delta, sample_rate(num_train, batch_size),
+                total_steps(num_train, batch_size, cell.epochs))
+        for clipping in variants:
+            trials = _grid_size(space, feasible, clipping) if space.sampler.name == "grid" else space.sampler.trials_per_cell
+            plans.append(CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, int(trials)))
+    return plans
+
+
+def _grid_size(space: SearchSpace, feasible: tuple[int, ...], clipping: str) -> int:
+    clip_values = 1 if clipping == "auto_s" else len(space.clip_bound.grid() or [])
+    return clip_values * len(feasible) * len(space.base_learning_rate.grid() or [])
+
+
+def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
+    """A readable description of what the search will run (``--dry-run`` prints it)."""
+    space = loaded.space
+    lines = [
+        f"search '{space.name}' from {loaded.path} (spec {loaded.spec_hash})",
+        f"task: {space.task.dataset} / {space.task.backbone} / {space.task.peft}, "
+        f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
+        f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
+        + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
+    ]
+    for plan in plans:
+        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.trials} trials")
+        lines.append("      B      T   σ        σ√T")
+        for b in plan.feasible_batch_sizes:
+            steps = total_steps(plan.num_train, b, plan.cell.epochs)
+            sigma = plan.noise_multipliers[b]
+            lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
+        if plan.pruned_batch_sizes:
+            lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
+    lines.append(f"total: {sum(p.trials for p in plans)} trials in {len(plans)} cell runs")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- one trial under Tune
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What every trial of one cell shares (passed to the trainable with ``tune.with_parameters``)."""
+
+    base: TrialConfig  # dataset, budgets, rule...; C, B, η filled per trial
+    results_root: str
+    search_id: str
+    cell_id: str
+    cell_key: str
+    coupling: str
+    reference_batch_size: int
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a result depends on (recorded with every trial)."""
+    versions = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def trial_config(context: TrialContext, params: dict[str, Any]) -> TrialConfig:
+    """The trial's full config from the sampled (C, B, η₀), with √B coupling applied."""
+    batch_size = int(params["batch_size"])
+    base_lr = float(params["base_learning_rate"])
+    lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size) if context.coupling == "sqrt" else base_lr
+    clip_bound = float(params.get("clip_bound", context.base.clip_bound))
+    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr, learning_rate=lr)
+
+
+def write_result(context: TrialContext, trial_id: str, result: TrialResult) -> None:
+    """Append one finished trial to the results dataset (atomic, idempotent per trial id)."""
+    rows = trial_rows(result, search_id=context.search_id, trial_id=trial_id, cell_id=context.cell_id,
+                      reference_batch_size=context.reference_batch_size, versions=package_versions(),
+                      finished_at=pd.Timestamp.now(tz="UTC"))
+    ResultsStore(context.results_root).write_trial(rows, trial_id)
+
+
+def _selection_value(result: TrialResult) -> float:
+    """What the sampler is told: validation accuracy, 0 for a trial that diverged or failed."""
+    value = result.val_accuracy
+    return value if result.status == "ok" and math.isfinite(value) else 0.0
+
+
+def tune_trainable(params: dict[str, Any], context: TrialContext) -> None:
+    """Ray Tune function trainable: run one DP trial, report each epoch, record the result."""
+    from ray import tune
+
+    config = trial_config(context, params)
+    trial_id = f"{context.cell_key}-{tune.get_context().get_trial_id()}"
+
+    def report(metrics: EpochMetrics) -> None:
+        tune.report({**asdict(metrics), "done_recording": False})
+
+    result = run_trial(config, report)
+    write_result(context, trial_id, result)
+    tune.report({METRIC: _selection_value(result), "test_accuracy": result.test_accuracy, "status": result.status,
+                 "epoch": config.epochs, "done_recording": True})
+
+
+# --------------------------------------------------------------------------- driver-side pieces
+
+
+def _pruned_trial_id(cell_key: str, params: dict[str, Any]) -> str:
+    digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cell_key}-pruned-{digest}"
+
+
+def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) -> Any:
+    """Optuna sampler for one cell, wrapped with min-step pruning (imports Ray lazily)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from ray.tune.search import Searcher
+    from ray.tune.search.optuna import OptunaSearch
+
+    distributions: dict[str, Any] = {}
+    grid: dict[str, list] = {}
+    all_batch_sizes = sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes)
+    distributions["batch_size"] = CategoricalDistribution(all_batch_sizes)
+    grid["batch_size"] = all_batch_sizes
+    ranges = {"base_learning_rate": space.base_learning_rate}
+    if plan.clipping != "auto_s":
+        ranges["clip_bound"] = space.clip_bound
+    for name, spec in ranges.items():
+        if spec.values is not None:
+            distributions[name] = CategoricalDistribution(sorted(spec.values))
+            grid[name] = sorted(spec.values)
+        else:
+            distributions[name] = FloatDistribution(spec.low, spec.high, log=spec.log)
+    seed = space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
+    if space.sampler.name == "grid":
+        sampler = optuna.samplers.GridSampler(grid, seed=seed)
+    elif space.sampler.name == "random":
+        sampler = optuna.samplers.RandomSampler(seed=seed)
+    else:
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(8, max(2, plan.trials // 3)))
+
+    class MinStepPruning(Searcher):
+        """Wraps the Optuna searcher: a proposal with T < T_min is never scheduled.
+
+        It is recorded (status ``pruned_min_steps``, no compute) and told to Optuna as a pruned
+        trial, which TPE ranks below every completed one, so it stops proposing it.
+        """
+
+        def __init__(self, inner: OptunaSearch) -> None:
+            super().__init__(metric=METRIC, mode="max")
+            self.inner = inner
+            self.proposals = 0
+
+        def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001
+            return self.inner.set_search_properties(metric, mode, config, **spec)
+
+        def suggest(self, trial_id: str) -> dict | None:
+            for attempt in range(1000):
+                params = self.inner.suggest(f"{trial_id}~{attempt}")
+                if params is None or params == Searcher.FINISHED:
+                    return params
+                self.proposals += 1
+                if int(params["batch_size"]) in plan.feasible_batch_sizes:
+                    self.inner._ot_trials[trial_id] = self.inner._ot_trials.pop(f"{trial_id}~{attempt}")
+                    return params
+                self.inner.on_trial_complete(f"{trial_id}~{attempt}", result=None)
+                record_pruned(context, plan, params, space.min_steps)
+            raise SearchError(f"cell {plan.cell.cell_id}: the sampler proposed only pruned batch sizes 1000 times")
+
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            self.inner.on_trial_result(trial_id, result)
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            self.inner.on_trial_complete(trial_id, result=result, error=error)
+
+        def save(self, checkpoint_path: str) -> None:
+            self.inner.save(checkpoint_path)
+
+        def restore(self, checkpoint_path: str) -> None:
+            self.inner.restore(checkpoint_path)
+
+    return MinStepPruning(OptunaSearch(space=distributions, metric=METRIC, mode="max", sampler=sampler))
+
+
+def record_pruned(context: TrialContext, plan: CellPlan, params: dict[str, Any], min_steps: int) -> None:
+    """Record a configuration removed by the min-step rule: a row, no compute."""
+    config = trial_config(context, params)
+    steps = total_steps(plan.num_train, config.batch_size, config.epochs)
+    result = TrialResult(config=config, status="pruned_min_steps",
+                         reason=f"T = {steps} steps < min_steps = {min_steps}",
+                         sample_rate=sample_rate(plan.num_train, config.batch_size), steps=steps,
+                         num_train=plan.num_train, epsilon_spent=0.0)
+    write_result(context, _pruned_trial_id(context.cell_key, params), result)
+
+
+def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
+    """Driver-side callback: progress lines, and rows for trials that ended without recording."""
+    from ray.tune import Callback
+
+    class RecordAndReport(Callback):
+        def __init__(self) -> None:
+            self.finished = 0
+
+        def _progress(self, trial: Any, what: str) -> None:
+            self.finished += 1
+            cfg = trial.config
+            clip = f"C={cfg['clip_bound']:.3g} " if "clip_bound" in cfg else ""
+            print(f"[{plan.cell.cell_id} {plan.clipping}] {self.finished}/{plan.trials} {what}: "
+                  f"{clip}B={cfg['batch_size']} η₀={cfg['base_learning_rate']:.3g}", flush=True)
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            last = trial.last_result or {}
+            if not last.get("done_recording"):
+                self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
+                self._progress(trial, f"stopped early at epoch {last.get('epoch')}")
+            else:
+                self._progress(trial, f"{last.get('status')}, val acc {last.get(METRIC, float('nan')):.4f}")
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            reason = str(trial.error_file and Path(trial.error_file).read_text().strip().splitlines()[-1])
+            self._record_unfinished(trial, "error", reason)
+            self._progress(trial, f"error: {reason}")
+
+        def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
+            config = trial_config(context, trial.config)
+            last = trial.last_result or {}
+            epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
+                **{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
+            result = TrialResult(config=config, status=status, reason=reason,
+                                 noise_multiplier=plan.noise_multipliers.get(config.batch_size, float("nan")),
+                                 sample_rate=sample_rate(plan.num_train, config.batch_size),
+                                 steps=total_steps(plan.num_train, config.batch_size, config.epochs),
+                                 num_train=plan.num_train, epochs=epochs,
+                                 val_accuracy=last.get(METRIC, float("nan")))
+            write_result(context, f"{context.cell_key}-{trial.trial_id}", result)
+
+    return RecordAndReport()
+
+
+# --------------------------------------------------------------------------- the whole search
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> str:
+    """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
+
+    A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
+    the embedded case asks for ``address="local"`` explicitly.
+    """
+    import ray
+
+    target = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return "already initialised"
+    if target:
+        ray.init(address=target, log_to_driver=False)
+        return f"joined Ray cluster at {target}"
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    return f"started embedded local Ray ({num_cpus or os.cpu_count()} CPUs)"
+
+
+def _tune_storage(results_root: str) -> str:
+    return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
+
+
+def run_cell(space: SearchSpace, plan: CellPlan, context: TrialContext, resume: bool) -> None:
+    """One Ray Tune run for one cell (resumed from its experiment state when asked)."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    trainable = tune.with_resources(
+        tune.with_parameters(tune_trainable, context=context),
+        {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
+    )
+    storage = _tune_storage(context.results_root)
+    experiment = f"{storage}/{plan.key}"
+    if resume and tune.Tuner.can_restore(experiment):
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+    else:
+        scheduler = None
+        if space.scheduler is not None:
+            scheduler = ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                      grace_period=min(space.scheduler.grace_period, plan.cell.epochs),
+                                      reduction_factor=space.scheduler.reduction_factor)
+        tuner = tune.Tuner(
+            trainable,
+            tune_config=tune.TuneConfig(
+                search_alg=_make_searcher(space, plan, context), scheduler=scheduler, metric=METRIC, mode="max",
+                num_samples=plan.trials, max_concurrent_trials=space.resources.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(
+                name=plan.key, storage_path=storage, callbacks=[_make_callback(context, plan)], verbose=0,
+                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            ),
+        )
+    tuner.fit()
+
+
+def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: int | None,
+                      max_eval_examples: int | None) -> TrialConfig:
+    """The part of a trial's config every trial of a cell shares."""
+    task, training = space.task, space.training
+    return TrialConfig(
+        dataset=task.dataset, backbone=task.backbone, peft=task.peft,
+        epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
+        clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
+        optimizer=training.optimizer, clipping=plan.clipping, seed=space.seed,
+        fraction=task.fraction, examples_per_class=task.examples_per_class, classes=task.classes,
+        max_tokens=task.max_tokens, validation_fraction=task.validation_fraction,
+        max_physical_batch_size=space.resources.max_physical_batch_size,
+        threads=max(1, int(space.resources.cpus)), diagnostics=training.diagnostics,
+        diagnostic_examples=training.diagnostic_examples,
+        max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
+    )
+
+
+def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> list[dict[str, Any]]:
+    """One ``search`` row per cell run, with the privacy cost of the tuning itself."""
+    space = loaded.space
+    rows = []
+    for plan in plans:
+        # The selection bound depends on (σ, q, T): take the feasible B with the largest cost.
+        costs = [tuning_privacy_cost(epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta,
+                                     trials=plan.trials, noise_multiplier=plan.noise_multipliers[b],
+                                     sample_rate=sample_rate(plan.num_train, b),
+                                     steps=total_steps(plan.num_train, b, plan.cell.epochs))
+                 for b in plan.feasible_batch_sizes]
+        worst = max(costs, key=lambda c: c.epsilon_selection)
+        rows.append({
+            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id,
+            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": space.privacy.delta,
+            "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
+            "num_train": plan.num_train, "trials_planned": plan.trials,
+            "configurations_pruned": len(plan.pruned_batch_sizes),
+            "epsilon_per_trial": plan.cell.epsilon,
+            "epsilon_composition": worst.epsilon_composition, "delta_composition": worst.delta_composition,
+            "epsilon_selection": worst.epsilon_selection, "delta_selection": worst.delta_selection,
+            "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": 1,
+            "dptune_version": __version__, "created_at": pd.Timestamp.now(tz="UTC"),
+        })
+    return rows
+
+
+def summary_table(results_root: str) -> pd.DataFrame:
+    """Best trial per cell (and clipping variant), selected on validation accuracy."""
+    trials = read_table(results_root, "trials")
+    done = trials[trials["status"].isin(["ok", "stopped_early"])]
+    if done.empty:
+        return done
+    best = done.sort_values(METRIC, ascending=False).groupby(["cell_id", "clipping"], sort=False).head(1)
+    counts = trials.groupby(["cell_id", "clipping"])["status"].value_counts().unstack(fill_value=0)
+    best = best.set_index(["cell_id", "clipping"]).join(counts).reset_index()
+    return best.sort_values(["epsilon", "epochs", "clipping"])
+
+
+def format_summary(best: pd.DataFrame) -> str:
+    if best.empty:
+        return "no finished trials yet"
+    columns = {"cell_id": "cell", "clipping": "clipping", "clip_bound": "C", "batch_size": "B",
+               "base_learning_rate": "η₀", "learning_rate": "η", "val_accuracy": "val acc", "test_accuracy": "test acc"}
+    table = best[list(columns)].rename(columns=columns)
+    extra = [c for c in ("ok", "pruned_min_steps", "diverged", "error", "stopped_early") if c in best]
+    table = pd.concat([table, best[extra]], axis=1)
+    return table.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Command-line options after validation."""
+
+    space_path: Path
+    storage: str
+    name: str | None
+    address: str | None
+    resume: bool
+    dry_run: bool
+    report: bool
+    overrides: dict[str, Any]
+    max_train_examples: int | None
+    max_eval_examples: int | None
+
+
+def _results_root(storage: str, name: str) -> str:
+    return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage, name).resolve())
+
+
+def check_storage(storage: str) -> None:
+    """A local ``--storage`` must be a folder we can create and write; a URI is left to pyarrow."""
+    if "://" in storage:
+        return
+    path = Path(storage).expanduser()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise SearchError(f"--storage {storage}: {existing} exists and is not a folder")
+    if not os.access(existing, os.W_OK):
+        raise SearchError(f"--storage {storage}: {existing} is not writable")
+
+
+def run_search(options: SearchOptions) -> str:
+    """Validate, plan and run a whole search; return the results dataset's location."""
+    from dptune.data import WorkloadSpec, load_workload
+
+    loaded = load_space(options.space_path, options.overrides)
+    space = loaded.space
+    name = options.name or space.name
+    results_root = _results_root(options.storage, name)
+    check_storage(options.storage)
+    store = ResultsStore(results_root)
+    if not options.dry_run and not options.resume and store.completed_trial_ids():
+        raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
+                          "or choose another --name/--storage")
+
+    print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
+    workload = load_workload(WorkloadSpec(
+        dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
+        fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
+        max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
+        max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    plans = plan_cells(space, len(workload.train))
+    print(format_plan(loaded, plans), flush=True)
+    if options.dry_run:
+        return results_root
+
+    search_id = f"{name}-{loaded.spec_hash}"
+    print(init_ray(options.address), flush=True)
+    started = time.monotonic()
+    for plan in plans:
+        context = TrialContext(
+            base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
+            results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+            coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size)
+        print(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.trials} trials", flush=True)
+        run_cell(space, plan, context, options.resume)
+    store.write_part("search", search_id, search_rows(loaded, plans, search_id))
+    print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
+    print("best configuration per cell (selected on validation accuracy):")
+    print(format_summary(summary_table(results_root)))
+    _print_tuning_cost(results_root)
+    if options.report:
+        _build_report(results_root, name)
+    return results_root
+
+
+def _print_tuning_cost(results_root: str) -> None:
+    search = read_table(results_root, "search")
+    if search.empty:
+        return
+    print("\nprivacy cost of the tuning itself (every trial touches the same data):")
+    table = search[["cell_id", "trials_planned", "epsilon_per_trial", "epsilon_composition", "epsilon_selection"]]
+    print(table.rename(columns={"epsilon_per_trial": "ε per trial", "epsilon_composition": "ε composed",
+                                "epsilon_selection": "ε private selection"}).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+
+
+def _build_report(results_root: str, name: str) -> None:
+    from dptune.report import build_report
+
+    out = Path("reports") / name
+    build_report([results_root], out)
+    print(f"report: {out / 'index.html'}")
+
+
+def parse_args(argv: list[str] | None = None) -> SearchOptions:
+    parser = argparse.ArgumentParser(
+        prog="python -m dptune.search",
+        description="Joint DP hyperparameter search over clip bound C, batch size B and learning rate η₀ "
+                    "per (ε, epochs) cell, on Ray Tune.",
+    )
+    parser.add_argument("--version", action="version", version=f"dptune {__version__}")
+    parser.add_argument("--space", default="search_spaces/default.yaml", help="search-space YAML (default: %(default)s)")
+    parser.add_argument("--storage", default="results", help="results folder or URI (default: %(default)s)")
+    parser.add_argument("--name", help="search name, a folder under --storage (default: the space's name)")
+    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (cells, trials, pruning, σ per B) and stop")
+    parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)")
+    parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
+    parser.add_argument("--max-train-examples", type=int, help="cap the training set (quick runs and tests)")
+    parser.add_argument("--max-eval-examples", type=int, help="cap the validation and test sets (quick runs and tests)")
+    args = parser.parse_args(argv)
+
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set {item!r}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
+        overrides[key] = yaml.safe_load(value)
+    if args.trials_per_cell is not None:
+        if args.trials_per_cell < 1:
+            parser.error(f"--trials-per-cell must be ≥ 1 (got {args.trials_per_cell})")
+        overrides["sampler.trials_per_cell"] = args.trials_per_cell
+    for flag in ("max_train_examples", "max_eval_examples"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be ≥ 1 (got {value})")
+    if args.name is not None and not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        parser.error(f"--name {args.name!r}: use letters, digits, '-', '_' and '.' only")
+    return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
+                         resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
+                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    try:
+        run_search(options)
+    except (SpaceError, SearchError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

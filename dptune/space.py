@@ -1,0 +1,282 @@
+"""Search-space files: load and validate a YAML spec into typed objects and its (ε, E) cells.
+
+A spec names the task, the privacy budgets, the epoch budgets, the ranges of (C, B, η₀), the
+learning-rate coupling, the min-step rule, the sampler, the scheduler, resources and the seed.
+Validation happens on load, before Ray starts: a wrong key, type or range is reported with the
+file, the key and what is allowed (``SpaceError``). See ``search_spaces/default.yaml`` for a
+commented example of every key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dptune.dp.clipping import ClippingRule
+
+
+class SpaceError(ValueError):
+    """A search-space file that cannot be used; the message names the file, the key and the rule."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class TaskSpec(_Strict):
+    """What is fine-tuned on what: names resolve in the ``dptune.data`` and ``dptune.models`` registries."""
+
+    dataset: str
+    backbone: str
+    peft: Literal["head", "film", "lora", "full"]
+    fraction: float = Field(1.0, gt=0, le=1, description="share of the training set kept (difficulty knob)")
+    examples_per_class: int | None = Field(None, ge=1)
+    classes: tuple[int, ...] | None = Field(None, min_length=2)
+    max_tokens: int | None = Field(None, ge=8, le=512)
+    validation_fraction: float = Field(0.1, gt=0, lt=1)
+
+
+class PrivacySpec(_Strict):
+    """Privacy budgets: one search cell per ε (and per epoch budget); δ as in (ε, δ)-DP."""
+
+    epsilons: list[PositiveFloat] = Field(min_length=1)
+    delta: float = Field(1e-5, gt=0, lt=1)
+
+    @field_validator("epsilons")
+    @classmethod
+    def _distinct(cls, values: list[float]) -> list[float]:
+        if len(set(values)) != len(values):
+            raise ValueError("epsilons must be distinct")
+        return values
+
+
+class RangeSpec(_Strict):
+    """A continuous range sampled on a log (default) or linear scale, or explicit ``values``."""
+
+    low: PositiveFloat | None = None
+    high: PositiveFloat | None = None
+    log: bool = True
+    values: list[PositiveFloat] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> Self:
+        if self.values is not None:
+            if self.low is not None or self.high is not None:
+                raise ValueError("give either values or low/high, not both")
+        elif self.low is None or self.high is None:
+            raise ValueError("give low and high (a range) or values (a list)")
+        elif self.low > self.high:
+            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
+        return self
+
+    def grid(self) -> list[float] | None:
+        return list(self.values) if self.values is not None else None
+
+
+class PowersOfTwo(_Strict):
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+    full_batch: bool = Field(False, description="also try B = N (one step per epoch)")
+
+    @model_validator(mode="after")
+    def _powers(self) -> Self:
+        for name in ("min", "max"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two")
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class BatchSizeSpec(_Strict):
+    """Expected batch sizes B (Poisson sampling): an explicit list or powers of two in a range."""
+
+    values: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1)
+    powers_of_two: PowersOfTwo | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if (self.values is None) == (self.powers_of_two is None):
+            raise ValueError("give exactly one of values or powers_of_two")
+        return self
+
+    def candidates(self, num_examples: int) -> list[int]:
+        """The B values for a training set of ``num_examples``; those above N are dropped."""
+        if self.values is not None:
+            values = set(self.values)
+        else:
+            spec = self.powers_of_two
+            assert spec is not None
+            values = {2**k for k in range(int(math.log2(spec.min)), int(math.log2(spec.max)) + 1)}
+            if spec.full_batch:
+                values.add(num_examples)
+        return sorted(b for b in values if b <= num_examples)
+
+
+class CouplingSpec(_Strict):
+    """Learning-rate coupling: ``sqrt`` trains with η = η₀·√(B/B_ref); ``none`` with η = η₀."""
+
+    rule: Literal["sqrt", "none"] = "sqrt"
+    reference_batch_size: int = Field(256, ge=1)
+
+
+class SamplerSpec(_Strict):
+    """Optuna sampler per cell: ``tpe``, ``random`` or ``grid`` (the paper's exhaustive grids)."""
+
+    name: Literal["tpe", "random", "grid"] = "tpe"
+    trials_per_cell: int | None = Field(None, ge=1, description="required for tpe/random; grid runs every point")
+
+
+class SchedulerSpec(_Strict):
+    """Optional early stopping over epochs (ASHA, Ray Tune's AsyncHyperBandScheduler)."""
+
+    name: Literal["asha"] = "asha"
+    grace_period: int = Field(1, ge=1, description="epochs before a trial may be stopped")
+    reduction_factor: float = Field(3.0, gt=1)
+
+
+class ResourcesSpec(_Strict):
+    """Resources per trial. A fractional ``gpu`` (e.g. 0.25) lets small trials share a GPU."""
+
+    cpus: float = Field(1.0, gt=0)
+    gpu: float = Field(0.0, ge=0)
+    max_concurrent_trials: int | None = Field(None, ge=1)
+    max_physical_batch_size: int = Field(256, ge=1)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu_fraction(cls, value: float) -> float:
+        if value > 1 and value != int(value):
+            raise ValueError("gpu above 1 must be a whole number of GPUs")
+        return value
+
+
+class TrainingSpec(_Strict):
+    """The DP optimizer: DP-Adam or DP-SGD, and the clipping rule (see ``dptune.dp.clipping``)."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    clipping: ClippingRule = "normalized"
+    compare_auto_s: bool = Field(False, description="also run AUTO-S trials per cell (paper Fig. 5)")
+    diagnostics: bool = True
+    diagnostic_examples: int = Field(256, ge=8, le=512)
+
+
+class SearchSpace(_Strict):
+    """A whole search-space file."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    task: TaskSpec
+    privacy: PrivacySpec
+    epochs: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    clip_bound: RangeSpec
+    batch_size: BatchSizeSpec
+    base_learning_rate: RangeSpec
+    coupling: CouplingSpec = CouplingSpec()
+    min_steps: int = Field(20, ge=1, description="T_min: configurations with E·N/B steps below it never run")
+    training: TrainingSpec = TrainingSpec()
+    sampler: SamplerSpec = SamplerSpec()
+    scheduler: SchedulerSpec | None = None
+    resources: ResourcesSpec = ResourcesSpec()
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _sampler_fits(self) -> Self:
+        if self.sampler.name == "grid":
+            for key in ("clip_bound", "base_learning_rate"):
+                if getattr(self, key).values is None:
+                    raise ValueError(f"sampler 'grid' needs {key}.values (a list), not a range")
+            if self.batch_size.values is None and self.batch_size.powers_of_two is None:
+                raise ValueError("sampler 'grid' needs batch_size values")
+        elif self.sampler.trials_per_cell is None:
+            raise ValueError(f"sampler '{self.sampler.name}' needs sampler.trials_per_cell")
+        if len(set(self.epochs)) != len(self.epochs):
+            raise ValueError("epochs must be distinct")
+        return self
+
+    def cells(self) -> list[Cell]:
+        """The (ε, E) cells, each its own search, ordered by ε then E."""
+        return [Cell(epsilon=e, epochs=n) for e in sorted(self.privacy.epsilons) for n in sorted(self.epochs)]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (ε, E) cell of a search: its own sampler, budget and best configuration."""
+
+    epsilon: float
+    epochs: int
+
+    @property
+    def cell_id(self) -> str:
+        return f"eps={self.epsilon:g}|epochs={self.epochs}"
+
+
+@dataclass(frozen=True)
+class LoadedSpace:
+    """A validated space with the text it came from (hashed into the results)."""
+
+    space: SearchSpace
+    path: Path
+    text: str
+
+    @property
+    def spec_hash(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+def _format_errors(path: Path, error: ValidationError) -> str:
+    lines = [f"{path}: invalid search space ({error.error_count()} problem(s))"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif item["type"] == "missing":
+            message = "required key is missing"
+        elif item["type"] == "literal_error":
+            message = f"not allowed; {item['msg'].replace('Input should be', 'expected')}"
+        got = item.get("input")
+        shown = "" if item["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  - {key}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None = None) -> LoadedSpace:
+    """Validate YAML ``text``; ``overrides`` (nested dict) are merged in first (CLI flags)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SpaceError(f"{path}: a search space must be a YAML mapping of keys, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        space = SearchSpace.model_validate(data)
+    except ValidationError as exc:
+        raise SpaceError(_format_errors(path, exc)) from None
+    return LoadedSpace(space=space, path=path, text=text if not overrides else yaml.safe_dump(data, sort_keys=False))
+
+
+def load_space(path: str | Path, overrides: dict | None = None) -> LoadedSpace:
+    """Read and validate a search-space file (``SpaceError`` if missing or invalid)."""
+    path = Path(path)
+    if not path.is_file():
+        shipped = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "search_spaces").glob("*.yaml"))
+        raise SpaceError(f"{path}: no such search-space file; shipped spaces: {', '.join(shipped) or 'none found'}")
+    return parse_space(path.read_text(), path, overrides)

@@ -1,0 +1,105 @@
+"""The Parquet results dataset: atomic parts, idempotent trials, readable by pandas/polars/duckdb."""
+
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from dptune import records
+from dptune.records import SCHEMAS, TABLES, RecordsError, ResultsStore, read_table, trial_rows
+from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
+
+NOW = pd.Timestamp("2026-11-30T12:00:00Z")
+
+
+def make_result(val_accuracy: float = 0.5, epochs: int = 2) -> TrialResult:
+    config = TrialConfig(dataset="20newsgroups", backbone="minilm", peft="head", epsilon=1.0, delta=1e-5,
+                         epochs=epochs, clip_bound=0.5, batch_size=64, learning_rate=2e-3, base_learning_rate=1e-3)
+    diag = Diagnostics(epoch=epochs, clip_bound=0.5, noise_multiplier=1.1, dimension=7700,
+                       grad_norms=[0.2, 0.9, 1.4], labels=[0, 1, 1], mse_bias=0.1, mse_variance=0.2,
+                       optimal_clip_bound=0.8,
+                       classes=[ClassDiagnostics(0, 1, {"q05": 0.2, "q25": 0.2, "q50": 0.2, "q75": 0.2, "q95": 0.2}, 0.0, 1.0),
+                                ClassDiagnostics(1, 2, {"q05": 0.9, "q25": 1.0, "q50": 1.15, "q75": 1.3, "q95": 1.4}, 1.0, 0.45)])
+    return TrialResult(
+        config=config, status="ok", noise_multiplier=1.1, sample_rate=0.01, steps=200, epsilon_spent=0.99,
+        num_train=6400, num_val=700, num_test=800, num_classes=2, val_accuracy=val_accuracy, test_accuracy=0.45,
+        epochs=[EpochMetrics(e, 100 * e, 1.0 / e, 1.1 / e, val_accuracy, 1.0, 500.0) for e in range(1, epochs + 1)],
+        class_accuracy={0: 0.6, 1: 0.3}, class_names={0: "alt.atheism", 1: "comp.graphics"}, diagnostics=[diag])
+
+
+def write(store: ResultsStore, trial_id: str, result: TrialResult) -> None:
+    rows = trial_rows(result, search_id="s1", trial_id=trial_id, cell_id="eps=1|epochs=2",
+                      reference_batch_size=256, versions={"torch": "2.14.1"}, finished_at=NOW)
+    store.write_trial(rows, trial_id)
+
+
+def test_round_trip_values(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    write(store, "t1", make_result())
+    trials = read_table(str(tmp_path), "trials")
+    assert list(trials.columns) == SCHEMAS["trials"].names
+    row = trials.iloc[0]
+    assert (row.trial_id, row.clip_bound, row.batch_size, row.learning_rate, row.reference_batch_size) == ("t1", 0.5, 64, 2e-3, 256)
+    assert row.epsilon_spent <= row.epsilon
+    epochs = read_table(str(tmp_path), "epochs")
+    assert epochs["epoch"].tolist() == [1, 2] and epochs["steps"].tolist() == [100, 200]
+    classes = read_table(str(tmp_path), "classes").set_index("label")
+    assert classes.loc[1, "retention_weight"] == 0.45 and classes.loc[1, "class_name"] == "comp.graphics"
+    assert classes.loc[0, "test_accuracy"] == 0.6 and classes.loc[1, "grad_norm_q50"] == 1.15
+    diagnostics = read_table(str(tmp_path), "diagnostics")
+    assert list(diagnostics.loc[0, "grad_norms"]) == [0.2, 0.9, 1.4]
+
+
+def test_rewriting_a_trial_replaces_it(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    write(store, "t1", make_result(0.5))
+    write(store, "t1", make_result(0.7, epochs=3))
+    trials = read_table(str(tmp_path), "trials")
+    assert trials["trial_id"].tolist() == ["t1"] and trials["val_accuracy"].tolist() == [0.7]
+    assert read_table(str(tmp_path), "epochs")["epoch"].tolist() == [1, 2, 3]
+
+
+def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ResultsStore(str(tmp_path))
+    write(store, "t1", make_result())
+    real_write = pq.write_table
+
+    def crash_on_trials(table, where, **kwargs):  # noqa: ANN001, ANN003
+        if "/trials/" in str(where):
+            Path(where).write_bytes(b"PAR1 half a file")  # what a killed writer leaves behind
+            raise KeyboardInterrupt("killed while writing")
+        return real_write(table, where, **kwargs)
+
+    monkeypatch.setattr(records.pq, "write_table", crash_on_trials)
+    with pytest.raises(KeyboardInterrupt):
+        write(store, "t2", make_result())
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "trials").glob("part-*")) == ["part-t1.parquet"]
+    # t2's epochs part exists but its trial never completed: readers do not show it
+    assert (tmp_path / "epochs" / "part-t2.parquet").exists()
+    assert set(read_table(str(tmp_path), "epochs")["trial_id"]) == {"t1"}
+    assert store.completed_trial_ids() == {"t1"}
+
+
+def test_empty_dataset_reads_with_schema(tmp_path: Path) -> None:
+    for table in TABLES:
+        frame = read_table(str(tmp_path / "nothing"), table)
+        assert frame.empty and list(frame.columns) == SCHEMAS[table].names
+
+
+def test_unknown_table_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RecordsError, match="unknown table 'trial'; tables are trials, epochs"):
+        read_table(str(tmp_path), "trial")
+
+
+def test_polars_and_duckdb_read_the_dataset(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    write(store, "t1", make_result(0.5))
+    write(store, "t2", make_result(0.6))
+    frame = pl.read_parquet(tmp_path / "trials" / "*.parquet")
+    assert sorted(frame["val_accuracy"].to_list()) == [0.5, 0.6]
+    best = duckdb.sql(f"select max(val_accuracy) from read_parquet('{tmp_path}/trials/*.parquet')").fetchall()
+    assert best == [(0.6,)]

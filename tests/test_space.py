@@ -1,0 +1,82 @@
+"""Search-space files: shipped spaces load; bad specs fail with the file, the key and the rule."""
+
+from pathlib import Path
+
+import pytest
+
+from dptune.space import SpaceError, load_space, parse_space
+
+ROOT = Path(__file__).resolve().parent.parent
+SPACES = sorted((ROOT / "search_spaces").glob("*.yaml"))
+DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
+
+
+@pytest.mark.parametrize("path", SPACES, ids=lambda p: p.name)
+def test_shipped_spaces_load(path: Path) -> None:
+    loaded = load_space(path)
+    assert loaded.space.cells(), "a space has at least one (ε, E) cell"
+    assert len(loaded.spec_hash) == 16
+
+
+def test_default_cells_are_the_product_of_budgets() -> None:
+    space = load_space(ROOT / "search_spaces" / "default.yaml").space
+    cells = [(c.epsilon, c.epochs) for c in space.cells()]
+    assert cells == [(e, n) for e in sorted(space.privacy.epsilons) for n in sorted(space.epochs)]
+    assert space.cells()[0].cell_id == f"eps={min(space.privacy.epsilons):g}|epochs={min(space.epochs)}"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (("low: 0.01", "lo: 0.01"), "clip_bound.lo: unknown key"),
+        (("peft: head", "peft: prefix"), "task.peft: not allowed; expected 'head', 'film', 'lora' or 'full'"),
+        (("epsilons: [1, 8]", "epsilons: [0, 8]"), "privacy.epsilons.0"),
+        (("delta: 1.0e-5", "delta: 1.5"), "privacy.delta"),
+        (("name: tpe", "name: cmaes"), "sampler.name: not allowed"),
+        (("trials_per_cell: 8", "trials_per_cell: zero"), "sampler.trials_per_cell"),
+        (("high: 10.0", "high: 0.001"), "must not exceed high"),
+        (("epochs: [5, 20]", "epochs: []"), "epochs"),
+        (("clipping: normalized", "clipping: per_layer"), "training.clipping"),
+    ],
+)
+def test_bad_spec_names_file_key_and_rule(edit: tuple[str, str], expected: str) -> None:
+    old, new = edit
+    assert old in DEFAULT, f"default.yaml changed: {old!r} not found"
+    with pytest.raises(SpaceError) as info:
+        parse_space(DEFAULT.replace(old, new), "bad.yaml")
+    message = str(info.value)
+    assert message.startswith("bad.yaml: invalid search space")
+    assert expected in message
+
+
+def test_grid_sampler_needs_value_lists() -> None:
+    text = DEFAULT.replace("name: tpe", "name: grid")
+    with pytest.raises(SpaceError, match="sampler 'grid' needs clip_bound.values"):
+        parse_space(text, "grid.yaml")
+
+
+def test_missing_file_lists_shipped_spaces(tmp_path: Path) -> None:
+    with pytest.raises(SpaceError, match="no such search-space file; shipped spaces: .*default.yaml"):
+        load_space(tmp_path / "nope.yaml")
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(SpaceError, match="must be a YAML mapping"):
+        parse_space("- 1\n- 2\n", "list.yaml")
+
+
+def test_overrides_are_validated_and_hashed() -> None:
+    loaded = parse_space(DEFAULT, "d.yaml", {"privacy.epsilons": [2], "sampler.trials_per_cell": 3})
+    assert loaded.space.privacy.epsilons == [2]
+    assert loaded.space.sampler.trials_per_cell == 3
+    assert loaded.spec_hash != parse_space(DEFAULT, "d.yaml").spec_hash
+    with pytest.raises(SpaceError, match="privacy.epsilons.0"):
+        parse_space(DEFAULT, "d.yaml", {"privacy.epsilons": [-1]})
+
+
+def test_batch_size_candidates_drop_values_above_n() -> None:
+    space = parse_space(DEFAULT, "d.yaml").space
+    assert space.batch_size.candidates(100) == [32, 64]
+    pow2 = parse_space(DEFAULT.replace("values: [32, 64, 128, 256, 512, 1024, 2048]",
+                                       "powers_of_two: {min: 16, max: 64, full_batch: true}"), "p.yaml").space
+    assert pow2.batch_size.candidates(100) == [16, 32, 64, 100]

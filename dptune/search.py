@@ -27,6 +27,7 @@ from typing import Any
 
 import pandas as pd
 import yaml
+from tqdm import tqdm
 
 from dptune import __version__
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
@@ -86,9 +87,8 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
                 "lower min_steps, add smaller batch sizes or more epochs"
             )
         sigmas = {}
-        for batch_size in feasible:
-            if progress:
-                print(f"  calibrating σ for {cell.cell_id}, B={batch_size} ...", end="\r", file=sys.stderr)
+        for batch_size in tqdm(feasible, desc=f"calibrating σ for {cell.cell_id}", unit="B", file=sys.stderr,
+                               disable=not progress, leave=False):
             sigmas[batch_size] = calibrate_noise_multiplier(
                 cell.epsilon, space.privacy.delta, sample_rate(num_train, batch_size),
                 total_steps(num_train, batch_size, cell.epochs))
@@ -409,13 +409,13 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> l
     space = loaded.space
     rows = []
     for plan in plans:
-        # The selection bound depends on (σ, q, T): take the feasible B with the largest cost.
-        costs = [tuning_privacy_cost(epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta,
-                                     trials=plan.trials, noise_multiplier=plan.noise_multipliers[b],
-                                     sample_rate=sample_rate(plan.num_train, b),
-                                     steps=total_steps(plan.num_train, b, plan.cell.epochs))
-                 for b in plan.feasible_batch_sizes]
-        worst = max(costs, key=lambda c: c.epsilon_selection)
+        # A trial of this cell runs at one of the feasible B: pass them all as candidates, so
+        # the selection bound uses the pointwise-worst RDP curve over them.
+        cost = tuning_privacy_cost(
+            epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta, trials=plan.trials,
+            sample_rate=[sample_rate(plan.num_train, b) for b in plan.feasible_batch_sizes],
+            steps=[total_steps(plan.num_train, b, plan.cell.epochs) for b in plan.feasible_batch_sizes],
+            noise_multiplier=[plan.noise_multipliers[b] for b in plan.feasible_batch_sizes])
         rows.append({
             "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id,
             "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": space.privacy.delta,
@@ -423,8 +423,8 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> l
             "num_train": plan.num_train, "trials_planned": plan.trials,
             "configurations_pruned": len(plan.pruned_batch_sizes),
             "epsilon_per_trial": plan.cell.epsilon,
-            "epsilon_composition": worst.epsilon_composition, "delta_composition": worst.delta_composition,
-            "epsilon_selection": worst.epsilon_selection, "delta_selection": worst.delta_selection,
+            "epsilon_composition": cost.epsilon_composition, "delta_composition": cost.delta_composition,
+            "epsilon_selection": cost.epsilon_selection, "delta_selection": cost.delta_selection,
             "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": 1,
             "dptune_version": __version__, "created_at": pd.Timestamp.now(tz="UTC"),
         })

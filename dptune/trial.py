@@ -1,8 +1,8 @@
 """One DP fine-tuning trial: ``run_trial(config, report)``, the one place a DP fine-tune happens.
 
 Plain Python, no Ray: Ray Tune calls it through ``dptune.search``; tests call it directly.
-(Contract written first so that search, records and reports can be built in parallel; the
-implementation of ``run_trial`` lands with issue 3.)
+The types here are plain data with no torch import; the training itself lives in
+:mod:`dptune.dp.trainer`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class Diagnostics:
     """The paper's diagnostics on the probe subset at one epoch (0 = before training).
 
     ``optimal_clip_bound`` is C* of Theorem 5.2 for the trial's σ and d; ``mse_bias`` and
-    ``mse_variance`` split the per-step MSE of the clipped-noised mean gradient at the trial's C.
+    ``mse_variance`` split the per-step MSE of the clipped-noised mean gradient at the trial's C
+    for a step of ``expected_batch_size`` examples (normalisation: see ``dptune.dp.diagnostics``).
+    ``wall_time_s`` is what computing this record cost.
     """
 
     epoch: int
@@ -99,6 +101,8 @@ class Diagnostics:
     mse_variance: float
     optimal_clip_bound: float
     classes: list[ClassDiagnostics] = field(default_factory=list)
+    expected_batch_size: float = float("nan")  # B = q·N of the step the MSE refers to
+    wall_time_s: float = 0.0
 
 
 @dataclass
@@ -120,8 +124,9 @@ class TrialResult:
     val_accuracy: float = float("nan")  # after the last epoch (selection metric)
     test_accuracy: float = float("nan")  # after the last epoch (never used for selection)
     train_loss: float = float("nan")
-    wall_time_s: float = 0.0
+    wall_time_s: float = 0.0  # training + evaluation + diagnostics (data loading and σ excluded)
     examples_per_s: float = 0.0
+    diagnostics_wall_time_s: float = 0.0  # part of wall_time_s spent on diagnostics
     device: str = "cpu"
     engine: str = ""
     epochs: list[EpochMetrics] = field(default_factory=list)
@@ -133,6 +138,18 @@ class TrialResult:
 Reporter = Callable[[EpochMetrics], None]
 
 
+class TrialConfigError(ValueError):
+    """A :class:`TrialConfig` cannot run; raised before any training, naming the allowed values."""
+
+
 def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
-    """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch."""
-    raise NotImplementedError("lands with issue 3")
+    """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch.
+
+    Raises ``ValueError`` (:class:`TrialConfigError`, ``WorkloadError``, ``ModelError``,
+    ``PrivacyParameterError``) for bad input, always before training. A run whose loss turns
+    non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.dp.trainer` (imported
+    here on first use so that readers of these types, e.g. ``dptune.records``, stay torch-free).
+    """
+    from dptune.dp.trainer import run
+
+    return run(config, report)

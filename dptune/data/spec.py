@@ -65,7 +65,10 @@ class Workload:
       backbone's pooled output, cached on disk;
     - ``"text"``: ``(input_ids, attention_mask)``, int64, padded to ``max_tokens``;
     - ``"image"``: one uint8 tensor ``(channels, height, width)`` at the dataset's stored
-      resolution; the model's own preprocessing resizes and normalises it.
+      resolution; the model's own preprocessing resizes it to ``image_size`` px (pass it to
+      ``build_model``) and normalises it.
+
+    ``class_names[i]`` names workload label ``i`` (after any ``classes`` relabelling).
     """
 
     spec: WorkloadSpec
@@ -77,3 +80,4 @@ class Workload:
     modality: Modality
     feature_dim: int | None = None
     max_tokens: int | None = None
+    image_size: int | None = None

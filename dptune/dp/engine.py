@@ -90,17 +90,13 @@ class DPEngine(Protocol):
 
 
 class EngineFactory(Protocol):
-    """Builds an engine: ``factory(model, optimizer, spec, generator) -> DPEngine``.
+    """Builds an engine: ``factory(model, spec, generator) -> DPEngine``.
 
-    ``optimizer`` is the trial's torch optimizer over exactly the trainable parameters of
-    ``model``; an engine may wrap it (the Opacus engine wraps it in a ``DPOptimizer`` for the
-    clip/noise/scale half of the step) but never steps it. ``generator`` draws the DP noise and
-    lives on the model's device.
+    ``generator`` draws the DP noise and lives on the model's device. The engine finds the
+    trainable parameters itself (``requires_grad``); the trial owns the optimizer that steps them.
     """
 
-    def __call__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: DPStepSpec, generator: torch.Generator
-    ) -> DPEngine: ...
+    def __call__(self, model: nn.Module, spec: DPStepSpec, generator: torch.Generator) -> DPEngine: ...
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

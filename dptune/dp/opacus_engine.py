@@ -52,13 +52,14 @@ class OpacusEngine:
 
     name = "opacus"
 
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: DPStepSpec, generator: torch.Generator
-    ) -> None:
+    def __init__(self, model: nn.Module, spec: DPStepSpec, generator: torch.Generator) -> None:
         self.model = model
         self.spec = spec
+        # Opacus' DPOptimizer reads the parameters off the optimizer it wraps; this one is never
+        # stepped (the trial's optimizer is), so it is torch's bare Optimizer: parameters, no rule.
+        trainable = [p for p in model.parameters() if p.requires_grad]
         self.dp_optimizer = RuleDPOptimizer(
-            optimizer,
+            torch.optim.Optimizer(trainable, defaults={}),
             noise_multiplier=spec.noise_multiplier,
             clip_bound=spec.clip_bound,
             expected_batch_size=spec.expected_batch_size,

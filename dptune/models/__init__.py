@@ -34,11 +34,14 @@ from dptune.models.build import (
     build_feature_extractor,
     build_model,
     check_dp_compatible,
+    check_model_request,
     load_tokenizer,
     trainable_parameter_count,
 )
 from dptune.models.opacus_support import register_opacus_grad_samplers
-from dptune.models.registry import BACKBONES, PEFTS, BackboneInfo, ModelError, list_backbones
+from dptune.models.backbones import BACKBONES, list_backbones
+from dptune.models.base import BackboneInfo, ModelError
+from dptune.models.peft import PEFTS
 
 register_opacus_grad_samplers()
 
@@ -51,6 +54,7 @@ __all__ = [
     "build_feature_extractor",
     "build_model",
     "check_dp_compatible",
+    "check_model_request",
     "list_backbones",
     "load_tokenizer",
     "register_opacus_grad_samplers",

@@ -1,0 +1,304 @@
+"""Benchmark one DP FiLM training step: plain (non-private) vs the FiLM engine vs Opacus hooks.
+
+A step is what a trial does per Poisson batch: the gradient (plain ``loss.backward()``, or the
+engine's ``noisy_gradient``: clipped, summed, noised, scaled), one Adam step, ``zero_grad`` and
+reading the loss as a float (one device sync). All three methods run the same model, the same
+fixed batch and the same precision; the ratio is plain step time / method step time (1.0 = free
+privacy, the issue's target is ≥ 0.90 for ViT-B bf16 on a GPU and ≥ 0.85 on the CPU cases).
+
+Cases. ``--device cpu``: ViT-Ti/16 FiLM at 64 px (17 tokens, B = 64) and MiniLM FiLM (real
+config, 32 tokens with padding, B = 32), float32. ``--device cuda``: ViT-B/16 and ViT-Ti/16
+FiLM at 224 px, B = 128 and 256, float32 (TF32 on) and bf16 autocast, ViT-B bf16 first. Models
+have random weights (speed does not depend on them) and 100 classes (the anchors' setting,
+/work/shared/anchors.md).
+
+Timing: ``--warmup`` untimed steps per method, then ``--repeats`` rounds that each time every
+method for up to ``--steps`` steps (methods interleaved, so contention from other processes hits
+them alike); per method the median over rounds of the mean step time. On CUDA every timed
+interval starts and ends with ``torch.cuda.synchronize()`` and peak memory is recorded. Each
+(case, method) gets at most ``--case-cap-s`` seconds (fewer steps when a step is slow); cases
+left when ``--total-cap-s`` is spent are recorded as skipped. Results are rewritten after every
+case to ``<out>.json`` and ``<out>.md``, so a run cut short keeps what it measured.
+
+Run (from the repository root)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_film.py --device cpu --threads 1 --out bench/out/film_cpu
+    # on a GPU machine without the venv: Opacus (pure Python) copied into ./.device, on PYTHONPATH
+    PYTHONPATH=.:.device python3 bench/bench_film.py --device cuda --out "$OUT/film_h200"
+
+The CUDA run takes about 2–3 minutes on one H200 (``--total-cap-s`` 200 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dptune.dp.engine import DPStepSpec, summed_cross_entropy
+from dptune.dp.film import FilmEngine
+from dptune.dp.opacus_engine import OpacusEngine, autocast
+from dptune.models import build_model
+
+METHODS = ("plain", "film", "opacus")
+VIT_B = "vit_base_patch16_224.augreg_in21k"
+VIT_TI = "vit_tiny_patch16_224.augreg_in21k"
+NUM_CLASSES = 100
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model × batch size × precision to time."""
+
+    label: str
+    backbone: str
+    batch_size: int
+    precision: str  # "fp32" or "bf16" (autocast)
+    image_size: int | None = None  # px, image backbones
+    tokens: int | None = None  # sequence length, text backbones
+
+
+@dataclass
+class Timing:
+    """One method on one case: seconds per step (median over rounds), examples per second."""
+
+    method: str
+    step_s: float = float("nan")
+    examples_per_s: float = float("nan")
+    ratio_to_plain: float = float("nan")
+    steps_timed: int = 0
+    rounds_s: list[float] = field(default_factory=list)
+    peak_memory_gib: float | None = None
+    error: str = ""
+
+
+def cases_for(device: str) -> list[Case]:
+    if device == "cpu":
+        return [
+            Case("ViT-Ti/16 FiLM 64px", VIT_TI, 64, "fp32", image_size=64),
+            Case("MiniLM FiLM 32 tokens", "minilm", 32, "fp32", tokens=32),
+        ]
+    grid = [(VIT_B, "ViT-B/16"), (VIT_TI, "ViT-Ti/16")]
+    ordered = [(b, n, p, bs) for p in ("bf16", "fp32") for b, n in grid for bs in (128, 256)]
+    return [Case(f"{n} FiLM 224px", b, bs, p, image_size=224) for b, n, p, bs in ordered]
+
+
+def make_batch(case: Case, device: torch.device, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A fixed batch as ``dptune.data`` yields it: images in [0, 255] or (ids, mask) with padding."""
+    n = case.batch_size
+    labels = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
+    if case.tokens is None:
+        images = torch.rand(n, 3, case.image_size, case.image_size, generator=generator) * 255
+        return images.to(device), labels.to(device)
+    lengths = torch.randint(case.tokens // 4, case.tokens + 1, (n,), generator=generator)
+    mask = (torch.arange(case.tokens)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(1000, 20000, (n, case.tokens), generator=generator) * mask
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def step_function(method: str, model: nn.Module, batch: tuple[torch.Tensor, ...], spec: DPStepSpec,
+                  device: torch.device) -> Callable[[], float]:
+    """One training step of ``method``; returns the summed loss as a float."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    *inputs, labels = batch
+    if method == "plain":
+        def plain() -> float:
+            with autocast(device.type, spec.autocast_dtype):
+                logits = model(*inputs)
+            loss = summed_cross_entropy(logits, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
+        return plain
+    generator = torch.Generator(device=device).manual_seed(0)
+    engine = (FilmEngine if method == "film" else OpacusEngine)(model, spec, generator)
+
+    def private() -> float:
+        loss = engine.noisy_gradient([batch])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return private
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], float], steps: int, device: torch.device) -> float:
+    """Mean seconds per step over ``steps`` steps."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> list[Timing]:
+    torch.manual_seed(0)
+    model = build_model(case.backbone, "film", NUM_CLASSES, pretrained=False, image_size=case.image_size)
+    model = model.to(device).train()
+    batch = make_batch(case, device, torch.Generator().manual_seed(0))
+    spec = DPStepSpec(noise_multiplier=1.0, clip_bound=1.0, rule="normalized", expected_batch_size=case.batch_size,
+                      autocast_dtype=torch.bfloat16 if case.precision == "bf16" else None)
+    timings = {m: Timing(m) for m in METHODS}
+    steps: dict[str, Callable[[], float]] = {}
+    for method in METHODS:  # build and warm up every method first
+        try:
+            steps[method] = step_function(method, model, batch, spec, device)
+            started = time.perf_counter()
+            for _ in range(args.warmup):
+                steps[method]()
+            synchronize(device)
+            warm_step_s = (time.perf_counter() - started) / max(args.warmup, 1)
+            per_round = args.case_cap_s / args.repeats
+            timings[method].steps_timed = max(1, min(args.steps, int(per_round / max(warm_step_s, 1e-6))))
+        except Exception as error:  # noqa: BLE001 - an OOM or failure is recorded, the run goes on
+            timings[method].error = f"{type(error).__name__}: {str(error)[:300]}"
+            steps.pop(method, None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for _ in range(args.repeats):
+        for method, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            timings[method].rounds_s.append(time_steps(step, timings[method].steps_timed, device))
+            if device.type == "cuda":
+                timings[method].peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    for timing in timings.values():
+        if timing.rounds_s:
+            timing.step_s = statistics.median(timing.rounds_s)
+            timing.examples_per_s = case.batch_size / timing.step_s
+    plain = timings["plain"].step_s
+    for timing in timings.values():
+        timing.ratio_to_plain = plain / timing.step_s
+    del steps, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return list(timings.values())
+
+
+def environment(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    import opacus
+    import timm
+    import transformers
+
+    info: dict[str, object] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "timm": timm.__version__, "transformers": transformers.__version__,
+        "opacus": opacus.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "tf32": device.type == "cuda", "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+    }
+    return info
+
+
+def markdown(env: dict[str, object], results: list[dict[str, object]]) -> str:
+    lines = [
+        f"FiLM DP step, {env['device']}, torch {env['torch']}, timm {env['timm']}, opacus {env['opacus']}, "
+        f"{env['threads']} thread(s), {env['date']}. Examples/s (ratio to the plain step); "
+        f"median of {env['repeats']} rounds.",
+        "",
+        "| case | B | precision | plain | FiLM engine | Opacus hooks | peak GiB plain / FiLM / Opacus |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        case = result["case"]
+        if "skipped" in result:
+            lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | {result['skipped']} | | | |")
+            continue
+        timings = {t["method"]: t for t in result["timings"]}
+
+        def cell(method: str) -> str:
+            t = timings[method]
+            if t["error"]:
+                return f"error: {t['error'][:60]}"
+            text = f"{t['examples_per_s']:.0f}"
+            return text if method == "plain" else f"{text} ({t['ratio_to_plain']:.2f}x)"
+
+        memory = " / ".join(
+            "–" if timings[m]["peak_memory_gib"] is None else f"{timings[m]['peak_memory_gib']:.1f}" for m in METHODS
+        )
+        lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | "
+                     f"{cell('plain')} | {cell('film')} | {cell('opacus')} | {memory} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, env: dict[str, object], results: list[dict[str, object]]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "results": results}, indent=2))
+    out.with_suffix(".md").write_text(markdown(env, results))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, required=True, help="output prefix: writes <out>.json and <out>.md")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method and round (at most)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case")
+    parser.add_argument("--case-cap-s", type=float, default=None,
+                        help="seconds of timed steps per method and case (default 12 cuda, 60 cpu)")
+    parser.add_argument("--total-cap-s", type=float, default=None,
+                        help="no new case starts after this many seconds (default 200 cuda, 1200 cpu)")
+    args = parser.parse_args(argv)
+    for name in ("threads", "warmup", "steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            parser.error(f"--{name} must be ≥ {0 if name == 'warmup' else 1}, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device; use --device cpu")
+    cuda = args.device == "cuda"
+    args.case_cap_s = args.case_cap_s or (12.0 if cuda else 60.0)
+    args.total_cap_s = args.total_cap_s or (200.0 if cuda else 1200.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    env = environment(args, device)
+    results: list[dict[str, object]] = []
+    started = time.perf_counter()
+    for case in cases_for(args.device):
+        if time.perf_counter() - started > args.total_cap_s:
+            results.append({"case": asdict(case), "skipped": f"skipped: --total-cap-s {args.total_cap_s:.0f} s spent"})
+        else:
+            case_start = time.perf_counter()
+            try:
+                timings = run_case(case, args, device)
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory building the model: next case
+                results.append({"case": asdict(case), "skipped": f"failed: {type(error).__name__}: {str(error)[:200]}"})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            else:
+                results.append({"case": asdict(case), "timings": [asdict(t) for t in timings],
+                                "wall_s": time.perf_counter() - case_start})
+        write(args.out, env, results)
+        print(markdown(env, results).splitlines()[-1], flush=True)
+    print(markdown(env, results))
+
+
+if __name__ == "__main__":
+    main()

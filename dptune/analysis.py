@@ -1,0 +1,771 @@
+"""Analysis of dptune results: load, join, stratify and summarise (torch-free, Ray-free).
+
+Everything here works on pandas frames read from one or more result datasets written by
+``dptune.records`` (a search that is still running reads consistently too), so notebooks and
+``dptune.report`` share one implementation::
+
+    results = load_results(["results/default"])
+    strata = class_strata(results, hard_fraction=0.5)
+    table = guideline_table(results, strata)
+
+Conventions (the report states them too):
+
+- A *task* is (dataset, fraction, backbone, PEFT); a *cell* is (task, ε, E). Frames carry the
+  columns ``task``, ``epsilon`` (ε of (ε, δ)-DP) and ``epochs`` (E, passes over the data).
+- Only trials with status ``ok`` count as finished; the others are listed, never ranked.
+- *Tuned C* trials are those with a clip bound (``standard`` or ``normalized`` clipping); AUTO-S
+  trials (``auto_s``) are the automatic-clipping comparison (paper Fig. 5).
+- Selection is on validation accuracy, never test: the best trial of a group has the highest
+  ``val_accuracy``; ties go to the lower final ``train_loss``, then to the smaller trial id.
+  Reported accuracies are the selected trial's test accuracy.
+- Accuracies are fractions in [0, 1]; ``near_optimal`` and losses are in the same units
+  (0.01 = one percentage point).
+- Class accuracy of a stratum is the unweighted mean of its classes' test accuracies.
+- C is continuous under TPE: when a results set holds more than ``MAX_EXACT_LEVELS`` distinct
+  values of C (or B), they are binned on a logarithmic grid of ``BINS_PER_DECADE`` bins per
+  decade aligned to powers of ten (``clip_bin``/``batch_bin`` hold the bin's geometric centre);
+  with the grid sampler the values are exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow.fs as pafs
+import yaml
+
+from dptune.plan import DEFAULT_TOLERANCE, recommended_batch_size
+from dptune.records import TABLES, read_table
+
+#: Status of a trial that trained to the end; only these are ranked.
+FINISHED = "ok"
+#: Clipping rule of the automatic-clipping comparison (Bu et al. 2023).
+AUTO_S = "auto_s"
+#: Columns that identify a task and a cell.
+TASK_COLUMNS: tuple[str, ...] = ("dataset", "fraction", "backbone", "peft")
+CELL: list[str] = ["task", "epsilon", "epochs"]
+#: Difficulty strata of classes.
+EASY, HARD = "easy", "hard"
+STRATA: tuple[str, ...] = (EASY, HARD)
+#: Up to this many distinct values, C and B are shown exactly; above it they are log-binned.
+MAX_EXACT_LEVELS = 12
+BINS_PER_DECADE = 4
+#: Relative width of the σ√T plateau of the batch-size rule (``dptune.plan``'s default).
+PLATEAU_TOLERANCE = DEFAULT_TOLERANCE
+#: Default tolerance of "near-optimal" (accuracy units: 0.01 = one percentage point).
+NEAR_OPTIMAL = 0.01
+
+_SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
+
+
+class AnalysisError(ValueError):
+    """Results or options that cannot be analysed; the message names the problem and the choices."""
+
+
+@dataclass(frozen=True)
+class Results:
+    """The tables of one or more result datasets, concatenated, with derived columns.
+
+    ``trials`` gains ``task``, ``clip_bin`` and ``batch_bin`` (see the module docstring);
+    ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial.
+    ``clip_binned``/``batch_binned`` say whether C/B were binned (else exact values).
+    """
+
+    sources: tuple[str, ...]
+    trials: pd.DataFrame
+    epochs: pd.DataFrame
+    classes: pd.DataFrame
+    diagnostics: pd.DataFrame
+    search: pd.DataFrame
+    clip_binned: bool
+    batch_binned: bool
+
+    @property
+    def finished(self) -> pd.DataFrame:
+        """Trials with status ``ok`` and a finite validation accuracy."""
+        trials = self.trials
+        return trials[(trials["status"] == FINISHED) & np.isfinite(trials["val_accuracy"])]
+
+    @property
+    def tuned(self) -> pd.DataFrame:
+        """Finished trials with a tuned clip bound (any clipping rule but AUTO-S)."""
+        finished = self.finished
+        return finished[finished["clipping"] != AUTO_S]
+
+    @property
+    def auto_s(self) -> pd.DataFrame:
+        """Finished AUTO-S trials."""
+        finished = self.finished
+        return finished[finished["clipping"] == AUTO_S]
+
+
+def check_results_paths(paths: Sequence[str]) -> None:
+    """Raise ``AnalysisError`` unless every path is a results dataset (before reading anything).
+
+    A dataset is a folder (local path or URI) holding a ``trials/`` or ``search/`` folder, as
+    ``dptune.search`` writes it.
+    """
+    if not paths:
+        raise AnalysisError("no results given: pass one or more result dataset folders")
+    for path in paths:
+        if "://" in path:
+            filesystem, root = pafs.FileSystem.from_uri(path)
+        else:
+            filesystem, root = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+        info = filesystem.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            raise AnalysisError(f"{path}: no such results dataset (the folder does not exist)")
+        if info.type != pafs.FileType.Directory:
+            raise AnalysisError(f"{path}: not a results dataset (a file, expected a folder)")
+        tables = [filesystem.get_file_info(f"{root}/{name}").type for name in ("trials", "search")]
+        if all(kind != pafs.FileType.Directory for kind in tables):
+            raise AnalysisError(
+                f"{path}: not a dptune results dataset: expected a trials/ or search/ folder "
+                f"(tables {', '.join(TABLES)}, written by python -m dptune.search)"
+            )
+
+
+def task_label(dataset: str, fraction: float, backbone: str, peft: str) -> str:
+    """Human name of a task, e.g. ``20newsgroups (10%) · minilm · head``."""
+    share = "" if fraction >= 1 else f" ({fraction:.0%})"
+    return f"{dataset}{share} · {backbone} · {peft}"
+
+
+def log_bins(values: pd.Series, max_levels: int = MAX_EXACT_LEVELS,
+             bins_per_decade: int = BINS_PER_DECADE) -> tuple[pd.Series, bool]:
+    """Map positive ``values`` to log-grid bins; return (representatives, whether binned).
+
+    With at most ``max_levels`` distinct values they are returned unchanged. Otherwise value v
+    falls in bin k = ⌊bins_per_decade·log10 v⌋ and is represented by the bin's geometric centre
+    10^((k + ½)/bins_per_decade); the grid is aligned to powers of ten, so bins agree across
+    searches.
+    """
+    finite = values[np.isfinite(values) & (values > 0)]
+    if finite.nunique() <= max_levels:
+        return values.astype(float), False
+    index = np.floor(np.log10(values.astype(float)) * bins_per_decade + 1e-9)
+    centres = 10.0 ** ((index + 0.5) / bins_per_decade)
+    return pd.Series(np.round(centres, 12), index=values.index), True
+
+
+def _with_trial_keys(frame: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame:
+    keys = trials[["search_id", "trial_id", *CELL]]
+    return frame.merge(keys, on=["search_id", "trial_id"], how="inner")
+
+
+def load_results(paths: Sequence[str]) -> Results:
+    """Read and join every table of the datasets at ``paths`` (see ``check_results_paths``).
+
+    A dataset given twice, or two datasets sharing a search, contribute each trial once.
+    """
+    check_results_paths(paths)
+    tables = {name: pd.concat([read_table(path, name) for path in paths], ignore_index=True) for name in TABLES}
+    trials = tables["trials"].drop_duplicates(["search_id", "trial_id"], keep="last").reset_index(drop=True)
+    trials["task"] = [task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)]
+    tuned = trials["clipping"] != AUTO_S
+    trials["clip_bin"], clip_binned = log_bins(trials["clip_bound"].where(tuned, np.nan))
+    trials["batch_bin"], batch_binned = log_bins(trials["batch_size"].astype(float))
+    dedupe = {"epochs": ["epoch"], "classes": ["label"], "diagnostics": ["epoch"]}
+    joined = {
+        name: _with_trial_keys(tables[name].drop_duplicates(["search_id", "trial_id", *extra], keep="last"), trials)
+        for name, extra in dedupe.items()
+    }
+    search = tables["search"].drop_duplicates().reset_index(drop=True)
+    return Results(sources=tuple(paths), trials=trials, search=search, clip_binned=clip_binned,
+                   batch_binned=batch_binned, **joined)
+
+
+def select_best(trials: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """One row per group of ``by``: the trial with the best validation accuracy (module rules)."""
+    columns, ascending = _SELECTION_ORDER
+    ordered = trials.sort_values(columns, ascending=ascending, na_position="last", kind="mergesort")
+    return ordered.drop_duplicates(list(by), keep="first").sort_values(list(by)).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coverage: what the results hold and what is missing
+# ---------------------------------------------------------------------------------------------
+
+def coverage(results: Results) -> pd.DataFrame:
+    """Trials per search cell: planned (``search`` table), recorded, and counts by status.
+
+    One row per (search, cell). ``trials_planned`` sums the cell's runs (tuned C and AUTO-S);
+    ``recorded`` counts trial records except configurations pruned by the min-step rule (the
+    search records those besides the planned trials); ``remaining`` = planned − recorded (a
+    running search) when the plan is known, else NaN.
+    """
+    keys = ["search_id", "cell_id"]
+    trials = results.trials
+    counts = pd.crosstab([trials["search_id"], trials["cell_id"]], trials["status"]) if len(trials) else None
+    counts = counts.reset_index() if counts is not None else pd.DataFrame(columns=keys)
+    counts.columns.name = None
+    planned = results.search.groupby(keys).agg(name=("name", "first"), trials_planned=("trials_planned", "sum"))
+    table = planned.reset_index().merge(counts, on=keys, how="outer")
+    statuses = [c for c in table.columns if c not in {*keys, "name", "trials_planned"}]
+    table[statuses] = table[statuses].fillna(0).astype(int)
+    table["recorded"] = table[[c for c in statuses if c != "pruned_min_steps"]].sum(axis=1).astype(int)
+    table["remaining"] = (table["trials_planned"] - table["recorded"]).clip(lower=0)
+    return table.sort_values(keys).reset_index(drop=True)
+
+
+def missing_data(results: Results) -> list[str]:
+    """Plain-language notes on what the results lack (empty when nothing is missing)."""
+    notes: list[str] = []
+    trials = results.trials
+    if trials.empty:
+        return ["no trial has finished yet: the datasets hold no trials rows"]
+    if results.finished.empty:
+        notes.append("no trial finished with status ok: nothing can be ranked")
+    if results.search.empty:
+        notes.append("no search table: the number of planned trials is unknown")
+    else:
+        remaining = int(coverage(results)["remaining"].sum())
+        if remaining:
+            notes.append(f"{remaining} planned trial(s) have no record yet (a search still running, or stopped)")
+    if results.diagnostics.empty:
+        notes.append("no diagnostics recorded (trials ran with diagnostics off): sections 3, 4 and 7 are empty")
+    if results.classes["test_accuracy"].notna().sum() == 0:
+        notes.append("no per-class accuracies recorded: classes cannot be split into easy and hard")
+    if results.auto_s.empty:
+        notes.append("no AUTO-S trials (training.compare_auto_s was off): section 5 is empty")
+    if results.finished["epsilon"].nunique() < 2:
+        notes.append("only one privacy budget ε: trends against ε cannot be shown")
+    if results.finished["epochs"].nunique() < 2:
+        notes.append("only one epoch budget E: trends against E cannot be shown")
+    return notes
+
+
+def task_difficulty(results: Results) -> pd.DataFrame:
+    """Tasks ranked from easiest (rank 1) to hardest by best validation accuracy.
+
+    Difficulty is measured by the mean over cells of the best (tuned-C) validation accuracy,
+    over the (ε, E) pairs every task has when there are such shared pairs, else over each
+    task's own cells. ``median_grad_norm`` is the median probe ‖g_i‖ of the best diagnosed
+    trials (last diagnostic epoch), the quantity difficulty moves (paper §4).
+    """
+    best = select_best(results.tuned, CELL)
+    if best.empty:
+        return pd.DataFrame(columns=["rank", "task", "cells", "mean_best_val_accuracy", "median_grad_norm"])
+    budgets = best.groupby("task")[["epsilon", "epochs"]].apply(lambda f: set(map(tuple, f.to_numpy())))
+    shared = set.intersection(*budgets) if len(budgets) else set()
+    in_shared = [(e, n) in shared for e, n in zip(best["epsilon"], best["epochs"])]
+    used = best[in_shared] if shared else best
+    table = used.groupby("task").agg(cells=("val_accuracy", "size"),
+                                     mean_best_val_accuracy=("val_accuracy", "mean")).reset_index()
+    norms = grad_norm_samples(results)
+    medians = norms.groupby("task")["grad_norm"].median() if not norms.empty else pd.Series(dtype=float)
+    table["median_grad_norm"] = table["task"].map(medians)
+    table = table.sort_values(["mean_best_val_accuracy", "task"], ascending=[False, True]).reset_index(drop=True)
+    table.insert(0, "rank", np.arange(1, len(table) + 1))
+    return table
+
+
+def task_order(results: Results) -> list[str]:
+    """Tasks from easiest to hardest (``task_difficulty``), then tasks without finished trials."""
+    ranked = list(task_difficulty(results)["task"])
+    return ranked + sorted(set(results.trials["task"]) - set(ranked))
+
+
+# ---------------------------------------------------------------------------------------------
+# Strata: easy and hard classes
+# ---------------------------------------------------------------------------------------------
+
+def class_strata(results: Results, hard_fraction: float = 0.5,
+                 hard_classes: Collection[str] | None = None) -> pd.DataFrame:
+    """Split each task's classes into ``easy`` and ``hard``.
+
+    Default: the reference trial of a task is its best (validation) finished trial at the
+    task's largest ε that recorded per-class accuracies; its ⌈hard_fraction·K⌉ classes of lowest
+    test accuracy (ties: smaller label) are hard, at least one and at most K − 1 (0.5 = median
+    split). With ``hard_classes`` (labels or class names, matched as text) exactly those
+    classes are hard, in every task that has them.
+
+    Returns one row per (task, label): ``class_name``, ``reference_accuracy``,
+    ``reference_trial``, ``stratum``.
+    """
+    if not 0 < hard_fraction < 1:
+        raise AnalysisError(f"hard_fraction must lie strictly between 0 and 1, got {hard_fraction}")
+    columns = ["task", "label", "class_name", "reference_accuracy", "reference_trial", "stratum"]
+    classes = results.classes[results.classes["test_accuracy"].notna()]
+    with_classes = results.finished.merge(classes[["search_id", "trial_id"]].drop_duplicates(),
+                                          on=["search_id", "trial_id"])
+    if with_classes.empty:
+        if hard_classes:
+            raise AnalysisError("hard classes were given but the results hold no per-class accuracies")
+        return pd.DataFrame(columns=columns)
+    loosest = with_classes[with_classes["epsilon"] == with_classes.groupby("task")["epsilon"].transform("max")]
+    reference = select_best(loosest, ["task"])[["search_id", "trial_id", "task"]]
+    table = classes.merge(reference, on=["search_id", "trial_id", "task"])
+    table = table.rename(columns={"test_accuracy": "reference_accuracy", "trial_id": "reference_trial"})
+    table = table.sort_values(["task", "reference_accuracy", "label"]).reset_index(drop=True)
+    if hard_classes:
+        wanted = {str(c) for c in hard_classes}
+        known = set(table["label"].astype(str)) | set(table["class_name"].astype(str))
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise AnalysisError(f"hard classes {', '.join(unknown)} are in no task; known labels and names: "
+                                f"{', '.join(sorted(known))}")
+        hard = table["label"].astype(str).isin(wanted) | table["class_name"].astype(str).isin(wanted)
+    else:
+        rank = table.groupby("task").cumcount()
+        size = table.groupby("task")["label"].transform("size")
+        hard_count = np.clip(np.ceil(hard_fraction * size), 1, np.maximum(size - 1, 1))
+        hard = rank < hard_count
+    table["stratum"] = np.where(hard, HARD, EASY)
+    return table[columns]
+
+
+def stratum_accuracy(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
+    """Per trial: mean class test accuracy over ``easy`` and ``hard`` classes (columns of those names).
+
+    Classes without a stratum are ignored; a trial without class rows gets NaN.
+    """
+    classes = results.classes.merge(strata[["task", "label", "stratum"]], on=["task", "label"])
+    if classes.empty:
+        return pd.DataFrame(columns=["search_id", "trial_id", *STRATA])
+    table = classes.pivot_table(index=["search_id", "trial_id"], columns="stratum", values="test_accuracy",
+                                aggfunc="mean").reindex(columns=list(STRATA))
+    table.columns.name = None
+    return table.reset_index()
+
+
+def with_strata(trials: pd.DataFrame, accuracy: pd.DataFrame) -> pd.DataFrame:
+    """``trials`` with the ``easy`` and ``hard`` class accuracies of ``stratum_accuracy`` joined on."""
+    return trials.merge(accuracy, on=["search_id", "trial_id"], how="left")
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 1 and 2: accuracy over (C, B), optimal C and B
+# ---------------------------------------------------------------------------------------------
+
+def accuracy_grid(results: Results) -> pd.DataFrame:
+    """Paper Fig. 1: per cell and (C, B) bin, the best trial over η (and any other option).
+
+    One row per (task, ε, E, clip_bin, batch_bin) with the selected trial's ``val_accuracy``,
+    ``test_accuracy``, ``train_loss``, ``learning_rate``, ``trial_id`` and ``trials`` (finished
+    trials in the bin).
+    """
+    tuned = results.tuned
+    keys = [*CELL, "clip_bin", "batch_bin"]
+    best = select_best(tuned, keys)
+    counts = tuned.groupby(keys).size().rename("trials").reset_index()
+    return best.merge(counts, on=keys)[[*keys, "val_accuracy", "test_accuracy", "train_loss", "learning_rate",
+                                        "base_learning_rate", "search_id", "trial_id", "trials"]]
+
+
+def unfinished_bins(results: Results) -> pd.DataFrame:
+    """(C, B) bins of each cell that hold tuned-C trial records but no finished trial.
+
+    ``outcome`` is ``pruned`` when the min-step rule removed the configuration, else ``failed``
+    (diverged, error or stopped early).
+    """
+    keys = [*CELL, "clip_bin", "batch_bin"]
+    trials = results.trials[results.trials["clipping"] != AUTO_S]
+    finished = results.tuned[keys].drop_duplicates()
+    rest = trials.merge(finished, on=keys, how="left", indicator=True)
+    rest = rest[rest["_merge"] == "left_only"]
+    outcome = rest.groupby(keys)["status"].agg(lambda s: "pruned" if (s == "pruned_min_steps").any() else "failed")
+    return outcome.rename("outcome").reset_index()
+
+
+def optimal_settings(results: Results, near_optimal: float = NEAR_OPTIMAL) -> pd.DataFrame:
+    """Paper Fig. 2: per cell the best (C, B, η) and the spread of near-optimal settings.
+
+    Near-optimal trials are the cell's tuned trials with validation accuracy within
+    ``near_optimal`` of the best; ``clip_low``/``clip_high`` and ``batch_low``/``batch_high``
+    are their extreme C and B, ``near_optimal_trials`` their count (≥ 1: the best is one).
+    """
+    if near_optimal < 0:
+        raise AnalysisError(f"near_optimal must be ≥ 0 (accuracy units), got {near_optimal}")
+    tuned = results.tuned
+    best = select_best(tuned, CELL)
+    if best.empty:
+        return pd.DataFrame(columns=[*CELL, "clip_bound", "batch_size", "learning_rate", "val_accuracy",
+                                     "test_accuracy", "clip_low", "clip_high", "batch_low", "batch_high",
+                                     "near_optimal_trials"])
+    threshold = best[[*CELL, "val_accuracy"]].rename(columns={"val_accuracy": "best_val"})
+    near = tuned.merge(threshold, on=CELL)
+    near = near[near["val_accuracy"] >= near["best_val"] - near_optimal - 1e-12]
+    spread = near.groupby(CELL).agg(clip_low=("clip_bound", "min"), clip_high=("clip_bound", "max"),
+                                    batch_low=("batch_size", "min"), batch_high=("batch_size", "max"),
+                                    near_optimal_trials=("trial_id", "size")).reset_index()
+    columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "val_accuracy",
+               "test_accuracy", "search_id", "trial_id"]
+    return best[columns].merge(spread, on=CELL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections 3 and 4: gradient norms and retention weights
+# ---------------------------------------------------------------------------------------------
+
+def diagnosed_best(results: Results) -> pd.DataFrame:
+    """Per cell, the best tuned trial that recorded diagnostics, with its last diagnostic row.
+
+    Columns of the trial plus ``diagnostic_epoch``, ``grad_norms``, ``labels``,
+    ``optimal_clip_bound``, ``mse_bias``, ``mse_variance``, ``noise_multiplier``, ``dimension``.
+    """
+    return select_best(last_diagnostics(results), CELL)
+
+
+def last_diagnostics(results: Results) -> pd.DataFrame:
+    """Tuned finished trials joined with their last diagnostic row (latest probe epoch)."""
+    diagnostics = results.diagnostics.sort_values("epoch").drop_duplicates(["search_id", "trial_id"], keep="last")
+    columns = ["search_id", "trial_id", "epoch", "grad_norms", "labels", "optimal_clip_bound", "mse_bias",
+               "mse_variance", "dimension"]
+    last = diagnostics[columns].rename(columns={"epoch": "diagnostic_epoch"})
+    return results.tuned.merge(last, on=["search_id", "trial_id"])
+
+
+def grad_norm_samples(results: Results, strata: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Paper Fig. 3: per-example gradient norms ‖g_i‖ of each cell's best diagnosed trial.
+
+    Long frame: one row per probe example with ``task``, ``epsilon``, ``epochs``, ``trial_id``,
+    ``diagnostic_epoch``, ``label``, ``grad_norm`` and (with ``strata``) ``stratum``.
+    """
+    best = diagnosed_best(results)
+    columns = [*CELL, "search_id", "trial_id", "diagnostic_epoch", "label", "grad_norm"]
+    if best.empty:
+        return pd.DataFrame(columns=[*columns, "stratum"] if strata is not None else columns)
+    long = best[[*CELL, "search_id", "trial_id", "diagnostic_epoch", "grad_norms", "labels"]]
+    long = long.explode(["grad_norms", "labels"]).dropna(subset=["grad_norms"])
+    long = long.rename(columns={"grad_norms": "grad_norm", "labels": "label"}).astype(
+        {"grad_norm": float, "label": "int64"})[columns].reset_index(drop=True)
+    if strata is not None:
+        long = long.merge(strata[["task", "label", "stratum"]], on=["task", "label"], how="left")
+    return long
+
+
+def retention_weights(grad_norms: Sequence[float] | np.ndarray, labels: Sequence[int] | np.ndarray,
+                      clip_bounds: Sequence[float] | np.ndarray) -> pd.DataFrame:
+    """Per-class retention weights of clipping (paper Eq. 3) at each clip bound.
+
+    w_y(C) = (1/n_y) Σ_{i: y_i = y} min(1, C/‖g_i‖), with min(1, C/0) = 1. Returns one row per
+    (label, clip_bound) with ``retention_weight`` in (0, 1] and ``examples`` = n_y.
+    """
+    norms = np.asarray(grad_norms, dtype=float)
+    bounds = np.asarray(clip_bounds, dtype=float)
+    if norms.shape != np.shape(labels):
+        raise AnalysisError(f"grad_norms and labels differ in length ({norms.size} and {np.size(labels)})")
+    if np.any(bounds <= 0):
+        raise AnalysisError(f"clip bounds must be positive, got {bounds[bounds <= 0].tolist()}")
+    with np.errstate(divide="ignore"):
+        factors = np.minimum(1.0, bounds[None, :] / norms[:, None])
+    frame = pd.DataFrame(factors, columns=bounds)
+    frame["label"] = np.asarray(labels)
+    weights = frame.groupby("label").mean().rename_axis(columns="clip_bound").stack()
+    table = weights.rename("retention_weight").reset_index()
+    table["examples"] = table["label"].map(frame["label"].value_counts())
+    return table
+
+
+def retention_curves(results: Results, strata: pd.DataFrame,
+                     clip_bounds: Sequence[float] | None = None) -> pd.DataFrame:
+    """Paper Fig. 4: mean w_y(C) over the easy and the hard classes of each cell's best diagnosed trial.
+
+    ``clip_bounds`` default to the task's C grid (the ``clip_bin`` values of its tuned trials).
+    One row per (task, ε, E, clip_bound, stratum) with ``retention_weight`` (unweighted mean of
+    w_y over the stratum's classes).
+    """
+    columns = [*CELL, "clip_bound", "stratum", "retention_weight"]
+    best = diagnosed_best(results)
+    if best.empty or strata.empty:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for trial in best.itertuples(index=False):
+        grid = clip_bounds if clip_bounds is not None else sorted(
+            results.tuned.loc[results.tuned["task"] == trial.task, "clip_bin"].unique())
+        weights = retention_weights(trial.grad_norms, trial.labels, grid)
+        weights = weights.merge(strata[strata["task"] == trial.task][["label", "stratum"]], on="label")
+        means = weights.groupby(["clip_bound", "stratum"])["retention_weight"].mean().reset_index()
+        rows.append(means.assign(task=trial.task, epsilon=trial.epsilon, epochs=trial.epochs))
+    return pd.concat(rows, ignore_index=True)[columns]
+
+
+def stratum_accuracy_by_clip(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
+    """Class accuracy per stratum against C: per (cell, clip_bin) the best trial over B and η.
+
+    Columns: task, ε, E, clip_bin, trial_id, test_accuracy, easy, hard.
+    """
+    best = select_best(results.tuned, [*CELL, "clip_bin"])
+    table = with_strata(best, stratum_accuracy(results, strata))
+    return table[[*CELL, "clip_bin", "trial_id", "test_accuracy", *STRATA]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 5: AUTO-S against tuned C
+# ---------------------------------------------------------------------------------------------
+
+def auto_s_comparison(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
+    """Paper Fig. 5: per cell with AUTO-S trials, the best tuned-C and the best AUTO-S trial.
+
+    Columns ``tuned_*`` and ``auto_s_*`` for test accuracy, easy and hard class accuracy;
+    ``gap`` = tuned − AUTO-S test accuracy (positive: tuning C helps).
+    """
+    accuracy = stratum_accuracy(results, strata)
+    measures = ["test_accuracy", *STRATA, "trial_id"]
+    parts = []
+    for name, trials in (("tuned", results.tuned), ("auto_s", results.auto_s)):
+        best = with_strata(select_best(trials, CELL), accuracy)
+        parts.append(best[[*CELL, *measures]].rename(columns={m: f"{name}_{m}" for m in measures}))
+    table = parts[0].merge(parts[1], on=CELL, how="inner")
+    table["gap"] = table["tuned_test_accuracy"] - table["auto_s_test_accuracy"]
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 6: cumulative noise σ√T against B and the min-step rule
+# ---------------------------------------------------------------------------------------------
+
+def batch_size_noise(results: Results) -> pd.DataFrame:
+    """Paper Figs. 6–7: per (task, ε, E, B) the recorded noise and the measured best accuracy.
+
+    ``noise_multiplier`` σ and ``steps`` T are those the trials trained with (every trial of a
+    (cell, B) shares them; configurations pruned by the min-step rule carry T but no σ);
+    ``cumulative_noise`` = σ√T (the paper's quantity), ``per_step_noise`` = σ/B (the old per-step
+    rule's noise std of the mean gradient, in units of C). ``test_accuracy``/``val_accuracy``
+    are those of the best tuned trial at that B (over C and η, selected on validation);
+    ``measured_best`` marks the B of the cell's best trial. ``largest_feasible_batch_size`` is the
+    largest B of the cell with T ≥ T_min (``min_steps``), and ``recommended_batch_size`` the B
+    that ``dptune.plan.recommended_batch_size`` picks from these σ√T with ``PLATEAU_TOLERANCE``:
+    among the B the search evaluated, with recorded σ (NaN where T_min is unknown).
+    """
+    columns = [*CELL, "batch_size", "num_train", "noise_multiplier", "steps", "cumulative_noise", "per_step_noise",
+               "pruned", "val_accuracy", "test_accuracy", "trial_id", "measured_best",
+               "largest_feasible_batch_size", "recommended_batch_size"]
+    trials = results.trials[results.trials["clipping"] != AUTO_S]
+    if trials.empty:
+        return pd.DataFrame(columns=columns)
+    keys = [*CELL, "batch_size"]
+    table = trials.groupby(keys).agg(num_train=("num_train", "max"), noise_multiplier=("noise_multiplier", "median"),
+                                     steps=("steps", "max")).reset_index()
+    pruned = trials[trials["status"] == "pruned_min_steps"].groupby(keys).size().rename("pruned_trials")
+    table = table.merge(pruned.reset_index(), on=keys, how="left")
+    table["pruned"] = table.pop("pruned_trials").fillna(0) > 0
+    table["cumulative_noise"] = table["noise_multiplier"] * np.sqrt(table["steps"])
+    table["per_step_noise"] = table["noise_multiplier"] / table["batch_size"]
+    best = select_best(results.tuned, keys)[[*keys, "val_accuracy", "test_accuracy", "trial_id"]]
+    table = table.merge(best, on=keys, how="left")
+    winner = select_best(results.tuned, CELL)[[*CELL, "batch_size"]].rename(columns={"batch_size": "best_b"})
+    table = table.merge(winner, on=CELL, how="left")
+    table["measured_best"] = table.pop("best_b") == table["batch_size"]
+    bounds = min_steps(results)
+    table["min_steps"] = table["task"].map(bounds)
+    feasible = table[table["steps"] >= table["min_steps"]]
+    table = table.merge(feasible.groupby(CELL)["batch_size"].max().rename("largest_feasible_batch_size").reset_index(),
+                        on=CELL, how="left")
+    table["recommended_batch_size"] = np.nan
+    for key, cell in table.groupby(CELL):
+        if not np.isfinite(cell["min_steps"].iloc[0]):
+            continue
+        rows = cell[np.isfinite(cell["cumulative_noise"])]
+        if rows.empty:
+            continue
+        choice = recommended_batch_size(rows["batch_size"].tolist(), rows["cumulative_noise"].tolist(),
+                                        rows["steps"].tolist(), int(cell["min_steps"].iloc[0]), PLATEAU_TOLERANCE)
+        if choice is not None:
+            table.loc[cell.index, "recommended_batch_size"] = choice
+    return table.sort_values(keys).reset_index(drop=True)[columns]
+
+
+def batch_size_rule_check(noise: pd.DataFrame) -> pd.DataFrame:
+    """Per cell of ``batch_size_noise``: the rule's recommended B against the measured best B.
+
+    ``accuracy_gap`` = best − recommended test accuracy (points lost by following the rule; NaN
+    when the recommended B was not evaluated); ``match`` says whether the two B agree.
+    """
+    rows = []
+    for key, cell in noise.groupby(CELL):
+        best = cell[cell["measured_best"]]
+        recommended = cell["recommended_batch_size"].dropna()
+        chosen = cell[cell["batch_size"] == recommended.iloc[0]] if len(recommended) else cell.iloc[0:0]
+        best_b = int(best["batch_size"].iloc[0]) if len(best) else None
+        rec_b = int(recommended.iloc[0]) if len(recommended) else None
+        best_acc = float(best["test_accuracy"].iloc[0]) if len(best) else np.nan
+        rec_acc = float(chosen["test_accuracy"].iloc[0]) if len(chosen) else np.nan
+        rows.append({**dict(zip(CELL, key)), "recommended_batch_size": rec_b, "best_batch_size": best_b,
+                     "match": None if rec_b is None or best_b is None else rec_b == best_b,
+                     "recommended_accuracy": rec_acc, "best_accuracy": best_acc, "accuracy_gap": best_acc - rec_acc})
+    return pd.DataFrame(rows, columns=[*CELL, "recommended_batch_size", "best_batch_size", "match",
+                                       "recommended_accuracy", "best_accuracy", "accuracy_gap"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 7: clipping diagnostics
+# ---------------------------------------------------------------------------------------------
+
+def clipping_diagnostics(results: Results) -> pd.DataFrame:
+    """Per cell: tuned C against C* of Theorem 5.2, and the MSE split at the tuned C.
+
+    C* = N_{C*}ᵀ G_{C*} / (N_{C*}ᵀ N_{C*} + σ² d) is recorded per trial at its last diagnostic
+    epoch (it depends on that trial's model and σ). Columns: ``tuned_clip_bound`` (the best
+    trial's C), ``optimal_clip_bound`` (C* of that trial), ``optimal_clip_low/median/high``
+    (C* over all diagnosed tuned trials of the cell), ``mse_bias``/``mse_variance`` of the best
+    trial (squared gradient units) and ``bias_share`` = bias / (bias + variance).
+    """
+    diagnosed = last_diagnostics(results)
+    columns = [*CELL, "trial_id", "tuned_clip_bound", "optimal_clip_bound", "optimal_clip_low",
+               "optimal_clip_median", "optimal_clip_high", "mse_bias", "mse_variance", "bias_share",
+               "diagnosed_trials"]
+    if diagnosed.empty:
+        return pd.DataFrame(columns=columns)
+    best = select_best(diagnosed, CELL).rename(columns={"clip_bound": "tuned_clip_bound"})
+    spread = diagnosed.groupby(CELL)["optimal_clip_bound"].agg(
+        optimal_clip_low="min", optimal_clip_median="median", optimal_clip_high="max",
+        diagnosed_trials="size").reset_index()
+    table = best.merge(spread, on=CELL)
+    table["bias_share"] = table["mse_bias"] / (table["mse_bias"] + table["mse_variance"])
+    return table[columns]
+
+
+def mse_split(results: Results) -> pd.DataFrame:
+    """Per diagnosed tuned trial: C, C*, clipping bias, noise variance and their sum (the MSE).
+
+    The paper's MSE(C) = bias²(C) + variance(C) trade-off, one point per trial at its own C.
+    """
+    diagnosed = last_diagnostics(results)
+    table = diagnosed[[*CELL, "trial_id", "clip_bound", "batch_size", "optimal_clip_bound", "mse_bias",
+                       "mse_variance", "val_accuracy"]].copy()
+    table["mse_total"] = table["mse_bias"] + table["mse_variance"]
+    return table.reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 8: the guideline table and the cost of one fixed (C, B)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FixedSetting:
+    """The single (C, B) used across all cells: the grid point with best mean validation accuracy.
+
+    Only (C, B) bins evaluated (with a finished trial) in every cell are eligible; η (and any
+    other option) stays best per cell on validation. ``mean_val_accuracy`` is over cells.
+    """
+
+    clip_bin: float
+    batch_bin: float
+    mean_val_accuracy: float
+    cells: int
+
+
+def fixed_setting(grid: pd.DataFrame) -> FixedSetting | None:
+    """The ``FixedSetting`` of an ``accuracy_grid``; ``None`` when no (C, B) covers every cell.
+
+    Ties in mean validation accuracy go to the smaller C, then the smaller B.
+    """
+    if grid.empty:
+        return None
+    cells = grid[CELL].drop_duplicates().shape[0]
+    means = grid.groupby(["clip_bin", "batch_bin"]).agg(cells=("val_accuracy", "size"),
+                                                        mean_val_accuracy=("val_accuracy", "mean")).reset_index()
+    eligible = means[means["cells"] == cells]
+    if eligible.empty:
+        return None
+    best = eligible.sort_values(["mean_val_accuracy", "clip_bin", "batch_bin"],
+                                ascending=[False, True, True]).iloc[0]
+    return FixedSetting(clip_bin=float(best["clip_bin"]), batch_bin=float(best["batch_bin"]),
+                        mean_val_accuracy=float(best["mean_val_accuracy"]), cells=int(cells))
+
+
+def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFrame, FixedSetting | None]:
+    """Paper Table 1 from these results: per cell the best (C, B, η) and the cost of a fixed (C, B).
+
+    Per cell (task, ε, E): the best tuned trial on validation — ``clip_bound``, ``batch_size``,
+    ``learning_rate`` (η used), ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``,
+    ``val_accuracy``, ``test_accuracy``, ``easy``/``hard`` class accuracy — then the trial at
+    the ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the
+    losses ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class
+    accuracy (NaN without a fixed setting).
+    """
+    accuracy = stratum_accuracy(results, strata)
+    best = with_strata(select_best(results.tuned, CELL), accuracy)
+    columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping",
+               "optimizer", "val_accuracy", "test_accuracy", *STRATA, "trial_id"]
+    table = best[columns].copy()
+    grid = accuracy_grid(results)
+    setting = fixed_setting(grid)
+    if setting is None:
+        for name in ("fixed_test_accuracy", "fixed_hard", "loss", "hard_loss"):
+            table[name] = np.nan
+        return table, None
+    fixed = grid[(grid["clip_bin"] == setting.clip_bin) & (grid["batch_bin"] == setting.batch_bin)]
+    fixed = with_strata(fixed, accuracy)[[*CELL, "test_accuracy", HARD]]
+    table = table.merge(fixed.rename(columns={"test_accuracy": "fixed_test_accuracy", HARD: "fixed_hard"}),
+                        on=CELL, how="left")
+    table["loss"] = table["test_accuracy"] - table["fixed_test_accuracy"]
+    table["hard_loss"] = table[HARD] - table["fixed_hard"]
+    return table, setting
+
+
+def _direction(harder: float, easier: float, rel_tol: float = 1e-9) -> str:
+    if math.isclose(harder, easier, rel_tol=rel_tol):
+        return "same"
+    return "larger" if harder > easier else "smaller"
+
+
+def trends(guideline: pd.DataFrame, difficulty: pd.DataFrame) -> pd.DataFrame:
+    """The shape of paper Table 1: how the best C and B move when the problem gets harder.
+
+    Conditions (each compared within otherwise equal cells): ``tighter privacy`` (smallest ε
+    against largest ε, per task and E), ``fewer epochs`` (smallest E against largest E, per task
+    and ε), ``harder task`` (hardest against easiest task of ``difficulty``, per ε and E).
+    One row per condition present with the counts of comparisons where the best C (and B) was
+    larger, smaller or the same, and the comparisons spelt out.
+    """
+    comparisons: list[tuple[str, str, pd.Series, pd.Series]] = []
+    for condition, factor, within in (("tighter privacy (smallest vs largest ε)", "epsilon", ["task", "epochs"]),
+                                      ("fewer epochs (smallest vs largest E)", "epochs", ["task", "epsilon"])):
+        for key, group in guideline.groupby(within):
+            if group[factor].nunique() < 2:
+                continue
+            ordered = group.sort_values(factor)
+            label = ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{value}"
+                              for name, value in zip(within, key))
+            comparisons.append((condition, label, ordered.iloc[0], ordered.iloc[-1]))
+    ranked = list(difficulty["task"]) if len(difficulty) else []
+    if len(ranked) >= 2:
+        for key, group in guideline.groupby(["epsilon", "epochs"]):
+            present = group.set_index("task")
+            tasks = [t for t in ranked if t in present.index]
+            if len(tasks) >= 2:
+                comparisons.append(("harder task (hardest vs easiest)", f"ε={key[0]:g}, E={key[1]}",
+                                    present.loc[tasks[-1]], present.loc[tasks[0]]))
+    rows = []
+    for condition in dict.fromkeys(c[0] for c in comparisons):
+        items = [c for c in comparisons if c[0] == condition]
+        row: dict[str, object] = {"condition": condition, "comparisons": len(items)}
+        for column, name in (("clip_bound", "C"), ("batch_size", "B")):
+            moves = [_direction(float(harder[column]), float(easier[column])) for _, _, harder, easier in items]
+            row[f"best {name}"] = ", ".join(f"{moves.count(m)}× {m}" for m in ("larger", "smaller", "same")
+                                            if moves.count(m))
+        row["details"] = "; ".join(
+            f"{label}: C {easier['clip_bound']:.3g}→{harder['clip_bound']:.3g}, "
+            f"B {int(easier['batch_size'])}→{int(harder['batch_size'])}" for _, label, harder, easier in items)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["condition", "comparisons", "best C", "best B", "details"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Search metadata
+# ---------------------------------------------------------------------------------------------
+
+def min_steps(results: Results) -> dict[str, int]:
+    """T_min of the min-step rule per task, read from the search specs (``min_steps`` key).
+
+    Tasks whose spec does not state it are absent (the rule's bound is then unknown); with
+    several searches of one task the largest bound applies.
+    """
+    bounds: dict[str, int] = {}
+    specs = results.search.drop_duplicates("search_id")[["search_id", "spec_yaml"]]
+    for search_id, spec_yaml in specs.itertuples(index=False):
+        spec = yaml.safe_load(spec_yaml) if spec_yaml else None
+        if not (isinstance(spec, dict) and "min_steps" in spec):
+            continue
+        for task in results.trials.loc[results.trials["search_id"] == search_id, "task"].unique():
+            bounds[task] = max(bounds.get(task, 0), int(spec["min_steps"]))
+    return bounds
+

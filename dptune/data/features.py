@@ -1,0 +1,196 @@
+"""Frozen-backbone features for ``peft == "head"``: encode once, cache on disk, reuse.
+
+Text is mean-pooled over the attention mask (``dptune.models.TextEncoder``); images use the
+backbone's own pooled output. Encoding runs in fp32 under ``torch.inference_mode`` on CUDA when
+available, else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
+``torch.set_num_threads`` says otherwise). Text is sorted by token count and batched by a token
+budget, each batch padded only to its own longest document (dynamic padding): the attention mask
+makes this equal to padding every document to ``max_tokens`` up to float rounding.
+
+Cache: ``dptune.paths.cache_dir("features")/<dataset>-<backbone>-<key>.npy`` (float32,
+``(rows, feature_dim)``, rows in the dataset's raw order) plus a ``.json`` with the key. The key
+hashes the dataset name and content fingerprint, the backbone name and a sha256 of its weights,
+``max_tokens``/``image_size``, the pooling, and (for capped test subsets only) the row set.
+Writes are atomic (temporary file + ``os.replace``) under an exclusive ``flock``: a second
+process encoding the same key waits and then reads the first one's file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from dptune.data.sources import ImageFiles, RawDataset
+from dptune.paths import cache_dir
+
+FORMAT_VERSION = 1
+TEXT_BATCH_TOKENS = 16384  # tokens per text batch (e.g. 128 documents of 128 tokens)
+IMAGE_BATCH = 256
+
+
+def weights_fingerprint(module: nn.Module) -> str:
+    """sha256 over the module's state dict (names, dtypes, shapes, values): the weights' identity."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}\n".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def encoding_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def encode_texts(extractor: nn.Module, tokenizer, texts: list[str], max_tokens: int, feature_dim: int) -> np.ndarray:
+    """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens``."""
+    from tqdm.auto import tqdm
+
+    device = encoding_device()
+    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"]
+    lengths = np.array([len(row) for row in ids])
+    order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
+    features = np.empty((len(texts), feature_dim), dtype=np.float32)
+    extractor = extractor.to(device).eval()
+    with torch.inference_mode(), tqdm(total=len(texts), desc="encoding text", unit="doc", disable=None) as bar:
+        start = 0
+        while start < len(order):
+            longest = int(lengths[order[start]])
+            chunk = order[start : start + max(1, TEXT_BATCH_TOKENS // longest)]
+            input_ids = torch.full((len(chunk), longest), tokenizer.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+            for position, row in enumerate(chunk):
+                input_ids[position, : lengths[row]] = torch.tensor(ids[row])
+                attention_mask[position, : lengths[row]] = 1
+            output = extractor(input_ids.to(device), attention_mask.to(device))
+            features[chunk] = output.float().cpu().numpy()
+            start += len(chunk)
+            bar.update(len(chunk))
+    return features
+
+
+def encode_images(extractor: nn.Module, images: torch.Tensor | ImageFiles, rows: np.ndarray, feature_dim: int) -> np.ndarray:
+    """Features ``(len(rows), feature_dim)`` float32 of ``images[rows]`` (uint8 in [0, 255])."""
+    from tqdm.auto import tqdm
+
+    device = encoding_device()
+    if isinstance(images, torch.Tensor):
+        batches: Iterator = (images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH))
+    else:
+        workers = min(8, os.cpu_count() or 1)
+        batches = (batch[0] for batch in DataLoader(Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers))
+    features = np.empty((len(rows), feature_dim), dtype=np.float32)
+    extractor = extractor.to(device).eval()
+    done = 0
+    with torch.inference_mode(), tqdm(total=len(rows), desc="encoding images", unit="img", disable=None) as bar:
+        for batch in batches:
+            features[done : done + len(batch)] = extractor(batch.to(device)).float().cpu().numpy()
+            done += len(batch)
+            bar.update(len(batch))
+    return features
+
+
+def encode_rows(extractor: nn.Module, raw: RawDataset, rows: np.ndarray, backbone: str, max_tokens: int | None, feature_dim: int) -> np.ndarray:
+    """Encode ``raw`` rows ``rows`` with the frozen ``extractor`` of ``backbone`` (no cache)."""
+    from dptune.models import load_tokenizer
+
+    if raw.modality == "text":
+        texts = [raw.inputs[row] for row in rows]
+        return encode_texts(extractor, load_tokenizer(backbone), texts, max_tokens, feature_dim)
+    return encode_images(extractor, raw.inputs, rows, feature_dim)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read(path: Path, rows: int, feature_dim: int) -> np.ndarray | None:
+    if not path.exists():
+        return None
+    features = np.load(path)
+    if features.shape != (rows, feature_dim) or features.dtype != np.float32:
+        return None  # stale or foreign file: re-encode and overwrite
+    return features
+
+
+def cached_features(
+    raw: RawDataset,
+    rows: np.ndarray | None,
+    backbone: str,
+    *,
+    max_tokens: int | None,
+    image_size: int | None,
+) -> np.ndarray:
+    """Features of ``raw`` rows ``rows`` (``None`` = every row, the normal case), from the cache
+    or encoded once and cached. Returns ``(len(rows), feature_dim)`` float32 in ``rows`` order.
+
+    A full-dataset cache entry serves any subset; a capped subset that finds none encodes just
+    its rows and caches them under a key that includes the row set.
+    """
+    from dptune.models import BACKBONES, build_feature_extractor
+
+    info = BACKBONES[backbone]
+    extractor = build_feature_extractor(backbone, image_size=image_size)
+    key = {
+        "format": FORMAT_VERSION,
+        "dataset": raw.name,
+        "data_sha256": raw.fingerprint,
+        "backbone": backbone,
+        "weights_sha256": weights_fingerprint(extractor),
+        "max_tokens": max_tokens if raw.modality == "text" else None,
+        "image_size": image_size if raw.modality == "image" else None,
+        "pooling": "attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output",
+    }
+    folder = cache_dir("features")
+    full_path = folder / _file_name(raw.name, backbone, key)
+    total = len(raw.labels)
+    full = _read(full_path, total, info.feature_dim)
+    if full is not None:
+        return full if rows is None else full[rows]
+    if rows is None:
+        target_rows, path = np.arange(total), full_path
+    else:
+        target_rows = np.unique(rows)
+        key["rows_sha256"] = hashlib.sha256(target_rows.astype(np.int64).tobytes()).hexdigest()
+        path = folder / _file_name(raw.name, backbone, key)
+    with _exclusive(path.with_name(path.name + ".lock")):
+        features = _read(path, len(target_rows), info.feature_dim)
+        if features is None:
+            features = encode_rows(extractor, raw, target_rows, backbone, max_tokens, info.feature_dim)
+            _atomic_write(path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode()))
+            _atomic_write(path, lambda h: np.save(h, features))
+    if rows is None:
+        return features
+    return features[np.searchsorted(target_rows, rows)]
+
+
+def _file_name(dataset: str, backbone: str, key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return f"{dataset}-{backbone}-{digest}.npy"

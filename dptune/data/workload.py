@@ -1,0 +1,189 @@
+"""``load_workload``: spec → checked → raw dataset → seeded splits → model-ready datasets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from dptune.data import splits
+from dptune.data.features import cached_features
+from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
+from dptune.data.spec import Workload, WorkloadError, WorkloadSpec
+
+
+class LabelledImages(Dataset):
+    """Rows ``rows`` of lazily read images with their (relabelled) labels: item = ``(image, label)``."""
+
+    def __init__(self, images: ImageFiles, rows: np.ndarray, labels: torch.Tensor) -> None:
+        self.images, self.rows, self.labels = images, rows, labels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (*self.images[int(self.rows[index])], self.labels[index])
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """Raw row ids of each split (sorted); ``kept[i]`` is the raw class id of workload label
+    ``i``; ``label_map`` maps raw class id → workload label (-1: class dropped)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+    kept: tuple[int, ...]
+    label_map: np.ndarray
+
+
+def check_spec(spec: WorkloadSpec) -> DatasetInfo:
+    """Every check that needs no data: raise :class:`WorkloadError` naming the problem and the
+    valid values. Returns the dataset's registry entry."""
+    from dptune.models import ModelError, check_model_request
+
+    if spec.dataset not in DATASETS:
+        raise WorkloadError(f"unknown dataset {spec.dataset!r}; choose one of {list_datasets()}")
+    info = DATASETS[spec.dataset]
+    try:
+        backbone = check_model_request(spec.backbone, spec.peft, feature_input=spec.peft == "head")
+    except ModelError as error:
+        raise WorkloadError(str(error)) from error
+    if backbone.modality != info.modality:
+        raise WorkloadError(
+            f"backbone {spec.backbone!r} takes {backbone.modality}, dataset {spec.dataset!r} is "
+            f"{info.modality}; pick a {info.modality} backbone"
+        )
+    if spec.peft == "head" and not backbone.has_pretrained_weights:
+        raise WorkloadError(
+            f"backbone {spec.backbone!r} is trained from scratch, so peft 'head' would fit a linear "
+            f"probe on random features; use peft 'full' (or 'film')"
+        )
+    if not isinstance(spec.seed, int) or spec.seed < 0:
+        raise WorkloadError(f"seed must be a non-negative integer, got {spec.seed!r}")
+    if not 0.0 < spec.fraction <= 1.0:
+        raise WorkloadError(f"fraction must be in (0, 1], got {spec.fraction}")
+    if spec.examples_per_class is not None:
+        if spec.examples_per_class < 1:
+            raise WorkloadError(f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}")
+        if spec.fraction < 1.0:
+            raise WorkloadError("give either fraction < 1 or examples_per_class, not both")
+    if spec.classes is not None:
+        valid = range(info.num_classes)
+        unknown = [c for c in spec.classes if not isinstance(c, (int, np.integer)) or c not in valid]
+        if unknown:
+            raise WorkloadError(
+                f"unknown class ids {unknown} for {spec.dataset!r}; valid ids are 0..{info.num_classes - 1}"
+            )
+        if len(set(spec.classes)) != len(spec.classes) or len(spec.classes) < 2:
+            raise WorkloadError(f"classes must be at least 2 distinct ids, got {spec.classes}")
+    if not 0.0 < spec.validation_fraction < 1.0:
+        raise WorkloadError(f"validation_fraction must be in (0, 1), got {spec.validation_fraction}")
+    if spec.max_tokens is not None:
+        if info.modality != "text":
+            raise WorkloadError(f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}")
+        if spec.max_tokens < 8:
+            raise WorkloadError(f"max_tokens must be >= 8, got {spec.max_tokens}")
+    for name in ("max_train_examples", "max_eval_examples"):
+        value = getattr(spec, name)
+        if value is not None and value < 1:
+            raise WorkloadError(f"{name} must be >= 1 (or None for no cap), got {value}")
+    return info
+
+
+def split_rows(labels: np.ndarray, num_official_train: int | None, spec: WorkloadSpec) -> SplitRows:
+    """Seeded stratified splits of a dataset's rows under ``spec`` (see ``dptune.data``).
+
+    Order: official test split (or a fixed-seed stratified ``TEST_FRACTION``); class subset on
+    all splits; validation carved from the training rows with ``spec.seed``; then ``fraction``
+    or ``examples_per_class`` on the training rows; then the test-only caps.
+    """
+    everything = np.arange(len(labels))
+    if num_official_train is None:
+        test, train = splits.carve(everything, labels, splits.TEST_FRACTION, np.random.default_rng(splits.TEST_SPLIT_SEED))
+    else:
+        train, test = everything[:num_official_train], everything[num_official_train:]
+    label_map = np.full(int(labels.max()) + 1, -1, dtype=np.int64)
+    kept = tuple(int(c) for c in spec.classes) if spec.classes is not None else tuple(range(len(label_map)))
+    label_map[list(kept)] = np.arange(len(kept))
+    train, test = train[label_map[labels[train]] >= 0], test[label_map[labels[test]] >= 0]
+
+    val, train = splits.carve(train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION))
+    if spec.fraction < 1.0:
+        train = splits.stratified_sample(
+            train, labels, max(1, round(spec.fraction * len(train))), splits.stream(spec.seed, splits._FRACTION)
+        )
+    if spec.examples_per_class is not None:
+        counts = np.bincount(labels[train], minlength=len(label_map))
+        short = [int(c) for c in kept if counts[c] < spec.examples_per_class]
+        if short:
+            raise WorkloadError(
+                f"examples_per_class={spec.examples_per_class} exceeds the training examples of "
+                f"class(es) {short} (smallest has {min(counts[c] for c in short)} after the validation split)"
+            )
+        train = splits.per_class(train, labels, spec.examples_per_class, splits.stream(spec.seed, splits._EXAMPLES_PER_CLASS))
+    train = splits.cap(train, labels, spec.max_train_examples, splits.stream(spec.seed, splits._CAP))
+    val = splits.cap(val, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 1))
+    test = splits.cap(test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2))
+    return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
+
+
+def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Workload:
+    """Build the train/validation/test datasets of ``spec`` (see ``dptune.data`` and
+    :class:`Workload`). ``data_dir`` overrides ``$DPTUNE_DATA_DIR`` for on-disk datasets.
+
+    The spec is checked before anything is read; for ``peft == "head"`` the frozen pretrained
+    backbone's features come from the cache (encoded on first use: every row of the dataset,
+    or only the kept rows when ``max_train_examples``/``max_eval_examples`` cap the splits).
+    """
+    from dptune.models import BACKBONES
+
+    info = check_spec(spec)
+    backbone = BACKBONES[spec.backbone]
+    raw = info.load(data_dir, backbone.image_size or 224)
+    rows = split_rows(raw.labels, raw.num_official_train, spec)
+    labels = {name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")}
+    max_tokens = spec.max_tokens or backbone.max_tokens
+    common = {"spec": spec, "num_classes": len(rows.kept), "class_names": [raw.class_names[c] for c in rows.kept]}
+    if spec.peft == "head":
+        capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
+        needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
+        features = cached_features(raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size)
+        position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
+        datasets = {
+            name: TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name])
+            for name in labels
+        }
+        return Workload(**common, **datasets, modality="features", feature_dim=backbone.feature_dim)
+    if raw.modality == "text":
+        datasets = {name: _tokenized(raw, getattr(rows, name), spec.backbone, max_tokens, labels[name]) for name in labels}
+        return Workload(**common, **datasets, modality="text", max_tokens=max_tokens)
+    datasets = {name: _images(raw, getattr(rows, name), labels[name]) for name in labels}
+    return Workload(**common, **datasets, modality="image", image_size=backbone.image_size)
+
+
+def _positions(needed: np.ndarray, total: int) -> np.ndarray:
+    """Map raw row id → position in ``needed`` (the row order of the returned features)."""
+    position = np.full(total, -1, dtype=np.int64)
+    position[needed] = np.arange(len(needed))
+    return position
+
+
+def _tokenized(raw: RawDataset, rows: np.ndarray, backbone: str, max_tokens: int, labels: torch.Tensor) -> TensorDataset:
+    from dptune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(backbone)
+    encoded = tokenizer(
+        [raw.inputs[row] for row in rows], truncation=True, max_length=max_tokens,
+        padding="max_length", return_tensors="pt",
+    )
+    return TensorDataset(encoded["input_ids"].long(), encoded["attention_mask"].long(), labels)
+
+
+def _images(raw: RawDataset, rows: np.ndarray, labels: torch.Tensor) -> Dataset:
+    if isinstance(raw.inputs, torch.Tensor):
+        return TensorDataset(raw.inputs[torch.from_numpy(rows)], labels)
+    return LabelledImages(raw.inputs, rows, labels)

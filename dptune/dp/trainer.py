@@ -1,0 +1,352 @@
+"""The implementation of :func:`dptune.trial.run_trial`: one DP fine-tune, from config to result.
+
+Order of work, so that bad input fails before compute: (1) the config's values and names are
+checked against the registries; (2) the workload is loaded and B ≤ N checked; (3) the model is
+built and checked for DP (no trainable BatchNorm); (4) σ is calibrated for (ε, δ, q = B/N,
+T = E·round(N/B)); then (5) exactly T Poisson steps run, E epochs of ``steps_per_epoch``, with
+evaluation after each epoch, diagnostics at epochs 0, ⌈E/2⌉ and E, and the test set after the last.
+
+A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
+exception). ε spent is the PRV accountant's for the steps actually taken, which is ≤ ε by
+calibration. Same seed and device → same result (CPU: bit-identical).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from dptune.data import DATASETS, Workload, WorkloadSpec, load_workload
+from dptune.dp.clipping import check_rule
+from dptune.dp.diagnostics import diagnose, probe_gradients
+from dptune.dp.engine import DPEngine, DPStepSpec, check_engine, select_engine, summed_cross_entropy
+from dptune.dp.opacus_engine import autocast
+from dptune.dp.optimizers import build_optimizer, check_optimizer
+from dptune.dp.sampling import physical_batches, poisson_loader
+from dptune.models import BACKBONES, PEFTS, build_model, check_dp_compatible, trainable_parameter_count
+from dptune.plan import sample_rate, steps_per_epoch, total_steps
+from dptune.privacy import calibrate_noise_multiplier, check_delta, epsilon_spent
+from dptune.trial import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialResult
+
+#: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32);
+#: the probe shrinks below ``diagnostic_examples`` when n·d·4 would exceed it.
+PROBE_MEMORY_BYTES = 1 << 30
+
+
+def _choices(registry: Mapping[str, object]) -> str:
+    return ", ".join(sorted(registry))
+
+
+def check_config(config: TrialConfig) -> torch.device:
+    """Raise :class:`TrialConfigError` (naming the value and the allowed ones) for a bad config.
+
+    Cheap checks only (no data, no weights). Returns the device the trial runs on.
+    """
+    for kind, value, registry in (
+        ("dataset", config.dataset, DATASETS),
+        ("backbone", config.backbone, BACKBONES),
+        ("peft", config.peft, PEFTS),
+    ):
+        if value not in registry:
+            raise TrialConfigError(f"{kind} {value!r} is unknown; choose one of {_choices(registry)}")
+    try:
+        check_rule(config.clipping)
+        check_optimizer(config.optimizer)
+        check_engine(config.engine)
+    except ValueError as error:
+        raise TrialConfigError(str(error)) from error
+    positive = {
+        "epsilon": config.epsilon,
+        "epochs": config.epochs,
+        "clip_bound": config.clip_bound,
+        "batch_size": config.batch_size,
+        "learning_rate": config.learning_rate,
+        "max_physical_batch_size": config.max_physical_batch_size,
+        "diagnostic_examples": config.diagnostic_examples,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            raise TrialConfigError(f"{name} must be > 0, got {value}")
+    if not 0 < config.delta < 1:
+        raise TrialConfigError(f"delta must be in (0, 1), got {config.delta}")
+    if config.threads is not None and config.threads < 1:
+        raise TrialConfigError(f"threads must be ≥ 1 or None, got {config.threads}")
+    return resolve_device(config.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; ``"cpu"``, ``"cuda"``, ``"cuda:<i>"`` as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise TrialConfigError(f"device {name!r} is not a device; use auto, cpu, cuda or cuda:<index>") from error
+    if device.type not in ("cpu", "cuda"):
+        raise TrialConfigError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:<index>")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrialConfigError(f"device {name!r} requested but CUDA is not available here; use cpu or auto")
+    return device
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(threads)`` (unchanged when None), restoring it after."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy."""
+
+    loss: float
+    accuracy: float
+    correct_per_class: np.ndarray
+    examples_per_class: np.ndarray
+
+    def class_accuracy(self) -> dict[int, float]:
+        """Accuracy of every class present in the split."""
+        present = np.flatnonzero(self.examples_per_class)
+        return {int(c): float(self.correct_per_class[c] / self.examples_per_class[c]) for c in present}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    num_classes: int,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> Evaluation:
+    """Evaluate ``model`` (eval mode) on ``dataset`` in batches of ``batch_size``."""
+    model.eval()
+    loss = 0.0
+    correct = torch.zeros(num_classes, dtype=torch.int64)
+    total = torch.zeros(num_classes, dtype=torch.int64)
+    for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        *inputs, labels = (t.to(device, non_blocking=True) for t in batch)
+        with autocast(device.type, autocast_dtype):
+            logits = model(*inputs)
+        loss += float(summed_cross_entropy(logits, labels))
+        labels = labels.cpu()
+        hits = (logits.argmax(dim=1).cpu() == labels).long()
+        correct += torch.bincount(labels, weights=hits, minlength=num_classes).long()
+        total += torch.bincount(labels, minlength=num_classes)
+    examples = int(total.sum())
+    return Evaluation(
+        loss=loss / examples,
+        accuracy=float(correct.sum()) / examples,
+        correct_per_class=correct.numpy(),
+        examples_per_class=total.numpy(),
+    )
+
+
+def diagnostic_epochs(epochs: int) -> list[int]:
+    """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
+    return sorted({0, math.ceil(epochs / 2), epochs})
+
+
+class _Trial:
+    """State of one running trial (built by :func:`run` after every check has passed)."""
+
+    def __init__(self, config: TrialConfig, device: torch.device, workload: Workload) -> None:
+        self.config = config
+        self.device = device
+        self.workload = workload
+        self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+        model_seed, sampling_seed, noise_seed, probe_seed = np.random.SeedSequence(config.seed).generate_state(4)
+        torch.manual_seed(int(model_seed))
+        num_train = len(workload.train)
+        self.model = build_model(
+            config.backbone, config.peft, workload.num_classes, feature_input=workload.modality == "features"
+        ).to(device)
+        check_dp_compatible(self.model)
+        self.sample_rate = sample_rate(num_train, config.batch_size)
+        self.steps_per_epoch = steps_per_epoch(num_train, config.batch_size)
+        self.steps = total_steps(num_train, config.batch_size, config.epochs)
+        self.noise_multiplier = calibrate_noise_multiplier(config.epsilon, config.delta, self.sample_rate, self.steps)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(config.optimizer, trainable, config.learning_rate)
+        spec = DPStepSpec(
+            noise_multiplier=self.noise_multiplier,
+            clip_bound=config.clip_bound,
+            rule=config.clipping,
+            expected_batch_size=self.sample_rate * num_train,
+            autocast_dtype=self.autocast_dtype,
+        )
+        self.spec = spec
+        noise_generator = torch.Generator(device=device).manual_seed(int(noise_seed))
+        factory = select_engine(config.engine, self.model, config.peft)
+        self.engine: DPEngine = factory(self.model, spec, noise_generator)
+        self.loader = poisson_loader(
+            workload.train,
+            self.sample_rate,
+            self.steps_per_epoch,
+            torch.Generator().manual_seed(int(sampling_seed)),
+        )
+        self.probe_indices = self._probe_indices(int(probe_seed), trainable_parameter_count(self.model))
+
+    def _probe_indices(self, seed: int, dimension: int) -> torch.Tensor:
+        """A fixed (by seed) subset of ≤ ``diagnostic_examples`` training examples within memory."""
+        fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
+        size = min(self.config.diagnostic_examples, len(self.workload.train), fits)
+        return torch.randperm(len(self.workload.train), generator=torch.Generator().manual_seed(seed))[:size]
+
+    def new_result(self) -> TrialResult:
+        workload = self.workload
+        return TrialResult(
+            config=self.config,
+            status="ok",
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate,
+            steps=self.steps,
+            num_train=len(workload.train),
+            num_val=len(workload.val),
+            num_test=len(workload.test),
+            num_classes=workload.num_classes,
+            trainable_parameters=trainable_parameter_count(self.model),
+            device=str(self.device),
+            engine=self.engine.name,
+            class_names=dict(enumerate(workload.class_names)),
+        )
+
+    def diagnose(self, epoch: int) -> Diagnostics:
+        """The paper's diagnostics on the probe, without disturbing the training RNG streams."""
+        start = time.perf_counter()
+        probe = default_collate([self.workload.train[int(i)] for i in self.probe_indices])
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            self.model.train()
+            gradients = probe_gradients(
+                self.model,
+                physical_batches(tuple(probe), self.config.max_physical_batch_size, self.device),
+                self.autocast_dtype,
+            )
+        record = diagnose(
+            gradients,
+            epoch=epoch,
+            clip_bound=self.config.clip_bound,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.spec.expected_batch_size,
+        )
+        record.wall_time_s = time.perf_counter() - start
+        return record
+
+    def evaluate(self, dataset: Dataset) -> Evaluation:
+        return evaluate(
+            self.model,
+            dataset,
+            self.workload.num_classes,
+            self.config.max_physical_batch_size,
+            self.device,
+            self.autocast_dtype,
+        )
+
+    def run(self, report: Reporter | None) -> TrialResult:
+        config = self.config
+        result = self.new_result()
+        probe_epochs = diagnostic_epochs(config.epochs) if config.diagnostics else []
+        start = time.perf_counter()
+        steps_taken = 0
+        examples_seen = 0
+        train_time = 0.0
+        if 0 in probe_epochs:
+            result.diagnostics.append(self.diagnose(0))
+        for epoch in range(1, config.epochs + 1):
+            epoch_start = time.perf_counter()
+            self.model.train()
+            epoch_loss = 0.0
+            epoch_examples = 0
+            for batch in self.loader:
+                loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
+                steps_taken += 1
+                if not math.isfinite(loss):
+                    result.status = "diverged"
+                    result.reason = f"non-finite training loss ({loss}) at step {steps_taken} (epoch {epoch})"
+                    break
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                epoch_loss += loss
+                epoch_examples += len(batch[-1])
+            epoch_train_time = time.perf_counter() - epoch_start
+            train_time += epoch_train_time
+            examples_seen += epoch_examples
+            if result.status == "diverged":
+                break
+            val = self.evaluate(self.workload.val)
+            if not math.isfinite(val.loss):
+                result.status = "diverged"
+                result.reason = f"non-finite validation loss ({val.loss}) after epoch {epoch}"
+                break
+            test = self.evaluate(self.workload.test) if epoch == config.epochs else None
+            metrics = EpochMetrics(
+                epoch=epoch,
+                steps=steps_taken,
+                train_loss=epoch_loss / max(epoch_examples, 1),
+                val_loss=val.loss,
+                val_accuracy=val.accuracy,
+                wall_time_s=time.perf_counter() - epoch_start,
+                examples_per_s=epoch_examples / epoch_train_time,
+                test_accuracy=None if test is None else test.accuracy,
+            )
+            result.epochs.append(metrics)
+            if test is not None:
+                result.val_accuracy = val.accuracy
+                result.test_accuracy = test.accuracy
+                result.train_loss = metrics.train_loss
+                result.class_accuracy = test.class_accuracy()
+            if report is not None:
+                report(metrics)
+            if epoch in probe_epochs:
+                result.diagnostics.append(self.diagnose(epoch))
+        result.wall_time_s = time.perf_counter() - start
+        result.examples_per_s = examples_seen / train_time if train_time > 0 else 0.0
+        result.diagnostics_wall_time_s = sum(d.wall_time_s for d in result.diagnostics)
+        result.epsilon_spent = (
+            epsilon_spent(self.noise_multiplier, self.sample_rate, steps_taken, config.delta) if steps_taken else 0.0
+        )
+        return result
+
+
+def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
+    """Check ``config``, load and build everything, then train; see the module docstring."""
+    device = check_config(config)
+    with torch_threads(config.threads):
+        workload = load_workload(
+            WorkloadSpec(
+                dataset=config.dataset,
+                backbone=config.backbone,
+                peft=config.peft,
+                seed=config.seed,
+                fraction=config.fraction,
+                examples_per_class=config.examples_per_class,
+                classes=config.classes,
+                max_tokens=config.max_tokens,
+                validation_fraction=config.validation_fraction,
+                max_train_examples=config.max_train_examples,
+                max_eval_examples=config.max_eval_examples,
+            )
+        )
+        num_train = len(workload.train)
+        if config.batch_size > num_train:
+            raise TrialConfigError(
+                f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
+                f"{config.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
+            )
+        check_delta(config.delta, num_train)
+        return _Trial(config, device, workload).run(report)

@@ -1,0 +1,168 @@
+"""Shared pytest fixtures. Append new fixtures at the end; several people edit this file."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- a local Ray head
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A Ray head started by the ``ray_head`` fixture, configured like dptune's cluster head.
+
+    ``address`` is the GCS address (``host:port``, for ``RAY_ADDRESS``/``ray.init``);
+    ``dashboard_url`` the job API (``http://127.0.0.1:PORT``, for ``ray job submit --address``);
+    ``env`` the environment a client needs: ``RAY_AUTH_MODE=token``, the cluster's token in
+    ``RAY_AUTH_TOKEN``, and the venv's ``bin`` first on ``PATH`` (so ``ray`` and ``python`` are the
+    venv's); ``token`` the token itself.
+    """
+
+    address: str
+    dashboard_url: str
+    env: dict[str, str]
+    token: str
+    pid: int
+    temp_dir: Path
+
+    def job_api_status(self, token: str | None) -> int:
+        """HTTP status of ``GET /api/jobs/`` sent with ``token`` (or none); 0 if nothing answers."""
+        return _job_api_status(self.dashboard_url, token)
+
+
+_HEAD_START_TIMEOUT_S = 120.0
+_HEAD_STOP_TIMEOUT_S = 60.0
+# The ports `ray start --head` would otherwise take at fixed defaults (6379, 8265, 10001, 52365, ...),
+# so that this head never collides with another one on the machine.
+_PORT_FLAGS = (
+    "--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+    "--node-manager-port", "--object-manager-port",
+)
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that are free right now (held open together while chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _job_api_status(dashboard_url: str, token: str | None) -> int:
+    """HTTP status of ``GET /api/jobs/`` (0 while the job server does not answer yet)."""
+    request = urllib.request.Request(f"{dashboard_url}/api/jobs/")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (our head's unique temp folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _stop_head(process: subprocess.Popen, temp_dir: Path) -> None:
+    """SIGTERM the ``ray start --block`` process (it stops the Ray processes it started), then
+    SIGKILL, by PID, anything of this head still alive. Never ``ray stop``: that kills every Ray
+    on the machine, other people's included."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=_HEAD_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 10
+    while (leftovers := _processes_mentioning(str(temp_dir))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> Iterator[RayHead]:
+    """A real Ray 2.60 head on this machine, set up like the KubeRay head of ``cluster/``.
+
+    Token authentication on (``RAY_AUTH_MODE=token`` with a fresh random token, as KubeRay's
+    ``authOptions`` sets on every Ray container); dashboard and job server on loopback only;
+    2 CPUs, no GPU; started in the repository root from the venv, as the image starts Ray in
+    its WORKDIR, so a job's ``python`` and its relative paths resolve as they do on the cluster.
+    Every port is chosen free, the temp folder is private, and teardown stops exactly the
+    processes this head started.
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: Ray's socket paths are length-limited
+    token = secrets.token_hex(32)
+    venv_bin = str(Path(sys.executable).parent)
+    client_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    client_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+                       "PATH": f"{venv_bin}{os.pathsep}{client_env.get('PATH', '')}"})
+    head_env = {**client_env, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                # stop at once on SIGTERM instead of draining (nothing here needs draining)
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    command = [str(Path(venv_bin, "ray")), "start", "--head", "--block", "--temp-dir", str(temp_dir),
+               "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", "2",
+               "--num-gpus", "0", "--disable-usage-stats"]
+    for flag, port in ports.items():
+        command += [flag, str(port)]
+    log_path = temp_dir / "ray-start.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=head_env, stdout=log, stderr=subprocess.STDOUT)
+    dashboard_url = f"http://127.0.0.1:{ports['--dashboard-port']}"
+    address_file = temp_dir / "ray_current_cluster"  # written once `ray start` has finished starting
+    try:
+        deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
+        while not (address_file.is_file() and _job_api_status(dashboard_url, token) == 200):
+            if process.poll() is not None or time.monotonic() > deadline:
+                log_tail = log_path.read_text(errors="replace")[-4000:]
+                pytest.fail(f"Ray head did not serve its job API at {dashboard_url} within "
+                            f"{_HEAD_START_TIMEOUT_S:.0f} s (exit code {process.poll()}); log:\n{log_tail}")
+            time.sleep(0.5)
+        yield RayHead(address=address_file.read_text().strip(), dashboard_url=dashboard_url,
+                      env=client_env, token=token, pid=process.pid, temp_dir=temp_dir)
+    finally:
+        _stop_head(process, temp_dir)

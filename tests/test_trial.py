@@ -1,0 +1,183 @@
+"""run_trial end to end on the embedded 20 Newsgroups + MiniLM workload (small subsets, real weights)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import dptune.dp.trainer as trainer
+from dptune.models import ModelError
+from dptune.paths import CACHE_ENV
+from dptune.plan import sample_rate, total_steps
+from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
+from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialResult, run_trial
+
+BASE = TrialConfig(
+    dataset="20newsgroups",
+    backbone="minilm",
+    peft="head",
+    epsilon=8.0,
+    delta=1e-5,
+    epochs=4,
+    clip_bound=0.5,
+    batch_size=20,
+    learning_rate=0.05,
+    base_learning_rate=0.05,
+    optimizer="adam",
+    clipping="normalized",
+    seed=3,
+    max_train_examples=100,
+    max_eval_examples=60,
+    engine="opacus",
+    max_physical_batch_size=16,
+    threads=1,
+    diagnostic_examples=40,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One fresh dptune cache (features, σ calibrations) shared by this module's trials."""
+    folder = tmp_path_factory.mktemp("dptune-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def reported() -> list[EpochMetrics]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def result(reported: list[EpochMetrics]) -> TrialResult:
+    return run_trial(BASE, reported.append)
+
+
+def test_trial_runs_the_planned_poisson_steps_at_the_calibrated_noise(
+    result: TrialResult, reported: list[EpochMetrics]
+) -> None:
+    n = result.num_train
+    assert result.status == "ok", result.reason
+    assert result.sample_rate == pytest.approx(sample_rate(n, BASE.batch_size))
+    assert result.steps == total_steps(n, BASE.batch_size, BASE.epochs)
+    assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate, result.steps)
+    assert [m.steps for m in result.epochs] == [result.steps * e // BASE.epochs for e in range(1, BASE.epochs + 1)]
+    assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, result.steps, BASE.delta)
+    assert 0.9 * BASE.epsilon < result.epsilon_spent <= BASE.epsilon
+    assert result.engine == "opacus"
+
+
+def test_trial_records_epochs_test_accuracy_and_classes(result: TrialResult, reported: list[EpochMetrics]) -> None:
+    assert reported == result.epochs and len(reported) == BASE.epochs
+    assert all(m.test_accuracy is None for m in reported[:-1])
+    assert reported[-1].test_accuracy == result.test_accuracy
+    assert result.val_accuracy == reported[-1].val_accuracy
+    assert all(m.examples_per_s > 0 and m.wall_time_s > 0 and math.isfinite(m.train_loss) for m in reported)
+    assert result.trainable_parameters == (384 + 1) * result.num_classes
+    assert set(result.class_accuracy) <= set(range(result.num_classes))
+    per_class_tested = {c: a for c, a in result.class_accuracy.items()}
+    assert all(0.0 <= a <= 1.0 for a in per_class_tested.values())
+    assert len(result.class_names) == result.num_classes
+    # a DP linear probe on 100 documents learns something: validation loss falls below log(k)
+    assert reported[-1].val_loss < math.log(result.num_classes)
+
+
+def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: TrialResult) -> None:
+    assert [d.epoch for d in result.diagnostics] == [0, 2, 4]
+    first, *_, last = result.diagnostics
+    assert len(first.grad_norms) == BASE.diagnostic_examples
+    assert first.labels == last.labels  # the same probe examples every time
+    assert first.grad_norms != last.grad_norms  # ... whose gradients training changed
+    for record in result.diagnostics:
+        assert record.dimension == result.trainable_parameters
+        assert record.noise_multiplier == result.noise_multiplier
+        assert record.expected_batch_size == pytest.approx(BASE.batch_size)
+        assert record.mse_variance == pytest.approx(
+            result.noise_multiplier**2 * BASE.clip_bound**2 * record.dimension / BASE.batch_size**2
+        )
+        assert record.optimal_clip_bound >= 0 and record.mse_bias >= 0
+        assert sum(c.examples for c in record.classes) == len(record.grad_norms)
+    assert result.diagnostics_wall_time_s == pytest.approx(sum(d.wall_time_s for d in result.diagnostics))
+    assert result.diagnostics_wall_time_s < result.wall_time_s
+
+
+def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
+    again = run_trial(BASE)
+    timing = ("wall_time_s", "examples_per_s", "diagnostics_wall_time_s", "epochs", "diagnostics")
+    strip = {k: v for k, v in asdict(again).items() if k not in timing}
+    assert strip == {k: v for k, v in asdict(result).items() if k not in timing}
+    for a, b in zip(again.epochs, result.epochs, strict=True):
+        assert (a.train_loss, a.val_loss, a.val_accuracy) == (b.train_loss, b.val_loss, b.val_accuracy)
+    assert [d.grad_norms for d in again.diagnostics] == [d.grad_norms for d in result.diagnostics]
+    undiagnosed = run_trial(replace(BASE, diagnostics=False))  # the probe leaves the training RNG alone
+    assert [m.val_loss for m in undiagnosed.epochs] == [m.val_loss for m in result.epochs]
+    assert undiagnosed.diagnostics == []
+
+
+def test_film_engine_is_chosen_automatically_for_a_head(result: TrialResult) -> None:
+    film = run_trial(replace(BASE, engine="auto", diagnostics=False))
+    assert film.engine == "film"
+    assert film.status == "ok"
+    assert film.noise_multiplier == result.noise_multiplier  # same (ε, δ, q, T)
+    assert film.epochs[-1].val_loss < math.log(film.num_classes)
+
+
+def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
+    diverged = run_trial(replace(BASE, learning_rate=1e38, diagnostics=False))  # Adam steps ≈ η: float32 overflows
+    assert diverged.status == "diverged"
+    assert "non-finite" in diverged.reason
+    assert len(diverged.epochs) < BASE.epochs
+    assert 0 < diverged.epsilon_spent < BASE.epsilon  # fewer steps than planned spent less privacy
+    assert math.isnan(diverged.test_accuracy)
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any attempt to calibrate σ (the step before training) fail the test."""
+
+    def forbidden(*args: object) -> float:
+        raise AssertionError("bad input reached σ calibration / training")
+
+    monkeypatch.setattr(trainer, "calibrate_noise_multiplier", forbidden)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dataset": "imagenet"}, "dataset 'imagenet' is unknown; choose one of 20newsgroups, "),
+        ({"backbone": "resnet50"}, "backbone 'resnet50' is unknown; choose one of .*minilm"),
+        ({"peft": "prompt"}, "peft 'prompt' is unknown; choose one of film, full, head, lora"),
+        ({"clipping": "hard"}, "standard, normalized, auto_s"),
+        ({"optimizer": "lion"}, "adam, sgd"),
+        ({"engine": "jax"}, "auto, opacus, film"),
+        ({"batch_size": 0}, "batch_size must be > 0"),
+        ({"delta": 1.5}, r"delta must be in \(0, 1\)"),
+        ({"device": "tpu"}, "device 'tpu'"),
+        ({"batch_size": 101}, "batch_size 101 exceeds the 100 training examples"),
+    ],
+)
+def test_bad_input_is_refused_before_training(change: dict, message: str, no_training: None) -> None:
+    with pytest.raises(TrialConfigError, match=message):
+        run_trial(replace(BASE, **change))
+
+
+def test_trainable_batch_norm_is_refused_before_training(no_training: None) -> None:
+    config = replace(
+        BASE, dataset="mnist5k", backbone="efficientnet_lite0", peft="full", max_train_examples=40, batch_size=8
+    )
+    with pytest.raises(ModelError, match="BatchNorm"):
+        run_trial(config)
+
+
+def test_threads_setting_applies_during_the_trial_only() -> None:
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    run_trial(replace(BASE, threads=2, diagnostics=False), lambda m: seen.append(torch.get_num_threads()))
+    assert seen == [2] * BASE.epochs
+    assert torch.get_num_threads() == before

@@ -14,7 +14,7 @@ have random weights (speed does not depend on them) and 100 classes (the anchors
 
 Timing: ``--warmup`` untimed steps per method, then ``--repeats`` rounds that each time every
 method for up to ``--steps`` steps (methods interleaved, so contention from other processes hits
-them alike); per method the median over rounds of the mean step time. On CUDA every timed
+them alike); per method the best round's mean step time (other processes only ever add time). On CUDA every timed
 interval starts and ends with ``torch.cuda.synchronize()`` and peak memory is recorded. Each
 (case, method) gets at most ``--case-cap-s`` seconds (fewer steps when a step is slow); cases
 left when ``--total-cap-s`` is spent are recorded as skipped. Results are rewritten after every
@@ -34,10 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -69,7 +68,7 @@ class Case:
 
 @dataclass
 class Timing:
-    """One method on one case: seconds per step (median over rounds), examples per second."""
+    """One method on one case: seconds per step (best round), examples per second."""
 
     method: str
     step_s: float = float("nan")
@@ -149,7 +148,8 @@ def time_steps(step: Callable[[], float], steps: int, device: torch.device) -> f
     return (time.perf_counter() - start) / steps
 
 
-def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> list[Timing]:
+def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> tuple[list[Timing], float]:
+    """Time every method on ``case``; also return the FiLM engine's relative gap to Opacus."""
     torch.manual_seed(0)
     model = build_model(case.backbone, "film", NUM_CLASSES, pretrained=False, image_size=case.image_size)
     model = model.to(device).train()
@@ -182,15 +182,32 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> list
                 timings[method].peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
     for timing in timings.values():
         if timing.rounds_s:
-            timing.step_s = statistics.median(timing.rounds_s)
+            timing.step_s = min(timing.rounds_s)
             timing.examples_per_s = case.batch_size / timing.step_s
     plain = timings["plain"].step_s
     for timing in timings.values():
         timing.ratio_to_plain = plain / timing.step_s
-    del steps, model
+    del steps
+    agreement = film_vs_opacus(model, batch, spec, device)
+    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return list(timings.values())
+    return list(timings.values()), agreement
+
+
+def film_vs_opacus(model: nn.Module, batch: tuple[torch.Tensor, ...], spec: DPStepSpec, device: torch.device) -> float:
+    """‖g_film − g_opacus‖ / ‖g_opacus‖ of the noise-free clipped gradient on the case's batch, in
+    the case's precision: a check that the timed engine computes what Opacus computes."""
+    noise_free = replace(spec, noise_multiplier=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    flats = []
+    for engine_type in (FilmEngine, OpacusEngine):
+        torch.manual_seed(0)  # the same dropout masks in both forwards
+        engine_type(model, noise_free, torch.Generator(device=device)).noisy_gradient([batch])
+        flats.append(torch.cat([p.grad.flatten() for p in params]))
+        for p in params:
+            p.grad = None
+    return float(torch.linalg.vector_norm(flats[0] - flats[1]) / torch.linalg.vector_norm(flats[1]))
 
 
 def environment(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
@@ -211,16 +228,16 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, obj
 def markdown(env: dict[str, object], results: list[dict[str, object]]) -> str:
     lines = [
         f"FiLM DP step, {env['device']}, torch {env['torch']}, timm {env['timm']}, opacus {env['opacus']}, "
-        f"{env['threads']} thread(s), {env['date']}. Examples/s (ratio to the plain step); "
-        f"median of {env['repeats']} rounds.",
+        f"{env['threads']} thread(s), {env['date']}. Examples/s (ratio to the plain step), "
+        f"best of {env['repeats']} rounds; last column: ‖g_FiLM − g_Opacus‖/‖g_Opacus‖ without noise.",
         "",
-        "| case | B | precision | plain | FiLM engine | Opacus hooks | peak GiB plain / FiLM / Opacus |",
-        "|---|---|---|---|---|---|---|",
+        "| case | B | precision | plain | FiLM engine | Opacus hooks | peak GiB plain / FiLM / Opacus | FiLM vs Opacus |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         case = result["case"]
         if "skipped" in result:
-            lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | {result['skipped']} | | | |")
+            lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | {result['skipped']} | | | | |")
             continue
         timings = {t["method"]: t for t in result["timings"]}
 
@@ -235,7 +252,8 @@ def markdown(env: dict[str, object], results: list[dict[str, object]]) -> str:
             "–" if timings[m]["peak_memory_gib"] is None else f"{timings[m]['peak_memory_gib']:.1f}" for m in METHODS
         )
         lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | "
-                     f"{cell('plain')} | {cell('film')} | {cell('opacus')} | {memory} |")
+                     f"{cell('plain')} | {cell('film')} | {cell('opacus')} | {memory} | "
+                     f"{result['film_vs_opacus_relative_difference']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,13 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             case_start = time.perf_counter()
             try:
-                timings = run_case(case, args, device)
+                timings, agreement = run_case(case, args, device)
             except Exception as error:  # noqa: BLE001 - e.g. out of memory building the model: next case
                 results.append({"case": asdict(case), "skipped": f"failed: {type(error).__name__}: {str(error)[:200]}"})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             else:
                 results.append({"case": asdict(case), "timings": [asdict(t) for t in timings],
+                                "film_vs_opacus_relative_difference": agreement,
                                 "wall_s": time.perf_counter() - case_start})
         write(args.out, env, results)
         print(markdown(env, results).splitlines()[-1], flush=True)

@@ -166,7 +166,8 @@ def load_results(paths: Sequence[str]) -> Results:
     check_results_paths(paths)
     tables = {name: pd.concat([read_table(path, name) for path in paths], ignore_index=True) for name in TABLES}
     trials = tables["trials"].drop_duplicates(["search_id", "trial_id"], keep="last").reset_index(drop=True)
-    trials["task"] = [task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)]
+    trials["task"] = pd.Series([task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)],
+                               index=trials.index, dtype="str")
     tuned = trials["clipping"] != AUTO_S
     trials["clip_bin"], clip_binned = log_bins(trials["clip_bound"].where(tuned, np.nan))
     trials["batch_bin"], batch_binned = log_bins(trials["batch_size"].astype(float))
@@ -325,6 +326,8 @@ def stratum_accuracy(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
 
     Classes without a stratum are ignored; a trial without class rows gets NaN.
     """
+    if strata.empty or results.classes.empty:
+        return pd.DataFrame(columns=["search_id", "trial_id", *STRATA])
     classes = results.classes.merge(strata[["task", "label", "stratum"]], on=["task", "label"])
     if classes.empty:
         return pd.DataFrame(columns=["search_id", "trial_id", *STRATA])
@@ -390,7 +393,7 @@ def optimal_settings(results: Results, near_optimal: float = NEAR_OPTIMAL) -> pd
                                      "near_optimal_trials"])
     threshold = best[[*CELL, "val_accuracy"]].rename(columns={"val_accuracy": "best_val"})
     near = tuned.merge(threshold, on=CELL)
-    near = near[near["val_accuracy"] >= near["best_val"] - near_optimal - 1e-12]
+    near = near[near["val_accuracy"] >= near["best_val"] - near_optimal - 1e-9]  # inclusive, float-safe
     spread = near.groupby(CELL).agg(clip_low=("clip_bound", "min"), clip_high=("clip_bound", "max"),
                                     batch_low=("batch_size", "min"), batch_high=("batch_size", "max"),
                                     near_optimal_trials=("trial_id", "size")).reset_index()
@@ -684,7 +687,7 @@ def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFram
     accuracy = stratum_accuracy(results, strata)
     best = with_strata(select_best(results.tuned, CELL), accuracy)
     columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping",
-               "optimizer", "val_accuracy", "test_accuracy", *STRATA, "trial_id"]
+               "optimizer", "val_accuracy", "test_accuracy", *STRATA, "search_id", "trial_id"]
     table = best[columns].copy()
     grid = accuracy_grid(results)
     setting = fixed_setting(grid)

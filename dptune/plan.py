@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dptune import __version__
-from dptune.privacy import MAX_EPSILON, calibrate_noise_multiplier, check_delta
+from dptune.privacy import MAX_EPSILON, MIN_EPSILON, calibrate_noise_multiplier, check_delta
 
 #: T_min of the min-step rule: the paper saw no convergence below ~20 steps on one dataset.
 DEFAULT_MIN_STEPS = 20
@@ -131,8 +131,9 @@ def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs
               min_steps: int, tolerance: float, base_learning_rate: float, reference_batch_size: int) -> None:
     if not _is_count(num_examples):
         raise ValueError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
-    if not epsilons or not all(0 < e <= MAX_EPSILON for e in epsilons):
-        raise ValueError(f"epsilons (--eps) must be one or more values in (0, {MAX_EPSILON:g}], got {list(epsilons)}")
+    if not epsilons or not all(MIN_EPSILON <= e <= MAX_EPSILON for e in epsilons):
+        raise ValueError(f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], "
+                         f"got {list(epsilons)}")
     if not 0 < delta < 1:
         raise ValueError(f"delta (--delta) must be in (0, 1), got {delta!r}")
     if not _is_count(epochs):

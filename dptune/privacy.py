@@ -76,7 +76,9 @@ NOISE_MULTIPLIER_RTOL = 1e-3
 #: target ε is so large that it gives no meaningful privacy (and the PRV grid becomes huge).
 MIN_NOISE_MULTIPLIER = 0.1
 MAX_NOISE_MULTIPLIER = 1e4
-#: Largest ε target accepted; 8 is the loosest budget in the paper.
+#: Range of ε targets accepted. The certified ε is at least EPSILON_ERROR, so a target must lie
+#: well above it; 8 is the loosest budget in the paper, far below the maximum.
+MIN_EPSILON = 0.05
 MAX_EPSILON = 50.0
 #: Bump when the calibration procedure changes: it is part of every cache key.
 METHOD_VERSION = "prv-coarse-secant-1"
@@ -96,10 +98,9 @@ class PrivacyParameterError(ValueError):
 
 
 def _real(name: str, value: object) -> float:
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise PrivacyParameterError(f"{name} must be a number, got {value!r}") from None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise PrivacyParameterError(f"{name} must be a number, got {value!r}")
+    number = float(value)
     if not math.isfinite(number):
         raise PrivacyParameterError(f"{name} must be finite, got {value!r}")
     return number
@@ -112,7 +113,8 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
 
 def _check_epsilon(epsilon: object, name: str = "epsilon") -> float:
     number = _real(name, epsilon)
-    _require(0 < number <= MAX_EPSILON, name, epsilon, f"in (0, {MAX_EPSILON:g}]")
+    _require(MIN_EPSILON <= number <= MAX_EPSILON, name, epsilon,
+             f"in [{MIN_EPSILON:g}, {MAX_EPSILON:g}] (the accountant certifies ε to within {EPSILON_ERROR:g})")
     return number
 
 
@@ -165,6 +167,7 @@ def check_delta(delta: float, num_examples: int) -> None:
 _memo: dict[tuple[object, ...], float] = {}
 
 
+@lru_cache(maxsize=1)
 def _accountant_identity() -> dict[str, object]:
     return {
         "prv_accountant": version("prv-accountant"),
@@ -388,7 +391,7 @@ def _calibrate(epsilon: float, delta: float, sample_rate: float, steps: int) -> 
                 f"noise_multiplier is searched in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}]")
 
     guess, slope = _gaussian_dp_guess(epsilon, delta, sample_rate, steps)
-    if guess > 2 * MAX_NOISE_MULTIPLIER:  # the Gaussian-DP view is accurate at large σ
+    if guess > 1.1 * MAX_NOISE_MULTIPLIER:  # Gaussian DP is exact for q = 1 and accurate at large σ
         raise PrivacyParameterError(describe(f"unreachable: it needs noise_multiplier ≈ {guess:.3g}"))
     x_min, x_max = math.log(MIN_NOISE_MULTIPLIER), math.log(MAX_NOISE_MULTIPLIER)
     log_target = math.log(epsilon)
@@ -414,7 +417,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     Guarantee: ``epsilon_spent(σ, q, T, δ) ≤ epsilon`` (the PRV accountant's upper bound), and σ is at
     most ``NOISE_MULTIPLIER_RTOL`` (relative) above the smallest σ with that property (a σ that
     fails lies within that distance). Raises ``PrivacyParameterError`` before any work for ε outside
-    (0, MAX_EPSILON], δ outside (0, 1), q outside (0, 1], T not an integer ≥ 1, and when the target
+    [MIN_EPSILON, MAX_EPSILON], δ outside (0, 1), q outside (0, 1], T not an integer ≥ 1, and when the target
     needs σ outside [MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER]. Memoised and cached on disk.
     """
     inputs = {

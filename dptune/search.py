@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -207,11 +208,15 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
     from ray.tune.search import Searcher
     from ray.tune.search.optuna import OptunaSearch
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     distributions: dict[str, Any] = {}
     grid: dict[str, list] = {}
-    all_batch_sizes = sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes)
-    distributions["batch_size"] = CategoricalDistribution(all_batch_sizes)
-    grid["batch_size"] = all_batch_sizes
+    # A grid is known in advance: its pruned points are recorded now and never offered to the
+    # sampler. Model-based and random samplers may propose a pruned B; MinStepPruning handles it.
+    is_grid = space.sampler.name == "grid"
+    offered = plan.feasible_batch_sizes if is_grid else tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
+    distributions["batch_size"] = CategoricalDistribution(list(offered))
+    grid["batch_size"] = list(offered)
     ranges = {"base_learning_rate": space.base_learning_rate}
     if plan.clipping != "auto_s":
         ranges["clip_bound"] = space.clip_bound
@@ -221,8 +226,12 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
             grid[name] = sorted(spec.values)
         else:
             distributions[name] = FloatDistribution(spec.low, spec.high, log=spec.log)
+    if is_grid:
+        for batch_size in plan.pruned_batch_sizes:
+            for point in itertools.product(*(grid[name] for name in ranges)):
+                record_pruned(context, plan, {"batch_size": batch_size, **dict(zip(ranges, point))}, space.min_steps)
     seed = space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
-    if space.sampler.name == "grid":
+    if is_grid:
         sampler = optuna.samplers.GridSampler(grid, seed=seed)
     elif space.sampler.name == "random":
         sampler = optuna.samplers.RandomSampler(seed=seed)

@@ -251,15 +251,41 @@ def _format_errors(path: Path, error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None = None) -> LoadedSpace:
-    """Validate YAML ``text``; ``overrides`` (nested dict) are merged in first (CLI flags)."""
-    path = Path(path)
+def _merge(base: dict, override: dict) -> dict:
+    """Deep-merge ``override`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def _read_mapping(text: str, path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Parse YAML into a mapping, resolving ``extends: other.yaml`` (relative to ``path``)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: a search space must be a YAML mapping of keys, got {type(data).__name__}")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    base_path = (path.parent / str(parent)).resolve()
+    if base_path in seen or not base_path.is_file():
+        problem = "a cycle" if base_path in seen else "no such file"
+        raise SpaceError(f"{path}: extends: {parent!r} is {problem} ({base_path})")
+    return _merge(_read_mapping(base_path.read_text(), base_path, (*seen, base_path)), data)
+
+
+def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None = None) -> LoadedSpace:
+    """Validate YAML ``text``; ``overrides`` (dotted keys) are applied first (CLI flags).
+
+    A file may start from another with ``extends: base.yaml`` (path relative to the file): its
+    keys are deep-merged over the base's. The hashed text is the fully resolved spec.
+    """
+    path = Path(path)
+    data = _read_mapping(text, path)
+    resolved = "extends:" in text
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -270,7 +296,8 @@ def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None
         space = SearchSpace.model_validate(data)
     except ValidationError as exc:
         raise SpaceError(_format_errors(path, exc)) from None
-    return LoadedSpace(space=space, path=path, text=text if not overrides else yaml.safe_dump(data, sort_keys=False))
+    text = yaml.safe_dump(data, sort_keys=False) if overrides or resolved else text
+    return LoadedSpace(space=space, path=path, text=text)
 
 
 def load_space(path: str | Path, overrides: dict | None = None) -> LoadedSpace:

@@ -166,3 +166,67 @@ def ray_head() -> Iterator[RayHead]:
                       env=client_env, token=token, pid=process.pid, temp_dir=temp_dir)
     finally:
         _stop_head(process, temp_dir)
+
+
+# --------------------------------------------------------------------------- a real tiny search
+
+#: Caps for every test search, so all of them share one small feature cache entry.
+TINY_TRAIN_EXAMPLES = 300
+TINY_EVAL_EXAMPLES = 150
+
+
+def search_command(*args: str) -> list[str]:
+    """``python -m dptune.search`` with the test caps, for a subprocess."""
+    return [sys.executable, "-m", "dptune.search", "--max-train-examples", str(TINY_TRAIN_EXAMPLES),
+            "--max-eval-examples", str(TINY_EVAL_EXAMPLES), *args]
+
+
+@pytest.fixture(scope="session")
+def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One DPTUNE_CACHE_DIR for the session's subprocesses (features encoded once)."""
+    return tmp_path_factory.mktemp("dptune-cache")
+
+
+@pytest.fixture(scope="session")
+def search_env(test_cache_dir: Path) -> dict[str, str]:
+    """Environment for a search subprocess: private cache, no inherited cluster address."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"DPTUNE_CACHE_DIR": str(test_cache_dir), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    return env
+
+
+@dataclass(frozen=True)
+class SearchRun:
+    """A finished search: where its dataset is and what it printed."""
+
+    root: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, str]) -> SearchRun:
+    """The real tiny grid search of ``tests/spaces/tiny.yaml`` on an embedded local Ray."""
+    storage = tmp_path_factory.mktemp("results")
+    completed = subprocess.run(
+        search_command("--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"),
+        cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, f"tiny search failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}"
+    return SearchRun(root=storage / "tiny", stdout=completed.stdout)
+
+
+# --------------------------------------------------------------------------- a private dptune cache
+
+
+@pytest.fixture(scope="session")
+def _dptune_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dptune-cache")
+
+
+@pytest.fixture(scope="module")
+def dptune_cache_dir(_dptune_cache_root: Path) -> Iterator[Path]:
+    """``DPTUNE_CACHE_DIR`` pointed at one temporary folder, shared by every module that asks for it in
+    this session (so a σ calibrated by one test module is a cache hit in the next, and subprocesses
+    see it too), for the duration of the requesting module only; never the user's ``~/.cache``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DPTUNE_CACHE_DIR", str(_dptune_cache_root))
+        yield _dptune_cache_root

@@ -252,12 +252,16 @@ def test_cluster_folder_holds_what_the_runbook_applies() -> None:
     for manifest in MANIFESTS:
         assert "namespace" not in manifest.obj["metadata"], \
             f"{manifest.id}: no namespace in the manifests; the runbook applies them with -n"
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", manifest.obj["metadata"]["name"]), \
+            f"{manifest.id}: names must be RFC 1123 labels (lower case, digits, '-', at most 63)"
 
 
 @pytest.mark.parametrize("manifest", CUSTOM_RESOURCES, ids=lambda m: m.id)
 def test_custom_resource_validates_against_kuberay_v1_crd(manifest: Manifest, crd_schemas: dict) -> None:
     assert manifest.obj["apiVersion"] == "ray.io/v1", f"{manifest.id}: apiVersion must be ray.io/v1"
     errors = schema_errors(crd_schemas[manifest.obj["kind"]], manifest.obj)
+    # the CRD leaves metadata to the API server's ObjectMeta rules; the CRD embeds that schema
+    errors += schema_errors(_object_meta_schema(crd_schemas), manifest.obj["metadata"])
     assert not errors, f"{manifest.id} violates the KubeRay {manifest.obj['kind']} v1 CRD:\n" + "\n".join(errors)
 
 

@@ -126,6 +126,25 @@ def test_film_vit_uses_opacus_hooks_for_timm_layernorm_and_matches_per_example_a
     wrapped._close()
 
 
+def test_vit_lora_adapts_the_fused_qkv_projection():
+    model = build_model(VIT_TI, "lora", 10, pretrained=False, image_size=32)
+    adapters = {n for n in trainable_names(model) if "lora_" in n}
+    assert {n.split(".lora_")[0] for n in adapters} == {f"backbone.net.blocks.{i}.attn.qkv" for i in range(12)}
+    assert trainable_parameter_count(model) == 12 * (8 * 192 + 3 * 192 * 8) + 10 * 192 + 10
+
+
+def test_full_vit_makes_opacus_vmap_the_root_module():
+    """Documented limitation: cls_token/pos_embed live on timm's VisionTransformer itself, so
+    Opacus has no hook for it and computes its per-example gradients with functorch."""
+    from opacus import GradSampleModule
+
+    model = build_model(VIT_TI, "full", 10, pretrained=False, image_size=32)
+    wrapped = GradSampleModule(model)
+    assert hasattr(model.backbone.net, "ft_compute_sample_grad")
+    assert not hasattr(model.backbone.net.blocks[0].norm1, "ft_compute_sample_grad")
+    wrapped._close()
+
+
 # ------------------------------------------------------------------------------- text
 
 

@@ -80,3 +80,31 @@ def test_batch_size_candidates_drop_values_above_n() -> None:
     pow2 = parse_space(DEFAULT.replace("values: [32, 64, 128, 256, 512, 1024, 2048]",
                                        "powers_of_two: {min: 16, max: 64, full_batch: true}"), "p.yaml").space
     assert pow2.batch_size.candidates(100) == [16, 32, 64, 100]
+
+
+def test_extends_deep_merges_the_base(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text(DEFAULT)
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nname: child\ntask: {fraction: 0.5}\nprivacy: {epsilons: [2]}\n")
+    loaded = load_space(tmp_path / "child.yaml")
+    assert loaded.space.name == "child"
+    assert (loaded.space.task.fraction, loaded.space.task.dataset) == (0.5, "20newsgroups")  # merged, not replaced
+    assert loaded.space.privacy.epsilons == [2] and loaded.space.privacy.delta == 1e-5
+    assert "extends" not in loaded.text and "fraction: 0.5" in loaded.text  # the hash covers the resolved spec
+
+
+def test_extends_cycle_and_missing_base_are_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(SpaceError, match="is a cycle"):
+        load_space(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: gone.yaml\n")
+    with pytest.raises(SpaceError, match="c.yaml: extends: 'gone.yaml' is no such file"):
+        load_space(tmp_path / "c.yaml")
+
+
+def test_paper_spaces_are_the_papers_grid() -> None:
+    for path in SPACES:
+        if path.name.startswith("paper_") and path.name != "paper_grid.yaml":
+            space = load_space(path).space
+            assert space.privacy.epsilons == [1, 2, 4, 8] and space.privacy.delta == 1e-5
+            assert space.sampler.name == "grid" and space.coupling.rule == "sqrt"

@@ -27,6 +27,7 @@ import math
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,3 +251,26 @@ def results_paths() -> tuple[str, ...]:
     root = Path(tempfile.mkdtemp(prefix="dptune-results-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return tuple(write_search(task, root) for task in TASKS)
+
+
+def copy_results(paths: Sequence[str], root: Path, keep: Callable[[pd.DataFrame], pd.Series] | None = None,
+                 tables: Collection[str] = ("trials", "epochs", "classes", "diagnostics", "search")) -> list[str]:
+    """Copy datasets under ``root``, keeping only ``tables`` and the trials where ``keep(trials)`` holds.
+
+    Derives partial results (a running search, no diagnostics, one ε...) from whatever
+    ``results_paths`` returns, synthetic or real.
+    """
+    copies = []
+    for path in paths:
+        source, target = Path(path), root / Path(path).name
+        trials = pd.read_parquet(source / "trials")
+        kept = set(trials.loc[keep(trials) if keep else trials.index, "trial_id"])
+        for table in tables:
+            if not (source / table).is_dir():
+                continue
+            (target / table).mkdir(parents=True, exist_ok=True)
+            for part in (source / table).glob("part-*.parquet"):
+                if table == "search" or part.name[len("part-"):-len(".parquet")] in kept:
+                    shutil.copy2(part, target / table / part.name)
+        copies.append(str(target))
+    return copies

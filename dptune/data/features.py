@@ -45,7 +45,7 @@ def weights_fingerprint(module: nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}\n".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

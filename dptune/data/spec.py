@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, TensorDataset
 
 Modality = Literal["text", "image", "features"]
 
@@ -81,3 +82,8 @@ class Workload:
     feature_dim: int | None = None
     max_tokens: int | None = None
     image_size: int | None = None
+
+    def labels(self, split: Literal["train", "val", "test"]) -> torch.Tensor:
+        """The int64 labels of ``split`` in item order, without reading any input."""
+        dataset = {"train": self.train, "val": self.val, "test": self.test}[split]
+        return dataset.tensors[-1] if isinstance(dataset, TensorDataset) else dataset.labels

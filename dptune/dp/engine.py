@@ -80,8 +80,8 @@ class DPEngine(Protocol):
     - It never steps or zeroes the optimizer: the trial calls ``optimizer.step()`` and
       ``optimizer.zero_grad(set_to_none=True)`` after it.
     - Outside ``noisy_gradient`` the model behaves as a plain module (evaluation and the
-      diagnostics run ``model(*inputs)`` and ``loss.backward()`` on it directly): any hooks an
-      engine needs are only active, or only have effect, inside the call.
+      diagnostics run ``model(*inputs)`` and ``loss.backward()`` on it directly): hooks an
+      engine needs are only attached, or only active, inside the call.
     """
 
     name: str

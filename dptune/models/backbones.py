@@ -85,12 +85,11 @@ def _hub_guidance(name: str, source: str) -> str:
 # ---------------------------------------------------------------------------------- timm ViT
 
 
-def _timm_vit(name: str, pretrained: bool, image_size: int | None) -> nn.Module:
+def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
     import timm
     from huggingface_hub import try_to_load_from_cache
 
-    size = image_size or 224
-    kwargs: dict[str, Any] = {"num_classes": 0, "img_size": size}
+    kwargs: dict[str, Any] = {"num_classes": 0, "img_size": image_size}
     if pretrained:
         file = local_weights(name, (".safetensors", ".pth", ".bin"))
         hub_id = timm.models.get_pretrained_cfg(name).hf_hub_id
@@ -109,7 +108,7 @@ def _timm_vit(name: str, pretrained: bool, image_size: int | None) -> nn.Module:
     else:
         net = timm.create_model(name, pretrained=False, **kwargs)
     cfg = net.pretrained_cfg
-    return _image_extractor(net, size, cfg["mean"], cfg["std"])
+    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
 
 
 # ------------------------------------------------------------------------- EfficientNet-Lite0
@@ -153,23 +152,23 @@ def efficientnet_lite0_state_dict() -> dict[str, torch.Tensor]:
     return renamed
 
 
-def _efficientnet_lite0(pretrained: bool, image_size: int | None) -> nn.Module:
+def _efficientnet_lite0(pretrained: bool, image_size: int) -> nn.Module:
     import timm
 
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=0)
     if pretrained:
         net.load_state_dict(efficientnet_lite0_state_dict(), strict=True)
     cfg = net.pretrained_cfg  # TF-converted Lite weights expect (x - 0.5)/0.5
-    return _image_extractor(net, image_size or 224, cfg["mean"], cfg["std"])
+    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
 
 
 
 # ------------------------------------------------------------------------------ WideResNet
 
 
-def _wrn16_4(pretrained: bool, image_size: int | None) -> nn.Module:
+def _wrn16_4(pretrained: bool, image_size: int) -> nn.Module:
     """The paper's from-scratch baseline: ``pretrained`` has nothing to load and is ignored."""
-    return _image_extractor(WideResNet(depth=16, width=4), image_size or 32, (0.5,) * 3, (0.5,) * 3)
+    return _image_extractor(WideResNet(depth=16, width=4), image_size, (0.5,) * 3, (0.5,) * 3)
 
 
 # ---------------------------------------------------------------------- transformers (text)

@@ -25,7 +25,8 @@ class ModelError(ValueError):
 class BackboneInfo:
     """One backbone of the registry.
 
-    ``create(pretrained, image_size)`` returns the feature extractor: preprocessing + encoder +
+    ``create(pretrained, image_size)`` (``image_size`` already resolved: the caller's or
+    ``self.image_size``; None for text) returns the feature extractor: preprocessing + encoder +
     pooling, ``forward(*inputs) -> (n, feature_dim)`` float32. Image extractors take uint8 or
     float ``(n, 1|3, H, W)`` in [0, 255] and resize to ``image_size`` px themselves; text
     extractors take ``(input_ids, attention_mask)`` and mean-pool the last hidden state over

@@ -49,12 +49,13 @@ def new_head(feature_dim: int, num_classes: int) -> nn.Linear:
 def build_feature_extractor(backbone: str, *, pretrained: bool = True, image_size: int | None = None) -> nn.Module:
     """The frozen-or-not feature extractor of ``backbone``: ``forward(*inputs) -> (n, feature_dim)``.
 
-    ``image_size`` (px, image backbones only) overrides the backbone's default input side.
+    ``image_size`` (px, image backbones only) overrides the backbone's default input side
+    ``BACKBONES[backbone].image_size``.
     Raises :class:`ModelError` for an unknown name or weights that cannot be had.
     """
     info = get_backbone(backbone)
     _check_image_size(info.name, info.modality, image_size)
-    return info.create(pretrained, image_size)
+    return info.create(pretrained, image_size or info.image_size)
 
 
 def build_model(
@@ -77,7 +78,7 @@ def build_model(
     info = check_model_request(backbone, peft, num_classes, feature_input=feature_input, image_size=image_size)
     if feature_input:
         return new_head(info.feature_dim, num_classes)
-    model = Classifier(info.create(pretrained, image_size), info.feature_dim, num_classes)
+    model = Classifier(info.create(pretrained, image_size or info.image_size), info.feature_dim, num_classes)
     PEFTS[peft](model, info)
     return model
 

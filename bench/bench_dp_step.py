@@ -1,0 +1,242 @@
+"""Time one DP training step against the plain non-private step of the same model, PEFT and batch.
+
+For every (model, precision) case: ``warmup`` untimed then ``steps`` timed steps of
+(a) the non-private step — forward, mean cross-entropy, backward, Adam step — and
+(b) the DP step of each engine — ``engine.noisy_gradient`` (per-example gradients, clipping,
+noise; one physical batch of B examples) then the same Adam step — on the same fixed batch.
+Prints examples/s and the ratio DP/non-private (the figure that matters: 1.0 = DP is free) as a
+markdown table, and writes JSON (``--json``). A case that fails is recorded with its error and the
+run goes on.
+
+Defaults by device:
+
+- ``--device cpu``: ViT-Ti/16 FiLM at 64 px and MiniLM FiLM at 64 tokens, B = 32, fp32;
+- ``--device cuda``: ViT-B/16 and ViT-Ti/16 FiLM at 224 px, B = 128, fp32 (TF32 on) and bf16
+  autocast (the configuration of ``/work/shared/anchors.md``).
+
+ViTs are randomly initialised (the timing does not depend on the weights; no hub access);
+MiniLM loads its packaged weights. Example::
+
+    python bench/bench_dp_step.py --device cuda --json bench/dp_step_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import version
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptune.dp.engine import DPStepSpec, film_engine_refusal
+from dptune.dp.film import FilmEngine
+from dptune.dp.opacus_engine import OpacusEngine, autocast
+from dptune.models import build_model, trainable_parameter_count
+
+VIT_TINY = "vit_tiny_patch16_224.augreg_in21k"
+VIT_BASE = "vit_base_patch16_224.augreg_in21k"
+MINILM = "minilm"
+#: Engines by name (``auto`` is a trial-time choice, not an engine).
+ENGINES: dict[str, type] = {"opacus": OpacusEngine, "film": FilmEngine}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked model: backbone with FiLM, input size (px or tokens), classes, batch B."""
+
+    backbone: str
+    input_size: int
+    num_classes: int
+    batch_size: int
+    precision: str  # "fp32" or "bf16"
+
+
+@dataclass
+class Timing:
+    """Examples per second of one step kind, over ``steps`` timed steps."""
+
+    examples_per_s: float
+    seconds_per_step: float
+    peak_memory_gib: float | None = None
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    trainable_parameters: int = 0
+    non_private: Timing | None = None
+    dp: dict[str, Timing] = field(default_factory=dict)
+    ratio: dict[str, float] = field(default_factory=dict)  # DP examples/s ÷ non-private examples/s
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def make_model_and_batch(case: Case, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The FiLM model of ``case`` on ``device`` and one fixed batch ``(*inputs, labels)``."""
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, case.num_classes, (case.batch_size,), generator=generator)
+    if case.backbone == MINILM:
+        model = build_model(MINILM, "film", case.num_classes, pretrained=True)
+        ids = torch.randint(1000, 20000, (case.batch_size, case.input_size), generator=generator)
+        inputs: tuple[torch.Tensor, ...] = (ids, torch.ones_like(ids))
+    else:
+        model = build_model(case.backbone, "film", case.num_classes, pretrained=False, image_size=case.input_size)
+        size = (case.batch_size, 3, case.input_size, case.input_size)
+        inputs = (torch.randint(0, 256, size, dtype=torch.uint8, generator=generator),)
+    model.to(device).train()
+    return model, tuple(t.to(device) for t in (*inputs, labels))
+
+
+def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int, batch_size: int) -> Timing:
+    """Run ``warmup`` untimed and ``steps`` timed calls of ``step``; synchronise CUDA around them."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return Timing(examples_per_s=batch_size / elapsed, seconds_per_step=elapsed, peak_memory_gib=peak)
+
+
+def run_case(case: Case, engines: list[str], device: torch.device, warmup: int, steps: int) -> CaseResult:
+    """Time the non-private step and each engine's DP step of ``case``."""
+    result = CaseResult(case)
+    dtype = torch.bfloat16 if case.precision == "bf16" else None
+    try:
+        model, batch = make_model_and_batch(case, device)
+    except Exception as error:  # a case that cannot even be built is reported, not fatal
+        result.errors["build"] = f"{type(error).__name__}: {error}"
+        return result
+    *inputs, labels = batch
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    result.trainable_parameters = trainable_parameter_count(model)
+    optimizer = torch.optim.Adam(trainable, lr=1e-4)
+
+    def non_private_step() -> None:
+        with autocast(device.type, dtype):
+            logits = model(*inputs)
+        F.cross_entropy(logits.float(), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        result.non_private = time_steps(non_private_step, device, warmup, steps, case.batch_size)
+    except Exception as error:
+        result.errors["non_private"] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    spec = DPStepSpec(
+        noise_multiplier=1.0, clip_bound=1.0, rule="normalized", expected_batch_size=case.batch_size, autocast_dtype=dtype
+    )
+    for name in engines:
+        if name == "film" and (refusal := film_engine_refusal(model, "film")) is not None:
+            result.errors[name] = refusal
+            continue
+        try:
+            engine = ENGINES[name](model, spec, torch.Generator(device=device).manual_seed(1))
+
+            def dp_step(engine=engine) -> None:  # noqa: ANN001 - bind the loop's engine
+                engine.noisy_gradient([batch])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            result.dp[name] = time_steps(dp_step, device, warmup, steps, case.batch_size)
+            if result.non_private is not None:
+                result.ratio[name] = result.dp[name].examples_per_s / result.non_private.examples_per_s
+        except Exception as error:
+            result.errors[name] = f"{type(error).__name__}: {error}"
+            traceback.print_exc()
+    return result
+
+
+def default_cases(device: torch.device) -> list[Case]:
+    if device.type == "cuda":
+        return [
+            Case(backbone, 224, 100, 128, precision)
+            for backbone in (VIT_BASE, VIT_TINY)
+            for precision in ("fp32", "bf16")
+        ]
+    return [Case(VIT_TINY, 64, 100, 32, "fp32"), Case(MINILM, 64, 20, 32, "fp32")]
+
+
+def environment(device: torch.device, threads: int) -> dict[str, str | int]:
+    described = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": f"{device.type}: {described}",
+        "torch_threads": threads,
+        "python": platform.python_version(),
+        **{package: version(package) for package in ("torch", "opacus", "timm", "transformers")},
+    }
+
+
+def markdown(results: list[CaseResult], engines: list[str]) -> str:
+    header = "| model | input | B | precision | d | non-private ex/s | " + " | ".join(
+        f"{name} ex/s (ratio)" for name in engines
+    )
+    lines = [header + " |", "|" + "---|" * (6 + len(engines))]
+    for r in results:
+        c = r.case
+        base = f"{r.non_private.examples_per_s:.1f}" if r.non_private else f"error: {r.errors.get('non_private', r.errors.get('build'))}"
+        cells = []
+        for name in engines:
+            if name in r.dp:
+                ratio = f" ({r.ratio[name]:.2f}x)" if name in r.ratio else ""
+                cells.append(f"{r.dp[name].examples_per_s:.1f}{ratio}")
+            else:
+                cells.append(f"n/a: {r.errors.get(name, r.errors.get('build', ''))}")
+        row = f"| {c.backbone} FiLM | {c.input_size} | {c.batch_size} | {c.precision} | {r.trainable_parameters} | {base} | "
+        lines.append(row + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    parser.add_argument("--engine", choices=["opacus", "film", "all"], default="all", help="DP engine(s) to time")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on cuda, 5 on cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda but CUDA is not available")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    steps = args.steps or (20 if device.type == "cuda" else 5)
+    engines = list(ENGINES) if args.engine == "all" else [args.engine]
+    results = []
+    for case in default_cases(device):
+        results.append(run_case(case, engines, device, args.warmup, steps))
+        print(f"done: {case}", file=sys.stderr, flush=True)
+    env = environment(device, torch.get_num_threads())
+    table = markdown(results, engines)
+    print(json.dumps(env))
+    print(f"warm-up {args.warmup} steps, timed {steps} steps\n")
+    print(table)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"environment": env, "warmup": args.warmup, "steps": steps,
+                       "results": [asdict(r) for r in results], "markdown": table}, out, indent=2)
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Expected values computed straight from the Parquet files with pandas, independently of dptune.analysis.
+
+The tests compare what ``dptune.analysis`` and the report show with these. The rules are the
+documented ones (selection on validation accuracy, ties to the lower train loss then the smaller
+trial id; hard classes = the ⌈f·K⌉ least accurate classes of the best trial at the largest ε;
+the fixed setting = the (C, B) with the best mean validation accuracy over all cells), written
+again here with plain pandas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TASK = ["dataset", "backbone"]
+CELL = [*TASK, "epsilon", "epochs"]
+
+
+def read(paths: Sequence[str], table: str) -> pd.DataFrame:
+    """One table of every dataset, read with pandas (trials without a trials row dropped)."""
+    frames = [pd.read_parquet(Path(p) / table) for p in paths if (Path(p) / table).is_dir()]
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if table not in ("trials", "search") and len(frame):
+        trials = read(paths, "trials")
+        frame = frame.merge(trials[["search_id", "trial_id", *CELL]], on=["search_id", "trial_id"])
+    return frame
+
+
+def tuned(paths: Sequence[str]) -> pd.DataFrame:
+    trials = read(paths, "trials")
+    return trials[(trials["status"] == "ok") & (trials["clipping"] != "auto_s")]
+
+
+def best(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    ordered = frame.sort_values(["val_accuracy", "train_loss", "trial_id"], ascending=[False, True, True])
+    return ordered.groupby(keys, as_index=False).head(1).reset_index(drop=True)
+
+
+def hard_labels(paths: Sequence[str], hard_fraction: float = 0.5) -> dict[tuple[str, str], set[int]]:
+    """Hard class labels per (dataset, backbone)."""
+    trials = read(paths, "trials")
+    classes = read(paths, "classes")
+    ok = trials[(trials["status"] == "ok")]
+    ok = ok[ok["trial_id"].isin(classes.loc[classes["test_accuracy"].notna(), "trial_id"])]
+    hard = {}
+    for key, task in ok.groupby(TASK):
+        reference = best(task[task["epsilon"] == task["epsilon"].max()], TASK).iloc[0]
+        own = classes[(classes["trial_id"] == reference["trial_id"]) & (classes["search_id"] == reference["search_id"])]
+        own = own.sort_values(["test_accuracy", "label"])
+        count = min(max(math.ceil(hard_fraction * len(own)), 1), len(own) - 1)
+        hard[key] = set(own["label"].iloc[:count])
+    return hard
+
+
+def hard_accuracy(paths: Sequence[str], trials: pd.DataFrame, hard: dict[tuple[str, str], set[int]]) -> pd.Series:
+    """Mean test accuracy over the hard classes of each trial in ``trials`` (aligned with it)."""
+    classes = read(paths, "classes")
+    is_hard = [label in hard[(dataset, backbone)] for dataset, backbone, label in
+               classes[["dataset", "backbone", "label"]].itertuples(index=False)]
+    means = classes[is_hard].groupby(["search_id", "trial_id"])["test_accuracy"].mean()
+    return pd.Series([means.get((s, t), np.nan) for s, t in zip(trials["search_id"], trials["trial_id"])],
+                     index=trials.index, dtype=float)
+
+
+def heatmap(paths: Sequence[str]) -> pd.DataFrame:
+    """Per cell and exact (C, B): the test accuracy of the best trial on validation."""
+    return best(tuned(paths), [*CELL, "clip_bound", "batch_size"])
+
+
+def guideline(paths: Sequence[str], hard_fraction: float = 0.5) -> tuple[pd.DataFrame, tuple[float, int]]:
+    """Per cell: best (C, B, η) with test and hard-class accuracy, the fixed (C, B) and the losses."""
+    hard = hard_labels(paths, hard_fraction)
+    cells = best(tuned(paths), CELL)
+    cells["hard"] = hard_accuracy(paths, cells, hard)
+    grid = heatmap(paths)
+    count = len(cells)
+    means = grid.groupby(["clip_bound", "batch_size"])["val_accuracy"].agg(["mean", "size"]).reset_index()
+    means = means[means["size"] == count].sort_values(["mean", "clip_bound", "batch_size"],
+                                                     ascending=[False, True, True])
+    clip, batch = means.iloc[0]["clip_bound"], int(means.iloc[0]["batch_size"])
+    fixed = grid[(grid["clip_bound"] == clip) & (grid["batch_size"] == batch)].copy()
+    fixed["hard"] = hard_accuracy(paths, fixed, hard)
+    merged = cells.merge(fixed[[*CELL, "test_accuracy", "hard"]], on=CELL, suffixes=("", "_fixed"))
+    merged["loss"] = merged["test_accuracy"] - merged["test_accuracy_fixed"]
+    merged["hard_loss"] = merged["hard"] - merged["hard_fixed"]
+    return merged, (float(clip), batch)
+
+
+def cumulative_noise(paths: Sequence[str]) -> pd.DataFrame:
+    """σ√T per (cell, B) from the trials that ran (σ recorded), with T."""
+    trials = read(paths, "trials")
+    ran = trials[np.isfinite(trials["noise_multiplier"]) & (trials["clipping"] != "auto_s")]
+    table = ran.groupby([*CELL, "batch_size"]).agg(sigma=("noise_multiplier", "first"),
+                                                   steps=("steps", "first")).reset_index()
+    table["sigma_sqrt_t"] = table["sigma"] * np.sqrt(table["steps"])
+    return table

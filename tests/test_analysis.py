@@ -1,0 +1,348 @@
+"""dptune.analysis against values computed independently from the Parquet files (tests/expected.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import expected
+from dptune import analysis as an
+from dptune.plan import DEFAULT_TOLERANCE
+from tiny_results import copy_results, results_paths
+
+
+@pytest.fixture(scope="module")
+def paths() -> list[str]:
+    return list(results_paths())
+
+
+@pytest.fixture(scope="module")
+def results(paths: list[str]) -> an.Results:
+    return an.load_results(paths)
+
+
+@pytest.fixture(scope="module")
+def strata(results: an.Results) -> pd.DataFrame:
+    return an.class_strata(results)
+
+
+def _task_keys(results: an.Results) -> dict[str, tuple[str, str]]:
+    """Task label → (dataset, backbone), the key of tests/expected.py."""
+    pairs = results.trials[["task", "dataset", "backbone"]].drop_duplicates()
+    return {task: (dataset, backbone) for task, dataset, backbone in pairs.itertuples(index=False)}
+
+
+def test_load_joins_every_dataset_once(paths: list[str], results: an.Results) -> None:
+    trials = expected.read(paths, "trials")
+    assert len(results.trials) == len(trials) > 0
+    assert set(results.trials["task"]) == {an.task_label(d, f, b, p) for d, f, b, p in
+                                           trials[["dataset", "fraction", "backbone", "peft"]].itertuples(index=False)}
+    twice = an.load_results([*paths, paths[0]])
+    assert len(twice.trials) == len(trials) and len(twice.classes) == len(results.classes)
+    assert len(results.classes) == len(expected.read(paths, "classes"))
+    assert results.classes["task"].notna().all() and results.diagnostics["epsilon"].notna().all()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: [str(tmp / "nowhere")], "no such results dataset"),
+    (lambda tmp: [str((tmp / "file.txt").write_text("x") and tmp / "file.txt")], "a file, expected a folder"),
+    (lambda tmp: [str((tmp / "empty").mkdir() or tmp / "empty")], "expected a trials/ or search/ folder"),
+    (lambda tmp: [], "no results given"),
+])
+def test_bad_results_paths_are_named(tmp_path: Path, make, message: str) -> None:
+    given = make(tmp_path)
+    with pytest.raises(an.AnalysisError, match=message) as error:
+        an.load_results(given)
+    assert all(p in str(error.value) for p in given)
+
+
+def test_log_bins_exact_for_grids_and_log_binned_otherwise() -> None:
+    grid = pd.Series([0.1, 1.0, 10.0, 1.0])
+    values, binned = an.log_bins(grid)
+    assert not binned and values.tolist() == grid.tolist()
+    continuous = pd.Series(np.geomspace(0.011, 9.7, 40))
+    values, binned = an.log_bins(continuous)
+    assert binned
+    k = np.floor(np.log10(continuous) * an.BINS_PER_DECADE + 1e-9)
+    lower, upper = 10 ** (k / an.BINS_PER_DECADE), 10 ** ((k + 1) / an.BINS_PER_DECADE)
+    assert np.allclose(values, np.sqrt(lower * upper))
+    assert ((lower <= continuous) & (continuous < upper)).all()
+    assert values.nunique() == 12  # 0.011 .. 9.7 spans bins -8 .. 3 of the quarter-decade grid
+
+
+def test_heatmap_cells_are_the_best_trial_at_each_clip_and_batch(paths: list[str], results: an.Results) -> None:
+    grid = an.accuracy_grid(results)
+    want = expected.heatmap(paths)
+    assert not results.clip_binned and len(grid) == len(want) > 0
+    got = grid.merge(results.trials[["search_id", "trial_id", "dataset", "backbone"]], on=["search_id", "trial_id"])
+    merged = got.merge(want, left_on=["dataset", "backbone", "epsilon", "epochs", "clip_bin", "batch_bin"],
+                       right_on=expected.CELL + ["clip_bound", "batch_size"], suffixes=("", "_want"))
+    assert len(merged) == len(want)
+    assert (merged["trial_id"] == merged["trial_id_want"]).all()
+    assert np.allclose(merged["test_accuracy"], merged["test_accuracy_want"])
+    trials = expected.tuned(paths)
+    for row in merged.itertuples(index=False):  # the cell value is the best validation accuracy at (C, B)
+        at = trials[(trials["dataset"] == row.dataset) & (trials["epsilon"] == row.epsilon)
+                    & (trials["epochs"] == row.epochs) & (trials["clip_bound"] == row.clip_bin)
+                    & (trials["batch_size"] == row.batch_bin)]
+        assert row.val_accuracy == at["val_accuracy"].max() and row.trials == len(at)
+
+
+def test_default_strata_split_each_task_at_the_median(paths: list[str], results: an.Results,
+                                                      strata: pd.DataFrame) -> None:
+    hard = expected.hard_labels(paths, 0.5)
+    keys = _task_keys(results)
+    assert set(strata["task"]) == set(keys)
+    for task, part in strata.groupby("task"):
+        got = set(part.loc[part["stratum"] == an.HARD, "label"])
+        assert got == hard[keys[task]] and len(got) == math.ceil(len(part) / 2)
+        assert part.loc[part["stratum"] == an.HARD, "reference_accuracy"].max() <= \
+            part.loc[part["stratum"] == an.EASY, "reference_accuracy"].min()
+
+
+def test_strata_fraction_and_explicit_classes(paths: list[str], results: an.Results) -> None:
+    keys = _task_keys(results)
+    quarter = an.class_strata(results, hard_fraction=0.25)
+    want = expected.hard_labels(paths, 0.25)
+    for task, part in quarter.groupby("task"):
+        assert set(part.loc[part["stratum"] == an.HARD, "label"]) == want[keys[task]]
+    name = results.classes.iloc[0]["class_name"]
+    named = an.class_strata(results, hard_classes=[name, "0"])
+    assert ((named["stratum"] == an.HARD) == ((named["label"] == 0) | (named["class_name"] == name))).all()
+    with pytest.raises(an.AnalysisError, match="no-such-class are in no task; known labels and names"):
+        an.class_strata(results, hard_classes=["no-such-class"])
+    for bad in (0.0, 1.0, -0.2):
+        with pytest.raises(an.AnalysisError, match="hard_fraction must lie strictly between 0 and 1"):
+            an.class_strata(results, hard_fraction=bad)
+
+
+def test_guideline_table_and_fixed_setting_match_pandas(paths: list[str], results: an.Results,
+                                                        strata: pd.DataFrame) -> None:
+    table, setting = an.guideline_table(results, strata)
+    want, (clip, batch) = expected.guideline(paths)
+    assert setting is not None and (setting.clip_bin, setting.batch_bin) == (clip, batch)
+    assert setting.cells == len(want) == len(table)
+    got = table.merge(results.trials[["search_id", "trial_id", "dataset", "backbone"]], on=["search_id", "trial_id"])
+    merged = got.merge(want, on=expected.CELL, suffixes=("", "_want"))
+    assert len(merged) == len(want)
+    for column in ("clip_bound", "batch_size", "learning_rate", "test_accuracy", "val_accuracy"):
+        assert np.allclose(merged[column].astype(float), merged[f"{column}_want"].astype(float)), column
+    assert np.allclose(merged["hard"], merged["hard_want"])
+    assert np.allclose(merged["fixed_test_accuracy"], merged["test_accuracy_fixed"])
+    assert np.allclose(merged["loss"], merged["loss_want"]) and (merged["loss"] >= -1e-12).sum() >= 1
+    assert np.allclose(merged["hard_loss"], merged["hard_loss_want"])
+
+
+def test_no_fixed_setting_without_a_common_grid_point(results: an.Results, strata: pd.DataFrame) -> None:
+    grid = an.accuracy_grid(results)
+    first = grid[an.CELL].drop_duplicates().iloc[0]
+    in_first = (grid[an.CELL] == first.values).all(axis=1)
+    shifted = grid.copy()
+    shifted.loc[in_first, "clip_bin"] *= 1000  # the first cell shares no (C, B) with the others
+    assert an.fixed_setting(shifted) is None
+    assert an.fixed_setting(grid.iloc[0:0]) is None
+
+
+def test_optimal_settings_and_near_optimal_spread(paths: list[str], results: an.Results) -> None:
+    table = an.optimal_settings(results, near_optimal=0.02)
+    trials = expected.tuned(paths)
+    keys = _task_keys(results)
+    assert len(table) == len(expected.best(trials, expected.CELL))
+    for row in table.itertuples(index=False):
+        dataset, backbone = keys[row.task]
+        cell = trials[(trials["dataset"] == dataset) & (trials["backbone"] == backbone)
+                      & (trials["epsilon"] == row.epsilon) & (trials["epochs"] == row.epochs)]
+        near = cell[cell["val_accuracy"] >= cell["val_accuracy"].max() - 0.02 - 1e-9]  # inclusive
+        assert (row.clip_low, row.clip_high) == (near["clip_bound"].min(), near["clip_bound"].max())
+        assert (row.batch_low, row.batch_high) == (near["batch_size"].min(), near["batch_size"].max())
+        assert row.near_optimal_trials == len(near) and row.clip_low <= row.clip_bound <= row.clip_high
+    with pytest.raises(an.AnalysisError, match="near_optimal must be ≥ 0"):
+        an.optimal_settings(results, near_optimal=-0.01)
+
+
+def test_retention_weights_equation_3() -> None:
+    weights = an.retention_weights([0.5, 2.0, 4.0, 0.0], [0, 0, 1, 1], [1.0, 4.0])
+    table = weights.set_index(["label", "clip_bound"])["retention_weight"]
+    assert table[(0, 1.0)] == pytest.approx((1.0 + 0.5) / 2)
+    assert table[(1, 1.0)] == pytest.approx((0.25 + 1.0) / 2)  # ‖g‖ = 0 is never clipped
+    assert table[(0, 4.0)] == table[(1, 4.0)] == 1.0
+    assert set(weights["examples"]) == {2}
+    with pytest.raises(an.AnalysisError, match="differ in length"):
+        an.retention_weights([1.0, 2.0], [0], [1.0])
+    with pytest.raises(an.AnalysisError, match="clip bounds must be positive"):
+        an.retention_weights([1.0], [0], [0.0])
+
+
+def test_retention_weights_from_probe_norms_match_the_recorded_ones(paths: list[str]) -> None:
+    diagnostics = expected.read(paths, "diagnostics")
+    last = diagnostics.sort_values("epoch").groupby(["search_id", "trial_id"]).tail(1)
+    classes = expected.read(paths, "classes").set_index(["search_id", "trial_id", "label"])
+    trials = expected.read(paths, "trials").set_index(["search_id", "trial_id"])
+    checked = 0
+    for row in last.itertuples(index=False):
+        clip = trials.loc[(row.search_id, row.trial_id), "clip_bound"]
+        for item in an.retention_weights(row.grad_norms, row.labels, [clip]).itertuples(index=False):
+            assert item.retention_weight == pytest.approx(
+                classes.loc[(row.search_id, row.trial_id, item.label), "retention_weight"], rel=1e-6)
+            checked += 1
+    assert checked > 0
+
+
+def test_retention_curves_and_grad_norms_use_each_cells_best_diagnosed_trial(
+        paths: list[str], results: an.Results, strata: pd.DataFrame) -> None:
+    diagnosed = set(zip(*expected.read(paths, "diagnostics")[["search_id", "trial_id"]].to_numpy().T))
+    trials = expected.tuned(paths)
+    best = expected.best(trials[[key in diagnosed for key in zip(trials["search_id"], trials["trial_id"])]],
+                         expected.CELL)
+    samples = an.grad_norm_samples(results, strata)
+    assert set(zip(samples["search_id"], samples["trial_id"])) == set(zip(best["search_id"], best["trial_id"]))
+    diagnostics = expected.read(paths, "diagnostics")
+    for row in best.itertuples(index=False):
+        own = diagnostics[(diagnostics["trial_id"] == row.trial_id) & (diagnostics["search_id"] == row.search_id)]
+        own = own.sort_values("epoch").iloc[-1]
+        mine = samples[(samples["trial_id"] == row.trial_id) & (samples["search_id"] == row.search_id)]
+        assert sorted(mine["grad_norm"]) == sorted(own["grad_norms"])
+    curves = an.retention_curves(results, strata, clip_bounds=[1.0])
+    for row in curves.itertuples(index=False):
+        trial = samples[(samples["task"] == row.task) & (samples["epsilon"] == row.epsilon)
+                        & (samples["epochs"] == row.epochs) & (samples["stratum"] == row.stratum)]
+        per_class = trial.groupby("label")["grad_norm"].apply(lambda g: np.minimum(1.0, 1.0 / g).mean())
+        assert row.retention_weight == pytest.approx(per_class.mean())
+
+
+def test_auto_s_comparison(paths: list[str], results: an.Results, strata: pd.DataFrame) -> None:
+    table = an.auto_s_comparison(results, strata)
+    trials = expected.read(paths, "trials")
+    auto = expected.best(trials[(trials["status"] == "ok") & (trials["clipping"] == "auto_s")], expected.CELL)
+    tuned = expected.best(expected.tuned(paths), expected.CELL)
+    assert len(table) == len(auto) > 0
+    keys = _task_keys(results)
+    for row in table.itertuples(index=False):
+        dataset, backbone = keys[row.task]
+        cell = [(frame["dataset"] == dataset) & (frame["backbone"] == backbone) & (frame["epsilon"] == row.epsilon)
+                & (frame["epochs"] == row.epochs) for frame in (auto, tuned)]
+        want, own = auto[cell[0]].iloc[0], tuned[cell[1]].iloc[0]
+        assert row.auto_s_trial_id == want["trial_id"] and row.auto_s_test_accuracy == want["test_accuracy"]
+        assert row.tuned_trial_id == own["trial_id"]
+        assert row.gap == pytest.approx(own["test_accuracy"] - want["test_accuracy"])
+
+
+def test_batch_size_noise_and_the_min_step_rule(paths: list[str], results: an.Results) -> None:
+    table = an.batch_size_noise(results)
+    want = expected.cumulative_noise(paths)
+    min_steps = {int(s) for s in expected.read(paths, "search")["spec_yaml"].str.extract(r"min_steps: (\d+)")[0]}
+    assert len(min_steps) == 1
+    t_min = min_steps.pop()
+    ran = table[np.isfinite(table["cumulative_noise"])]
+    assert len(ran) == len(want)
+    assert np.allclose(sorted(ran["cumulative_noise"]), sorted(want["sigma_sqrt_t"]))
+    assert table["pruned"].any() and (table.loc[table["pruned"], "steps"] < t_min).all()
+    trials = expected.tuned(paths)
+    keys = _task_keys(results)
+    for key, cell in want.groupby(expected.CELL):
+        feasible = cell[cell["steps"] >= t_min]
+        floor = feasible["sigma_sqrt_t"].min()
+        rule = feasible.loc[feasible["sigma_sqrt_t"] <= (1 + DEFAULT_TOLERANCE) * floor, "batch_size"].min()
+        winner = expected.best(trials[(trials[expected.CELL] == pd.Series(key, index=expected.CELL)).all(axis=1)],
+                               expected.CELL).iloc[0]
+        task = next(t for t, pair in keys.items() if pair == key[:2])
+        mine = table[(table["epsilon"] == key[2]) & (table["epochs"] == key[3]) & (table["task"] == task)]
+        assert (mine["recommended_batch_size"] == rule).all()
+        assert mine.loc[mine["measured_best"], "batch_size"].tolist() == [winner["batch_size"]]
+    check = an.batch_size_rule_check(table)
+    assert len(check) == len(want.groupby(expected.CELL))
+    agree = check["recommended_batch_size"] == check["best_batch_size"]
+    assert (check["match"] == agree).all()
+    assert np.allclose(check.loc[agree, "accuracy_gap"], 0.0)
+
+
+def test_min_steps_unknown_without_a_search_table(paths: list[str], tmp_path: Path) -> None:
+    partial = an.load_results(copy_results(paths, tmp_path, tables=("trials",)))
+    table = an.batch_size_noise(partial)
+    assert an.min_steps(partial) == {} and table["recommended_batch_size"].isna().all()
+    assert "no search table: the number of planned trials is unknown" in an.missing_data(partial)
+
+
+def test_clipping_diagnostics_report_the_best_trials_c_star(paths: list[str], results: an.Results) -> None:
+    table = an.clipping_diagnostics(results)
+    diagnostics = expected.read(paths, "diagnostics")
+    trials = expected.tuned(paths)
+    best = expected.best(trials.merge(diagnostics[["search_id", "trial_id"]].drop_duplicates()), expected.CELL)
+    keys = _task_keys(results)
+    assert len(table) == len(best)
+    for row in table.itertuples(index=False):
+        dataset, backbone = keys[row.task]
+        trial = best[(best["dataset"] == dataset) & (best["backbone"] == backbone) & (best["epsilon"] == row.epsilon)
+                     & (best["epochs"] == row.epochs)].iloc[0]
+        assert row.trial_id == trial["trial_id"]
+        last = diagnostics[(diagnostics["trial_id"] == row.trial_id) & (diagnostics["search_id"] == trial["search_id"])]
+        last = last.sort_values("epoch").iloc[-1]
+        assert row.tuned_clip_bound == trial["clip_bound"]
+        assert row.optimal_clip_bound == last["optimal_clip_bound"]
+        assert row.bias_share == pytest.approx(last["mse_bias"] / (last["mse_bias"] + last["mse_variance"]))
+        assert row.optimal_clip_low <= row.optimal_clip_median <= row.optimal_clip_high
+
+
+def test_trends_count_the_direction_of_best_c_and_b(results: an.Results, strata: pd.DataFrame) -> None:
+    table, _ = an.guideline_table(results, strata)
+    trend = an.trends(table, an.task_difficulty(results)).set_index("condition")
+    privacy = trend.loc["tighter privacy (smallest vs largest ε)"]
+    moves = []
+    for _, group in table.groupby(["task", "epochs"]):
+        ordered = group.sort_values("epsilon")
+        tight, loose = ordered.iloc[0]["clip_bound"], ordered.iloc[-1]["clip_bound"]
+        moves.append("larger" if tight > loose else "smaller" if tight < loose else "same")
+    assert privacy["comparisons"] == len(moves)
+    assert privacy["best C"] == ", ".join(f"{moves.count(m)}× {m}" for m in ("larger", "smaller", "same")
+                                          if moves.count(m))
+    assert "fewer epochs (smallest vs largest E)" in trend.index
+    assert "harder task (hardest vs easiest)" in trend.index
+
+
+def test_task_difficulty_ranks_the_less_accurate_task_harder(paths: list[str], results: an.Results) -> None:
+    ranked = an.task_difficulty(results)
+    best = expected.best(expected.tuned(paths), expected.CELL)
+    means = best.groupby("dataset")["val_accuracy"].mean().sort_values(ascending=False)
+    keys = _task_keys(results)
+    assert [keys[t][0] for t in ranked["task"]] == list(means.index)
+    assert ranked["rank"].tolist() == list(range(1, len(means) + 1))
+    assert an.task_order(results) == ranked["task"].tolist()
+
+
+def test_coverage_counts_planned_recorded_and_remaining(paths: list[str], tmp_path: Path) -> None:
+    full = an.coverage(an.load_results(paths))
+    search = expected.read(paths, "search").groupby(["search_id", "cell_id"])["trials_planned"].sum()
+    assert full.set_index(["search_id", "cell_id"])["trials_planned"].to_dict() == search.to_dict()
+    trials = expected.read(paths, "trials")
+    assert full["recorded"].sum() == (trials["status"] != "pruned_min_steps").sum()
+    running = copy_results(paths, tmp_path, keep=lambda t: ~((t["status"] == "ok") & (t["epsilon"] == t["epsilon"].max())))
+    partial = an.load_results(running)
+    table = an.coverage(partial)
+    dropped = ((trials["status"] == "ok") & (trials["epsilon"] == trials["epsilon"].max())).sum()
+    assert table["remaining"].sum() == full["remaining"].sum() + dropped
+    assert any("have no record yet" in note for note in an.missing_data(partial))
+
+
+def test_partial_results_are_described_not_failed(paths: list[str], tmp_path: Path) -> None:
+    loose = copy_results(paths, tmp_path / "one", keep=lambda t: (t["epsilon"] == t["epsilon"].max())
+                         & (t["clipping"] != "auto_s"), tables=("trials", "classes", "search"))
+    results = an.load_results(loose)
+    notes = " | ".join(an.missing_data(results))
+    for text in ("no diagnostics recorded", "no AUTO-S trials", "only one privacy budget ε"):
+        assert text in notes
+    strata = an.class_strata(results)
+    assert an.grad_norm_samples(results, strata).empty and an.retention_curves(results, strata).empty
+    assert an.clipping_diagnostics(results).empty and an.auto_s_comparison(results, strata).empty
+    assert an.trends(*[an.guideline_table(results, strata)[0], an.task_difficulty(results)])[
+        "condition"].str.startswith("tighter privacy").sum() == 0
+    bare = an.load_results(copy_results(paths, tmp_path / "bare", tables=("search",)))
+    assert an.missing_data(bare) == ["no trial has finished yet: the datasets hold no trials rows"]
+    assert an.class_strata(bare).empty and an.guideline_table(bare, an.class_strata(bare))[1] is None
+    no_classes = an.load_results(copy_results(paths, tmp_path / "noclasses", tables=("trials", "search")))
+    assert an.class_strata(no_classes).empty
+    with pytest.raises(an.AnalysisError, match="no per-class accuracies"):
+        an.class_strata(no_classes, hard_classes=["0"])

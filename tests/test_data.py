@@ -1,0 +1,327 @@
+"""Workloads: spec checks, seeded stratified splits, embedded datasets, feature cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import dptune.data.features as features
+from dptune.data import DATASETS, WorkloadError, WorkloadSpec, list_datasets, load_workload
+from dptune.data.sources import RawDataset, load_20newsgroups, load_mnist5k
+from dptune.data.splits import TEST_FRACTION, allocate
+from dptune.data.workload import split_rows
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def temporary_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def encoder_calls(monkeypatch):
+    """Counts the real encoder's calls (and the rows it encoded) without changing what it does."""
+    calls: list[int] = []
+    real = features.encode_rows
+
+    def spy(extractor, raw, rows, *args, **kwargs):
+        calls.append(len(rows))
+        return real(extractor, raw, rows, *args, **kwargs)
+
+    monkeypatch.setattr(features, "encode_rows", spy)
+    return calls
+
+
+def labels_of(dataset) -> np.ndarray:
+    return dataset.tensors[-1].numpy()
+
+
+# ----------------------------------------------------------------------- spec checks
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"dataset": "imagenet"}, ["unknown dataset 'imagenet'", "20newsgroups", "mnist5k"]),
+        ({"backbone": "bert-large"}, ["unknown backbone 'bert-large'", "minilm"]),
+        ({"peft": "prompt"}, ["unknown peft 'prompt'", "lora"]),
+        ({"backbone": "efficientnet_lite0"}, ["takes image", "is text"]),
+        ({"fraction": 0.0}, ["fraction must be in (0, 1]", "0.0"]),
+        ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
+        ({"examples_per_class": 0}, ["examples_per_class must be >= 1"]),
+        ({"examples_per_class": 5, "fraction": 0.5}, ["not both"]),
+        ({"classes": (0, 20, 99)}, ["unknown class ids [20, 99]", "0..19"]),
+        ({"classes": (3, 3)}, ["at least 2 distinct"]),
+        ({"validation_fraction": 1.0}, ["validation_fraction must be in (0, 1)"]),
+        ({"max_tokens": 4}, ["max_tokens must be >= 8"]),
+        ({"max_train_examples": 0}, ["max_train_examples must be >= 1"]),
+        ({"seed": -1}, ["seed must be a non-negative integer"]),
+    ],
+)
+def test_bad_specs_fail_before_any_data_is_read(monkeypatch, changes, fragments):
+    def no_read(*_):
+        raise AssertionError("data was read for an invalid spec")
+
+    for name, info in list(DATASETS.items()):
+        monkeypatch.setitem(DATASETS, name, dataclasses.replace(info, load=no_read))
+    spec = dataclasses.replace(WorkloadSpec("20newsgroups", "minilm", "head"), **changes)
+    with pytest.raises(WorkloadError) as error:
+        load_workload(spec)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_scratch_backbone_refuses_a_linear_probe_and_lora_needs_attention():
+    with pytest.raises(WorkloadError, match="trained from scratch.*'full'"):
+        load_workload(WorkloadSpec("mnist5k", "wrn16_4", "head"))
+    with pytest.raises(WorkloadError, match="no attention"):
+        load_workload(WorkloadSpec("mnist5k", "efficientnet_lite0", "lora"))
+
+
+def test_registry():
+    assert list_datasets() == sorted(DATASETS) == ["20newsgroups", "cassava", "cifar100", "mnist5k", "sun397"]
+
+
+# -------------------------------------------------------------------------- splits
+
+
+def test_allocate_is_proportional_and_exact():
+    sizes = np.array([7, 13, 1, 29, 50])
+    for total in (0, 1, 9, 33, 100):
+        counts = allocate(sizes, total)
+        quotas = total * sizes / sizes.sum()
+        assert counts.sum() == total
+        assert np.all(counts >= np.floor(quotas)) and np.all(counts <= np.ceil(quotas))
+
+
+def synthetic_labels() -> np.ndarray:
+    rng = np.random.default_rng(123)
+    return rng.permutation(np.repeat(np.arange(5), [40, 60, 80, 100, 120]))  # 400 rows
+
+
+def test_official_test_split_is_kept_and_validation_is_stratified():
+    labels = synthetic_labels()
+    rows = split_rows(labels, 300, WorkloadSpec("x", "minilm", "head", validation_fraction=0.2))
+    np.testing.assert_array_equal(rows.test, np.arange(300, 400))
+    assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(range(300))
+    pool = np.bincount(labels[:300], minlength=5)
+    assert len(rows.val) == 60
+    assert np.all(np.abs(np.bincount(labels[rows.val], minlength=5) - 0.2 * pool) < 1)
+
+
+def test_same_seed_same_splits_other_seed_other_validation_same_test():
+    labels = synthetic_labels()
+    spec = WorkloadSpec("x", "minilm", "head", seed=3, fraction=0.5)
+    first, again = split_rows(labels, None, spec), split_rows(labels, None, spec)
+    other = split_rows(labels, None, dataclasses.replace(spec, seed=4))
+    for name in ("train", "val", "test"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    assert not np.array_equal(first.val, other.val) and not np.array_equal(first.train, other.train)
+    np.testing.assert_array_equal(first.test, other.test)  # fixed-seed test split without an official one
+    assert len(first.test) == round(TEST_FRACTION * 400)
+    assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(first.test)
+
+
+def test_fraction_examples_per_class_and_class_subset():
+    labels = synthetic_labels()
+    base = WorkloadSpec("x", "minilm", "head", seed=1)
+    full = split_rows(labels, 300, base)
+    half = split_rows(labels, 300, dataclasses.replace(base, fraction=0.5))
+    np.testing.assert_array_equal(half.val, full.val)  # knobs act on training rows only
+    assert set(half.train) <= set(full.train) and len(half.train) == round(0.5 * len(full.train))
+    assert np.all(np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1)
+
+    shots = split_rows(labels, 300, dataclasses.replace(base, examples_per_class=3))
+    np.testing.assert_array_equal(np.bincount(labels[shots.train]), [3] * 5)
+    with pytest.raises(WorkloadError, match="examples_per_class=200 exceeds.*class"):
+        split_rows(labels, 300, dataclasses.replace(base, examples_per_class=200))
+
+    subset = split_rows(labels, 300, dataclasses.replace(base, classes=(4, 1)))
+    for part in (subset.train, subset.val, subset.test):
+        assert set(labels[part]) == {1, 4}
+    assert subset.kept == (4, 1) and subset.label_map[4] == 0 and subset.label_map[1] == 1
+    assert subset.label_map[[0, 2, 3]].tolist() == [-1, -1, -1]
+
+
+# ---------------------------------------------------------------- embedded datasets
+
+
+def test_20newsgroups_has_the_published_sizes():
+    raw = load_20newsgroups()
+    assert raw.num_official_train == 11_293 and len(raw.inputs) - raw.num_official_train == 7_528
+    assert len(raw.class_names) == 20 and raw.class_names == sorted(raw.class_names)
+    assert raw.class_names[0] == "alt.atheism" and raw.inputs[0].startswith("alt atheism faq")
+    assert np.all(np.bincount(raw.labels[:11_293]) > 300)
+
+
+def reference_minilm_features(texts: list[str], max_tokens: int) -> np.ndarray:
+    """sentence-transformers' recipe written out: fixed-length padding, masked mean pooling."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from dptune.models.backbones import minilm_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    model = AutoModel.from_pretrained(minilm_folder()).eval()
+    batch = tokenizer(texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+
+
+def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, temporary_cache):
+    spec = WorkloadSpec("20newsgroups", "minilm", "head", seed=2, max_tokens=32,
+                        classes=(3, 7, 11), max_train_examples=12, max_eval_examples=6)
+    workload = load_workload(spec)
+    assert workload.modality == "features" and workload.feature_dim == 384 and workload.num_classes == 3
+    raw = load_20newsgroups()
+    assert workload.class_names == [raw.class_names[3], raw.class_names[7], raw.class_names[11]]
+    assert [len(workload.train), len(workload.val), len(workload.test)] == [12, 6, 6]
+    assert encoder_calls == [24]  # only the kept rows were encoded
+
+    rows = split_rows(raw.labels, raw.num_official_train, spec)
+    x, y = workload.train.tensors
+    assert x.dtype == torch.float32 and x.shape == (12, 384)
+    np.testing.assert_array_equal(y.numpy(), rows.label_map[raw.labels[rows.train]])
+    expected = reference_minilm_features([raw.inputs[r] for r in rows.train[:4]], 32)
+    np.testing.assert_allclose(x[:4].numpy(), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(labels_of(workload.test), rows.label_map[raw.labels[rows.test]])
+
+    again = load_workload(spec)
+    assert encoder_calls == [24]  # second load: read from the cache, encoder not run
+    torch.testing.assert_close(again.train.tensors[0], x, rtol=0, atol=0)
+    assert len(list((temporary_cache / "features").glob("20newsgroups-minilm-*.npy"))) == 1
+
+
+def test_feature_workload_feeds_opacus_poisson_loader_including_empty_batches():
+    from opacus.data_loader import DPDataLoader
+    from torch.utils.data import DataLoader
+
+    spec = WorkloadSpec("20newsgroups", "minilm", "head", max_tokens=16, max_train_examples=8, max_eval_examples=2)
+    workload = load_workload(spec)
+    torch.testing.assert_close(workload.labels("train"), workload.train.tensors[1])
+    loader = DPDataLoader.from_data_loader(DataLoader(workload.train, batch_size=1), generator=torch.Generator().manual_seed(0))
+    assert loader.batch_sampler.sample_rate == pytest.approx(1 / 8)
+    batches = list(loader)
+    assert {(tuple(x.shape[1:]), x.dtype, y.dtype) for x, y in batches} == {((384,), torch.float32, torch.int64)}
+    assert any(len(y) == 0 for _, y in batches)  # (7/8)^8 ≈ 34% chance per step: seeded
+
+
+def tiny_corpus() -> RawDataset:
+    raw = load_20newsgroups()
+    rows = np.r_[0:6, 11_293:11_299]
+    return dataclasses.replace(
+        raw, name="tiny20", inputs=[" ".join(raw.inputs[r].split()[:12]) for r in rows],
+        labels=raw.labels[rows], num_official_train=6, fingerprint="tiny20-v1",
+    )
+
+
+def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(encoder_calls, temporary_cache):
+    raw = tiny_corpus()
+    results: dict[int, np.ndarray] = {}
+
+    def worker(index: int) -> None:
+        results[index] = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert encoder_calls == [12]  # the second waited on the lock, then read the first's file
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[0], reference_minilm_features(raw.inputs, 16), rtol=1e-4, atol=1e-5)
+
+    subset = features.cached_features(raw, np.array([7, 2, 9]), "minilm", max_tokens=16, image_size=None)
+    assert encoder_calls == [12]
+    np.testing.assert_array_equal(subset, results[0][[7, 2, 9]])
+    leftovers = [p.name for p in (temporary_cache / "features").iterdir() if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_20newsgroups_tokens_for_fine_tuning():
+    from dptune.models import load_tokenizer
+
+    spec = WorkloadSpec("20newsgroups", "minilm", "lora", max_tokens=24, max_train_examples=10, max_eval_examples=4)
+    workload = load_workload(spec)
+    assert workload.modality == "text" and workload.max_tokens == 24 and workload.num_classes == 20
+    input_ids, attention_mask, labels = workload.train.tensors
+    assert input_ids.shape == attention_mask.shape == (10, 24) and input_ids.dtype == torch.int64
+    raw = load_20newsgroups()
+    rows = split_rows(raw.labels, raw.num_official_train, spec)
+    tokenizer = load_tokenizer("minilm")
+    first = tokenizer(raw.inputs[rows.train[0]], truncation=True, max_length=24)["input_ids"]
+    assert input_ids[0, : len(first)].tolist() == first and attention_mask[0].sum() == len(first)
+    np.testing.assert_array_equal(labels.numpy(), raw.labels[rows.train])
+
+
+def test_mnist5k_splits_and_efficientnet_features(encoder_calls):
+    from dptune.models import build_feature_extractor
+
+    raw = load_mnist5k()
+    assert raw.inputs.shape == (5000, 1, 28, 28) and raw.inputs.dtype == torch.uint8
+    np.testing.assert_array_equal(np.bincount(raw.labels), [500] * 10)
+    full = split_rows(raw.labels, None, WorkloadSpec("mnist5k", "efficientnet_lite0", "head"))
+    assert [len(full.train), len(full.val), len(full.test)] == [3600, 400, 1000]
+    np.testing.assert_array_equal(np.bincount(raw.labels[full.test]), [100] * 10)
+
+    spec = WorkloadSpec("mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10)
+    workload = load_workload(spec)
+    assert workload.feature_dim == 1280 and workload.train.tensors[0].shape == (20, 1280)
+    rows = split_rows(raw.labels, None, spec)
+    extractor = build_feature_extractor("efficientnet_lite0").eval()
+    with torch.no_grad():
+        expected = extractor(raw.inputs[torch.from_numpy(rows.val[:3])])
+    torch.testing.assert_close(workload.val.tensors[0][:3], expected, rtol=1e-4, atol=1e-5)
+
+    images = load_workload(dataclasses.replace(spec, peft="film"))
+    assert images.modality == "image" and images.image_size == 96
+    image, label = images.train[0]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label.dtype == torch.int64
+
+
+# ---------------------------------------------------------------- on-disk datasets
+
+
+def test_missing_disk_datasets_say_where_to_put_them(monkeypatch, tmp_path):
+    monkeypatch.delenv("DPTUNE_DATA_DIR", raising=False)
+    with pytest.raises(WorkloadError, match="set DPTUNE_DATA_DIR"):
+        load_workload(WorkloadSpec("cifar100", "wrn16_4", "full"))
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path))
+    with pytest.raises(WorkloadError, match=r"'cifar100' not found under .*CIFAR100\(root, download=True\)"):
+        load_workload(WorkloadSpec("cifar100", "wrn16_4", "full", fraction=0.1))
+    with pytest.raises(WorkloadError, match=r"'sun397' not found under .*SUN397\(root, download=True\)"):
+        load_workload(WorkloadSpec("sun397", "wrn16_4", "full"))
+    with pytest.raises(WorkloadError, match=r"'cassava' not found under .*one sub-folder per class"):
+        load_workload(WorkloadSpec("cassava", "wrn16_4", "full"))
+
+
+def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, encoder_calls):
+    rng = np.random.default_rng(0)
+    classes = ["cbb", "cbsd", "cgm", "cmd", "healthy"]
+    for label, name in enumerate(classes):
+        (tmp_path / "cassava" / name).mkdir(parents=True)
+        for i in range(6):
+            size = (int(rng.integers(40, 90)), int(rng.integers(40, 90)))
+            pixels = np.full((size[1], size[0], 3), 40 * label, dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "cassava" / name / f"{i}.png")
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path))
+
+    workload = load_workload(WorkloadSpec("cassava", "wrn16_4", "full"))
+    assert workload.class_names == classes and workload.image_size == 32
+    assert [len(workload.train), len(workload.val), len(workload.test)] == [22, 2, 6]
+    for index in range(len(workload.train)):
+        image, label = workload.train[index]
+        assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+        assert torch.all(image == 40 * int(label))  # each class has its own grey level
+    torch.testing.assert_close(workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)]))
+
+    head = load_workload(WorkloadSpec("cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5))
+    assert head.train.tensors[0].shape == (5, 1280) and encoder_calls == [5 + 2 + 5]

@@ -1,0 +1,378 @@
+"""dptune.privacy against independent accountants (Opacus' PRV and RDP, the exact Gaussian mechanism,
+Papernot–Steinke by hand), its cache (speed, persistence, concurrent writers) and its input checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from dptune import privacy
+from dptune.privacy import (
+    EPSILON_ERROR,
+    NOISE_MULTIPLIER_RTOL,
+    PrivacyParameterError,
+    calibrate_noise_multiplier,
+    check_delta,
+    epsilon_spent,
+    tuning_privacy_cost,
+)
+
+pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
+
+DELTA = 1e-5
+# (ε, q, T) spanning ε 0.25–8, q 1e-4–1 (full batch), T 1–1e5.
+POINTS = [
+    (0.25, 0.01, 1000),
+    (0.5, 1e-4, 100_000),
+    (1.0, 1e-3, 10_000),
+    (1.0, 1.0, 1),
+    (4.0, 0.05, 200),
+    (8.0, 0.32, 320),
+    (8.0, 1.0, 1),
+]
+POINT_IDS = [f"eps={e:g}-q={q:g}-T={t}" for e, q, t in POINTS]
+
+
+def _opacus_epsilon(accountant_class: type, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+    accountant = accountant_class()
+    accountant.history = [(noise_multiplier, sample_rate, steps)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about its RDP order range and PRV numerics
+        return accountant.get_epsilon(delta=DELTA)
+
+
+@pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), POINTS, ids=POINT_IDS)
+def test_calibrated_sigma_is_within_one_percent_of_opacus_prv(epsilon: float, sample_rate: float, steps: int) -> None:
+    """Opacus' PRV accountant (same eps_error) calibrates to a σ_opacus in [0.99σ, 1.01σ]: by monotonicity
+    that is ε_opacus(1.01σ) ≤ ε ≤ ε_opacus(0.99σ)."""
+    from opacus.accountants import PRVAccountant
+
+    sigma = calibrate_noise_multiplier(epsilon, DELTA, sample_rate, steps)
+    assert _opacus_epsilon(PRVAccountant, 1.01 * sigma, sample_rate, steps) <= epsilon
+    assert _opacus_epsilon(PRVAccountant, 0.99 * sigma, sample_rate, steps) > epsilon
+
+
+@pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), POINTS, ids=POINT_IDS)
+def test_rdp_accountant_needs_more_noise(epsilon: float, sample_rate: float, steps: int) -> None:
+    """RDP is looser than PRV: at the PRV-calibrated σ, Opacus' RDP accountant reports ε above the target."""
+    from opacus.accountants import RDPAccountant
+
+    sigma = calibrate_noise_multiplier(epsilon, DELTA, sample_rate, steps)
+    assert _opacus_epsilon(RDPAccountant, sigma, sample_rate, steps) > epsilon
+
+
+@pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), POINTS, ids=POINT_IDS)
+def test_calibrated_sigma_meets_target_within_stated_tolerance(epsilon: float, sample_rate: float, steps: int) -> None:
+    sigma = calibrate_noise_multiplier(epsilon, DELTA, sample_rate, steps)
+    assert epsilon_spent(sigma, sample_rate, steps, DELTA) <= epsilon
+    assert epsilon_spent(sigma / (1 + NOISE_MULTIPLIER_RTOL), sample_rate, steps, DELTA) > epsilon
+
+
+def _exact_gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    """Exact ε of the Gaussian mechanism with sensitivity 1 (Balle & Wang 2018, Thm 8):
+    δ(ε) = Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ)."""
+    def excess(eps: float) -> float:
+        s = noise_multiplier
+        return norm.cdf(1 / (2 * s) - eps * s) - math.exp(eps) * norm.cdf(-1 / (2 * s) - eps * s) - delta
+
+    return brentq(excess, 0.0, 50.0)
+
+
+@pytest.mark.parametrize(("noise_multiplier", "steps"), [(2.0, 1), (30.0, 100), (5.0, 4)])
+def test_full_batch_epsilon_matches_exact_gaussian_mechanism(noise_multiplier: float, steps: int) -> None:
+    """q = 1: T Gaussian steps at σ compose exactly into one Gaussian mechanism at σ/√T."""
+    exact = _exact_gaussian_epsilon(noise_multiplier / math.sqrt(steps), DELTA)
+    certified = epsilon_spent(noise_multiplier, 1.0, steps, DELTA)
+    assert exact <= certified <= exact + 2 * EPSILON_ERROR
+
+
+def test_epsilon_spent_moves_the_right_way() -> None:
+    base = epsilon_spent(1.0, 0.01, 500, DELTA)
+    assert epsilon_spent(1.2, 0.01, 500, DELTA) < base  # more noise
+    assert epsilon_spent(1.0, 0.02, 500, DELTA) > base  # larger batches
+    assert epsilon_spent(1.0, 0.01, 1000, DELTA) > base  # more steps
+    assert epsilon_spent(1.0, 0.01, 500, 1e-3) < base  # looser δ
+
+
+# --------------------------------------------------------------------------- cache
+
+
+CHEAP = (2.0, DELTA, 0.5, 8)  # (ε, δ, q, T): a calibration of well under a second
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache folder of this test's own, and an empty in-process memo."""
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(tmp_path))
+    privacy.clear_memory_cache()
+    return tmp_path
+
+
+def test_repeated_calibration_is_a_cache_hit_in_process_and_in_a_new_process(private_cache: Path) -> None:
+    sigma = calibrate_noise_multiplier(*CHEAP)
+    (entry,) = (private_cache / "accounting").glob("noise_multiplier-*.json")
+    record = json.loads(entry.read_text())
+    assert record["value"] == sigma
+    assert record["key"]["prv_accountant"] == version("prv-accountant") and record["key"]["epsilon"] == CHEAP[0]
+
+    def seconds(call: object) -> float:
+        start = time.perf_counter()
+        assert call() == sigma  # type: ignore[operator]
+        return time.perf_counter() - start
+
+    assert min(seconds(lambda: calibrate_noise_multiplier(*CHEAP)) for _ in range(3)) < 0.010  # memo
+    disk_hits = []
+    for _ in range(3):
+        privacy.clear_memory_cache()
+        disk_hits.append(seconds(lambda: calibrate_noise_multiplier(*CHEAP)))
+    assert min(disk_hits) < 0.010
+
+    script = textwrap.dedent(f"""
+        import time
+        from dptune.privacy import calibrate_noise_multiplier, clear_memory_cache
+        seconds = []
+        for _ in range(3):  # the best of three disk hits, as this machine is shared
+            clear_memory_cache()
+            start = time.perf_counter()
+            sigma = calibrate_noise_multiplier(*{CHEAP!r})
+            seconds.append(time.perf_counter() - start)
+        print(repr(sigma), min(seconds))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DPTUNE_CACHE_DIR": str(private_cache)}).stdout.split()
+    assert float(out[0]) == sigma
+    assert float(out[1]) < 0.010
+
+
+def test_cache_key_covers_every_input(private_cache: Path) -> None:
+    epsilon, delta, sample_rate, steps = CHEAP
+    sigmas = {calibrate_noise_multiplier(*point) for point in [
+        CHEAP, (epsilon * 1.5, delta, sample_rate, steps), (epsilon, delta * 10, sample_rate, steps),
+        (epsilon, delta, sample_rate / 2, steps), (epsilon, delta, sample_rate, steps * 2)]}
+    assert len(sigmas) == 5
+    assert len(list((private_cache / "accounting").glob("noise_multiplier-*.json"))) == 5
+
+
+def test_concurrent_processes_calibrate_into_one_consistent_cache(tmp_path: Path) -> None:
+    points = [CHEAP, (1.0, DELTA, 1.0, 3), (4.0, DELTA, 0.2, 10)]
+    script = textwrap.dedent(f"""
+        import json, sys
+        from dptune.privacy import calibrate_noise_multiplier
+        points = {points!r}
+        sigmas = {{p: calibrate_noise_multiplier(*p) for p in (points if sys.argv[1] == "0" else points[::-1])}}
+        print(json.dumps([sigmas[p] for p in points]))
+    """)
+    env = {**os.environ, "DPTUNE_CACHE_DIR": str(tmp_path)}
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(i % 2)], stdout=subprocess.PIPE, text=True, env=env)
+               for i in range(3)]
+    results = [json.loads(worker.communicate(timeout=300)[0]) for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers)
+    assert results[0] == results[1] == results[2]
+    folder = tmp_path / "accounting"
+    assert sorted(p.suffix for p in folder.iterdir()) == [".json"] * 3  # no temporary files left
+    for entry in folder.iterdir():
+        assert json.loads(entry.read_text())["value"] in results[0]
+
+
+def test_cache_writes_are_atomic_under_contending_writers(tmp_path: Path) -> None:
+    """Three processes rewrite one entry as fast as they can while this process reads it: every read
+    sees a complete entry (a plain open-truncate-write would expose empty or partial files)."""
+    path = tmp_path / "entry.json"
+    key = {"kind": "test", "padding": "x" * 10_000}  # large enough that a write is not one syscall
+    privacy._write_cached(path, key, -1.0)
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from dptune.privacy import _write_cached
+        for i in range(300):
+            _write_cached(Path({str(path)!r}), {key!r}, float(sys.argv[1]) * 1000 + i)
+    """)
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(i)]) for i in range(3)]
+    reads = 0
+    while any(writer.poll() is None for writer in writers) or reads == 0:
+        record = json.loads(path.read_text())
+        assert record["key"] == key and -1.0 <= record["value"] < 3000
+        reads += 1
+    assert all(writer.wait() == 0 for writer in writers)
+    assert reads > 10
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.json"]
+
+
+def test_unreadable_cache_entry_is_recomputed(private_cache: Path) -> None:
+    sigma = calibrate_noise_multiplier(*CHEAP)
+    (entry,) = (private_cache / "accounting").glob("*.json")
+    entry.write_text('{"key": {"kind": "noise_multi')  # as left by a crash
+    privacy.clear_memory_cache()
+    assert calibrate_noise_multiplier(*CHEAP) == sigma
+    assert json.loads(entry.read_text())["value"] == sigma
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any PRV evaluation starts."""
+    def forbidden(*args: object) -> float:
+        raise AssertionError(f"accounting ran for {args}")
+
+    monkeypatch.setattr(privacy, "_prv_epsilon", forbidden)
+    monkeypatch.setattr(privacy, "_certified_epsilon", forbidden)
+
+
+@pytest.mark.usefixtures("no_accounting")
+@pytest.mark.parametrize(("epsilon", "delta", "sample_rate", "steps", "named"), [
+    (0.0, DELTA, 0.01, 100, "epsilon"),
+    (-1.0, DELTA, 0.01, 100, "epsilon"),
+    (math.nan, DELTA, 0.01, 100, "epsilon"),
+    (51.0, DELTA, 0.01, 100, "epsilon"),
+    (0.01, DELTA, 0.01, 100, "epsilon"),
+    (1.0, 0.0, 0.01, 100, "delta"),
+    (1.0, -1e-5, 0.01, 100, "delta"),
+    (1.0, 1.0, 0.01, 100, "delta"),
+    (1.0, DELTA, 0.0, 100, "sample_rate"),
+    (1.0, DELTA, 1.5, 100, "sample_rate"),
+    (1.0, DELTA, "0.1", 100, "sample_rate"),
+    (1.0, DELTA, 0.01, 0, "steps"),
+    (1.0, DELTA, 0.01, 10.5, "steps"),
+    (1.0, DELTA, 0.01, 100.0, "steps"),
+    (1.0, DELTA, 0.01, True, "steps"),
+    (1.0, DELTA, 0.01, -3, "steps"),
+])
+def test_bad_calibration_input_fails_before_any_accounting(epsilon: float, delta: float, sample_rate: float,
+                                                          steps: int, named: str) -> None:
+    with pytest.raises(PrivacyParameterError, match=rf"^{named} must be"):
+        calibrate_noise_multiplier(epsilon, delta, sample_rate, steps)
+
+
+@pytest.mark.usefixtures("no_accounting")
+@pytest.mark.parametrize(("noise_multiplier", "sample_rate", "steps", "delta", "named"), [
+    (0.0, 0.01, 100, DELTA, "noise_multiplier"),
+    (2e4, 0.01, 100, DELTA, "noise_multiplier"),
+    (math.inf, 0.01, 100, DELTA, "noise_multiplier"),
+    (1.0, -0.1, 100, DELTA, "sample_rate"),
+    (1.0, 0.01, 0, DELTA, "steps"),
+    (1.0, 0.01, 100, 2.0, "delta"),
+])
+def test_bad_epsilon_spent_input_fails_before_any_accounting(noise_multiplier: float, sample_rate: float,
+                                                            steps: int, delta: float, named: str) -> None:
+    with pytest.raises(PrivacyParameterError, match=rf"^{named} must be"):
+        epsilon_spent(noise_multiplier, sample_rate, steps, delta)
+
+
+def test_error_message_states_the_valid_range() -> None:
+    with pytest.raises(PrivacyParameterError) as error:
+        calibrate_noise_multiplier(1.0, DELTA, 2.0, 100)
+    assert "sample_rate must be in (0, 1]" in str(error.value) and "got 2.0" in str(error.value)
+    assert isinstance(error.value, ValueError)
+
+
+@pytest.mark.usefixtures("no_accounting")
+def test_clearly_unreachable_target_fails_before_any_accounting() -> None:
+    """Full batch, 1e5 steps, ε = 0.05: the exact Gaussian-DP view already needs σ ≈ 1.8e4 > 1e4."""
+    with pytest.raises(PrivacyParameterError, match="unreachable.*noise_multiplier"):
+        calibrate_noise_multiplier(0.05, DELTA, 1.0, 100_000)
+
+
+def test_unreachable_target_found_by_the_search_is_an_error() -> None:
+    """Full batch, 3e4 steps, ε = 0.05: the guess (≈ 1.0e4) is in range, the certified σ (≈ 1.2e4) is not."""
+    with pytest.raises(PrivacyParameterError, match="unreachable: it needs noise_multiplier > 10000"):
+        calibrate_noise_multiplier(0.05, DELTA, 1.0, 30_000)
+
+
+def test_target_too_loose_for_any_noise_is_an_error() -> None:
+    """One step at q = 1e-5 is (50, δ)-DP even with σ = 0.1, the smallest σ searched."""
+    with pytest.raises(PrivacyParameterError, match="too large"):
+        calibrate_noise_multiplier(50.0, DELTA, 1e-5, 1)
+
+
+def test_check_delta_warns_above_one_over_n() -> None:
+    with pytest.warns(UserWarning, match=r"1/num_examples"):
+        check_delta(1e-3, 10_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_delta(1e-5, 10_000)
+    with pytest.raises(PrivacyParameterError, match="^delta must be"):
+        check_delta(0.0, 10_000)
+    with pytest.raises(PrivacyParameterError, match="^num_examples must be"):
+        check_delta(1e-5, 0)
+
+
+# --------------------------------------------------------------------------- privacy cost of tuning
+
+TRIAL = {"sample_rate": 0.01, "steps": 1000}  # σ from calibrate_noise_multiplier(1.0, δ, 0.01, 1000)
+
+
+def test_basic_composition_is_exact() -> None:
+    cost = tuning_privacy_cost(1.5, 1e-6, 7, **TRIAL)
+    assert (cost.epsilon_composition, cost.delta_composition) == (7 * 1.5, 7 * 1e-6)
+    assert (cost.trials, cost.epsilon_per_trial, cost.delta_per_trial) == (7, 1.5, 1e-6)
+
+
+def test_geometric_selection_bound_matches_papernot_steinke_by_hand() -> None:
+    """Theorem 2 of Papernot & Steinke with η = 1 (geometric, γ = 1/k), on Opacus' independent RDP of
+    the trial, converted with Opacus' RDP→(ε, δ) formula; dp_accounting must give the same number."""
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    trials, sigma = 20, 1.3
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    rdp = np.array(compute_rdp(q=TRIAL["sample_rate"], noise_multiplier=sigma, steps=TRIAL["steps"], orders=orders))
+    gamma = 1 / trials
+    constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
+    selected = rdp + math.log(trials) / (orders - 1) + constant
+    selected = np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, _ = get_privacy_spent(orders=orders, rdp=selected, delta=DELTA)
+
+    cost = tuning_privacy_cost(1.0, DELTA, trials, noise_multiplier=sigma, shape=1.0, **TRIAL)
+    assert cost.epsilon_selection == pytest.approx(expected, rel=1e-6)
+    assert cost.distribution == "geometric" and cost.delta_selection == DELTA
+
+
+@pytest.mark.parametrize("shape", [1.0, 0.0, 0.5, math.inf])
+def test_selection_costs_more_than_one_trial_and_grows_with_trials(shape: float) -> None:
+    few = tuning_privacy_cost(1.0, DELTA, 5, shape=shape, **TRIAL)
+    many = tuning_privacy_cost(1.0, DELTA, 50, shape=shape, **TRIAL)
+    assert 1.0 < few.epsilon_selection < many.epsilon_selection
+
+
+def test_selection_over_candidates_uses_the_worst_rdp_curve() -> None:
+    small_batches = {"sample_rate": 0.01, "steps": 1000}
+    large_batches = {"sample_rate": 0.1, "steps": 100}
+    one = tuning_privacy_cost(1.0, DELTA, 20, **small_batches)
+    other = tuning_privacy_cost(1.0, DELTA, 20, **large_batches)
+    both = tuning_privacy_cost(1.0, DELTA, 20, sample_rate=[0.01, 0.1], steps=[1000, 100])
+    same_twice = tuning_privacy_cost(1.0, DELTA, 20, sample_rate=[0.01, 0.01], steps=[1000, 1000])
+    assert both.epsilon_selection > max(one.epsilon_selection, other.epsilon_selection)
+    assert same_twice.epsilon_selection == pytest.approx(one.epsilon_selection, rel=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"trials": 0}, "trials"),
+    ({"trials": 2.5}, "trials"),
+    ({"shape": -1.0}, "shape"),
+    ({"epsilon_per_trial": 0.0}, "epsilon_per_trial"),
+    ({"delta_per_trial": 1.0}, "delta_per_trial"),
+    ({"steps": [1000, 100]}, "sample_rate and steps"),
+    ({"noise_multiplier": [1.0, 2.0]}, "noise_multiplier"),
+])
+def test_bad_tuning_input_names_the_parameter(kwargs: dict[str, object], named: str) -> None:
+    arguments: dict[str, object] = {"epsilon_per_trial": 1.0, "delta_per_trial": DELTA, "trials": 10, **TRIAL,
+                                    "noise_multiplier": 1.0, **kwargs}
+    with pytest.raises(PrivacyParameterError, match=f"^{named} must be"):
+        tuning_privacy_cost(**arguments)  # type: ignore[arg-type]

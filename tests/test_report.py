@@ -1,0 +1,200 @@
+"""The HTML report: self-contained, its numbers equal pandas computations, partial results described."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import expected
+from dptune import analysis as an
+from dptune import report
+from tiny_results import copy_results, results_paths
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class _Tables(HTMLParser):
+    """Collects every <table> as its caption and rows of cell texts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[dict] = []
+        self._text: str | None = None
+        self._row: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "table":
+            self.tables.append({"caption": "", "rows": []})
+        elif tag in ("caption", "td", "th"):
+            self._text = ""
+        elif tag == "tr":
+            self._row = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "caption":
+            self.tables[-1]["caption"] = self._text
+        elif tag in ("td", "th"):
+            self._row.append(self._text.strip())
+        elif tag == "tr":
+            self.tables[-1]["rows"].append(self._row)
+        if tag in ("caption", "td", "th"):
+            self._text = None
+
+    def handle_data(self, data: str) -> None:
+        if self._text is not None:
+            self._text += data
+
+
+def html_table(page: str, caption: str) -> pd.DataFrame:
+    parser = _Tables()
+    parser.feed(page)
+    (table,) = [t for t in parser.tables if t["caption"].startswith(caption)]
+    return pd.DataFrame(table["rows"][1:], columns=table["rows"][0])
+
+
+@pytest.fixture(scope="module")
+def paths() -> list[str]:
+    return list(results_paths())
+
+
+@pytest.fixture(scope="module")
+def built(paths: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    index = report.build_report(paths, tmp_path_factory.mktemp("reports") / "full")
+    return index, index.read_text(encoding="utf-8")
+
+
+def test_report_is_self_contained_with_every_figure(built: tuple[Path, str], paths: list[str]) -> None:
+    index, page = built
+    pngs = sorted(index.parent.glob("*.png"))
+    tasks = expected.read(paths, "trials")[["dataset", "fraction", "backbone", "peft"]].drop_duplicates()
+    expected_count = sum(len(tasks) if info.per_task else 1 for info in report.FIGURES)
+    assert len(pngs) == expected_count
+    embedded = re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert sorted(base64.b64decode(e) for e in embedded) == sorted(p.read_bytes() for p in pngs)
+    assert all(p.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
+    for info in report.FIGURES:
+        assert any(p.name.startswith(info.key) for p in pngs), info.key
+    references = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert references and all(r.startswith(("data:image/png;base64,", "#s")) for r in references)
+    assert not re.search(r"https?://|<link|<script|@import|url\(", page)
+
+
+def test_guideline_table_equals_pandas(built: tuple[Path, str], paths: list[str]) -> None:
+    _, page = built
+    want, (clip, batch) = expected.guideline(paths)
+    shown = html_table(page, "Per cell: the best (C, B, η)")
+    results = an.load_results(paths)
+    labels = results.trials[["task", "dataset", "backbone"]].drop_duplicates().set_index("task")
+    shown["dataset"] = shown["task"].map(labels["dataset"])
+    shown["backbone"] = shown["task"].map(labels["backbone"])
+    assert len(shown) == len(want)
+    for row in want.itertuples(index=False):
+        line = shown[(shown["dataset"] == row.dataset) & (shown["backbone"] == row.backbone)
+                     & (shown["ε"] == f"{row.epsilon:.3g}") & (shown["E"] == str(row.epochs))]
+        assert len(line) == 1
+        line = line.iloc[0]
+        assert line["best C"] == f"{row.clip_bound:.3g}" and line["best B"] == str(row.batch_size)
+        assert line["η"] == f"{row.learning_rate:.3g}"
+        assert line["test %"] == f"{100 * row.test_accuracy:.1f}" and line["val %"] == f"{100 * row.val_accuracy:.1f}"
+        assert line["hard classes %"] == f"{100 * row.hard:.1f}"
+        assert line["fixed (C, B) test %"] == f"{100 * row.test_accuracy_fixed:.1f}"
+        assert line["loss (points)"] == f"{100 * row.loss:.3g}"
+        assert line["hard-class loss (points)"] == f"{100 * row.hard_loss:.3g}"
+    assert f"Fixed setting: C {clip:g}, B {batch:g}" in page
+    assert f"loses {100 * want['loss'].mean():+.1f} points of test accuracy on average" in page
+    assert f"{100 * want['hard_loss'].mean():+.1f} points on the hard classes" in page
+
+
+def test_strata_table_lists_the_hard_classes(built: tuple[Path, str], paths: list[str]) -> None:
+    _, page = built
+    hard = expected.hard_labels(paths)
+    classes = expected.read(paths, "classes")[["dataset", "backbone", "label", "class_name"]].drop_duplicates()
+    shown = html_table(page, "Easy and hard classes per task.")
+    results = an.load_results(paths)
+    keys = results.trials[["task", "dataset", "backbone"]].drop_duplicates().set_index("task")
+    rows = shown[shown["stratum"] == "hard"]
+    assert len(rows) == len(hard)
+    for _, row in rows.iterrows():
+        dataset, backbone = keys.loc[row["task"], "dataset"], keys.loc[row["task"], "backbone"]
+        names = classes[(classes["dataset"] == dataset) & (classes["backbone"] == backbone)
+                        & classes["label"].isin(hard[(dataset, backbone)])]["class_name"]
+        listed = re.findall(r"([^,(]+) \(", row["members (reference accuracy %)"])
+        assert sorted(n.strip() for n in listed) == sorted(names) and int(row["classes"]) == len(names)
+
+
+def test_partial_results_build_and_say_what_is_missing(paths: list[str], tmp_path: Path) -> None:
+    one = copy_results(paths, tmp_path / "one", keep=lambda t: (t["epsilon"] == t["epsilon"].max())
+                       & (t["clipping"] != "auto_s"), tables=("trials", "classes", "search"))
+    out = tmp_path / "out-one"
+    out.mkdir()
+    (out / "fig5-auto-s.png").write_bytes(b"stale")
+    (out / "notes.txt").write_text("kept")
+    page = report.build_report(one, out).read_text(encoding="utf-8")
+    for text in ("the results hold no finished AUTO-S trials", "no diagnostics recorded",
+                 "Only one ε in the results", "Missing: only one privacy budget ε"):
+        assert text in page
+    names = {p.name.split("-")[0] for p in out.glob("*.png")}
+    assert names == {"fig1", "fig2", "fig4b", "fig6"} and (out / "notes.txt").exists()
+
+    bare = report.build_report(copy_results(paths, tmp_path / "bare", tables=("search",)), tmp_path / "out-bare")
+    page = bare.read_text(encoding="utf-8")
+    assert "no trial has finished yet" in page and not list(bare.parent.glob("*.png"))
+    assert page.count('class="missing"') >= 8  # every section says what it lacks
+
+    no_classes = copy_results(paths, tmp_path / "noclasses", tables=("trials", "search"))
+    page = report.build_report(no_classes, tmp_path / "out-noclasses").read_text(encoding="utf-8")
+    assert "classes cannot be split into easy and hard" in page
+    assert "an unknown amount on the hard classes" in page
+
+
+def test_cli_missing_path_fails_before_any_work(paths: list[str], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never"
+    missing = str(tmp_path / "no-such-search")
+    with pytest.raises(SystemExit) as stop:
+        report.main([paths[0], missing, "--out", str(out)])
+    assert stop.value.code == 2
+    assert f"{missing}: no such results dataset" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "x", "--hard-fraction", "1.5"], "--hard-fraction must lie strictly between 0 and 1, got 1.5"),
+    (["--out", "x", "--hard-fraction", "0.3", "--hard-classes", "1"], "not allowed with argument"),
+    (["--out", "x", "--near-optimal", "-1"], "--near-optimal must be ≥ 0 accuracy points"),
+    (["--out", "x", "--hard-classes", "nope"], "hard classes nope are in no task"),
+    ([], "--out is required"),
+])
+def test_cli_rejects_bad_options(paths: list[str], argv: list[str], message: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a if a != "x" else str(tmp_path / "out") for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        report.main([*paths, *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "index.html").exists()
+
+
+def test_cli_builds_into_a_new_folder_without_torch_or_ray(paths: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "nested" / "reports" / "tiny"
+    code = ("import sys; from dptune.report import main; "
+            f"main({[*paths, '--out', str(out), '--hard-fraction', '0.25']!r}); "
+            "print('heavy:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert f"report written to {out / 'index.html'}" in done.stdout
+    assert "heavy: []" in done.stdout
+    assert (out / "index.html").is_file() and len(list(out.glob("fig*.png"))) >= len(report.FIGURES)
+
+
+def test_figure_index_is_in_the_reports_readme(capsys: pytest.CaptureFixture[str]) -> None:
+    report.main(["--figure-index"])
+    printed = capsys.readouterr().out.strip()
+    assert printed == report.figure_index()
+    assert report.figure_index() in (REPO / "reports" / "README.md").read_text(encoding="utf-8")

@@ -1,0 +1,234 @@
+"""The search service end to end: real Ray, real trials, Parquet rows checked value by value."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import ray
+
+from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
+from dptune import privacy, search
+from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.records import ResultsStore, read_table
+from dptune.space import load_space
+
+TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
+
+
+def run_cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# --------------------------------------------------------------------------- before any compute
+
+
+def main_exit(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """Run the CLI in this process (nothing here may start Ray); return stderr of a refusal."""
+    with pytest.raises(SystemExit) as info:
+        search.main(list(args))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trials-per-cell", "0"], "--trials-per-cell must be ≥ 1"),
+        (["--set", "privacy"], "expected KEY=VALUE"),
+        (["--space", "nowhere.yaml"], "no such search-space file; shipped spaces: "),
+        (["--set", "sampler.name=cmaes"], "sampler.name: not allowed"),
+        (["--set", "privacy.epsilons=[0]"], "privacy.epsilons.0"),
+        (["--name", "../escape"], "use letters, digits"),
+        (["--max-train-examples", "-3"], "--max-train-examples must be ≥ 1"),
+    ],
+)
+def test_bad_flags_fail_fast_with_a_clear_message(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                  args: list[str], message: str) -> None:
+    assert message in main_exit(capsys, "--storage", str(tmp_path), *args)
+    assert not ray.is_initialized()
+    assert not list(tmp_path.iterdir())
+
+
+def test_storage_that_is_a_file_is_refused(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert "exists and is not a folder" in main_exit(capsys, "--storage", str(blocker / "sub"))
+
+
+def test_unknown_dataset_and_infeasible_min_steps_fail_before_ray(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
+    caps = ("--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES))
+    unknown = main_exit(capsys, "--storage", str(tmp_path), "--set", "task.dataset=cifar1000", *caps)
+    assert "cifar1000" in unknown and "20newsgroups" in unknown
+    infeasible = main_exit(capsys, "--space", str(TINY), "--storage", str(tmp_path), "--set", "min_steps=100000", *caps)
+    assert "no batch size gives T ≥ min_steps = 100000" in infeasible
+    assert not ray.is_initialized()
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(search_env: dict[str, str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tmp_path), "--dry-run", timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    assert f"N_train = {TINY_TRAIN_EXAMPLES}" in out
+    assert "pruned by min-step rule (T < 10): B = [256]" in out
+    assert "total: 12 trials in 4 cell runs" in out
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
+    privacy.clear_memory_cache()
+    steps = total_steps(TINY_TRAIN_EXAMPLES, 32, 3)
+    sigma = privacy.calibrate_noise_multiplier(1.0, 1e-5, sample_rate(TINY_TRAIN_EXAMPLES, 32), steps)
+    assert f"     32 {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}" in out
+    assert not (tmp_path / "tiny").exists()
+    assert "Started a local Ray instance" not in completed.stderr
+
+
+# --------------------------------------------------------------------------- a real search
+
+
+def test_tiny_search_records_every_grid_point_once(tiny_search: SearchRun) -> None:
+    trials = read_table(str(tiny_search.root), "trials")
+    assert trials["trial_id"].is_unique
+    ran = trials[trials["status"] != "pruned_min_steps"]
+    # per cell: normalized C × B = 2 × 2, AUTO-S B = 2; two cells (ε = 1, 8)
+    assert len(ran) == 12
+    assert set(ran["status"]) == {"ok"}, ran[["status", "reason"]]
+    normalized = ran[ran["clipping"] == "normalized"]
+    assert sorted(map(tuple, normalized[["epsilon", "clip_bound", "batch_size"]].values.tolist())) == sorted(
+        (e, c, b) for e in (1.0, 8.0) for c in (0.1, 1.0) for b in (32, 64))
+    assert (ran[ran["clipping"] == "auto_s"].groupby("epsilon").size() == 2).all()
+
+
+def test_min_step_pruning_records_without_compute(tiny_search: SearchRun) -> None:
+    trials = read_table(str(tiny_search.root), "trials")
+    pruned = trials[trials["status"] == "pruned_min_steps"]
+    assert set(pruned["batch_size"]) == {256}
+    assert len(pruned) == 2 * (2 + 1)  # per cell: 2 C values (normalized) + 1 (AUTO-S)
+    assert (pruned["steps"] == total_steps(TINY_TRAIN_EXAMPLES, 256, 3)).all()
+    assert (pruned["wall_time_s"] == 0).all() and (pruned["epsilon_spent"] == 0).all()
+    assert pruned["reason"].str.contains("< min_steps = 10").all()
+    epochs = read_table(str(tiny_search.root), "epochs")
+    assert not set(pruned["trial_id"]) & set(epochs["trial_id"])
+
+
+def test_trials_use_calibrated_sigma_coupled_lr_and_stay_within_budget(
+        tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
+    privacy.clear_memory_cache()
+    trials = read_table(str(tiny_search.root), "trials")
+    ran = trials[trials["status"] == "ok"]
+    for row in ran.itertuples():
+        q, steps = sample_rate(row.num_train, row.batch_size), total_steps(row.num_train, row.batch_size, row.epochs)
+        assert (row.sample_rate, row.steps) == (q, steps)
+        assert row.noise_multiplier == pytest.approx(privacy.calibrate_noise_multiplier(row.epsilon, row.delta, q, steps))
+        assert row.epsilon_spent <= row.epsilon
+        assert row.learning_rate == pytest.approx(coupled_learning_rate(row.base_learning_rate, row.batch_size, 64))
+        assert 0 <= row.val_accuracy <= 1 and 0 <= row.test_accuracy <= 1
+    assert (ran["num_train"] == TINY_TRAIN_EXAMPLES).all()
+
+
+def test_per_trial_tables_are_complete(tiny_search: SearchRun) -> None:
+    root = str(tiny_search.root)
+    trials = read_table(root, "trials").set_index("trial_id")
+    ran = trials[trials["status"] == "ok"]
+    epochs = read_table(root, "epochs")
+    assert (epochs.groupby("trial_id")["epoch"].apply(list) == pd.Series({t: [1, 2, 3] for t in ran.index})).all()
+    last = epochs[epochs["epoch"] == 3].set_index("trial_id")
+    assert (last.loc[ran.index, "val_accuracy"] == ran["val_accuracy"]).all()
+    classes = read_table(root, "classes")
+    assert (classes.groupby("trial_id").size().loc[ran.index] == ran["num_classes"]).all()
+    assert classes["retention_weight"].between(0, 1).all()
+    diagnostics = read_table(root, "diagnostics")
+    assert set(diagnostics["trial_id"]) == set(ran.index)
+
+
+def test_search_table_reports_the_privacy_cost_of_tuning(tiny_search: SearchRun) -> None:
+    search = read_table(str(tiny_search.root), "search")
+    space = load_space(TINY).space
+    assert len(search) == 4 and set(search["schema_version"]) == {1}
+    normalized = search.drop_duplicates("cell_id")
+    for row in normalized.itertuples():
+        assert row.epsilon_composition == pytest.approx(row.trials_planned * row.epsilon)
+        assert row.delta_composition == pytest.approx(row.trials_planned * space.privacy.delta)
+        assert row.epsilon < row.epsilon_selection
+    assert "privacy cost of the tuning itself" in tiny_search.stdout
+    assert "best configuration per cell" in tiny_search.stdout
+
+
+def test_existing_results_need_resume(tiny_search: SearchRun, search_env: dict[str, str]) -> None:
+    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tiny_search.root.parent), timeout=300)
+    assert completed.returncode == 2
+    assert "pass --resume to continue" in completed.stderr
+
+
+# --------------------------------------------------------------------------- crash, kill, resume
+
+
+def _ran(root: Path) -> pd.DataFrame:
+    trials = read_table(str(root), "trials")
+    return trials[trials["status"] != "pruned_min_steps"]
+
+
+def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str, str], tmp_path: Path) -> None:
+    args = ("--space", str(TINY), "--storage", str(tmp_path), "--no-report", "--set", "privacy.epsilons=[2]",
+            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[0.1,0.3,1.0]")
+    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=search_env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    root = tmp_path / "tiny"
+    deadline = time.monotonic() + 600
+    try:
+        while len(_ran(root)) < 2:
+            assert process.poll() is None, "the search ended before it could be killed"
+            assert time.monotonic() < deadline, "no trial finished within 10 minutes"
+            time.sleep(0.5)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    before = _ran(root).set_index("trial_id")["finished_at"]
+    assert 2 <= len(before) < 6
+    resumed = run_cli(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _ran(root)
+    assert after["trial_id"].is_unique and len(after) == 6  # 3 C × 2 feasible B
+    assert sorted(map(tuple, after[["clip_bound", "batch_size"]].values.tolist())) == sorted(
+        (c, b) for c in (0.1, 0.3, 1.0) for b in (32, 64))
+    # trials finished before the kill were not run again
+    assert (after.set_index("trial_id").loc[before.index, "finished_at"] == before).all()
+    assert not list(root.rglob(".tmp-*")), "a half-written part was left behind"
+
+
+def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, str], tmp_path: Path) -> None:
+    # Fault injection: a sitecustomize on PYTHONPATH (inherited by Ray's workers) makes every
+    # trial with B = 32 raise inside run_trial.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import dptune.trial as t\n"
+        "_real = t.run_trial\n"
+        "def run_trial(config, report=None):\n"
+        "    if config.batch_size == 32:\n"
+        "        raise RuntimeError('injected fault: GPU fell off the bus')\n"
+        "    return _real(config, report)\n"
+        "t.run_trial = run_trial\n"
+        "import dptune.search as s\n"
+        "s.run_trial = run_trial\n")
+    env = {**search_env, "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}"}
+    completed = run_cli(env, "--space", str(TINY), "--storage", str(tmp_path), "--no-report",
+                        "--set", "privacy.epsilons=[4]", "--set", "training.compare_auto_s=false")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ran = _ran(tmp_path / "tiny")
+    assert len(ran) == 4
+    failed = ran[ran["batch_size"] == 32]
+    assert set(failed["status"]) == {"error"}
+    assert failed["reason"].str.contains("injected fault: GPU fell off the bus").all()
+    assert set(ran[ran["batch_size"] == 64]["status"]) == {"ok"}

@@ -1,12 +1,14 @@
 """Time one DP training step against the plain non-private step of the same model, PEFT and batch.
 
-For every (model, precision) case: ``warmup`` untimed then ``steps`` timed steps of
-(a) the non-private step — forward, mean cross-entropy, backward, Adam step — and
-(b) the DP step of each engine — ``engine.noisy_gradient`` (per-example gradients, clipping,
-noise; one physical batch of B examples) then the same Adam step — on the same fixed batch.
-Prints examples/s and the ratio DP/non-private (the figure that matters: 1.0 = DP is free) as a
-markdown table, and writes JSON (``--json``). A case that fails is recorded with its error and the
-run goes on.
+For every (model, precision) case, on the same fixed batch of B examples: (a) the non-private
+step — forward, mean cross-entropy, backward, Adam step — and (b) the DP step of each engine —
+``engine.noisy_gradient`` (per-example gradients, clipping, noise; one physical batch) then the
+same Adam step. Each kind steps its own copy of the model. After ``--warmup`` untimed steps of
+each kind, ``--rounds`` rounds time ``--steps`` steps of every kind in turn (interleaved, so load
+from other processes falls on all kinds alike); the median round is reported. Prints examples/s
+and the ratio DP/non-private (the figure that matters: 1.0 = DP is free) as a markdown table and
+writes JSON (``--json``). A case or engine that fails is recorded with its error; the run goes on
+and exits 1.
 
 Defaults by device:
 
@@ -23,8 +25,10 @@ MiniLM loads its packaged weights. Example::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.dp.engine import DPStepSpec, film_engine_refusal
+from dptune.dp.engine import DPEngine, DPStepSpec, EngineFactory, film_engine_refusal
 from dptune.dp.film import FilmEngine
 from dptune.dp.opacus_engine import OpacusEngine, autocast
 from dptune.models import build_model, trainable_parameter_count
@@ -46,7 +50,8 @@ VIT_TINY = "vit_tiny_patch16_224.augreg_in21k"
 VIT_BASE = "vit_base_patch16_224.augreg_in21k"
 MINILM = "minilm"
 #: Engines by name (``auto`` is a trial-time choice, not an engine).
-ENGINES: dict[str, type] = {"opacus": OpacusEngine, "film": FilmEngine}
+ENGINES: dict[str, EngineFactory] = {"opacus": OpacusEngine, "film": FilmEngine}
+NON_PRIVATE = "non_private"
 
 
 @dataclass(frozen=True)
@@ -95,24 +100,40 @@ def make_model_and_batch(case: Case, device: torch.device) -> tuple[nn.Module, t
     return model, tuple(t.to(device) for t in (*inputs, labels))
 
 
-def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int, batch_size: int) -> Timing:
-    """Run ``warmup`` untimed and ``steps`` timed calls of ``step``; synchronise CUDA around them."""
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return Timing(examples_per_s=batch_size / elapsed, seconds_per_step=elapsed, peak_memory_gib=peak)
+def time_kinds(
+    steps: dict[str, Callable[[], None]], device: torch.device, warmup: int, rounds: int, per_round: int, batch_size: int
+) -> dict[str, Timing]:
+    """Time each step kind in interleaved rounds; report the median round (robust to a busy host).
+
+    Every kind first runs ``warmup`` untimed steps; then each of ``rounds`` rounds times
+    ``per_round`` steps of every kind in turn, so that load from other processes falls on all
+    kinds alike. CUDA is synchronised around each timed block.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    seconds: dict[str, list[float]] = {kind: [] for kind in steps}
+    peaks: dict[str, float] = {}
+    for _ in range(rounds):
+        for kind, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                peaks[kind] = torch.cuda.max_memory_allocated(device) / 2**30
+            seconds[kind].append((time.perf_counter() - start) / per_round)
+    result = {}
+    for kind, values in seconds.items():
+        median = statistics.median(values)
+        result[kind] = Timing(examples_per_s=batch_size / median, seconds_per_step=median, peak_memory_gib=peaks.get(kind))
+    return result
 
 
-def run_case(case: Case, engines: list[str], device: torch.device, warmup: int, steps: int) -> CaseResult:
+def run_case(case: Case, engines: list[str], device: torch.device, warmup: int, rounds: int, per_round: int) -> CaseResult:
     """Time the non-private step and each engine's DP step of ``case``."""
     result = CaseResult(case)
     dtype = torch.bfloat16 if case.precision == "bf16" else None
@@ -122,43 +143,57 @@ def run_case(case: Case, engines: list[str], device: torch.device, warmup: int, 
         result.errors["build"] = f"{type(error).__name__}: {error}"
         return result
     *inputs, labels = batch
-    trainable = [p for p in model.parameters() if p.requires_grad]
     result.trainable_parameters = trainable_parameter_count(model)
-    optimizer = torch.optim.Adam(trainable, lr=1e-4)
-
-    def non_private_step() -> None:
-        with autocast(device.type, dtype):
-            logits = model(*inputs)
-        F.cross_entropy(logits.float(), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    try:
-        result.non_private = time_steps(non_private_step, device, warmup, steps, case.batch_size)
-    except Exception as error:
-        result.errors["non_private"] = f"{type(error).__name__}: {error}"
-        traceback.print_exc()
     spec = DPStepSpec(
         noise_multiplier=1.0, clip_bound=1.0, rule="normalized", expected_batch_size=case.batch_size, autocast_dtype=dtype
     )
+
+    def adam(module: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+
+    def non_private_step(module: nn.Module) -> Callable[[], None]:
+        optimizer = adam(module)
+
+        def step() -> None:
+            with autocast(device.type, dtype):
+                logits = module(*inputs)
+            F.cross_entropy(logits.float(), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def dp_step(module: nn.Module, engine: DPEngine) -> Callable[[], None]:
+        optimizer = adam(module)
+
+        def step() -> None:
+            engine.noisy_gradient([batch])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    # each kind steps its own copy of the model: an engine's hooks never touch another kind's step
+    steps: dict[str, Callable[[], None]] = {NON_PRIVATE: non_private_step(copy.deepcopy(model))}
     for name in engines:
         if name == "film" and (refusal := film_engine_refusal(model, "film")) is not None:
             result.errors[name] = refusal
             continue
         try:
-            engine = ENGINES[name](model, spec, torch.Generator(device=device).manual_seed(1))
-
-            def dp_step(engine=engine) -> None:  # noqa: ANN001 - bind the loop's engine
-                engine.noisy_gradient([batch])
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            result.dp[name] = time_steps(dp_step, device, warmup, steps, case.batch_size)
-            if result.non_private is not None:
-                result.ratio[name] = result.dp[name].examples_per_s / result.non_private.examples_per_s
+            own = copy.deepcopy(model)
+            steps[name] = dp_step(own, ENGINES[name](own, spec, torch.Generator(device=device).manual_seed(1)))
         except Exception as error:
             result.errors[name] = f"{type(error).__name__}: {error}"
             traceback.print_exc()
+    try:
+        timings = time_kinds(steps, device, warmup, rounds, per_round, case.batch_size)
+    except Exception as error:
+        result.errors["timing"] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+        return result
+    result.non_private = timings.pop(NON_PRIVATE)
+    result.dp = timings
+    result.ratio = {name: t.examples_per_s / result.non_private.examples_per_s for name, t in timings.items()}
     return result
 
 
@@ -190,7 +225,7 @@ def markdown(results: list[CaseResult], engines: list[str]) -> str:
     lines = [header + " |", "|" + "---|" * (6 + len(engines))]
     for r in results:
         c = r.case
-        base = f"{r.non_private.examples_per_s:.1f}" if r.non_private else f"error: {r.errors.get('non_private', r.errors.get('build'))}"
+        base = f"{r.non_private.examples_per_s:.1f}" if r.non_private else f"error: {r.errors.get('timing', r.errors.get('build'))}"
         cells = []
         for name in engines:
             if name in r.dp:
@@ -207,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     parser.add_argument("--engine", choices=["opacus", "film", "all"], default="all", help="DP engine(s) to time")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on cuda, 5 on cpu)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each kind first (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds, median reported (default 5)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 10 on cuda, 2 on cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -220,20 +256,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    steps = args.steps or (20 if device.type == "cuda" else 5)
+    steps = args.steps or (10 if device.type == "cuda" else 2)
     engines = list(ENGINES) if args.engine == "all" else [args.engine]
     results = []
     for case in default_cases(device):
-        results.append(run_case(case, engines, device, args.warmup, steps))
+        results.append(run_case(case, engines, device, args.warmup, args.rounds, steps))
         print(f"done: {case}", file=sys.stderr, flush=True)
     env = environment(device, torch.get_num_threads())
     table = markdown(results, engines)
     print(json.dumps(env))
-    print(f"warm-up {args.warmup} steps, timed {steps} steps\n")
+    print(f"warm-up {args.warmup} steps, then the median of {args.rounds} interleaved rounds of {steps} timed steps\n")
     print(table)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"environment": env, "warmup": args.warmup, "steps": steps,
+            json.dump({"environment": env, "warmup": args.warmup, "rounds": args.rounds, "steps_per_round": steps,
                        "results": [asdict(r) for r in results], "markdown": table}, out, indent=2)
     return 1 if any(r.errors for r in results) else 0
 

@@ -32,6 +32,7 @@ The CUDA run takes about 2–3 minutes on one H200 (``--total-cap-s`` 200 by def
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import time
@@ -152,15 +153,19 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> tupl
     """Time every method on ``case``; also return the FiLM engine's relative gap to Opacus."""
     torch.manual_seed(0)
     model = build_model(case.backbone, "film", NUM_CLASSES, pretrained=False, image_size=case.image_size)
-    model = model.to(device).train()
+    # one copy per method: an engine may keep (disabled) hooks on its model, which must not
+    # slow down the other methods' steps
+    models = {method: copy.deepcopy(model).to(device).train() for method in METHODS}
+    del model
     batch = make_batch(case, device, torch.Generator().manual_seed(0))
     spec = DPStepSpec(noise_multiplier=1.0, clip_bound=1.0, rule="normalized", expected_batch_size=case.batch_size,
                       autocast_dtype=torch.bfloat16 if case.precision == "bf16" else None)
+    agreement = film_vs_opacus(models["film"], models["opacus"], batch, spec, device)  # before any step
     timings = {m: Timing(m) for m in METHODS}
     steps: dict[str, Callable[[], float]] = {}
     for method in METHODS:  # build and warm up every method first
         try:
-            steps[method] = step_function(method, model, batch, spec, device)
+            steps[method] = step_function(method, models[method], batch, spec, device)
             started = time.perf_counter()
             for _ in range(args.warmup):
                 steps[method]()
@@ -187,21 +192,20 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> tupl
     plain = timings["plain"].step_s
     for timing in timings.values():
         timing.ratio_to_plain = plain / timing.step_s
-    del steps
-    agreement = film_vs_opacus(model, batch, spec, device)
-    del model
+    del steps, models
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return list(timings.values()), agreement
 
 
-def film_vs_opacus(model: nn.Module, batch: tuple[torch.Tensor, ...], spec: DPStepSpec, device: torch.device) -> float:
+def film_vs_opacus(film_model: nn.Module, opacus_model: nn.Module, batch: tuple[torch.Tensor, ...],
+                   spec: DPStepSpec, device: torch.device) -> float:
     """‖g_film − g_opacus‖ / ‖g_opacus‖ of the noise-free clipped gradient on the case's batch, in
-    the case's precision: a check that the timed engine computes what Opacus computes."""
+    the case's precision, on two copies of one model: the timed engine computes what Opacus does."""
     noise_free = replace(spec, noise_multiplier=0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
     flats = []
-    for engine_type in (FilmEngine, OpacusEngine):
+    for engine_type, model in ((FilmEngine, film_model), (OpacusEngine, opacus_model)):
+        params = [p for p in model.parameters() if p.requires_grad]
         torch.manual_seed(0)  # the same dropout masks in both forwards
         engine_type(model, noise_free, torch.Generator(device=device)).noisy_gradient([batch])
         flats.append(torch.cat([p.grad.flatten() for p in params]))

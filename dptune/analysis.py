@@ -21,10 +21,11 @@ Conventions (the report states them too):
 - Accuracies are fractions in [0, 1]; ``near_optimal`` and losses are in the same units
   (0.01 = one percentage point).
 - Class accuracy of a stratum is the unweighted mean of its classes' test accuracies.
-- C is continuous under TPE: when a results set holds more than ``MAX_EXACT_LEVELS`` distinct
-  values of C (or B), they are binned on a logarithmic grid of ``BINS_PER_DECADE`` bins per
-  decade aligned to powers of ten (``clip_bin``/``batch_bin`` hold the bin's geometric centre);
-  with the grid sampler the values are exact.
+- C is continuous when the search spec samples it from a range (TPE, random): it is then binned
+  on a logarithmic grid of ``BINS_PER_DECADE`` bins per decade aligned to powers of ten
+  (``clip_bin`` holds the bin's geometric centre); from a list of values (the grid sampler) it is
+  exact. Without a recorded spec (a running search), C is binned above ``MAX_EXACT_LEVELS``
+  distinct values. B (``batch_bin``) is always a list in a spec: binned only above that count.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import pandas as pd
 import pyarrow.fs as pafs
 import yaml
 
-from dptune.plan import DEFAULT_TOLERANCE, recommended_batch_size
+from dptune.plan import DEFAULT_MIN_STEPS, DEFAULT_TOLERANCE, recommended_batch_size
 from dptune.records import TABLES, read_table
 
 #: Status of a trial that trained to the end; only these are ranked.
@@ -136,17 +137,18 @@ def task_label(dataset: str, fraction: float, backbone: str, peft: str) -> str:
     return f"{dataset}{share} · {backbone} · {peft}"
 
 
-def log_bins(values: pd.Series, max_levels: int = MAX_EXACT_LEVELS,
+def log_bins(values: pd.Series, continuous: bool | None = None, max_levels: int = MAX_EXACT_LEVELS,
              bins_per_decade: int = BINS_PER_DECADE) -> tuple[pd.Series, bool]:
     """Map positive ``values`` to log-grid bins; return (representatives, whether binned).
 
-    With at most ``max_levels`` distinct values they are returned unchanged. Otherwise value v
-    falls in bin k = ⌊bins_per_decade·log10 v⌋ and is represented by the bin's geometric centre
-    10^((k + ½)/bins_per_decade); the grid is aligned to powers of ten, so bins agree across
-    searches.
+    ``continuous`` says whether the values were sampled from a range (bin them) or a list (keep
+    them); when unknown (``None``) they are binned only above ``max_levels`` distinct values.
+    Value v falls in bin k = ⌊bins_per_decade·log10 v⌋ and is represented by the bin's geometric
+    centre 10^((k + ½)/bins_per_decade); the grid is aligned to powers of ten, so bins agree
+    across searches.
     """
     finite = values[np.isfinite(values) & (values > 0)]
-    if finite.nunique() <= max_levels:
+    if continuous is False or (continuous is None and finite.nunique() <= max_levels):
         return values.astype(float), False
     index = np.floor(np.log10(values.astype(float)) * bins_per_decade + 1e-9)
     centres = 10.0 ** ((index + 0.5) / bins_per_decade)
@@ -169,7 +171,8 @@ def load_results(paths: Sequence[str]) -> Results:
     trials["task"] = pd.Series([task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)],
                                index=trials.index, dtype="str")
     tuned = trials["clipping"] != AUTO_S
-    trials["clip_bin"], clip_binned = log_bins(trials["clip_bound"].where(tuned, np.nan))
+    trials["clip_bin"], clip_binned = log_bins(trials["clip_bound"].where(tuned, np.nan),
+                                               _sampled_from_range(tables["search"], "clip_bound"))
     trials["batch_bin"], batch_binned = log_bins(trials["batch_size"].astype(float))
     dedupe = {"epochs": ["epoch"], "classes": ["label"], "diagnostics": ["epoch"]}
     joined = {
@@ -179,6 +182,16 @@ def load_results(paths: Sequence[str]) -> Results:
     search = tables["search"].drop_duplicates().reset_index(drop=True)
     return Results(sources=tuple(paths), trials=trials, search=search, clip_binned=clip_binned,
                    batch_binned=batch_binned, **joined)
+
+
+def _sampled_from_range(search: pd.DataFrame, key: str) -> bool | None:
+    """Whether any search spec samples ``key`` from a range (``low``/``high``) rather than ``values``.
+
+    None when no spec is recorded (a search still running writes its ``search`` rows at the end).
+    """
+    specs = [yaml.safe_load(text) for text in search["spec_yaml"].dropna().unique()]
+    ranges = [spec[key] for spec in specs if isinstance(spec, dict) and isinstance(spec.get(key), dict)]
+    return any("low" in spec for spec in ranges) if ranges else None
 
 
 def select_best(trials: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
@@ -536,10 +549,12 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     largest B of the cell with T ≥ T_min (``min_steps``), and ``recommended_batch_size`` the B
     that ``dptune.plan.recommended_batch_size`` picks from these σ√T with ``PLATEAU_TOLERANCE``:
     among the B the search evaluated, with recorded σ (NaN where T_min is unknown).
+    ``per_step_rule_batch_size`` is what the old per-step rule picks with the same function applied
+    to σ/B and no step bound: the smallest B within the tolerance of the least per-step noise.
     """
     columns = [*CELL, "batch_size", "num_train", "noise_multiplier", "steps", "cumulative_noise", "per_step_noise",
                "pruned", "val_accuracy", "test_accuracy", "trial_id", "measured_best",
-               "largest_feasible_batch_size", "recommended_batch_size"]
+               "largest_feasible_batch_size", "recommended_batch_size", "per_step_rule_batch_size"]
     trials = results.trials[results.trials["clipping"] != AUTO_S]
     if trials.empty:
         return pd.DataFrame(columns=columns)
@@ -561,17 +576,18 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     feasible = table[table["steps"] >= table["min_steps"]]
     table = table.merge(feasible.groupby(CELL)["batch_size"].max().rename("largest_feasible_batch_size").reset_index(),
                         on=CELL, how="left")
-    table["recommended_batch_size"] = np.nan
-    for key, cell in table.groupby(CELL):
-        if not np.isfinite(cell["min_steps"].iloc[0]):
-            continue
+    table["recommended_batch_size"] = table["per_step_rule_batch_size"] = np.nan
+    for _, cell in table.groupby(CELL):
         rows = cell[np.isfinite(cell["cumulative_noise"])]
         if rows.empty:
             continue
-        choice = recommended_batch_size(rows["batch_size"].tolist(), rows["cumulative_noise"].tolist(),
-                                        rows["steps"].tolist(), int(cell["min_steps"].iloc[0]), PLATEAU_TOLERANCE)
-        if choice is not None:
-            table.loc[cell.index, "recommended_batch_size"] = choice
+        sizes, steps = rows["batch_size"].tolist(), rows["steps"].tolist()
+        table.loc[cell.index, "per_step_rule_batch_size"] = recommended_batch_size(
+            sizes, rows["per_step_noise"].tolist(), steps, 1, PLATEAU_TOLERANCE)
+        if np.isfinite(cell["min_steps"].iloc[0]):
+            choice = recommended_batch_size(sizes, rows["cumulative_noise"].tolist(), steps,
+                                            int(cell["min_steps"].iloc[0]), PLATEAU_TOLERANCE)
+            table.loc[cell.index, "recommended_batch_size"] = np.nan if choice is None else choice
     return table.sort_values(keys).reset_index(drop=True)[columns]
 
 
@@ -579,10 +595,12 @@ def batch_size_rule_check(noise: pd.DataFrame) -> pd.DataFrame:
     """Per cell of ``batch_size_noise``: the rule's recommended B against the measured best B.
 
     ``accuracy_gap`` = best − recommended test accuracy (points lost by following the rule; NaN
-    when the recommended B was not evaluated); ``match`` says whether the two B agree.
+    when the recommended B was not evaluated); ``match`` says whether the two B agree;
+    ``per_step_rule_batch_size`` is the old per-step rule's pick, for comparison.
     """
     rows = []
     for key, cell in noise.groupby(CELL):
+        old = cell["per_step_rule_batch_size"].dropna()
         best = cell[cell["measured_best"]]
         recommended = cell["recommended_batch_size"].dropna()
         chosen = cell[cell["batch_size"] == recommended.iloc[0]] if len(recommended) else cell.iloc[0:0]
@@ -592,9 +610,11 @@ def batch_size_rule_check(noise: pd.DataFrame) -> pd.DataFrame:
         rec_acc = float(chosen["test_accuracy"].iloc[0]) if len(chosen) else np.nan
         rows.append({**dict(zip(CELL, key)), "recommended_batch_size": rec_b, "best_batch_size": best_b,
                      "match": None if rec_b is None or best_b is None else rec_b == best_b,
-                     "recommended_accuracy": rec_acc, "best_accuracy": best_acc, "accuracy_gap": best_acc - rec_acc})
+                     "recommended_accuracy": rec_acc, "best_accuracy": best_acc, "accuracy_gap": best_acc - rec_acc,
+                     "per_step_rule_batch_size": int(old.iloc[0]) if len(old) else None})
     return pd.DataFrame(rows, columns=[*CELL, "recommended_batch_size", "best_batch_size", "match",
-                                       "recommended_accuracy", "best_accuracy", "accuracy_gap"])
+                                       "recommended_accuracy", "best_accuracy", "accuracy_gap",
+                                       "per_step_rule_batch_size"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -757,18 +777,20 @@ def trends(guideline: pd.DataFrame, difficulty: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 
 def min_steps(results: Results) -> dict[str, int]:
-    """T_min of the min-step rule per task, read from the search specs (``min_steps`` key).
+    """T_min of the min-step rule per task, read from the search specs.
 
-    Tasks whose spec does not state it are absent (the rule's bound is then unknown); with
-    several searches of one task the largest bound applies.
+    A spec without a ``min_steps`` key ran with the default, ``dptune.plan.DEFAULT_MIN_STEPS``.
+    Tasks without a recorded spec (a search still running) are absent: their bound is unknown.
+    With several searches of one task the smallest bound applies (every B one of them ran is
+    feasible).
     """
     bounds: dict[str, int] = {}
     specs = results.search.drop_duplicates("search_id")[["search_id", "spec_yaml"]]
     for search_id, spec_yaml in specs.itertuples(index=False):
         spec = yaml.safe_load(spec_yaml) if spec_yaml else None
-        if not (isinstance(spec, dict) and "min_steps" in spec):
+        if not isinstance(spec, dict):
             continue
+        bound = int(spec.get("min_steps", DEFAULT_MIN_STEPS))
         for task in results.trials.loc[results.trials["search_id"] == search_id, "task"].unique():
-            bounds[task] = max(bounds.get(task, 0), int(spec["min_steps"]))
+            bounds[task] = min(bounds.get(task, bound), bound)
     return bounds
-

@@ -23,6 +23,7 @@ import argparse
 import math
 import numbers
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,8 +128,9 @@ def recommended_batch_size(batch_sizes: Sequence[int], cumulative_noise: Sequenc
     return min(b for b, noise in eligible if noise <= (1 + tolerance) * floor)
 
 
-def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int, batch_sizes: Sequence[int] | None,
-              min_steps: int, tolerance: float, base_learning_rate: float, reference_batch_size: int) -> None:
+def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,
+              batch_sizes: Sequence[int] | None, min_steps: int, tolerance: float, base_learning_rate: float,
+              reference_batch_size: int) -> None:
     if not _is_count(num_examples):
         raise ValueError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
     if not epsilons or not all(MIN_EPSILON <= e <= MAX_EPSILON for e in epsilons):
@@ -138,8 +140,9 @@ def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs
         raise ValueError(f"delta (--delta) must be in (0, 1), got {delta!r}")
     if not _is_count(epochs):
         raise ValueError(f"epochs (--epochs) must be an integer ≥ 1, got {epochs!r}")
-    if batch_sizes is not None and (not batch_sizes or [b for b in batch_sizes if not (_is_count(b) and b <= num_examples)]):
-        raise ValueError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], got {list(batch_sizes)}")
+    if batch_sizes is not None and not (batch_sizes and all(_is_count(b) and b <= num_examples for b in batch_sizes)):
+        raise ValueError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], "
+                         f"got {list(batch_sizes)}")
     if not _is_count(min_steps):
         raise ValueError(f"min_steps (--min-steps) must be an integer ≥ 1, got {min_steps!r}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -155,7 +158,7 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
          batch_sizes: Sequence[int] | None = None, min_steps: int = DEFAULT_MIN_STEPS,
          tolerance: float = DEFAULT_TOLERANCE, *, base_learning_rate: float = DEFAULT_BASE_LEARNING_RATE,
          reference_batch_size: int = DEFAULT_REFERENCE_BATCH_SIZE, progress: bool = False) -> list[PlanRow]:
-    """One row per (ε, B), ε in the given order and B ascending; exactly one row per ε is
+    """One row per (ε, B), distinct ε in the given order and B ascending; exactly one row per ε is
     ``recommended`` unless no B meets T ≥ ``min_steps``.
 
     All inputs are checked (``ValueError`` naming the parameter and its CLI flag) before any
@@ -165,6 +168,7 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
     _validate(num_examples, epsilons, delta, epochs, batch_sizes, min_steps, tolerance, base_learning_rate,
               reference_batch_size)
     sizes = sorted(set(default_batch_sizes(num_examples) if batch_sizes is None else batch_sizes))
+    epsilons = list(dict.fromkeys(epsilons))
     check_delta(delta, num_examples)
     rows = []
     with tqdm(total=len(epsilons) * len(sizes), desc="calibrating σ", unit="σ", disable=not progress,
@@ -216,9 +220,11 @@ def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_
         lines = ["  ".join(cell.rjust(width) for cell, width in zip(line[:-1], widths[:-1])) + "  " + line[-1]
                  for line in table]
         blocks.append("\n".join([title, *(line.rstrip() for line in lines)]))
-    legend = (f"σ: noise multiplier (PRV, add/remove); σ/B: per-step noise std on the mean gradient and σ√T: "
-              f"cumulative noise, both for C = 1; σ√T/min: against the minimum over B with T ≥ {min_steps}; rule: "
-              f"smallest B within {tolerance:.0%} of that minimum; η = {base_learning_rate:g}·√(B/{reference_batch_size}).")
+    legend = textwrap.fill(
+        f"σ: noise multiplier (PRV accountant, add/remove adjacency). σ/B: per-step noise std on the averaged "
+        f"gradient, σ√T: cumulative noise, both for C = 1. σ√T/min: relative to the minimum over B with "
+        f"T ≥ {min_steps}. Rule: the smallest B with T ≥ {min_steps} within {tolerance:.0%} of that minimum. "
+        f"η = {base_learning_rate:g}·√(B/{reference_batch_size}).", width=100)
     return "\n\n".join(blocks + [legend])
 
 

@@ -131,9 +131,8 @@ def _check_sample_rate(sample_rate: object) -> float:
 
 
 def _check_steps(steps: object) -> int:
-    _require(isinstance(steps, numbers.Integral) and not isinstance(steps, bool), "steps", steps,
-             "an integer ≥ 1 (number of DP-SGD steps T)")
-    _require(int(steps) >= 1, "steps", steps, "an integer ≥ 1 (number of DP-SGD steps T)")  # type: ignore[call-overload]
+    ok = isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and int(steps) >= 1
+    _require(ok, "steps", steps, "an integer ≥ 1 (number of DP-SGD steps T)")
     return int(steps)  # type: ignore[call-overload]
 
 
@@ -197,6 +196,7 @@ def _write_cached(path: Path, key: dict[str, object], value: float) -> None:
     """Write atomically: temporary file in the same folder, then ``os.replace``."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; a cache may be shared
         with os.fdopen(fd, "w") as handle:
             json.dump({"key": key, "value": value}, handle, sort_keys=True)
         os.replace(temporary, path)
@@ -380,7 +380,8 @@ def _certified_bracket(log_excess: Callable[[float], float], x: float, slope: fl
             x = max(estimate - tolerance / 2, x - _LOG2, x_min)
         else:
             x = min(estimate + tolerance / 2, x + _LOG2, x_max)
-        if lo is not None and hi is not None and (not lo < x < hi or (len(widths) >= 3 and widths[-1] > widths[-3] / 2)):
+        stalled = len(widths) >= 3 and widths[-1] > widths[-3] / 2
+        if lo is not None and hi is not None and (stalled or not lo < x < hi):
             x = (lo + hi) / 2
     raise RuntimeError(describe(f"σ search did not converge in {_MAX_CERTIFIED_EVALUATIONS} evaluations"))
 
@@ -485,7 +486,8 @@ def tuning_privacy_cost(epsilon_per_trial: float, delta_per_trial: float, trials
     k·δ̂: for ε = 1 per trial and k = 50, about 2.9 against 6.3.) If Q is
     (λ, ε_λ)-RDP for all λ, the selection is RDP with, for the Poisson case,
     ε'_λ = ε_λ + k·δ̂ + log(k)/(λ − 1), where δ̂ is Q's δ at ε̂ = log(1 + 1/(λ − 1)); for the
-    truncated negative binomial ε'_λ = ε_λ + (1 + η)·min_λ̂[(1 − 1/λ̂)·ε_λ̂ − log(γ)/λ̂] + log(k)/(λ − 1).
+    truncated negative binomial (γ set by the mean k)
+    ε'_λ = ε_λ + (1 + η)·min_λ̂[(1 − 1/λ̂)·ε_λ̂ − log(γ)/λ̂] + log(k)/(λ − 1).
     Q's RDP is that of T-fold Poisson-subsampled Gaussian (dp_accounting's
     ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)``) and the bound is
     computed by dp_accounting's ``RdpAccountant`` on ``RepeatAndSelectDpEvent`` and converted to
@@ -519,7 +521,8 @@ def tuning_privacy_cost(epsilon_per_trial: float, delta_per_trial: float, trials
     step_counts = [_check_steps(t) for t in _as_tuple(steps)]
     _require(len(rates) == len(step_counts), "sample_rate and steps", (sample_rate, steps), "of equal length")
     if noise_multiplier is None:
-        sigmas = [calibrate_noise_multiplier(epsilon_per_trial, delta_per_trial, q, t) for q, t in zip(rates, step_counts)]
+        sigmas = [calibrate_noise_multiplier(epsilon_per_trial, delta_per_trial, q, t)
+                  for q, t in zip(rates, step_counts)]
     else:
         sigmas = [_check_noise_multiplier(s) for s in _as_tuple(noise_multiplier)]
     _require(len(sigmas) == len(rates), "noise_multiplier", noise_multiplier, "one per (sample_rate, steps) candidate")

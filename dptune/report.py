@@ -19,7 +19,6 @@ import html
 import io
 import math
 import re
-import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +59,8 @@ FIGURES: tuple[FigureInfo, ...] = (
     FigureInfo("fig1-accuracy-heatmaps", 1, "Accuracy over (C, B) (paper Fig. 1)",
                "Per task, one panel per (E, ε): test accuracy (%) at each clip bound C × batch size B of the "
                "trial whose η (and other options) is best on validation there. Blank: not evaluated; "
-               "'pruned': T < T_min; 'failed': diverged or error. The cell chosen on validation is outlined. C is log-binned when the sampler was continuous.",
+               "'pruned': T < T_min; 'failed': diverged or error. The cell chosen on validation is outlined. C is "
+               "log-binned when the sampler was continuous.",
                per_task=True),
     FigureInfo("fig2-optimal-c-b", 2, "Optimal C and B against ε (paper Fig. 2)",
                "Best C (left) and B (right) per cell against ε, one line per task and E; bars span the C and "
@@ -81,7 +81,8 @@ FIGURES: tuple[FigureInfo, ...] = (
                "trial per cell against ε."),
     FigureInfo("fig6-cumulative-noise", 6, "Cumulative noise σ√T against B (paper Figs. 6–7)",
                "Per task, top: σ√T of the recorded trials against B per ε (columns: E), with the per-step "
-               "noise σ/B (old rule, dotted, right axis), the region excluded by the min-step rule T < T_min shaded and the "
+               "noise σ/B (old rule, dotted, right axis), the region excluded by the min-step rule T < T_min shaded "
+               "and the "
                "rule's recommended B marked; bottom: measured test accuracy of the best trial at each B, the "
                "measured best B starred.", per_task=True),
     FigureInfo("fig7a-optimal-clip", 7, "C* of Theorem 5.2 against the tuned C",
@@ -124,6 +125,26 @@ def _int(value: float) -> str:
     return "–" if value is None or not np.isfinite(value) else f"{int(value)}"
 
 
+#: Table headers with symbols and units, by analysis column name.
+_HEADERS = {
+    "epsilon": "ε", "epochs": "E", "cell_id": "cell", "name": "search", "trials_planned": "planned",
+    "mean_best_val_accuracy": "mean best val acc %", "median_grad_norm": "median ‖g‖", "clip_bound": "best C",
+    "batch_size": "best B", "learning_rate": "η", "val_accuracy": "val %", "test_accuracy": "test %",
+    "clip_low": "C low", "clip_high": "C high", "batch_low": "B low", "batch_high": "B high",
+    "near_optimal_trials": "near-optimal trials", "diagnostic_epoch": "probe epoch",
+    "tuned_test_accuracy": "tuned C test %", "auto_s_test_accuracy": "AUTO-S test %", "gap": "gap (points)",
+    "tuned_hard": "tuned C hard classes %", "auto_s_hard": "AUTO-S hard classes %",
+    "recommended_batch_size": "rule's B", "best_batch_size": "measured best B",
+    "per_step_rule_batch_size": "old per-step rule's B",
+    "recommended_accuracy": "test % at rule's B", "best_accuracy": "test % at best B", "accuracy_gap": "gap (points)",
+    "tuned_clip_bound": "tuned C", "optimal_clip_bound": "C* (best trial)", "optimal_clip_low": "C* low",
+    "optimal_clip_median": "C* median", "optimal_clip_high": "C* high", "mse_bias": "bias (‖·‖²)",
+    "mse_variance": "variance (‖·‖²)", "bias_share": "bias share %", "diagnosed_trials": "diagnosed trials",
+    "base_learning_rate": "η₀", an.EASY: "easy classes %", an.HARD: "hard classes %",
+    "fixed_test_accuracy": "fixed (C, B) test %", "loss": "loss (points)", "hard_loss": "hard-class loss (points)",
+}
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -164,7 +185,7 @@ class Section:
         for column, formatter in (formats or {}).items():
             if column in shown:
                 shown[column] = [formatter(v) for v in shown[column]]
-        body = shown.to_html(index=False, escape=True, na_rep="–", border=0)
+        body = shown.rename(columns=_HEADERS).to_html(index=False, escape=True, na_rep="–", border=0)
         cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
         self.blocks.append(body.replace('<table class="dataframe">', f'<table class="data">{cap}', 1))
 
@@ -196,9 +217,14 @@ class ReportWriter:
 
 
 def _new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2) -> tuple[Figure, np.ndarray]:
-    figure = Figure(figsize=(width * columns + 0.6, height * rows + 0.5), layout="constrained")
+    figure = Figure(figsize=(max(width * columns + 0.6, 7.0), height * rows + 0.5), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False)
     return figure, axes
+
+
+def _tick(value: float) -> str:
+    """A tick label: three significant digits, positional (1000, 0.001), never 1e+03."""
+    return np.format_float_positional(value, precision=3, unique=False, fractional=False, trim="-")
 
 
 def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
@@ -212,16 +238,35 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
     chosen = sorted({float(v) for v in (ticks if ticks is not None else ()) if np.isfinite(v) and v > 0})
     if 0 < len(chosen) <= 8:
-        target.set_ticks(chosen, labels=[f"{t:g}" for t in chosen])
+        target.set_ticks(chosen, labels=[_tick(t) for t in chosen])
         target.set_minor_formatter(NullFormatter())
         return
-    target.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    target.set_major_formatter(FuncFormatter(lambda value, _: _tick(value)))
     values = np.asarray([v for v in (data if data is not None else ()) if np.isfinite(v) and v > 0], dtype=float)
-    if values.size and values.max() / values.min() < 15:
-        target.set_minor_formatter(FuncFormatter(
-            lambda value, _: f"{value:g}" if round(value / 10 ** math.floor(math.log10(value) + 1e-9)) in (2, 5) else ""))
-    else:
-        target.set_minor_formatter(NullFormatter())
+    span = values.max() / values.min() if values.size else math.inf
+    labelled = range(1, 10) if span < 4 else (2, 5) if span < 15 else ()
+
+    def minor(value: float, _: int) -> str:
+        return _tick(value) if round(value / 10 ** math.floor(math.log10(value) + 1e-9)) in labelled else ""
+
+    target.set_minor_formatter(FuncFormatter(minor) if labelled else NullFormatter())
+
+
+def _empty_panel(ax: Axes, title: str) -> None:
+    """A panel whose (task, ε, E) the results do not hold: say so instead of drawing axes."""
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=8)
+    ax.text(0.5, 0.5, "not in the results", ha="center", va="center", transform=ax.transAxes, color="dimgrey")
+
+
+def _figure_legend(figure: Figure, axes: np.ndarray, columns: int) -> None:
+    """One legend below the panels with every labelled artist of ``axes`` (first of each label)."""
+    entries: dict[str, object] = {}
+    for ax in axes.ravel():
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        figure.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=columns, fontsize=8)
 
 
 @dataclass(frozen=True)
@@ -324,6 +369,9 @@ def _heatmaps(ctx: Context) -> Section:
             for column, epsilon in enumerate(epsilons):
                 ax = axes[row, column]
                 cell = part[(part["epsilon"] == epsilon) & (part["epochs"] == n_epochs)]
+                if cell.empty:
+                    _empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
+                    continue
                 matrix = np.full((len(clips), len(batches)), np.nan)
                 for item in cell.itertuples(index=False):
                     matrix[clips.index(item.clip_bin), batches.index(item.batch_bin)] = 100 * item.test_accuracy
@@ -337,12 +385,10 @@ def _heatmaps(ctx: Context) -> Section:
                 for item in missing.itertuples(index=False):
                     ax.text(batches.index(item.batch_bin), clips.index(item.clip_bin), item.outcome, ha="center",
                             va="center", fontsize=6, color="dimgrey")
-                if len(cell):
-                    best = an.select_best(cell, an.CELL).iloc[0]
-                    i, j = clips.index(best["clip_bin"]), batches.index(best["batch_bin"])
-                    for color, width in (("white", 3.5), ("black", 1.5)):
-                        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=color,
-                                               linewidth=width))
+                best = an.select_best(cell, an.CELL).iloc[0]
+                i, j = clips.index(best["clip_bin"]), batches.index(best["batch_bin"])
+                for color, width in (("white", 3.5), ("black", 1.5)):
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=color, linewidth=width))
                 ax.set_xticks(range(len(batches)), [_level(b, results.batch_binned) for b in batches],
                               rotation=45, fontsize=7)
                 ax.set_yticks(range(len(clips)), [_level(c, results.clip_binned) for c in clips], fontsize=7)
@@ -381,12 +427,12 @@ def _optimal(ctx: Context) -> Section:
             (axes[0, 0], "clip_bound", "clip_low", "clip_high", "best clip bound C", "gradient norm"),
             (axes[0, 1], "batch_size", "batch_low", "batch_high", "best batch size B", "examples")):
         _log_axis(ax, "x", epsilons)
-        _log_axis(ax, "y", best[column].unique(), best[[column, low_col, high_col]].to_numpy().ravel())
+        spread = best[[column, low_col, high_col]].to_numpy(dtype=float).ravel()
+        _log_axis(ax, "y", np.unique(spread), spread)
         ax.set_xlabel("privacy budget ε (log scale)")
         ax.set_ylabel(f"{name} ({unit}, log scale)")
         ax.grid(True, which="major", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
+    _figure_legend(figure, axes, 2)
     figure.suptitle(f"Best (C, B) per cell; bars: trials within {100 * ctx.options.near_optimal:g} accuracy "
                     "point(s) of the best validation accuracy", fontsize=10)
     ctx.writer.figure(section, figure, "fig2-optimal-c-b")
@@ -395,7 +441,7 @@ def _optimal(ctx: Context) -> Section:
     section.table(table, {"epsilon": _sig, "clip_bound": _sig, "learning_rate": _sig, "val_accuracy": _percent,
                           "test_accuracy": _percent, "clip_low": _sig, "clip_high": _sig},
                   f"Best (C, B, η) per cell (selected on validation); accuracies in %; near-optimal: within "
-                  f"{100 * ctx.options.near_optimal:g} points of the best validation accuracy.")
+                  f"{100 * ctx.options.near_optimal:g} accuracy point(s) of the best validation accuracy.")
     return section
 
 
@@ -417,6 +463,9 @@ def _grad_norms(ctx: Context) -> Section:
         for column, n_epochs in enumerate(epochs):
             ax = axes[row, column]
             part = samples[(samples["task"] == task) & (samples["epochs"] == n_epochs)]
+            if part.empty:
+                _empty_panel(ax, f"{task}\nE = {n_epochs}")
+                continue
             epsilons = sorted(part["epsilon"].unique())
             for s, stratum in enumerate(strata):
                 data = [part[(part["epsilon"] == e) & (part["stratum"] == stratum)]["grad_norm"].to_numpy()
@@ -487,6 +536,9 @@ def _stratum_lines(ctx: Context, section: Section, frame: pd.DataFrame, x: str, 
         for column, n_epochs in enumerate(epochs):
             ax = axes[row, column]
             part = frame[(frame["task"] == task) & (frame["epochs"] == n_epochs)]
+            if part.empty:
+                _empty_panel(ax, f"{task}\nE = {n_epochs}")
+                continue
             for k, epsilon in enumerate(epsilons):
                 for stratum, (style, marker) in STRATUM_STYLE.items():
                     line = part[(part["epsilon"] == epsilon) & (part["stratum"] == stratum)].sort_values(x)
@@ -527,6 +579,9 @@ def _auto_s(ctx: Context) -> Section:
         for column, n_epochs in enumerate(epochs):
             ax = axes[row, column]
             part = table[(table["task"] == task) & (table["epochs"] == n_epochs)].sort_values("epsilon")
+            if part.empty:
+                _empty_panel(ax, f"{task}\nE = {n_epochs}")
+                continue
             for method, measure, style, marker, label in lines:
                 ax.plot(part["epsilon"], 100 * part[f"{method}_{measure}"].astype(float), linestyle=style,
                         marker=marker, color="black" if method == "tuned" else "grey", label=label)
@@ -535,8 +590,7 @@ def _auto_s(ctx: Context) -> Section:
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
+    _figure_legend(figure, axes, 2)
     figure.suptitle("Best tuned-C trial against best AUTO-S trial (both selected on validation)", fontsize=10)
     ctx.writer.figure(section, figure, "fig5-auto-s")
     shown = table[[*an.CELL, "tuned_test_accuracy", "auto_s_test_accuracy", "gap", "tuned_hard", "auto_s_hard"]]
@@ -570,8 +624,15 @@ def _batch_noise(ctx: Context) -> Section:
             top, bottom = axes[0, column], axes[1, column]
             per_step = top.twinx()
             both = part[part["epochs"] == n_epochs]
+            if not np.isfinite(both["cumulative_noise"]).any():  # every B of this E was pruned
+                per_step.set_axis_off()
+                _empty_panel(top, f"E = {n_epochs}: no trial ran")
+                _empty_panel(bottom, f"E = {n_epochs}")
+                continue
             for k, epsilon in enumerate(epsilons):
                 line = both[both["epsilon"] == epsilon].sort_values("batch_size")
+                if line.empty:  # this (ε, E) is not in the results
+                    continue
                 noisy = line[np.isfinite(line["cumulative_noise"])]
                 marker = _MARKERS[k % len(_MARKERS)]
                 top.plot(noisy["batch_size"], noisy["cumulative_noise"], color=colors[epsilon], marker=marker)
@@ -638,6 +699,9 @@ def _clipping(ctx: Context) -> Section:
             ax = axes[row, column]
             part = table[(table["task"] == task) & (table["epochs"] == n_epochs)].sort_values("epsilon")
             tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
+            if part.empty:
+                _empty_panel(ax, f"{task}\nE = {n_epochs}")
+                continue
             ax.fill_between(part["epsilon"], part["optimal_clip_low"], part["optimal_clip_high"], color="grey",
                             alpha=0.3, label="C* range over the cell's trials")
             ax.plot(part["epsilon"], part["optimal_clip_bound"], color="grey", marker="D", linestyle="--",
@@ -653,8 +717,7 @@ def _clipping(ctx: Context) -> Section:
             ax.set_ylabel("clip bound (gradient norm, log scale)")
             ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=8)
+    _figure_legend(figure, axes, 3)
     figure.suptitle("Optimal clip bound C* (Theorem 5.2) against the tuned C", fontsize=10)
     ctx.writer.figure(section, figure, "fig7a-optimal-clip")
     points = an.mse_split(ctx.results)
@@ -666,6 +729,9 @@ def _clipping(ctx: Context) -> Section:
             for column, epsilon in enumerate(epsilons):
                 ax = axes[row, column]
                 cell = part[(part["epochs"] == n_epochs) & (part["epsilon"] == epsilon)].sort_values("clip_bound")
+                if not (cell[["mse_bias", "mse_variance"]].to_numpy() > 0).any():
+                    _empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
+                    continue
                 for measure, marker, color, label in (("mse_bias", "v", "black", "clipping bias"),
                                                       ("mse_variance", "^", "grey", "noise variance"),
                                                       ("mse_total", "o", "none", "MSE = bias + variance")):
@@ -679,14 +745,15 @@ def _clipping(ctx: Context) -> Section:
                                label="tuned C")
                     ax.axvline(float(row_best["optimal_clip_median"].iloc[0]), color="black", linestyle=":",
                                label="median C*")
-                _log_axis(ax, "x", part["clip_bound"].unique())
+                _log_axis(ax, "x", None if ctx.results.clip_binned else part["clip_bound"].unique(),
+                          [*cell["clip_bound"],
+                           *row_best[["tuned_clip_bound", "optimal_clip_median"]].to_numpy().ravel()])
                 _log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
                 ax.set_xlabel("trial clip bound C (log scale)")
                 ax.set_ylabel("per-step MSE (squared gradient norm)")
                 ax.set_title(f"ε = {epsilon:g}, E = {n_epochs}", fontsize=8)
                 ax.grid(True, alpha=0.3)
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        figure.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=8)
+        _figure_legend(figure, axes, 3)
         figure.suptitle(f"{task}: MSE of the clipped noisy gradient, one point per trial", fontsize=10)
         ctx.writer.figure(section, figure, "fig7b-mse-split", task)
     section.table(table.drop(columns=["trial_id"]),
@@ -705,28 +772,29 @@ def _guidelines(ctx: Context) -> Section:
         section.note("Missing: no finished trial with a tuned clip bound.")
         return section
     binned = ctx.results.clip_binned
-    if setting is None:
+    if setting is not None and setting.cells == 1:
+        section.note("The results hold a single cell: a fixed (C, B) is the tuned one there, so its cost across "
+                     "cells cannot be measured (it needs two or more (ε, E) cells or tasks).")
+    elif setting is None:
         section.note("No single (C, B) was evaluated in every cell, so the cost of one fixed setting cannot be "
                      "measured (it needs a grid over (C, B), or more trials per cell).")
     else:
         hard = table["hard_loss"].mean()
         section.text(
-            f"Fixed setting: C {_level(setting.clip_bin, binned)}, B {_level(setting.batch_bin, ctx.results.batch_binned)} "
+            f"Fixed setting: C {_level(setting.clip_bin, binned)}, "
+            f"B {_level(setting.batch_bin, ctx.results.batch_binned)} "
             f"— among the (C, B) evaluated in all {setting.cells} cells, the one with the best mean validation "
             f"accuracy ({_percent(setting.mean_val_accuracy)} %), with η chosen per cell on validation. Using it "
             f"everywhere instead of tuning per cell loses {_points(table['loss'].mean())} points of test accuracy "
             f"on average (largest loss {_points(table['loss'].max())}), and "
             + (f"{_points(hard)} points on the hard classes." if np.isfinite(hard) else
                "an unknown amount on the hard classes (no strata)."))
-    columns = {"task": "task", "epsilon": "ε", "epochs": "E", "clip_bound": "best C", "batch_size": "best B",
-               "learning_rate": "η", "base_learning_rate": "η₀", "clipping": "clipping", "val_accuracy": "val %",
-               "test_accuracy": "test %", an.EASY: "easy classes %", an.HARD: "hard classes %",
-               "fixed_test_accuracy": "fixed (C, B) test %", "loss": "loss (points)",
-               "hard_loss": "hard-class loss (points)"}
-    shown = table[list(columns)].rename(columns=columns)
-    percent = ["val %", "test %", "easy classes %", "hard classes %", "fixed (C, B) test %"]
-    section.table(shown, {"ε": _sig, "best C": _sig, "η": _sig, "η₀": _sig, **{c: _percent for c in percent},
-                          "loss (points)": lambda v: _sig(100 * v), "hard-class loss (points)": lambda v: _sig(100 * v)},
+    columns = [*an.CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "val_accuracy",
+               "test_accuracy", an.EASY, an.HARD, "fixed_test_accuracy", "loss", "hard_loss"]
+    percent = ["val_accuracy", "test_accuracy", an.EASY, an.HARD, "fixed_test_accuracy"]
+    formats = {"epsilon": _sig, "clip_bound": _sig, "learning_rate": _sig, "base_learning_rate": _sig,
+               **{c: _percent for c in percent}, "loss": _points, "hard_loss": _points}
+    section.table(table[columns], formats,
                   "Per cell: the best (C, B, η) selected on validation accuracy, its test accuracy, and the loss of "
                   "the fixed (C, B).")
     trend = an.trends(table, an.task_difficulty(ctx.results))
@@ -835,7 +903,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--near-optimal must be ≥ 0 accuracy points, got {args.near_optimal}")
     hard = [c.strip() for c in args.hard_classes.split(",") if c.strip()] if args.hard_classes else None
     try:
-        an.check_results_paths(args.results)
         index = build_report(args.results, args.out, hard_fraction=args.hard_fraction, hard_classes=hard,
                              near_optimal=args.near_optimal / 100, title=args.title)
     except an.AnalysisError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -230,3 +231,60 @@ def dptune_cache_dir(_dptune_cache_root: Path) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DPTUNE_CACHE_DIR", str(_dptune_cache_root))
         yield _dptune_cache_root
+
+
+@contextlib.contextmanager
+def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
+    """A head that offers no CPUs and a worker node with 2, both on this machine; yields the address.
+
+    Trials need a CPU, so every trial lands on the worker node. Token authentication is on, as
+    on the cluster; ``env`` gets the token. Teardown stops both nodes by PID.
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray2n", dir="/tmp"))
+    token = secrets.token_hex(32)
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    node_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    ray = str(Path(sys.executable).parent / "ray")
+    head_ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    address = f"127.0.0.1:{head_ports['--port']}"
+    head_cmd = [ray, "start", "--head", "--block", "--temp-dir", str(temp_dir), "--num-cpus", "0", "--num-gpus", "0",
+                "--include-dashboard", "false", "--disable-usage-stats"]
+    for flag, port in head_ports.items():
+        if flag not in ("--dashboard-port", "--ray-client-server-port"):
+            head_cmd += [flag, str(port)]
+    worker_ports = dict(zip(_PORT_FLAGS[3:], _free_ports(len(_PORT_FLAGS) - 3), strict=True))
+    worker_cmd = [ray, "start", "--block", "--address", address, "--num-cpus", "2", "--num-gpus", "0"]
+    for flag, port in worker_ports.items():
+        worker_cmd += [flag, str(port)]
+    processes = []
+    try:
+        with (temp_dir / "head.log").open("wb") as log:
+            processes.append(subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
+        while not (temp_dir / "ray_current_cluster").is_file():
+            assert processes[0].poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[-3000:]
+            time.sleep(0.5)
+        with (temp_dir / "worker.log").open("wb") as log:
+            processes.append(subprocess.Popen(worker_cmd, cwd=REPO_ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+        probe = [sys.executable, "-c", f"import ray, time; ray.init(address='{address}', log_to_driver=False)\n"
+                 "while ray.cluster_resources().get('CPU', 0) < 2: time.sleep(0.5)"]
+        subprocess.run(probe, env=env, check=True, timeout=_HEAD_START_TIMEOUT_S, capture_output=True)
+        yield address
+    finally:
+        for process in reversed(processes):
+            _stop_head(process, temp_dir)
+
+
+# --------------------------------------------------------------------------- results for analysis and report tests
+
+
+@pytest.fixture(scope="session")
+def result_datasets() -> list[str]:
+    """The result datasets ``test_analysis.py`` and ``test_report.py`` read: the one place to swap.
+
+    Today two synthetic grid searches written with ``dptune.records`` (``tests/tiny_results.py``);
+    for the real tiny search: ``def result_datasets(tiny_search): return [str(tiny_search.root)]``.
+    """
+    from tiny_results import results_paths
+
+    return list(results_paths())

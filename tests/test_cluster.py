@@ -35,10 +35,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
+from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES
 from dptune.records import read_table
 from dptune.space import load_space
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = REPO_ROOT / "cluster"
 CRD_DIR = REPO_ROOT.parent / "shared" / "kuberay-crds"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
@@ -632,32 +632,36 @@ def test_job_api_refuses_clients_without_the_token(ray_head) -> None:
 
 
 @pytest.mark.ray
-def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, tmp_path: Path) -> None:
+def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir: Path, tmp_path: Path) -> None:
     # The entrypoint exactly as the RayJob gives it, then overrides (argparse keeps the last
-    # value): the embedded offline workload instead of CIFAR-100/ViT-B (no hub here), one cell,
-    # one trial, small splits, results in a temporary folder.
+    # value): the embedded offline workload instead of CIFAR-100/ViT-B (no hub here) at the test
+    # suite's caps and token length (its encoded features are shared through the session's
+    # cache), one cell, one trial, results in a temporary folder.
     entrypoint = rayjob_entrypoint()
     name = entrypoint[entrypoint.index("--name") + 1]
     storage = tmp_path / "results"
-    overrides = ["--space", "search_spaces/default.yaml", "--set", "privacy.epsilons=[8]", "--set", "epochs=[5]",
-                 "--trials-per-cell", "1", "--max-train-examples", "200", "--max-eval-examples", "100",
+    overrides = ["--space", "search_spaces/default.yaml", "--set", "task.max_tokens=64",
+                 "--set", "privacy.epsilons=[8]", "--set", "epochs=[3]", "--trials-per-cell", "1",
+                 "--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES),
                  "--storage", str(storage)]
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(tmp_path / "cache")}}
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
     command = ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--runtime-env-json",
                json.dumps(runtime_env), "--", *entrypoint, *overrides]
     completed = subprocess.run(command, env=ray_head.env, capture_output=True, text=True, timeout=200)
     assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    assert "joined Ray cluster" in completed.stdout, "the search must run on the head's cluster, not an embedded one"
 
     results = str(storage / name)
     trials = read_table(results, "trials")
-    assert set(trials["cell_id"]) == {"eps=8|epochs=5"}
-    # One trial ran; proposals the min-step rule removed (T = 5·round(N/B) < 20) are recorded, not run.
+    assert set(trials["cell_id"]) == {"eps=8|epochs=3"}
+    # One trial ran; proposals the min-step rule removed (T = 3·round(N/B) < 20) are recorded, not run.
     ran = trials[trials["status"] == "ok"]
     assert len(ran) == 1, trials[["status", "reason", "batch_size"]]
+    assert ran["num_train"].item() == TINY_TRAIN_EXAMPLES
     assert 0 < ran["epsilon_spent"].item() <= 8 + 1e-9
     pruned = trials[trials["status"] != "ok"]
     assert (pruned["status"] == "pruned_min_steps").all() and (pruned["steps"] < 20).all()
     epochs = read_table(results, "epochs")
-    assert sorted(epochs["epoch"]) == [1, 2, 3, 4, 5]
+    assert sorted(epochs["epoch"]) == [1, 2, 3]
     search = read_table(results, "search")
-    assert search["cell_id"].tolist() == ["eps=8|epochs=5"] and search["name"].tolist() == ["default"]
+    assert search["cell_id"].tolist() == ["eps=8|epochs=3"] and search["name"].tolist() == ["default"]

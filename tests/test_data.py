@@ -86,7 +86,11 @@ def test_scratch_backbone_refuses_a_linear_probe_and_lora_needs_attention():
 
 
 def test_registry():
-    assert list_datasets() == sorted(DATASETS) == ["20newsgroups", "cassava", "cifar100", "mnist5k", "sun397"]
+    assert (
+        list_datasets()
+        == sorted(DATASETS)
+        == ["20newsgroups", "cassava", "cifar100", "mnist5k", "sun397"]
+    )
 
 
 # -------------------------------------------------------------------------- splits
@@ -108,9 +112,11 @@ def synthetic_labels() -> np.ndarray:
 
 def test_official_test_split_is_kept_and_validation_is_stratified():
     labels = synthetic_labels()
-    rows = split_rows(labels, 300, WorkloadSpec("x", "minilm", "head", validation_fraction=0.2))
+    rows = split_rows(labels, 5, 300, WorkloadSpec("x", "minilm", "head", validation_fraction=0.2))
     np.testing.assert_array_equal(rows.test, np.arange(300, 400))
-    assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(range(300))
+    assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(
+        range(300)
+    )
     pool = np.bincount(labels[:300], minlength=5)
     assert len(rows.val) == 60
     assert np.all(np.abs(np.bincount(labels[rows.val], minlength=5) - 0.2 * pool) < 1)
@@ -119,31 +125,37 @@ def test_official_test_split_is_kept_and_validation_is_stratified():
 def test_same_seed_same_splits_other_seed_other_validation_same_test():
     labels = synthetic_labels()
     spec = WorkloadSpec("x", "minilm", "head", seed=3, fraction=0.5)
-    first, again = split_rows(labels, None, spec), split_rows(labels, None, spec)
-    other = split_rows(labels, None, dataclasses.replace(spec, seed=4))
+    first, again = split_rows(labels, 5, None, spec), split_rows(labels, 5, None, spec)
+    other = split_rows(labels, 5, None, dataclasses.replace(spec, seed=4))
     for name in ("train", "val", "test"):
         np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
     assert not np.array_equal(first.val, other.val) and not np.array_equal(first.train, other.train)
-    np.testing.assert_array_equal(first.test, other.test)  # fixed-seed test split without an official one
+    np.testing.assert_array_equal(
+        first.test, other.test
+    )  # fixed-seed test split without an official one
     assert len(first.test) == round(TEST_FRACTION * 400)
-    assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(first.test)
+    assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(
+        first.test
+    )
 
 
 def test_fraction_examples_per_class_and_class_subset():
     labels = synthetic_labels()
     base = WorkloadSpec("x", "minilm", "head", seed=1)
-    full = split_rows(labels, 300, base)
-    half = split_rows(labels, 300, dataclasses.replace(base, fraction=0.5))
+    full = split_rows(labels, 5, 300, base)
+    half = split_rows(labels, 5, 300, dataclasses.replace(base, fraction=0.5))
     np.testing.assert_array_equal(half.val, full.val)  # knobs act on training rows only
     assert set(half.train) <= set(full.train) and len(half.train) == round(0.5 * len(full.train))
-    assert np.all(np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1)
+    assert np.all(
+        np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1
+    )
 
-    shots = split_rows(labels, 300, dataclasses.replace(base, examples_per_class=3))
+    shots = split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=3))
     np.testing.assert_array_equal(np.bincount(labels[shots.train]), [3] * 5)
     with pytest.raises(WorkloadError, match="examples_per_class=200 exceeds.*class"):
-        split_rows(labels, 300, dataclasses.replace(base, examples_per_class=200))
+        split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=200))
 
-    subset = split_rows(labels, 300, dataclasses.replace(base, classes=(4, 1)))
+    subset = split_rows(labels, 5, 300, dataclasses.replace(base, classes=(4, 1)))
     for part in (subset.train, subset.val, subset.test):
         assert set(labels[part]) == {1, 4}
     assert subset.kept == (4, 1) and subset.label_map[4] == 0 and subset.label_map[1] == 1
@@ -169,7 +181,9 @@ def reference_minilm_features(texts: list[str], max_tokens: int) -> np.ndarray:
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
     model = AutoModel.from_pretrained(minilm_folder()).eval()
-    batch = tokenizer(texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt")
+    batch = tokenizer(
+        texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt"
+    )
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1).float()
@@ -177,16 +191,28 @@ def reference_minilm_features(texts: list[str], max_tokens: int) -> np.ndarray:
 
 
 def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, temporary_cache):
-    spec = WorkloadSpec("20newsgroups", "minilm", "head", seed=2, max_tokens=32,
-                        classes=(3, 7, 11), max_train_examples=12, max_eval_examples=6)
+    spec = WorkloadSpec(
+        "20newsgroups",
+        "minilm",
+        "head",
+        seed=2,
+        max_tokens=32,
+        classes=(3, 7, 11),
+        max_train_examples=12,
+        max_eval_examples=6,
+    )
     workload = load_workload(spec)
-    assert workload.modality == "features" and workload.feature_dim == 384 and workload.num_classes == 3
+    assert (
+        workload.modality == "features"
+        and workload.feature_dim == 384
+        and workload.num_classes == 3
+    )
     raw = load_20newsgroups()
     assert workload.class_names == [raw.class_names[3], raw.class_names[7], raw.class_names[11]]
     assert [len(workload.train), len(workload.val), len(workload.test)] == [12, 6, 6]
     assert encoder_calls == [24]  # only the kept rows were encoded
 
-    rows = split_rows(raw.labels, raw.num_official_train, spec)
+    rows = split_rows(raw.labels, 20, raw.num_official_train, spec)
     x, y = workload.train.tensors
     assert x.dtype == torch.float32 and x.shape == (12, 384)
     np.testing.assert_array_equal(y.numpy(), rows.label_map[raw.labels[rows.train]])
@@ -204,13 +230,19 @@ def test_feature_workload_feeds_opacus_poisson_loader_including_empty_batches():
     from opacus.data_loader import DPDataLoader
     from torch.utils.data import DataLoader
 
-    spec = WorkloadSpec("20newsgroups", "minilm", "head", max_tokens=16, max_train_examples=8, max_eval_examples=2)
+    spec = WorkloadSpec(
+        "20newsgroups", "minilm", "head", max_tokens=16, max_train_examples=8, max_eval_examples=2
+    )
     workload = load_workload(spec)
     torch.testing.assert_close(workload.labels("train"), workload.train.tensors[1])
-    loader = DPDataLoader.from_data_loader(DataLoader(workload.train, batch_size=1), generator=torch.Generator().manual_seed(0))
+    loader = DPDataLoader.from_data_loader(
+        DataLoader(workload.train, batch_size=1), generator=torch.Generator().manual_seed(0)
+    )
     assert loader.batch_sampler.sample_rate == pytest.approx(1 / 8)
     batches = list(loader)
-    assert {(tuple(x.shape[1:]), x.dtype, y.dtype) for x, y in batches} == {((384,), torch.float32, torch.int64)}
+    assert {(tuple(x.shape[1:]), x.dtype, y.dtype) for x, y in batches} == {
+        ((384,), torch.float32, torch.int64)
+    }
     assert any(len(y) == 0 for _, y in batches)  # (7/8)^8 ≈ 34% chance per step: seeded
 
 
@@ -218,17 +250,25 @@ def tiny_corpus() -> RawDataset:
     raw = load_20newsgroups()
     rows = np.r_[0:6, 11_293:11_299]
     return dataclasses.replace(
-        raw, name="tiny20", inputs=[" ".join(raw.inputs[r].split()[:12]) for r in rows],
-        labels=raw.labels[rows], num_official_train=6, fingerprint="tiny20-v1",
+        raw,
+        name="tiny20",
+        inputs=[" ".join(raw.inputs[r].split()[:12]) for r in rows],
+        labels=raw.labels[rows],
+        num_official_train=6,
+        fingerprint="tiny20-v1",
     )
 
 
-def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(encoder_calls, temporary_cache):
+def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(
+    encoder_calls, temporary_cache
+):
     raw = tiny_corpus()
     results: dict[int, np.ndarray] = {}
 
     def worker(index: int) -> None:
-        results[index] = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+        results[index] = features.cached_features(
+            raw, None, "minilm", max_tokens=16, image_size=None
+        )
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for thread in threads:
@@ -237,25 +277,33 @@ def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(encod
         thread.join()
     assert encoder_calls == [12]  # the second waited on the lock, then read the first's file
     np.testing.assert_array_equal(results[0], results[1])
-    np.testing.assert_allclose(results[0], reference_minilm_features(raw.inputs, 16), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        results[0], reference_minilm_features(raw.inputs, 16), rtol=1e-4, atol=1e-5
+    )
 
-    subset = features.cached_features(raw, np.array([7, 2, 9]), "minilm", max_tokens=16, image_size=None)
+    subset = features.cached_features(
+        raw, np.array([7, 2, 9]), "minilm", max_tokens=16, image_size=None
+    )
     assert encoder_calls == [12]
     np.testing.assert_array_equal(subset, results[0][[7, 2, 9]])
-    leftovers = [p.name for p in (temporary_cache / "features").iterdir() if p.name.endswith(".tmp")]
+    leftovers = [
+        p.name for p in (temporary_cache / "features").iterdir() if p.name.endswith(".tmp")
+    ]
     assert leftovers == []
 
 
 def test_20newsgroups_tokens_for_fine_tuning():
     from dptune.models import load_tokenizer
 
-    spec = WorkloadSpec("20newsgroups", "minilm", "lora", max_tokens=24, max_train_examples=10, max_eval_examples=4)
+    spec = WorkloadSpec(
+        "20newsgroups", "minilm", "lora", max_tokens=24, max_train_examples=10, max_eval_examples=4
+    )
     workload = load_workload(spec)
     assert workload.modality == "text" and workload.max_tokens == 24 and workload.num_classes == 20
     input_ids, attention_mask, labels = workload.train.tensors
     assert input_ids.shape == attention_mask.shape == (10, 24) and input_ids.dtype == torch.int64
     raw = load_20newsgroups()
-    rows = split_rows(raw.labels, raw.num_official_train, spec)
+    rows = split_rows(raw.labels, 20, raw.num_official_train, spec)
     tokenizer = load_tokenizer("minilm")
     first = tokenizer(raw.inputs[rows.train[0]], truncation=True, max_length=24)["input_ids"]
     assert input_ids[0, : len(first)].tolist() == first and attention_mask[0].sum() == len(first)
@@ -268,21 +316,23 @@ def test_mnist5k_splits_and_efficientnet_features(encoder_calls):
     raw = load_mnist5k()
     assert raw.inputs.shape == (5000, 1, 28, 28) and raw.inputs.dtype == torch.uint8
     np.testing.assert_array_equal(np.bincount(raw.labels), [500] * 10)
-    full = split_rows(raw.labels, None, WorkloadSpec("mnist5k", "efficientnet_lite0", "head"))
+    full = split_rows(raw.labels, 10, None, WorkloadSpec("mnist5k", "efficientnet_lite0", "head"))
     assert [len(full.train), len(full.val), len(full.test)] == [3600, 400, 1000]
     np.testing.assert_array_equal(np.bincount(raw.labels[full.test]), [100] * 10)
 
-    spec = WorkloadSpec("mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10)
+    spec = WorkloadSpec(
+        "mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10
+    )
     workload = load_workload(spec)
     assert workload.feature_dim == 1280 and workload.train.tensors[0].shape == (20, 1280)
-    rows = split_rows(raw.labels, None, spec)
+    rows = split_rows(raw.labels, 10, None, spec)
     extractor = build_feature_extractor("efficientnet_lite0").eval()
     with torch.no_grad():
         expected = extractor(raw.inputs[torch.from_numpy(rows.val[:3])])
     torch.testing.assert_close(workload.val.tensors[0][:3], expected, rtol=1e-4, atol=1e-5)
 
     images = load_workload(dataclasses.replace(spec, peft="film"))
-    assert images.modality == "image" and images.image_size == 96
+    assert images.modality == "image" and images.image_size == 64
     image, label = images.train[0]
     assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label.dtype == torch.int64
 
@@ -295,11 +345,17 @@ def test_missing_disk_datasets_say_where_to_put_them(monkeypatch, tmp_path):
     with pytest.raises(WorkloadError, match="set DPTUNE_DATA_DIR"):
         load_workload(WorkloadSpec("cifar100", "wrn16_4", "full"))
     monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path))
-    with pytest.raises(WorkloadError, match=r"'cifar100' not found under .*CIFAR100\(root, download=True\)"):
+    with pytest.raises(
+        WorkloadError, match=r"'cifar100' not found under .*CIFAR100\(root, download=True\)"
+    ):
         load_workload(WorkloadSpec("cifar100", "wrn16_4", "full", fraction=0.1))
-    with pytest.raises(WorkloadError, match=r"'sun397' not found under .*SUN397\(root, download=True\)"):
+    with pytest.raises(
+        WorkloadError, match=r"'sun397' not found under .*SUN397\(root, download=True\)"
+    ):
         load_workload(WorkloadSpec("sun397", "wrn16_4", "full"))
-    with pytest.raises(WorkloadError, match=r"'cassava' not found under .*one sub-folder per class"):
+    with pytest.raises(
+        WorkloadError, match=r"'cassava' not found under .*one sub-folder per class"
+    ):
         load_workload(WorkloadSpec("cassava", "wrn16_4", "full"))
 
 
@@ -321,7 +377,13 @@ def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, en
         image, label = workload.train[index]
         assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
         assert torch.all(image == 40 * int(label))  # each class has its own grey level
-    torch.testing.assert_close(workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)]))
+    torch.testing.assert_close(
+        workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)])
+    )
 
-    head = load_workload(WorkloadSpec("cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5))
+    head = load_workload(
+        WorkloadSpec(
+            "cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5
+        )
+    )
     assert head.train.tensors[0].shape == (5, 1280) and encoder_calls == [5 + 2 + 5]

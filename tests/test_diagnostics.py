@@ -9,6 +9,7 @@ from torch import nn
 
 from dptune.dp.diagnostics import ProbeGradients, class_diagnostics, clipping_mse, optimal_clip_bound, probe_gradients
 from dptune.dp.sampling import physical_batches
+from dptune.models import build_model
 
 
 def probe_from_vectors(vectors: np.ndarray, labels: np.ndarray) -> ProbeGradients:
@@ -51,6 +52,31 @@ def test_probe_gradients_match_a_brute_force_per_example_backward_pass() -> None
     assert all(p.grad is None for p in model.parameters())  # left clean for the next optimizer step
 
 
+def test_probe_gradients_of_minilm_film_match_brute_force() -> None:
+    """The real text backbone: FiLM over every LayerNorm of MiniLM plus the head."""
+    torch.manual_seed(0)
+    model = build_model("minilm", "film", 4)
+    nn.init.normal_(model.head.weight, std=0.5)  # a zero head would pass no gradient to the LayerNorms
+    model.eval()  # no dropout, so that one-at-a-time passes see the same network ...
+    for module in model.modules():  # ... but Opacus records trainable layers only in training mode
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            module.train()
+    ids = torch.randint(1000, 20000, (5, 12))
+    mask = torch.ones_like(ids)
+    mask[3, 8:] = 0  # a padded example
+    y = torch.tensor([0, 1, 2, 3, 1])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norms = []
+    for i in range(len(y)):
+        loss = nn.functional.cross_entropy(model(ids[i : i + 1], mask[i : i + 1]), y[i : i + 1], reduction="sum")
+        norms.append(float(torch.sqrt(sum((g**2).sum() for g in torch.autograd.grad(loss, trainable)))))
+
+    probe = probe_gradients(model, physical_batches((ids, mask, y), 3, torch.device("cpu")))
+
+    assert probe.dimension == sum(p.numel() for p in trainable)
+    np.testing.assert_allclose(probe.norms, norms, rtol=1e-4)
+
+
 def test_class_diagnostics_match_numpy() -> None:
     norms = np.array([0.2, 0.9, 1.5, 3.0, 0.1, 4.0, 2.5, 0.7])
     labels = np.array([0, 0, 0, 0, 1, 1, 1, 2])
@@ -88,7 +114,9 @@ def test_optimal_clip_bound_matches_dense_grid_search(seed: int, sigma: float, b
     probe = probe_from_vectors(vectors, np.zeros(len(vectors), dtype=np.int64))
     norms = np.linalg.norm(vectors, axis=1)
     grid = np.linspace(0.0, 1.2 * norms.max(), 20001)
-    grid_mse = np.array([sum(direct_mse(vectors, c, sigma, batch)) for c in grid])
+    factors = np.minimum(1.0, grid[:, None] / norms[None, :])  # (grid, n): min(1, C/‖g_i‖)
+    bias = np.sum(((factors - 1.0)[:, :, None] * vectors[None]).mean(axis=1) ** 2, axis=1)
+    grid_mse = bias + sigma**2 * grid**2 * vectors.shape[1] / batch**2
 
     best = optimal_clip_bound(probe, sigma, batch)
 

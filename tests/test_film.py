@@ -8,6 +8,7 @@ being plain outside a step.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -50,6 +51,8 @@ def film_step(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], spec: D
     engine = FilmEngine(model, spec, torch.Generator().manual_seed(seed))
     torch.manual_seed(1234)  # identical dropout masks in every engine's forward
     loss = engine.noisy_gradient(batches)
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in trainable(model))
+    assert not engine.last_grad_norms.requires_grad
     grads = [p.grad.clone() for p in trainable(model)]
     for p in trainable(model):
         p.grad = None
@@ -175,14 +178,15 @@ def model_and_batch(name: str, request: pytest.FixtureRequest) -> tuple[nn.Modul
 @pytest.mark.parametrize("name", ["vit", "minilm", "features", "tokens"])
 def test_norms_and_clipped_sum_equal_opacus(name: str, rule: str, request: pytest.FixtureRequest) -> None:
     model, batch = model_and_batch(name, request)
-    expected_norms = opacus_norms(model, batch)
+    reference = copy.deepcopy(model)  # Opacus may keep (disabled) hooks on its model
+    expected_norms = opacus_norms(reference, batch)
     clip_bound = float(expected_norms.median())
     clipped = expected_norms > clip_bound
     assert 0 < int(clipped.sum()) < len(clipped), "C at the median norm must clip some examples and not others"
     spec = spec_for(rule, clip_bound)
 
     loss, norms, grads = film_step(model, [batch], spec)
-    expected_loss, expected_grads = opacus_step(model, [batch], spec)
+    expected_loss, expected_grads = opacus_step(reference, [batch], spec)
 
     assert_relative(norms, expected_norms)
     assert torch.allclose(norms, expected_norms, rtol=RTOL, atol=0)
@@ -286,7 +290,10 @@ def test_unsupported_modules_are_named_and_selection_falls_back() -> None:
 
 def test_model_is_plain_outside_the_step(vit: nn.Module) -> None:
     images, labels = image_batch(4, seed=14, size=48)
-    film_step(vit, [(images, labels)], spec_for("auto_s", 1.0))
+    _, norms, grads = film_step(vit, [(images, labels)], spec_for("auto_s", 1.0))
+    with torch.no_grad():  # the engine turns gradients on for its own forward
+        _, same_norms, same_grads = film_step(vit, [(images, labels)], spec_for("auto_s", 1.0))
+    assert torch.equal(norms, same_norms) and all(torch.equal(a, b) for a, b in zip(grads, same_grads, strict=True))
     assert all(not m._forward_hooks for m in vit.modules())
     summed_cross_entropy(vit(images), labels).backward()
     assert all(p.grad is not None for p in trainable(vit))

@@ -110,7 +110,7 @@ def test_epsilon_spent_moves_the_right_way() -> None:
 # --------------------------------------------------------------------------- cache
 
 
-CHEAP = (2.0, DELTA, 0.5, 8)  # (ε, δ, q, T): a calibration of well under a second
+CHEAP = (2.0, DELTA, 1.0, 8)  # (ε, δ, q, T): full batch, a calibration of well under a second
 
 
 @pytest.fixture
@@ -161,13 +161,13 @@ def test_cache_key_covers_every_input(private_cache: Path) -> None:
     epsilon, delta, sample_rate, steps = CHEAP
     sigmas = {calibrate_noise_multiplier(*point) for point in [
         CHEAP, (epsilon * 1.5, delta, sample_rate, steps), (epsilon, delta * 10, sample_rate, steps),
-        (epsilon, delta, sample_rate / 2, steps), (epsilon, delta, sample_rate, steps * 2)]}
+        (epsilon, delta, sample_rate / 5, steps), (epsilon, delta, sample_rate, steps * 2)]}
     assert len(sigmas) == 5
     assert len(list((private_cache / "accounting").glob("noise_multiplier-*.json"))) == 5
 
 
 def test_concurrent_processes_calibrate_into_one_consistent_cache(tmp_path: Path) -> None:
-    points = [CHEAP, (1.0, DELTA, 1.0, 3), (4.0, DELTA, 0.2, 10)]
+    points = [CHEAP, (1.0, DELTA, 1.0, 3), (4.0, DELTA, 1.0, 20)]
     script = textwrap.dedent(f"""
         import json, sys
         from dptune.privacy import calibrate_noise_multiplier
@@ -317,7 +317,7 @@ TRIAL = {"sample_rate": 0.01, "steps": 1000}  # σ from calibrate_noise_multipli
 
 
 def test_basic_composition_is_exact() -> None:
-    cost = tuning_privacy_cost(1.5, 1e-6, 7, **TRIAL)
+    cost = tuning_privacy_cost(1.5, 1e-6, 7, noise_multiplier=1.0, **TRIAL)
     assert (cost.epsilon_composition, cost.delta_composition) == (7 * 1.5, 7 * 1e-6)
     assert (cost.trials, cost.epsilon_per_trial, cost.delta_per_trial) == (7, 1.5, 1e-6)
 

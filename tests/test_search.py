@@ -232,3 +232,40 @@ def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, 
     assert set(failed["status"]) == {"error"}
     assert failed["reason"].str.contains("injected fault: GPU fell off the bus").all()
     assert set(ran[ran["batch_size"] == 64]["status"]) == {"ok"}
+
+
+# --------------------------------------------------------------------------- on a Ray cluster
+
+
+def _tiny_on_cluster_args(storage: Path) -> list[str]:
+    return ["--space", str(TINY), "--storage", str(storage), "--no-report", "--set", "privacy.epsilons=[2]",
+            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[1.0]"]
+
+
+def test_ray_job_submit_runs_a_search_on_a_token_authenticated_head(ray_head, search_env: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    env = {**search_env, **{k: v for k, v in ray_head.env.items() if k.startswith("RAY_AUTH") or k == "PATH"}}
+    entrypoint = search_command(*_tiny_on_cluster_args(tmp_path))
+    entrypoint[0] = "python"  # resolved on the head's PATH (the venv it was started from)
+    # the job's environment: the test's feature cache, so the search starts at once
+    runtime_env = f'{{"env_vars": {{"DPTUNE_CACHE_DIR": "{search_env["DPTUNE_CACHE_DIR"]}"}}}}'
+    completed = subprocess.run(
+        ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--runtime-env-json", runtime_env, "--",
+         *entrypoint], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "joined Ray cluster" in completed.stdout
+    ran = _ran(tmp_path / "tiny")
+    assert sorted(ran["batch_size"]) == [32, 64] and set(ran["status"]) == {"ok"}
+    # without the token the job API refuses the client
+    assert ray_head.job_api_status(None) in (401, 403)
+
+
+def test_search_runs_trials_on_a_second_node(search_env: dict[str, str], tmp_path: Path) -> None:
+    """A head with no CPUs for trials and a worker node on this machine: every trial runs on the worker."""
+    from conftest import start_two_node_cluster
+
+    with start_two_node_cluster(search_env) as address:
+        completed = run_cli(search_env, *_tiny_on_cluster_args(tmp_path), "--address", address)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    ran = _ran(tmp_path / "tiny")
+    assert sorted(ran["batch_size"]) == [32, 64] and set(ran["status"]) == {"ok"}, ran[["status", "reason"]]

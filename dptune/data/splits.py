@@ -27,7 +27,9 @@ def allocate(class_sizes: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
-def stratified_sample(rows: np.ndarray, labels: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
+def stratified_sample(
+    rows: np.ndarray, labels: np.ndarray, total: int, rng: np.random.Generator
+) -> np.ndarray:
     """``total`` of ``rows`` drawn without replacement, stratified by ``labels[rows]``; sorted."""
     classes, inverse = np.unique(labels[rows], return_inverse=True)
     counts = allocate(np.bincount(inverse, minlength=len(classes)), total)
@@ -40,20 +42,26 @@ def stream(seed: int, purpose: int) -> np.random.Generator:
     return np.random.default_rng([seed, purpose])
 
 
-def carve(rows: np.ndarray, labels: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def carve(
+    rows: np.ndarray, labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Split ``rows`` into (held out ≈ fraction, rest), stratified; both sorted."""
     held = stratified_sample(rows, labels, round(fraction * len(rows)), rng)
     return held, np.setdiff1d(rows, held)
 
 
-def cap(rows: np.ndarray, labels: np.ndarray, limit: int | None, rng: np.random.Generator) -> np.ndarray:
+def cap(
+    rows: np.ndarray, labels: np.ndarray, limit: int | None, rng: np.random.Generator
+) -> np.ndarray:
     """At most ``limit`` of ``rows``, stratified (all of them when ``limit`` is None or larger)."""
     if limit is None or limit >= len(rows):
         return rows
     return stratified_sample(rows, labels, limit, rng)
 
 
-def per_class(rows: np.ndarray, labels: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+def per_class(
+    rows: np.ndarray, labels: np.ndarray, count: int, rng: np.random.Generator
+) -> np.ndarray:
     """Exactly ``count`` random rows of each class present in ``labels[rows]``; sorted.
 
     The caller checks that every class has at least ``count`` rows.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from dptune.data import splits
 from dptune.data.features import cached_features
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
 from dptune.data.spec import Workload, WorkloadError, WorkloadSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LabelledImages(Dataset):
@@ -68,12 +72,16 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
         raise WorkloadError(f"fraction must be in (0, 1], got {spec.fraction}")
     if spec.examples_per_class is not None:
         if spec.examples_per_class < 1:
-            raise WorkloadError(f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}")
+            raise WorkloadError(
+                f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}"
+            )
         if spec.fraction < 1.0:
             raise WorkloadError("give either fraction < 1 or examples_per_class, not both")
     if spec.classes is not None:
         valid = range(info.num_classes)
-        unknown = [c for c in spec.classes if not isinstance(c, (int, np.integer)) or c not in valid]
+        unknown = [
+            c for c in spec.classes if not isinstance(c, (int, np.integer)) or c not in valid
+        ]
         if unknown:
             raise WorkloadError(
                 f"unknown class ids {unknown} for {spec.dataset!r}; valid ids are 0..{info.num_classes - 1}"
@@ -81,10 +89,14 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
         if len(set(spec.classes)) != len(spec.classes) or len(spec.classes) < 2:
             raise WorkloadError(f"classes must be at least 2 distinct ids, got {spec.classes}")
     if not 0.0 < spec.validation_fraction < 1.0:
-        raise WorkloadError(f"validation_fraction must be in (0, 1), got {spec.validation_fraction}")
+        raise WorkloadError(
+            f"validation_fraction must be in (0, 1), got {spec.validation_fraction}"
+        )
     if spec.max_tokens is not None:
         if info.modality != "text":
-            raise WorkloadError(f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}")
+            raise WorkloadError(
+                f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}"
+            )
         if spec.max_tokens < 8:
             raise WorkloadError(f"max_tokens must be >= 8, got {spec.max_tokens}")
     for name in ("max_train_examples", "max_eval_examples"):
@@ -94,40 +106,63 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     return info
 
 
-def split_rows(labels: np.ndarray, num_official_train: int | None, spec: WorkloadSpec) -> SplitRows:
+def split_rows(
+    labels: np.ndarray, num_classes: int, num_official_train: int | None, spec: WorkloadSpec
+) -> SplitRows:
     """Seeded stratified splits of a dataset's rows under ``spec`` (see ``dptune.data``).
 
-    Order: official test split (or a fixed-seed stratified ``TEST_FRACTION``); class subset on
-    all splits; validation carved from the training rows with ``spec.seed``; then ``fraction``
-    or ``examples_per_class`` on the training rows; then the test-only caps.
+    ``labels`` are the raw class ids (``0..num_classes-1``) of every row, official training rows
+    first. Order: official test split (or a fixed-seed stratified ``TEST_FRACTION``); class
+    subset on all splits; validation carved from the training rows with ``spec.seed``; then
+    ``fraction`` or ``examples_per_class`` on the training rows; then the ``max_*_examples`` caps.
     """
     everything = np.arange(len(labels))
     if num_official_train is None:
-        test, train = splits.carve(everything, labels, splits.TEST_FRACTION, np.random.default_rng(splits.TEST_SPLIT_SEED))
+        test, train = splits.carve(
+            everything, labels, splits.TEST_FRACTION, np.random.default_rng(splits.TEST_SPLIT_SEED)
+        )
     else:
         train, test = everything[:num_official_train], everything[num_official_train:]
-    label_map = np.full(int(labels.max()) + 1, -1, dtype=np.int64)
-    kept = tuple(int(c) for c in spec.classes) if spec.classes is not None else tuple(range(len(label_map)))
+    label_map = np.full(num_classes, -1, dtype=np.int64)
+    kept = (
+        tuple(int(c) for c in spec.classes)
+        if spec.classes is not None
+        else tuple(range(num_classes))
+    )
     label_map[list(kept)] = np.arange(len(kept))
     train, test = train[label_map[labels[train]] >= 0], test[label_map[labels[test]] >= 0]
 
-    val, train = splits.carve(train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION))
+    val, train = splits.carve(
+        train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION)
+    )
     if spec.fraction < 1.0:
         train = splits.stratified_sample(
-            train, labels, max(1, round(spec.fraction * len(train))), splits.stream(spec.seed, splits._FRACTION)
+            train,
+            labels,
+            max(1, round(spec.fraction * len(train))),
+            splits.stream(spec.seed, splits._FRACTION),
         )
     if spec.examples_per_class is not None:
-        counts = np.bincount(labels[train], minlength=len(label_map))
+        counts = np.bincount(labels[train], minlength=num_classes)
         short = [int(c) for c in kept if counts[c] < spec.examples_per_class]
         if short:
             raise WorkloadError(
                 f"examples_per_class={spec.examples_per_class} exceeds the training examples of "
                 f"class(es) {short} (smallest has {min(counts[c] for c in short)} after the validation split)"
             )
-        train = splits.per_class(train, labels, spec.examples_per_class, splits.stream(spec.seed, splits._EXAMPLES_PER_CLASS))
-    train = splits.cap(train, labels, spec.max_train_examples, splits.stream(spec.seed, splits._CAP))
+        train = splits.per_class(
+            train,
+            labels,
+            spec.examples_per_class,
+            splits.stream(spec.seed, splits._EXAMPLES_PER_CLASS),
+        )
+    train = splits.cap(
+        train, labels, spec.max_train_examples, splits.stream(spec.seed, splits._CAP)
+    )
     val = splits.cap(val, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 1))
-    test = splits.cap(test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2))
+    test = splits.cap(
+        test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2)
+    )
     return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
 
 
@@ -139,27 +174,44 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     backbone's features come from the cache (encoded on first use: every row of the dataset,
     or only the kept rows when ``max_train_examples``/``max_eval_examples`` cap the splits).
     """
-    from dptune.models import BACKBONES
+    from dptune.models import BACKBONES, load_tokenizer
 
     info = check_spec(spec)
     backbone = BACKBONES[spec.backbone]
-    raw = info.load(data_dir, backbone.image_size or 224)
-    rows = split_rows(raw.labels, raw.num_official_train, spec)
-    labels = {name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")}
+    raw = info.load(data_dir, backbone.image_size)
+    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
+    labels = {
+        name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]])
+        for name in ("train", "val", "test")
+    }
     max_tokens = spec.max_tokens or backbone.max_tokens
-    common = {"spec": spec, "num_classes": len(rows.kept), "class_names": [raw.class_names[c] for c in rows.kept]}
+    common = {
+        "spec": spec,
+        "num_classes": len(rows.kept),
+        "class_names": [raw.class_names[c] for c in rows.kept],
+    }
     if spec.peft == "head":
         capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
         needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
-        features = cached_features(raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size)
-        position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
+        features = cached_features(
+            raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size
+        )
+        position = (
+            np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
+        )
         datasets = {
-            name: TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name])
+            name: TensorDataset(
+                torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]
+            )
             for name in labels
         }
         return Workload(**common, **datasets, modality="features", feature_dim=backbone.feature_dim)
     if raw.modality == "text":
-        datasets = {name: _tokenized(raw, getattr(rows, name), spec.backbone, max_tokens, labels[name]) for name in labels}
+        tokenizer = load_tokenizer(spec.backbone)
+        datasets = {
+            name: _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name])
+            for name in labels
+        }
         return Workload(**common, **datasets, modality="text", max_tokens=max_tokens)
     datasets = {name: _images(raw, getattr(rows, name), labels[name]) for name in labels}
     return Workload(**common, **datasets, modality="image", image_size=backbone.image_size)
@@ -172,13 +224,20 @@ def _positions(needed: np.ndarray, total: int) -> np.ndarray:
     return position
 
 
-def _tokenized(raw: RawDataset, rows: np.ndarray, backbone: str, max_tokens: int, labels: torch.Tensor) -> TensorDataset:
-    from dptune.models import load_tokenizer
-
-    tokenizer = load_tokenizer(backbone)
+def _tokenized(
+    raw: RawDataset,
+    rows: np.ndarray,
+    tokenizer: PreTrainedTokenizerBase,
+    max_tokens: int,
+    labels: torch.Tensor,
+) -> TensorDataset:
+    """``(input_ids, attention_mask, label)`` rows, truncated and padded to ``max_tokens``."""
     encoded = tokenizer(
-        [raw.inputs[row] for row in rows], truncation=True, max_length=max_tokens,
-        padding="max_length", return_tensors="pt",
+        [raw.inputs[row] for row in rows],
+        truncation=True,
+        max_length=max_tokens,
+        padding="max_length",
+        return_tensors="pt",
     )
     return TensorDataset(encoded["input_ids"].long(), encoded["attention_mask"].long(), labels)
 

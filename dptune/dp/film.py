@@ -110,7 +110,7 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         (layer_input,) = ctx.saved_tensors
-        ctx.slot.receive(layer_input.detach(), grad_output.detach())
+        ctx.slot.receive(layer_input, grad_output)  # no graph is recorded in a backward
         return grad_output, None, None, None
 
 
@@ -144,15 +144,16 @@ class _Slot(abc.ABC):
 
 
 class _NormSlot(_Slot):
-    """LayerNorm or GroupNorm: per-example γ and β gradients, materialised as (n, numel) float32."""
+    """LayerNorm or GroupNorm: per-example γ and β gradients, materialised as (n, size) float32
+    pieces, one per trainable parameter (weight then bias)."""
 
     def __init__(self, name: str, module: nn.Module, offset: int) -> None:
         super().__init__(name, module, offset)
         self.group_norm = isinstance(module, nn.GroupNorm)
-        self.per_example: torch.Tensor | None = None
+        self.pieces: list[torch.Tensor] = []
 
     def reset(self) -> None:
-        self.per_example = None
+        self.pieces = []
 
     def receive(self, layer_input: torch.Tensor, grad_output: torch.Tensor) -> None:
         m = self.module
@@ -175,9 +176,8 @@ class _NormSlot(_Slot):
             pieces.append(torch.linalg.vecdot(x_hat, delta, dim=reduce_dim))
         if self.train_bias:
             pieces.append(delta.sum(reduce_dim))
-        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         # a module called several times in one forward: its gradient is the sum over calls
-        self.per_example = block if self.per_example is None else self.per_example + block
+        self.pieces = [a + b for a, b in zip(self.pieces, pieces, strict=True)] if self.pieces else pieces
 
 
 class _LinearSlot(_Slot):
@@ -195,7 +195,10 @@ class _LinearSlot(_Slot):
     def receive(self, layer_input: torch.Tensor, grad_output: torch.Tensor) -> None:
         n = layer_input.shape[0]
         # (n, tokens, features) in float32; no token axis is one token
-        self.calls.append((layer_input.float().reshape(n, -1, layer_input.shape[-1]), grad_output.float().reshape(n, -1, grad_output.shape[-1])))
+        self.calls.append((
+            layer_input.detach().float().reshape(n, -1, layer_input.shape[-1]),
+            grad_output.float().reshape(n, -1, grad_output.shape[-1]),
+        ))
 
     def squared_norms(self, n: int, device: torch.device) -> torch.Tensor:
         """‖∇_W ℓ_i‖² + ‖∇_b ℓ_i‖² of the trainable ones, shape (n,)."""
@@ -286,6 +289,8 @@ class FilmEngine:
                 offset += self._linear_slots[-1].numel
         self._numel = offset
         self._slots: list[_Slot] = [*self._norm_slots, *self._linear_slots]
+        self._params = [p for slot in self._slots for p in slot.params]  # in flat order
+        self._param_sizes = [p.numel() for p in self._params]
         first = self._slots[0].params[0]
         self._device = first.device
         if generator.device.type != self._device.type:
@@ -326,24 +331,27 @@ class FilmEngine:
         n = labels.shape[0]
         for slot in self._slots:
             slot.reset()
-        with autocast(self._device.type, self.spec.autocast_dtype):
-            logits = self.model(*inputs)
-        loss = summed_cross_entropy(logits, labels)
+        with torch.enable_grad():
+            with autocast(self._device.type, self.spec.autocast_dtype):
+                logits = self.model(*inputs)
+            loss = summed_cross_entropy(logits, labels)
         torch.autograd.grad(loss, self._anchor, allow_unused=True)  # runs the taps, no parameter gradients
-        blocks = [
-            slot.per_example if slot.per_example is not None else torch.zeros(n, slot.numel, device=self._device)
-            for slot in self._norm_slots
-        ]
-        per_example = torch.cat(blocks, dim=1) if blocks else None
-        squared = per_example.square().sum(1) if per_example is not None else torch.zeros(n, device=self._device)
-        for slot in self._linear_slots:
-            squared = squared + slot.squared_norms(n, self._device)
-        norms = squared.sqrt()
-        factors = clip_factors(norms, self.spec.clip_bound, self.spec.rule)
-        if per_example is not None:
-            flat[: self._norm_numel].addmv_(per_example.T, factors)
-        for slot in self._linear_slots:
-            slot.add_clipped_sum(factors, flat)
+        with torch.no_grad():  # the saved inputs may require grad: record no graph
+            pieces = [
+                piece
+                for slot in self._norm_slots
+                for piece in (slot.pieces or [torch.zeros(n, slot.numel, device=self._device)])  # unused: no gradient
+            ]
+            per_example = torch.cat(pieces, dim=1) if pieces else None
+            squared = per_example.square().sum(1) if per_example is not None else torch.zeros(n, device=self._device)
+            for slot in self._linear_slots:
+                squared = squared + slot.squared_norms(n, self._device)
+            norms = squared.sqrt()
+            factors = clip_factors(norms, self.spec.clip_bound, self.spec.rule)
+            if per_example is not None:
+                flat[: self._norm_numel].addmv_(per_example.T, factors)
+            for slot in self._linear_slots:
+                slot.add_clipped_sum(factors, flat)
         return loss.detach(), norms
 
     def noisy_gradient(self, physical_batches: Iterable[PhysicalBatch]) -> float:
@@ -363,10 +371,7 @@ class FilmEngine:
         if std > 0:
             flat.add_(torch.normal(0.0, std, size=flat.shape, generator=self.generator, device=self._device))
         flat.mul_(update_scale(spec.clip_bound, spec.rule, spec.expected_batch_size))
-        for slot in self._slots:
-            start = slot.offset
-            for p in slot.params:
-                p.grad = flat[start : start + p.numel()].view_as(p).to(p.dtype)
-                start += p.numel()
+        for p, grad in zip(self._params, flat.split(self._param_sizes), strict=True):
+            p.grad = grad.view(p.shape) if p.dtype == torch.float32 else grad.view(p.shape).to(p.dtype)
         self.last_grad_norms = torch.cat(norms) if norms else torch.zeros(0, device=self._device)
         return float(torch.stack(losses).sum()) if losses else 0.0  # one device sync per step

@@ -1,4 +1,4 @@
-"""DP-SGD and DP-Adam: a torch optimizer wrapped in Opacus' ``DPOptimizer`` with dptune's clipping rules.
+"""DP-SGD and DP-Adam: Opacus' ``DPOptimizer`` with dptune's clipping rules, and the base optimizers.
 
 ``RuleDPOptimizer`` overrides the three stages of Opacus' pre-step with the rule's factors from
 :mod:`dptune.dp.clipping` — per-example factor f_i (``clip_and_accumulate``), noise std s
@@ -9,7 +9,10 @@
 With rule ``standard`` this is exactly Opacus' DP-SGD step (flat clipping, std σC, divide by B);
 ``normalized`` is the paper's Algorithm 1 (divide by C·B as well); ``auto_s`` is AUTO-S. Everything
 else (parameter bookkeeping, the processed-gradient checks, ``zero_grad``, ``step`` and Opacus'
-``BatchMemoryManager`` skip logic) is Opacus'.
+``BatchMemoryManager`` skip logic) is Opacus', so ``RuleDPOptimizer(Adam(...))`` is DP-Adam in
+Opacus' own training loop. A trial splits the same step at the engine seam
+(:mod:`dptune.dp.engine`): the engine releases ``p.grad`` (the Opacus engine through these three
+stages), then the trial's base optimizer (:data:`OPTIMIZERS`: Adam → DP-Adam, SGD → DP-SGD) steps.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _gen
 
 from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
 
-#: Base optimizers by name: DP-Adam and DP-SGD are these under :class:`RuleDPOptimizer`.
+#: Base optimizers by name: DP-Adam and DP-SGD are these stepping on a released DP gradient.
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 

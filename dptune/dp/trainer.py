@@ -156,6 +156,23 @@ def evaluate(
     )
 
 
+def workload_spec(config: TrialConfig) -> WorkloadSpec:
+    """The workload a trial trains on: its dataset × backbone × PEFT, knobs and seed."""
+    return WorkloadSpec(
+        dataset=config.dataset,
+        backbone=config.backbone,
+        peft=config.peft,
+        seed=config.seed,
+        fraction=config.fraction,
+        examples_per_class=config.examples_per_class,
+        classes=config.classes,
+        max_tokens=config.max_tokens,
+        validation_fraction=config.validation_fraction,
+        max_train_examples=config.max_train_examples,
+        max_eval_examples=config.max_eval_examples,
+    )
+
+
 def diagnostic_epochs(epochs: int) -> list[int]:
     """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
     return sorted({0, math.ceil(epochs / 2), epochs})
@@ -176,23 +193,22 @@ class _Trial:
             config.backbone, config.peft, workload.num_classes, feature_input=workload.modality == "features"
         ).to(device)
         check_dp_compatible(self.model)
+        engine_factory = select_engine(config.engine, self.model, config.peft)  # refuses before σ is computed
         self.sample_rate = sample_rate(num_train, config.batch_size)
         self.steps_per_epoch = steps_per_epoch(num_train, config.batch_size)
         self.steps = total_steps(num_train, config.batch_size, config.epochs)
         self.noise_multiplier = calibrate_noise_multiplier(config.epsilon, config.delta, self.sample_rate, self.steps)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, trainable, config.learning_rate)
-        spec = DPStepSpec(
+        self.spec = DPStepSpec(
             noise_multiplier=self.noise_multiplier,
             clip_bound=config.clip_bound,
             rule=config.clipping,
             expected_batch_size=self.sample_rate * num_train,
             autocast_dtype=self.autocast_dtype,
         )
-        self.spec = spec
         noise_generator = torch.Generator(device=device).manual_seed(int(noise_seed))
-        factory = select_engine(config.engine, self.model, config.peft)
-        self.engine: DPEngine = factory(self.model, spec, noise_generator)
+        self.engine: DPEngine = engine_factory(self.model, self.spec, noise_generator)
         self.loader = poisson_loader(
             workload.train,
             self.sample_rate,
@@ -327,21 +343,7 @@ def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
     """Check ``config``, load and build everything, then train; see the module docstring."""
     device = check_config(config)
     with torch_threads(config.threads):
-        workload = load_workload(
-            WorkloadSpec(
-                dataset=config.dataset,
-                backbone=config.backbone,
-                peft=config.peft,
-                seed=config.seed,
-                fraction=config.fraction,
-                examples_per_class=config.examples_per_class,
-                classes=config.classes,
-                max_tokens=config.max_tokens,
-                validation_fraction=config.validation_fraction,
-                max_train_examples=config.max_train_examples,
-                max_eval_examples=config.max_eval_examples,
-            )
-        )
+        workload = load_workload(workload_spec(config))
         num_train = len(workload.train)
         if config.batch_size > num_train:
             raise TrialConfigError(

@@ -34,9 +34,15 @@ def head_only(model: nn.Module, info: BackboneInfo) -> None:
 def film(model: nn.Module, info: BackboneInfo) -> None:
     """FiLM: train the scale and bias of every normalisation layer of the backbone plus the head."""
     _freeze_all_but_head(model)
-    norms = [m for m in model.backbone.modules() if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))]
+    norms = [
+        m
+        for m in model.backbone.modules()
+        if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))
+    ]
     if not norms:
-        raise ModelError(f"peft 'film' needs affine normalisation layers; backbone {info.name!r} has none")
+        raise ModelError(
+            f"peft 'film' needs affine normalisation layers; backbone {info.name!r} has none"
+        )
     for module in norms:
         module.requires_grad_(True)
 
@@ -48,7 +54,9 @@ def lora(model: nn.Module, info: BackboneInfo) -> None:
 
     if not info.lora_targets:
         raise ModelError(lora_unsupported(info.name))
-    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(info.lora_targets))
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(info.lora_targets)
+    )
     model.backbone = inject_adapter_in_model(config, model.backbone)
     _freeze_all_but_head(model)
     for name, parameter in model.backbone.named_parameters():

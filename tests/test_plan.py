@@ -1,0 +1,241 @@
+"""dptune.plan: steps and sampling rate, the batch-size rule, the plan on real PRV accounting, the CLI."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dptune import __version__, plan as plan_module, privacy
+from dptune.plan import (
+    RECOMMENDED_MARK,
+    PlanRow,
+    coupled_learning_rate,
+    default_batch_sizes,
+    main,
+    plan,
+    recommended_batch_size,
+    sample_rate,
+    steps_per_epoch,
+    total_steps,
+)
+
+pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
+
+# The paper-sized case on real accounting: N = 50000, E = 10, ε ∈ {1, 8}, δ = 1e-5, a grid of B that
+# spans the plateau and ends at full batch (T = 10 < T_min = 20).
+N, EPOCHS, DELTA = 50_000, 10, 1e-5
+EPSILONS = [1.0, 8.0]
+BATCH_SIZES = [256, 1024, 4096, 16384, 50_000]
+CLI_ARGS = ["--n", str(N), "--eps", "1", "8", "--epochs", str(EPOCHS), "--batch-sizes", *map(str, BATCH_SIZES)]
+
+
+def test_steps_follow_round_n_over_b() -> None:
+    assert steps_per_epoch(50_000, 16) == 3125
+    assert steps_per_epoch(50_000, 32_768) == 2  # round(1.53)
+    assert steps_per_epoch(100, 40) == 2  # round(2.5): half to even
+    assert steps_per_epoch(10, 7) == 1  # round(1.43)
+    assert steps_per_epoch(10, 10) == 1
+    assert total_steps(50_000, 256, 10) == 10 * 195
+    assert sample_rate(50_000, 256) == 256 / 50_000
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda: steps_per_epoch(100, 101), "batch_size"),
+    (lambda: steps_per_epoch(100, 0), "batch_size"),
+    (lambda: sample_rate(0, 1), "num_examples"),
+    (lambda: total_steps(100, 10, 0), "epochs"),
+    (lambda: total_steps(100, 10, 2.0), "epochs"),
+    (lambda: coupled_learning_rate(0.0, 64, 256), "base_learning_rate"),
+])
+def test_step_helpers_reject_bad_sizes(call: object, named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named}"):
+        call()  # type: ignore[operator]
+
+
+def test_learning_rate_scales_with_square_root_of_batch_size() -> None:
+    assert coupled_learning_rate(1e-3, 1024, 256) == pytest.approx(2e-3)
+    assert coupled_learning_rate(1e-3, 64, 256) == pytest.approx(5e-4)
+    assert coupled_learning_rate(3e-4, 256, 256) == 3e-4
+
+
+def test_default_grid_is_powers_of_two_from_16_plus_full_batch() -> None:
+    assert default_batch_sizes(100) == [16, 32, 64, 100]
+    assert default_batch_sizes(64) == [16, 32, 64]
+    assert default_batch_sizes(10) == [10]
+    assert default_batch_sizes(50_000)[-3:] == [16_384, 32_768, 50_000]
+
+
+# --------------------------------------------------------------------------- the rule on constructed cases
+
+SIZES = [16, 32, 64, 128, 256]
+STEPS = [100, 50, 25, 12, 6]
+NOISE = [2.0, 1.5, 1.04, 1.0, 0.9]  # σ√T keeps falling up to full batch
+
+
+def test_min_step_rule_excludes_large_batches_with_lower_noise() -> None:
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=20, tolerance=0.05) == 64
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=5, tolerance=0.0) == 256
+
+
+def test_rule_picks_the_smallest_batch_on_the_plateau() -> None:
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=1, tolerance=0.05) == 256  # only 0.9 ≤ 0.945
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=1, tolerance=0.12) == 128  # 1.0 ≤ 1.008
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=1, tolerance=0.16) == 64  # 1.04 ≤ 1.044
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=1, tolerance=0.7) == 32  # 1.5 ≤ 1.53
+
+
+def test_no_batch_size_meets_the_min_step_rule() -> None:
+    assert recommended_batch_size(SIZES, NOISE, STEPS, min_steps=101, tolerance=0.05) is None
+
+
+# --------------------------------------------------------------------------- the plan on real accounting
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[PlanRow]:
+    return plan(N, EPSILONS, DELTA, EPOCHS, BATCH_SIZES)
+
+
+def test_rows_agree_with_the_step_helpers_and_the_accountant(rows: list[PlanRow]) -> None:
+    assert [(row.epsilon, row.batch_size) for row in rows] == [(e, b) for e in EPSILONS for b in BATCH_SIZES]
+    for row in rows:
+        steps = EPOCHS * max(1, round(N / row.batch_size))
+        assert (row.sample_rate, row.steps_per_epoch, row.steps) == (row.batch_size / N, steps // EPOCHS, steps)
+        assert row.noise_multiplier == privacy.calibrate_noise_multiplier(row.epsilon, DELTA, row.batch_size / N, steps)
+        assert privacy.epsilon_spent(row.noise_multiplier, row.sample_rate, row.steps, DELTA) <= row.epsilon
+        assert row.cumulative_noise == pytest.approx(row.noise_multiplier * math.sqrt(steps), rel=1e-12)
+        assert row.noise_std_per_step == pytest.approx(row.noise_multiplier / row.batch_size, rel=1e-12)
+        assert row.meets_min_steps == (steps >= 20)
+        assert row.learning_rate == pytest.approx(1e-3 * math.sqrt(row.batch_size / 256))
+
+
+def test_full_batch_has_least_noise_but_too_few_steps(rows: list[PlanRow]) -> None:
+    for epsilon in EPSILONS:
+        block = [row for row in rows if row.epsilon == epsilon]
+        full = block[-1]
+        assert full.batch_size == N and full.steps == 10 and not full.meets_min_steps
+        assert full.cumulative_noise == min(row.cumulative_noise for row in block)
+        assert full.noise_std_per_step == min(row.noise_std_per_step for row in block)  # the old per-step rule's pick
+        assert not full.recommended
+
+
+def test_exactly_one_recommendation_per_epsilon_and_it_follows_the_rule(rows: list[PlanRow]) -> None:
+    for epsilon in EPSILONS:
+        block = [row for row in rows if row.epsilon == epsilon]
+        (pick,) = [row for row in block if row.recommended]
+        floor = min(row.cumulative_noise for row in block if row.meets_min_steps)
+        assert pick.meets_min_steps and pick.cumulative_noise <= 1.05 * floor
+        assert all(row.cumulative_noise > 1.05 * floor for row in block if row.batch_size < pick.batch_size)
+
+
+def test_tighter_privacy_recommends_a_smaller_or_equal_batch(rows: list[PlanRow]) -> None:
+    picks = {row.epsilon: row.batch_size for row in rows if row.recommended}
+    assert picks[1.0] <= picks[8.0]
+    assert picks == {1.0: 4096, 8.0: 16384}  # from σ√T on this grid, as computed by the PRV accountant
+
+
+def test_repeated_plan_is_served_from_the_cache(rows: list[PlanRow]) -> None:
+    privacy.clear_memory_cache()  # the disk cache remains
+    start = time.perf_counter()
+    again = plan(N, EPSILONS, DELTA, EPOCHS, BATCH_SIZES)
+    assert time.perf_counter() - start < 1.0
+    assert again == rows
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_cli_prints_one_block_per_epsilon_with_the_recommended_row_marked(
+        rows: list[PlanRow], capsys: pytest.CaptureFixture[str]) -> None:
+    main(CLI_ARGS)
+    out = capsys.readouterr().out
+    marked = [line for line in out.splitlines() if line.endswith(RECOMMENDED_MARK)]
+    assert [line.split()[0] for line in marked] == ["4096", "16384"]
+    assert "ε = 1, δ = 1e-05, N = 50000, E = 10: recommended B = 4096" in out
+    assert "ε = 8, δ = 1e-05, N = 50000, E = 10: recommended B = 16384" in out
+    blocks = out.strip().split("\n\n")
+    assert len(blocks) == 3  # ε = 1, ε = 8, the legend
+    for block in blocks[:2]:
+        table = block.splitlines()[1:]  # header and one row per B, columns right-aligned
+        assert len(table) == 1 + len(BATCH_SIZES)
+        assert len({len(line.removesuffix(RECOMMENDED_MARK).rstrip()) for line in table}) == 1
+
+
+def test_python_dash_m_runs_on_a_warm_cache_within_seconds(rows: list[PlanRow]) -> None:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "dptune.plan", *CLI_ARGS], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    assert time.perf_counter() - start < 20  # interpreter and imports on a busy 2-core machine; accounting ≈ 0
+    assert result.stdout.count(RECOMMENDED_MARK) == 2
+    assert "calibrating σ" in result.stderr  # the tqdm bar (on stderr)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_out_writes_a_readable_table(rows: list[PlanRow], tmp_path: Path, suffix: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / f"plan{suffix}"
+    main([*CLI_ARGS, "--out", str(path)])
+    assert f"wrote 10 rows to {path}" in capsys.readouterr().out
+    table = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
+    assert list(table.columns) == list(PlanRow.__dataclass_fields__)
+    assert table["batch_size"].tolist() == [row.batch_size for row in rows]
+    assert table["noise_multiplier"].tolist() == pytest.approx([row.noise_multiplier for row in rows], rel=1e-12)
+    assert table["recommended"].tolist() == [row.recommended for row in rows]
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dptune {__version__}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for flag in ("--n", "--eps", "--delta", "--epochs", "--batch-sizes", "--min-steps", "--tolerance", "--base-lr",
+                 "--reference-batch-size", "--out"):
+        assert flag in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--n", "0", "--eps", "1", "--epochs", "10"], "--n"),
+    (["--n", "1000", "--eps", "0", "--epochs", "10"], "--eps"),
+    (["--n", "1000", "--eps", "1", "-2", "--epochs", "10"], "--eps"),
+    (["--n", "1000", "--eps", "1", "--epochs", "0"], "--epochs"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--batch-sizes", "64", "2000"], "--batch-sizes"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--tolerance", "-0.1"], "--tolerance"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--delta", "1"], "--delta"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--min-steps", "0"], "--min-steps"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--base-lr", "0"], "--base-lr"),
+    (["--n", "1000", "--eps", "1", "--epochs", "10", "--out", "plan.txt"], "--out"),
+    (["--n", "1000", "--eps", "one", "--epochs", "10"], "--eps"),
+])
+def test_bad_flags_exit_nonzero_before_any_accounting(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    def forbidden(*args: object) -> float:
+        raise AssertionError(f"accounting ran for {args}")
+
+    monkeypatch.setattr(plan_module, "calibrate_noise_multiplier", forbidden)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_delta_above_one_over_n_is_warned_about() -> None:
+    with pytest.warns(UserWarning, match="1/num_examples"):
+        (row,) = plan(1000, [1.0, 1.0], 1e-2, 1, [1000])  # one full-batch step; ε listed twice, planned once
+    assert row.steps == 1 and not row.recommended  # T = 1 < T_min = 20
+
+
+def test_cli_says_so_when_no_batch_size_meets_the_min_step_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--n", "100", "--eps", "2", "--epochs", "3", "--batch-sizes", "100"])
+    out = capsys.readouterr().out
+    assert "no B gives T ≥ 20; lower --min-steps or raise --epochs" in out
+    assert RECOMMENDED_MARK not in out

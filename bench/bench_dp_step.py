@@ -25,8 +25,10 @@ MiniLM loads its packaged weights. Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -207,11 +210,23 @@ def default_cases(device: torch.device) -> list[Case]:
     return [Case(VIT_TINY, 64, 100, 32, "fp32"), Case(MINILM, 64, 20, 32, "fp32")]
 
 
-def environment(device: torch.device, threads: int) -> dict[str, str | int]:
-    described = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The processor's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device, threads: int) -> dict[str, object]:
+    """Where and with what the figures were measured (host load matters on a shared CPU)."""
+    described = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": f"{device.type}: {described}",
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "torch_threads": threads,
         "python": platform.python_version(),
         **{package: version(package) for package in ("torch", "opacus", "timm", "transformers")},

@@ -14,7 +14,9 @@ have random weights (speed does not depend on them) and 100 classes (the anchors
 
 Timing: ``--warmup`` untimed steps per method, then ``--repeats`` rounds that each time every
 method for up to ``--steps`` steps (methods interleaved, so contention from other processes hits
-them alike); per method the best round's mean step time (other processes only ever add time). On CUDA every timed
+them alike); per method the best round's mean step time (other processes only ever add time).
+CUDA steps are timed by the wall clock, CPU steps by this process' CPU time (``--threads 1``
+makes that the step's compute time, robust to other processes on shared cores). On CUDA every timed
 interval starts and ends with ``torch.cuda.synchronize()`` and peak memory is recorded. Each
 (case, method) gets at most ``--case-cap-s`` seconds (fewer steps when a step is slow); cases
 left when ``--total-cap-s`` is spent are recorded as skipped. Results are rewritten after every
@@ -139,14 +141,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """Wall clock on CUDA; on the CPU this process' CPU time, which other processes sharing the
+    cores do not inflate (with one thread it is the step's compute time)."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
+
+
 def time_steps(step: Callable[[], float], steps: int, device: torch.device) -> float:
     """Mean seconds per step over ``steps`` steps."""
+    clock = step_clock(device)
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         step()
     synchronize(device)
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
 def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> tuple[list[Timing], float]:
@@ -224,6 +233,7 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, obj
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__, "timm": timm.__version__, "transformers": transformers.__version__,
         "opacus": opacus.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "clock": "wall clock" if device.type == "cuda" else "process CPU time",
         "tf32": device.type == "cuda", "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
     }
     return info
@@ -232,7 +242,7 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, obj
 def markdown(env: dict[str, object], results: list[dict[str, object]]) -> str:
     lines = [
         f"FiLM DP step, {env['device']}, torch {env['torch']}, timm {env['timm']}, opacus {env['opacus']}, "
-        f"{env['threads']} thread(s), {env['date']}. Examples/s (ratio to the plain step), "
+        f"{env['threads']} thread(s), {env['clock']}, {env['date']}. Examples/s (ratio to the plain step), "
         f"best of {env['repeats']} rounds; last column: ‖g_FiLM − g_Opacus‖/‖g_Opacus‖ without noise.",
         "",
         "| case | B | precision | plain | FiLM engine | Opacus hooks | peak GiB plain / FiLM / Opacus | FiLM vs Opacus |",

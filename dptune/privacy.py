@@ -23,10 +23,10 @@ Speed (a calibration is a root search over σ, each point a PRV discretisation +
     d log ε / d log σ;
  3. certified evaluations at ``EPSILON_ERROR`` aimed ±rtol/2 around the secant estimate, so that a
     good estimate closes the bracket in two evaluations (bisection takes over if steps stall);
- 4. the accountant's grid is enlarged to an FFT-friendly (5-smooth) length (the length it picks
-    can have a large prime factor, which made pocketfft 2–3× slower), and the safe domain size
-    (an RDP computation) is reused between nearby σ: it is computed at σ rounded *down* to a
-    1/16-octave grid, which gives a domain at least as large as σ itself needs.
+ 4. the accountant's grid is enlarged to a length with prime factors ≤ 11 (``scipy.fft.next_fast_len``;
+    the length it picks itself can have a large prime factor, which made pocketfft 2–3× slower),
+    and the safe domain size (an RDP computation) is reused between nearby σ: it is computed at σ
+    rounded *down* to a 1/16-octave grid, which gives a domain at least as large as σ needs.
 Results are memoised in-process and cached on disk (``dptune.paths.cache_dir("accounting")``), keyed
 by the exact inputs, the accuracy settings and the accountant's version: a repeated calibration is
 a dict lookup or one small file read.
@@ -56,13 +56,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
-from prv_accountant.accountant import compute_safe_domain_size
-from scipy.fft import next_fast_len
-from scipy.optimize import brentq
-from scipy.stats import norm
 
 from dptune.paths import cache_dir
+
+# prv_accountant (which imports scipy.signal, ~1.5 s) and scipy are imported where σ or ε is computed,
+# so that a process that only reads cached values (the planner's second run, a trial) never pays that.
 
 #: Additive error allowed in ε by the certified (upper) bound; Opacus' PRVAccountant default.
 EPSILON_ERROR = 0.01
@@ -237,6 +235,9 @@ def _safe_half_width(noise_multiplier: float, sample_rate: float, steps: int, de
     Computed with the coarse eps_error, which gives the larger domain (L = max(L_RDP, eps_error) + 3),
     so that it serves both the coarse and the certified evaluations.
     """
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.accountant import compute_safe_domain_size
+
     mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
     return float(compute_safe_domain_size([mechanism], [steps], eps_error=COARSE_EPSILON_ERROR,
                                           delta_error=delta * DELTA_ERROR_FRACTION))
@@ -249,12 +250,15 @@ def _grid_floor(noise_multiplier: float) -> float:
 
 
 def _fft_friendly_half_width(half_width: float, steps: int, eps_error: float, delta_error: float) -> float:
-    """Enlarge L so that the accountant's grid has an even 5-smooth length (fast FFT).
+    """Enlarge L so that the accountant's grid has an even length with prime factors ≤ 11 (pocketfft's
+    fast radices, ``scipy.fft.next_fast_len``).
 
     The accountant uses mesh = eps_error / √(T/2 · log(12/delta_error)) (Gopi et al. Thm 5.5) and a
     grid of 2·⌈L/mesh⌉ + 2 points for an L that is not a multiple of the mesh. Returning
     L' = (a − ½)·mesh with a = m/2 − 1 gives exactly m points, and a ≥ ⌈L/mesh + ½⌉ gives L' ≥ L.
     """
+    from scipy.fft import next_fast_len
+
     mesh = eps_error / np.sqrt(steps / 2 * np.log(12 / delta_error))
     points_needed = 2 * math.ceil(half_width / mesh + 0.5) + 2
     points = 2 * next_fast_len(points_needed // 2)
@@ -263,6 +267,8 @@ def _fft_friendly_half_width(half_width: float, steps: int, eps_error: float, de
 
 def _prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, eps_error: float) -> float:
     """Upper bound on ε from prv_accountant's PRVAccountant for T-fold Poisson-subsampled Gaussian."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+
     delta_error = delta * DELTA_ERROR_FRACTION
     half_width = _fft_friendly_half_width(
         _safe_half_width(_grid_floor(noise_multiplier), sample_rate, steps, delta), steps, eps_error, delta_error)
@@ -301,6 +307,8 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
 
 def _gaussian_dp_delta(epsilon: float, mu: float) -> float:
     """δ(ε) of μ-GDP (Dong, Roth, Su 2019, Cor. 2.13): Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    from scipy.stats import norm
+
     return float(norm.cdf(-epsilon / mu + mu / 2) - np.exp(epsilon + norm.logcdf(-epsilon / mu - mu / 2)))
 
 
@@ -311,6 +319,8 @@ def _gaussian_dp_guess(epsilon: float, delta: float, sample_rate: float, steps: 
     (Bu et al. 2020) is used, which undershoots σ a little. The slope is
     (d log ε / d log μ)·(d log μ / d log σ), the first factor from the μ-GDP curve at δ.
     """
+    from scipy.optimize import brentq
+
     mu = float(brentq(lambda m: _gaussian_dp_delta(epsilon, m) - delta, 1e-8, 1e3))
     if sample_rate == 1.0:
         sigma, dlogmu_dlogsigma = math.sqrt(steps) / mu, -1.0

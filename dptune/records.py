@@ -148,6 +148,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("delta_composition", pa.float64()),
             ("epsilon_selection", pa.float64()),
             ("delta_selection", pa.float64()),
+            ("selection_bound_holds", pa.bool_()),  # random sampler with a random trial count
             ("spec_yaml", pa.string()),
             ("spec_hash", pa.string()),
             ("schema_version", pa.int64()),
@@ -248,6 +249,11 @@ class ResultsStore:
             if table != "trials":
                 self.write_part(table, trial_id, rows)
         self.write_part("trials", trial_id, rows_by_table["trials"])
+
+    def has_trial(self, trial_id: str) -> bool:
+        """Whether the trial's ``trials`` part exists (the trial is complete)."""
+        info = self._fs.get_file_info(f"{self._table_dir('trials')}/part-{trial_id}.parquet")
+        return info.type == pafs.FileType.File
 
     def completed_trial_ids(self) -> set[str]:
         """Ids of trials whose ``trials`` part exists (they are complete)."""

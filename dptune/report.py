@@ -190,27 +190,24 @@ class Section:
         self.blocks.append(body.replace('<table class="dataframe">', f'<table class="data">{cap}', 1))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReportWriter:
     """Writes figures as PNG under ``out`` and embeds them in the sections."""
 
     out: Path
-    written: list[Path] = field(default_factory=list)
 
-    def figure(self, section: Section, figure: Figure, key: str, task: str | None = None,
-               caption: str = "") -> None:
+    def figure(self, section: Section, figure: Figure, key: str, task: str | None = None) -> None:
+        """Save ``figure`` as ``<key>[-<task>].png`` and embed it with its ``FIGURES`` caption."""
         info = _FIGURE[key]
         name = f"{key}-{_slug(task)}.png" if task else f"{key}.png"
         buffer = io.BytesIO()
-        FigureCanvasAgg(figure)
+        FigureCanvasAgg(figure)  # render with Agg: no pyplot, no GUI backend, no global state
         figure.savefig(buffer, format="png", dpi=DPI)
         data = buffer.getvalue()
-        path = self.out / name
-        path.write_bytes(data)
-        self.written.append(path)
+        (self.out / name).write_bytes(data)
         encoded = base64.b64encode(data).decode("ascii")
         title = info.title + (f" — {task}" if task else "")
-        text = html.escape(caption or info.shows)
+        text = html.escape(info.shows)
         section.blocks.append(
             f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
             f"<figcaption><b>{html.escape(title)}</b> ({html.escape(name)}). {text}</figcaption></figure>")
@@ -289,9 +286,11 @@ class Context:
     options: Options
     writer: ReportWriter
 
-    def cells(self, frame: pd.DataFrame, task: str) -> tuple[list[float], list[int]]:
-        part = frame[frame["task"] == task]
-        return sorted(part["epsilon"].unique()), sorted(part["epochs"].unique())
+
+def _budgets(frame: pd.DataFrame, task: str) -> tuple[list[float], list[int]]:
+    """The ε and the E values ``frame`` holds for ``task``, ascending."""
+    part = frame[frame["task"] == task]
+    return sorted(part["epsilon"].unique()), sorted(part["epochs"].unique())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +357,7 @@ def _heatmaps(ctx: Context) -> Section:
         if part.empty:
             continue
         others = unfinished[unfinished["task"] == task]
-        epsilons, epochs = ctx.cells(part, task)
+        epsilons, epochs = _budgets(part, task)
         clips = sorted(set(part["clip_bin"]) | set(others["clip_bin"]))
         batches = sorted(set(part["batch_bin"]) | set(others["batch_bin"]))
         figure, axes = _new_figure(len(epochs), len(epsilons), width=0.6 * len(batches) + 1.6,
@@ -617,7 +616,7 @@ def _batch_noise(ctx: Context) -> Section:
             continue
         if task not in bounds:
             section.note(f"{task}: the search spec states no min_steps; the min-step bound is not drawn.")
-        epsilons, epochs = ctx.cells(part, task)
+        epsilons, epochs = _budgets(part, task)
         colors = dict(zip(epsilons, _series_colors(len(epsilons))))
         figure, axes = _new_figure(2, len(epochs), width=4.2, height=3.0)
         for column, n_epochs in enumerate(epochs):
@@ -660,7 +659,7 @@ def _batch_noise(ctx: Context) -> Section:
             _log_axis(per_step, "y", data=both["per_step_noise"])
             per_step.set_ylabel("per-step noise σ/B (dotted, log)", fontsize=8)
             top.set_ylabel("cumulative noise σ√T")
-            bottom.set_ylabel("test accuracy (%), best over C, η")
+            bottom.set_ylabel("test accuracy (%) at B\n(C, η chosen on validation)")
             top.set_title(f"E = {n_epochs}" + (f" (T_min = {bounds[task]}; shaded: T < T_min)"
                                                if task in bounds else ""), fontsize=8)
         handles = [Line2D([], [], color=colors[e], marker=_MARKERS[k % len(_MARKERS)], label=f"ε = {e:g}")
@@ -669,7 +668,7 @@ def _batch_noise(ctx: Context) -> Section:
                     Line2D([], [], color="white", marker="v", markeredgecolor="black", markersize=10,
                            label="rule's recommended B"),
                     Line2D([], [], color="white", marker="*", markeredgecolor="black", markersize=12,
-                           label="measured best B")]
+                           label="measured best B (on validation)")]
         figure.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
         figure.suptitle(f"{task}: cumulative DP noise and measured accuracy against B", fontsize=10)
         ctx.writer.figure(section, figure, "fig6-cumulative-noise", task)
@@ -723,7 +722,7 @@ def _clipping(ctx: Context) -> Section:
     points = an.mse_split(ctx.results)
     for task in tasks:
         part = points[points["task"] == task]
-        epsilons, epoch_list = ctx.cells(part, task)
+        epsilons, epoch_list = _budgets(part, task)
         figure, axes = _new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9)
         for row, n_epochs in enumerate(epoch_list):
             for column, epsilon in enumerate(epsilons):

@@ -26,6 +26,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import yaml
 from tqdm import tqdm
@@ -94,9 +95,27 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
                 cell.epsilon, space.privacy.delta, sample_rate(num_train, batch_size),
                 total_steps(num_train, batch_size, cell.epochs))
         for clipping in variants:
-            trials = _grid_size(space, feasible, clipping) if space.sampler.name == "grid" else space.sampler.trials_per_cell
-            plans.append(CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, int(trials)))
+            plan = CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, 0)
+            plans.append(replace(plan, trials=_trial_count(space, plan)))
     return plans
+
+
+def _trial_count(space: SearchSpace, plan: CellPlan) -> int:
+    """Trials a cell runs: the grid's size, ``trials_per_cell``, or a draw K ≥ 1 from the geometric
+    distribution with mean ``trials_per_cell`` (P(K = k) = γ(1−γ)^(k−1), γ = 1/mean), seeded per cell:
+    the random trial count that Papernot & Steinke's private-selection bound assumes."""
+    if space.sampler.name == "grid":
+        return _grid_size(space, plan.feasible_batch_sizes, plan.clipping)
+    mean = space.sampler.trials_per_cell
+    assert mean is not None
+    if not space.sampler.random_trial_count:
+        return mean
+    return int(np.random.default_rng(_cell_seed(space, plan)).geometric(1.0 / mean))
+
+
+def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
+    """A seed per cell, from the space's seed and the cell's key."""
+    return space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
 
 
 def _grid_size(space: SearchSpace, feasible: tuple[int, ...], clipping: str) -> int:
@@ -182,7 +201,13 @@ def tune_trainable(params: dict[str, Any], context: TrialContext) -> None:
     from ray import tune
 
     config = trial_config(context, params)
-    trial_id = f"{context.cell_key}-{tune.get_context().get_trial_id()}"
+    trial_id = configuration_id(context.cell_key, params)
+    store = ResultsStore(context.results_root)
+    if store.has_trial(trial_id):  # finished before a crash: report the recorded result, spend nothing
+        row = read_table(context.results_root, "trials").set_index("trial_id").loc[trial_id]
+        tune.report({METRIC: row[METRIC] if row["status"] == "ok" else 0.0, "test_accuracy": row["test_accuracy"],
+                     "status": row["status"], "epoch": config.epochs, "done_recording": True})
+        return
 
     def report(metrics: EpochMetrics) -> None:
         tune.report({**asdict(metrics), "done_recording": False})
@@ -196,9 +221,14 @@ def tune_trainable(params: dict[str, Any], context: TrialContext) -> None:
 # --------------------------------------------------------------------------- driver-side pieces
 
 
-def _pruned_trial_id(cell_key: str, params: dict[str, Any]) -> str:
-    digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{cell_key}-pruned-{digest}"
+def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
+    """A trial's id: its cell and a digest of its sampled (C, B, η₀).
+
+    Content-based, so a configuration that runs again after a crash or a resume (Tune's own
+    state may lag the results by a few seconds) maps onto the same row instead of a second one.
+    """
+    canonical = {name: float(params[name]) for name in sorted(params)}
+    return f"{cell_key}-{hashlib.sha1(json.dumps(canonical).encode()).hexdigest()[:12]}"
 
 
 def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) -> Any:
@@ -230,7 +260,7 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
         for batch_size in plan.pruned_batch_sizes:
             for point in itertools.product(*(grid[name] for name in ranges)):
                 record_pruned(context, plan, {"batch_size": batch_size, **dict(zip(ranges, point))}, space.min_steps)
-    seed = space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
+    seed = _cell_seed(space, plan)
     if is_grid:
         sampler = optuna.samplers.GridSampler(grid, seed=seed)
     elif space.sampler.name == "random":
@@ -289,7 +319,7 @@ def record_pruned(context: TrialContext, plan: CellPlan, params: dict[str, Any],
                          reason=f"T = {steps} steps < min_steps = {min_steps}",
                          sample_rate=sample_rate(plan.num_train, config.batch_size), steps=steps,
                          num_train=plan.num_train, epsilon_spent=0.0)
-    write_result(context, _pruned_trial_id(context.cell_key, params), result)
+    write_result(context, configuration_id(context.cell_key, params), result)
 
 
 def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
@@ -331,7 +361,7 @@ def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
                                  steps=total_steps(plan.num_train, config.batch_size, config.epochs),
                                  num_train=plan.num_train, epochs=epochs,
                                  val_accuracy=last.get(METRIC, float("nan")))
-            write_result(context, f"{context.cell_key}-{trial.trial_id}", result)
+            write_result(context, configuration_id(context.cell_key, trial.config), result)
 
     return RecordAndReport()
 
@@ -372,6 +402,9 @@ def run_cell(space: SearchSpace, plan: CellPlan, context: TrialContext, resume: 
     )
     storage = _tune_storage(context.results_root)
     experiment = f"{storage}/{plan.key}"
+    # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
+    # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
@@ -420,8 +453,9 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> l
     for plan in plans:
         # A trial of this cell runs at one of the feasible B: pass them all as candidates, so
         # the selection bound uses the pointwise-worst RDP curve over them.
+        mean_trials = space.sampler.trials_per_cell if space.sampler.random_trial_count else plan.trials
         cost = tuning_privacy_cost(
-            epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta, trials=plan.trials,
+            epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta, trials=mean_trials,
             sample_rate=[sample_rate(plan.num_train, b) for b in plan.feasible_batch_sizes],
             steps=[total_steps(plan.num_train, b, plan.cell.epochs) for b in plan.feasible_batch_sizes],
             noise_multiplier=[plan.noise_multipliers[b] for b in plan.feasible_batch_sizes])
@@ -434,6 +468,7 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> l
             "epsilon_per_trial": plan.cell.epsilon,
             "epsilon_composition": cost.epsilon_composition, "delta_composition": cost.delta_composition,
             "epsilon_selection": cost.epsilon_selection, "delta_selection": cost.delta_selection,
+            "selection_bound_holds": space.sampler.random_trial_count,
             "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": 1,
             "dptune_version": __version__, "created_at": pd.Timestamp.now(tz="UTC"),
         })
@@ -544,10 +579,15 @@ def _print_tuning_cost(results_root: str) -> None:
     search = read_table(results_root, "search")
     if search.empty:
         return
-    print("\nprivacy cost of the tuning itself (every trial touches the same data):")
-    table = search[["cell_id", "trials_planned", "epsilon_per_trial", "epsilon_composition", "epsilon_selection"]]
+    print("\nprivacy cost of the tuning itself (every trial touches the same data; releasing the best trial):")
+    table = search[["cell_id", "trials_planned", "epsilon_per_trial", "epsilon_composition", "epsilon_selection",
+                    "selection_bound_holds"]]
     print(table.rename(columns={"epsilon_per_trial": "ε per trial", "epsilon_composition": "ε composed",
-                                "epsilon_selection": "ε private selection"}).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+                                "epsilon_selection": "ε private selection", "selection_bound_holds": "selection holds"}
+                       ).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if not search["selection_bound_holds"].all():
+        print("  'ε composed' holds for this search. 'ε private selection' (Papernot & Steinke 2022) holds only "
+              "with sampler 'random' and random_trial_count: true; shown for comparison.")
 
 
 def _build_report(results_root: str, name: str) -> None:

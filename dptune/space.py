@@ -135,6 +135,16 @@ class SamplerSpec(_Strict):
 
     name: Literal["tpe", "random", "grid"] = "tpe"
     trials_per_cell: int | None = Field(None, ge=1, description="required for tpe/random; grid runs every point")
+    random_trial_count: bool = Field(
+        False, description="draw each cell's number of trials from a geometric distribution with mean "
+        "trials_per_cell (sampler random only): then the private-selection bound of Papernot & Steinke holds")
+
+    @model_validator(mode="after")
+    def _random_count(self) -> Self:
+        if self.random_trial_count and self.name != "random":
+            raise ValueError("random_trial_count needs sampler 'random' (the selection bound assumes "
+                             "hyperparameters drawn independently of earlier trials)")
+        return self
 
 
 class SchedulerSpec(_Strict):

@@ -277,9 +277,11 @@ def test_custom_resource_sets_no_field_guarded_by_unchecked_cel_rules(manifest: 
 @pytest.mark.parametrize("mutation, expected", [
     (lambda rc: rc["spec"].update(enableInTreeAutoScaling=True), "'enableInTreeAutoScaling' was unexpected"),
     (lambda rc: rc["spec"]["authOptions"].update(mode="tokens"), "spec.authOptions.mode: 'tokens' is not one of"),
-    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas="8"), "spec.workerGroupSpecs.0.maxReplicas: '8' is not of type 'integer'"),
+    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas="8"),
+     "spec.workerGroupSpecs.0.maxReplicas: '8' is not of type 'integer'"),
     (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas=2**31), "is not a 'int32'"),
-    (lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"].update(limit={}), "'limit' was unexpected"),
+    (lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"].update(limit={}),
+     "'limit' was unexpected"),
     (lambda rc: rc["spec"]["workerGroupSpecs"][0].pop("groupName"), "'groupName' is a required property"),
 ], ids=["misspelt-field", "bad-enum", "wrong-type", "int32-range", "unknown-pod-field", "missing-required"])
 def test_schema_validation_rejects_broken_manifests(mutation, expected: str, crd_schemas: dict) -> None:
@@ -571,7 +573,8 @@ def test_gpu_worker_group_autoscales_and_head_has_no_gpu() -> None:
         head_resources = head["template"]["spec"]["containers"][0]["resources"]
         assert GPU not in head_resources.get("limits", {}) and GPU not in head_resources.get("requests", {})
         (group,) = _worker_groups(spec)
-        assert 0 <= group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"] and group["maxReplicas"] >= 1
+        assert 0 <= group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]
+        assert group["maxReplicas"] >= 1
         template = group["template"]
         resources = template["spec"]["containers"][0]["resources"]
         assert quantity(resources["limits"][GPU]) >= 1, f"{manifest.id}: the worker group must hold GPUs"

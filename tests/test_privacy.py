@@ -107,6 +107,28 @@ def test_epsilon_spent_moves_the_right_way() -> None:
     assert epsilon_spent(1.0, 0.01, 500, 1e-3) < base  # looser δ
 
 
+@pytest.mark.parametrize(("sample_rate", "steps"), [(1.0, 1), (0.01, 1000), (0.001, 5000)])
+def test_accountant_grid_is_enlarged_to_a_fast_fft_length(sample_rate: float, steps: int) -> None:
+    """The PRV grid the accountant builds from the enlarged half-width has an even length with prime
+    factors ≤ 11 (pocketfft's fast radices) and covers the library's own safe domain."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+
+    delta_error = DELTA * privacy.DELTA_ERROR_FRACTION
+    safe = privacy._safe_half_width(1.0, sample_rate, steps, DELTA)
+    enlarged = privacy._fft_friendly_half_width(safe, steps, EPSILON_ERROR, delta_error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accountant = PRVAccountant([PoissonSubsampledGaussianMechanism(sample_rate, 1.0)], eps_error=EPSILON_ERROR,
+                                   delta_error=delta_error, max_self_compositions=[steps], eps_max=enlarged)
+    (discrete,) = accountant.composer.prvs
+    size = len(discrete)
+    assert enlarged >= safe and -discrete.domain.t_min() >= safe * 0.99
+    for prime in (2, 3, 5, 7, 11):
+        while size % prime == 0:
+            size //= prime
+    assert size == 1 and len(discrete) % 2 == 0
+
+
 # --------------------------------------------------------------------------- cache
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
+import weakref
 from weakref import WeakKeyDictionary
 
 import torch
@@ -21,8 +22,10 @@ from torch import nn
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.optimizers import RuleDPOptimizer
 
-#: Hooks kept attached (disabled between uses) by an engine, by model.
-_KEPT_HOOKS: WeakKeyDictionary[nn.Module, GradSampleHooks] = WeakKeyDictionary()
+#: Hooks kept attached (disabled between uses) by an engine, by model. Both sides are weak: the
+#: hooks live as long as the model does (its modules hold them), and a finished trial's model and
+#: hooks are freed together.
+_KEPT_HOOKS: WeakKeyDictionary[nn.Module, weakref.ReferenceType[GradSampleHooks]] = WeakKeyDictionary()
 
 
 def _attach(model: nn.Module) -> GradSampleHooks:
@@ -35,11 +38,18 @@ def _attach(model: nn.Module) -> GradSampleHooks:
     return hooks
 
 
+def _kept(model: nn.Module) -> GradSampleHooks | None:
+    reference = _KEPT_HOOKS.get(model)
+    return None if reference is None else reference()
+
+
 def keep_grad_sample_hooks(model: nn.Module) -> GradSampleHooks:
     """Attach Opacus' hooks to ``model`` for good (disabled until :func:`grad_sample_hooks`)."""
-    if model not in _KEPT_HOOKS:
-        _KEPT_HOOKS[model] = _attach(model)
-    return _KEPT_HOOKS[model]
+    hooks = _kept(model)
+    if hooks is None:
+        hooks = _attach(model)
+        _KEPT_HOOKS[model] = weakref.ref(hooks)
+    return hooks
 
 
 @contextlib.contextmanager
@@ -51,7 +61,7 @@ def grad_sample_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
     (:func:`keep_grad_sample_hooks`) are reused and disabled on exit; otherwise they are attached
     for the block and removed with Opacus' parameter attributes on exit.
     """
-    kept = _KEPT_HOOKS.get(model)
+    kept = _kept(model)
     hooks = kept if kept is not None else _attach(model)
     hooks.enable_hooks()
     try:
@@ -102,7 +112,7 @@ class OpacusEngine:
             generator=generator,
         )
         self._device_type = self.dp_optimizer.params[0].device.type
-        keep_grad_sample_hooks(model)
+        self._hooks = keep_grad_sample_hooks(model)
 
     def noisy_gradient(self, physical_batches: Iterable[PhysicalBatch]) -> float:
         """Set ``p.grad`` to the rule's released gradient of one Poisson batch; return Σ_i ℓ_i."""

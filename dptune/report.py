@@ -229,7 +229,7 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     """Log scale with plain-number labels.
 
     With few ``ticks`` (a sparse grid), ticks sit at those values. Otherwise decades are labelled,
-    and, when ``data`` spans less than about one decade, the 2s and 5s between them too.
+    the 2s and 5s between them too when ``data`` spans under 40×, and every digit under 4×.
     """
     target = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
@@ -241,7 +241,7 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     target.set_major_formatter(FuncFormatter(lambda value, _: _tick(value)))
     values = np.asarray([v for v in (data if data is not None else ()) if np.isfinite(v) and v > 0], dtype=float)
     span = values.max() / values.min() if values.size else math.inf
-    labelled = range(1, 10) if span < 4 else (2, 5) if span < 15 else ()
+    labelled = range(1, 10) if span < 4 else (2, 5) if span < 40 else ()
 
     def minor(value: float, _: int) -> str:
         return _tick(value) if round(value / 10 ** math.floor(math.log10(value) + 1e-9)) in labelled else ""

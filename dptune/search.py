@@ -419,6 +419,7 @@ def run_cell(space: SearchSpace, plan: CellPlan, context: TrialContext, resume: 
             tune_config=tune.TuneConfig(
                 search_alg=_make_searcher(space, plan, context), scheduler=scheduler, metric=METRIC, mode="max",
                 num_samples=plan.trials, max_concurrent_trials=space.resources.max_concurrent_trials,
+                reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
             ),
             run_config=tune.RunConfig(
                 name=plan.key, storage_path=storage, callbacks=[_make_callback(context, plan)], verbose=0,

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dptune.dp.clipping import ClippingRule
+from dptune.plan import DEFAULT_MIN_STEPS
 
 
 class SpaceError(ValueError):
@@ -193,7 +194,7 @@ class SearchSpace(_Strict):
     batch_size: BatchSizeSpec
     base_learning_rate: RangeSpec
     coupling: CouplingSpec = CouplingSpec()
-    min_steps: int = Field(20, ge=1, description="T_min: configurations with E·N/B steps below it never run")
+    min_steps: int = Field(DEFAULT_MIN_STEPS, ge=1, description="T_min: configurations with E·N/B steps below it never run")
     training: TrainingSpec = TrainingSpec()
     sampler: SamplerSpec = SamplerSpec()
     scheduler: SchedulerSpec | None = None

@@ -25,9 +25,10 @@ summand has norm ≤ the sensitivity (C, C or 1), which is what the accountant a
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: dptune.space (and so the report) uses the rule names
+    import torch
 
 ClippingRule = Literal["standard", "normalized", "auto_s"]
 CLIPPING_RULES: tuple[str, ...] = get_args(ClippingRule)

@@ -28,8 +28,9 @@ How the tensors are captured: while :meth:`FilmEngine.noisy_gradient` runs (and 
 forward hook on each trainable module wraps its output in an identity autograd function, the
 *tap*, that saves the module's input. The backward pass is ``torch.autograd.grad(loss, anchor)``
 for a scalar ``anchor`` that every tap takes as an input: autograd runs exactly the nodes between
-the loss and the taps, hands each tap its δ, and computes no parameter gradient at all; a tap
-turns (x, δ) into the per-example quantities at once, so no δ outlives its layer's backward.
+the loss and the taps, hands each tap its δ, and computes no parameter gradient at all. A norm
+layer's tap turns (x, δ) into its (n, d) per-example gradients at once, so no activation-sized δ
+outlives its layer's backward; a Linear's tap keeps (a, δ) until the clip factors are known.
 A tap's output is a view made inside a custom function: a model that modifies a trainable
 module's output in place fails loudly (PyTorch refuses), rather than giving a wrong gradient.
 
@@ -48,7 +49,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -308,7 +309,7 @@ class FilmEngine:
         """Forward hooks that wrap each trainable module's output in a :class:`_Tap`, removed on exit."""
         anchor = self._anchor
 
-        def hook_for(slot: _Slot):  # noqa: ANN202 - a forward hook
+        def hook_for(slot: _Slot) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor]:
             def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
                 if not args:
                     raise ValueError(f"module {slot.name} was called without a positional input; the FiLM engine needs one")

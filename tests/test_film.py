@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 from timm.layers import LayerNorm2d
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
@@ -46,7 +48,10 @@ def spec_for(rule: str, clip_bound: float, noise_multiplier: float = 0.0, **kwar
     return DPStepSpec(noise_multiplier=noise_multiplier, clip_bound=clip_bound, rule=rule, expected_batch_size=7.5, **kwargs)
 
 
-def film_step(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], spec: DPStepSpec, seed: int = 0):
+Batch = tuple[torch.Tensor, ...]
+
+
+def film_step(model: nn.Module, batches: list[Batch], spec: DPStepSpec, seed: int = 0) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
     """(loss, ‖g_i‖, p.grad of every trainable p) from the FiLM engine."""
     engine = FilmEngine(model, spec, torch.Generator().manual_seed(seed))
     torch.manual_seed(1234)  # identical dropout masks in every engine's forward
@@ -59,7 +64,7 @@ def film_step(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], spec: D
     return loss, engine.last_grad_norms, grads
 
 
-def opacus_step(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], spec: DPStepSpec):
+def opacus_step(model: nn.Module, batches: list[Batch], spec: DPStepSpec) -> tuple[float, list[torch.Tensor]]:
     """(loss, p.grad of every trainable p) from the Opacus engine (grad-sample hooks, flat clipping)."""
     engine = OpacusEngine(model, spec, torch.Generator().manual_seed(0))
     torch.manual_seed(1234)
@@ -70,7 +75,7 @@ def opacus_step(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], spec:
     return loss, grads
 
 
-def opacus_norms(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def opacus_norms(model: nn.Module, batch: Batch) -> torch.Tensor:
     """‖g_i‖ over all trainable parameters from Opacus' per-example gradients."""
     *inputs, labels = batch
     with grad_sample_hooks(model):
@@ -156,7 +161,7 @@ def features() -> nn.Module:
     return model
 
 
-def model_and_batch(name: str, request: pytest.FixtureRequest) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def model_and_batch(name: str, request: pytest.FixtureRequest) -> tuple[nn.Module, Batch]:
     if name == "vit":
         return request.getfixturevalue("vit"), image_batch(10, seed=5, size=48)
     if name == "minilm":
@@ -195,6 +200,29 @@ def test_norms_and_clipped_sum_equal_opacus(name: str, rule: str, request: pytes
     for grad, expected, p in zip(grads, expected_grads, trainable(model), strict=True):
         assert grad.shape == p.shape and grad.dtype == p.dtype
         assert_relative(grad, expected)
+
+
+# torch warns when Opacus' full backward hook sits on a layer fed with data (no input needs a
+# gradient); Opacus' per-example gradients are unaffected
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("name", ["vit", "minilm", "features", "tokens"])
+def test_standard_rule_equals_plain_opacus_dp_sgd(name: str, request: pytest.FixtureRequest) -> None:
+    """Against Opacus' own classes alone: GradSampleModule + DPOptimizer (flat clipping, /B)."""
+    model, batch = model_and_batch(name, request)
+    *inputs, labels = batch
+    reference = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(trainable(reference), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.0,
+                            expected_batch_size=7.5, loss_reduction="mean")
+    torch.manual_seed(1234)
+    summed_cross_entropy(reference(*inputs), labels).backward()
+    norms = torch.stack([p.grad_sample.flatten(1).norm(dim=1) for p in trainable(reference)], 1).norm(dim=1)
+    optimizer.max_grad_norm = float(norms.median())
+    optimizer.pre_step()  # clip_and_accumulate, add_noise (σ = 0), scale_grad
+
+    _, film_norms, grads = film_step(model, [batch], spec_for("standard", float(norms.median())))
+    assert torch.allclose(film_norms, norms, rtol=RTOL, atol=0)
+    for grad, p in zip(grads, trainable(reference), strict=True):
+        assert_relative(grad, p.grad)
 
 
 def test_minilm_batch_is_padded(minilm: tuple[nn.Module, tuple[torch.Tensor, ...]]) -> None:

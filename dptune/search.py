@@ -210,7 +210,10 @@ def tune_trainable(params: dict[str, Any], context: TrialContext) -> None:
         return
 
     def report(metrics: EpochMetrics) -> None:
-        tune.report({**asdict(metrics), "done_recording": False})
+        # The last epoch is reported once, after the result is written: a scheduler may stop a
+        # trial at any report, and a trial that trained every epoch must keep its full record.
+        if metrics.epoch < config.epochs:
+            tune.report({**asdict(metrics), "done_recording": False})
 
     result = run_trial(config, report)
     write_result(context, trial_id, result)
@@ -351,6 +354,9 @@ def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
             self._progress(trial, f"error: {reason}")
 
         def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
+            trial_id = configuration_id(context.cell_key, trial.config)
+            if ResultsStore(context.results_root).has_trial(trial_id):
+                return  # the trial wrote its full record before it was stopped
             config = trial_config(context, trial.config)
             last = trial.last_result or {}
             epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
@@ -361,7 +367,7 @@ def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
                                  steps=total_steps(plan.num_train, config.batch_size, config.epochs),
                                  num_train=plan.num_train, epochs=epochs,
                                  val_accuracy=last.get(METRIC, float("nan")))
-            write_result(context, configuration_id(context.cell_key, trial.config), result)
+            write_result(context, trial_id, result)
 
     return RecordAndReport()
 

@@ -7,13 +7,20 @@ import pytest
 import torch
 from torch import nn
 
-from dptune.dp.diagnostics import ProbeGradients, class_diagnostics, clipping_mse, optimal_clip_bound, probe_gradients
+from dptune.dp.diagnostics import (
+    ProbeGradients,
+    class_diagnostics,
+    clipping_mse,
+    optimal_clip_bound,
+    per_example_gradients,
+    probe_gradients,
+)
 from dptune.dp.sampling import physical_batches
 from dptune.models import build_model
 
 
-def probe_from_vectors(vectors: np.ndarray, labels: np.ndarray) -> ProbeGradients:
-    return ProbeGradients(gram=vectors @ vectors.T, labels=labels, dimension=vectors.shape[1])
+def probe_from_vectors(vectors: np.ndarray) -> ProbeGradients:
+    return ProbeGradients.from_per_example(torch.from_numpy(vectors), torch.zeros(len(vectors), dtype=torch.int64))
 
 
 def direct_mse(vectors: np.ndarray, clip_bound: float, sigma: float, batch: float) -> tuple[float, float]:
@@ -43,13 +50,28 @@ def test_probe_gradients_match_a_brute_force_per_example_backward_pass() -> None
         rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, trainable)]).double().numpy())
     brute = np.stack(rows)
 
-    probe = probe_gradients(model.train(), physical_batches((x, y), 4, torch.device("cpu")))
+    gradients, labels = per_example_gradients(model.train(), physical_batches((x, y), 4, torch.device("cpu")))
 
+    np.testing.assert_allclose(gradients.double().numpy(), brute, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(labels.numpy(), y.numpy())
+    assert all(p.grad is None for p in model.parameters())  # left clean for the next optimizer step
+    probe = probe_gradients(model, physical_batches((x, y), 4, torch.device("cpu")))
     assert probe.dimension == sum(p.numel() for p in trainable)
     np.testing.assert_allclose(probe.norms, np.linalg.norm(brute, axis=1), rtol=1e-5)
-    np.testing.assert_allclose(probe.gram, brute @ brute.T, rtol=1e-4, atol=1e-6)
-    np.testing.assert_array_equal(probe.labels, y.numpy())
-    assert all(p.grad is None for p in model.parameters())  # left clean for the next optimizer step
+
+
+def test_suffix_forms_match_the_clipped_sets_directly() -> None:
+    vectors = random_vectors(seed=6)
+    probe = probe_from_vectors(vectors)
+    norms = np.linalg.norm(vectors, axis=1)
+    np.testing.assert_allclose(probe.sorted_norms, np.sort(norms))
+    for k, threshold in enumerate(np.concatenate([[-1.0], np.sort(norms)])):
+        clipped = norms > threshold  # I_k: the examples above the k-th smallest norm
+        big_g = vectors[clipped].sum(axis=0)
+        big_n = (vectors[clipped] / norms[clipped, None]).sum(axis=0)
+        assert (probe.nn[k], probe.ng[k], probe.gg[k]) == pytest.approx(
+            (big_n @ big_n, big_n @ big_g, big_g @ big_g), rel=1e-10, abs=1e-10
+        )
 
 
 def test_probe_gradients_of_minilm_film_match_brute_force() -> None:
@@ -99,7 +121,7 @@ def test_class_diagnostics_match_numpy() -> None:
 @pytest.mark.parametrize(("sigma", "batch"), [(0.0, 14.0), (0.3, 14.0), (1.0, 14.0), (0.8, 50.0), (4.0, 3.0)])
 def test_clipping_mse_matches_numpy_at_every_clip_bound(sigma: float, batch: float) -> None:
     vectors = random_vectors(seed=3)
-    probe = probe_from_vectors(vectors, np.zeros(len(vectors), dtype=np.int64))
+    probe = probe_from_vectors(vectors)
     for clip_bound in np.concatenate([np.linalg.norm(vectors, axis=1), [0.05, 0.7, 2.0, 100.0]]):
         bias, variance = clipping_mse(probe, float(clip_bound), sigma, batch)
         want_bias, want_variance = direct_mse(vectors, float(clip_bound), sigma, batch)
@@ -111,7 +133,7 @@ def test_clipping_mse_matches_numpy_at_every_clip_bound(sigma: float, batch: flo
 @pytest.mark.parametrize(("sigma", "batch"), [(0.2, 14.0), (1.0, 14.0), (0.8, 40.0), (3.0, 5.0)])
 def test_optimal_clip_bound_matches_dense_grid_search(seed: int, sigma: float, batch: float) -> None:
     vectors = random_vectors(seed)
-    probe = probe_from_vectors(vectors, np.zeros(len(vectors), dtype=np.int64))
+    probe = probe_from_vectors(vectors)
     norms = np.linalg.norm(vectors, axis=1)
     grid = np.linspace(0.0, 1.2 * norms.max(), 20001)
     factors = np.minimum(1.0, grid[:, None] / norms[None, :])  # (grid, n): min(1, C/‖g_i‖)
@@ -128,7 +150,7 @@ def test_optimal_clip_bound_is_the_fixed_point_of_theorem_5_2_when_batch_is_the_
     vectors = random_vectors(seed=4)
     n, d = vectors.shape
     sigma = 0.15
-    best = optimal_clip_bound(probe_from_vectors(vectors, np.zeros(n, dtype=np.int64)), sigma, float(n))
+    best = optimal_clip_bound(probe_from_vectors(vectors), sigma, float(n))
     norms = np.linalg.norm(vectors, axis=1)
     assert not np.isclose(norms, best).any()  # an interior solution, not one of the ‖g_i‖
     clipped = norms > best  # I_{C*}
@@ -139,5 +161,5 @@ def test_optimal_clip_bound_is_the_fixed_point_of_theorem_5_2_when_batch_is_the_
 
 def test_without_noise_nothing_should_be_clipped() -> None:
     vectors = random_vectors(seed=5)
-    probe = probe_from_vectors(vectors, np.zeros(len(vectors), dtype=np.int64))
+    probe = probe_from_vectors(vectors)
     assert optimal_clip_bound(probe, 0.0, 10.0) == pytest.approx(np.linalg.norm(vectors, axis=1).max())

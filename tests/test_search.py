@@ -269,3 +269,21 @@ def test_search_runs_trials_on_a_second_node(search_env: dict[str, str], tmp_pat
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ran = _ran(tmp_path / "tiny")
     assert sorted(ran["batch_size"]) == [32, 64] and set(ran["status"]) == {"ok"}, ran[["status", "reason"]]
+
+
+def test_asha_stops_weak_trials_early_and_records_them(search_env: dict[str, str], tmp_path: Path) -> None:
+    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tmp_path), "--no-report",
+                        "--set", "privacy.epsilons=[2]", "--set", "training.compare_auto_s=false",
+                        "--set", "epochs=[4]", "--set", "clip_bound.values=[0.01,0.1,1.0]",
+                        "--set", "base_learning_rate.values=[0.00001,0.03]",
+                        "--set", "scheduler={name: asha, grace_period: 1, reduction_factor: 2}")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ran = _ran(tmp_path / "tiny")
+    assert len(ran) == 12 and ran["trial_id"].is_unique
+    stopped = ran[ran["status"] == "stopped_early"]
+    assert len(stopped) >= 1 and set(ran["status"]) <= {"ok", "stopped_early"}
+    assert (stopped["reason"] == "stopped by the ASHA scheduler").all()
+    epochs = read_table(str(tmp_path / "tiny"), "epochs")
+    last_epoch = epochs.groupby("trial_id")["epoch"].max()
+    assert (last_epoch.loc[stopped["trial_id"]] < 4).all()
+    assert (last_epoch.loc[ran[ran["status"] == "ok"]["trial_id"]] == 4).all()

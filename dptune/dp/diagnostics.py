@@ -1,8 +1,7 @@
 """The paper's clipping diagnostics on a fixed probe of training examples (§4–5). Ray-free.
 
-From the per-example gradients g_i (i = 1..n, dimension d) of a probe, summarised by their Gram
-matrix K_ij = g_iᵀg_j (float64), at the trial's clip bound C, noise multiplier σ and expected batch
-size B:
+From the per-example gradients g_i (i = 1..n, dimension d) of a probe, at the trial's clip bound
+C, noise multiplier σ and expected batch size B:
 
 - gradient norms ‖g_i‖ (overall and per-class quantiles) and the clipped share ‖g_i‖ > C per class;
 - the re-weighting view of clipping (Eq. 3): w_y(C) = mean over class y of min(1, C/‖g_i‖);
@@ -43,35 +42,72 @@ from dptune.trial import ClassDiagnostics, Diagnostics
 
 #: Per-class gradient-norm quantiles recorded, by key of ``ClassDiagnostics.grad_norm_quantiles``.
 QUANTILES: dict[str, float] = {"q05": 0.05, "q25": 0.25, "q50": 0.50, "q75": 0.75, "q95": 0.95}
-#: Columns of per-example gradients multiplied at once when forming the Gram matrix in float64.
-_GRAM_COLUMNS = 1 << 16
+#: Columns of the per-example gradients summed at once in float64 (bounds the extra memory).
+_BLOCK_COLUMNS = 1 << 14
 
 
 @dataclass(frozen=True)
 class ProbeGradients:
-    """Per-example gradients of a probe, kept as their Gram matrix K_ij = g_iᵀ g_j.
+    """What the diagnostics need of a probe's per-example gradients g_i (i = 1..n, dimension d).
 
-    ``gram`` is (n, n) float64, ``labels`` (n,) int64 aligned with it, ``dimension`` is d.
+    With the examples sorted by norm (``sorted_norms`` ascending) and I_k the examples k..n-1 of
+    that order (k = 0..n; I_n is empty), N_k = Σ_{i∈I_k} g_i/‖g_i‖ and G_k = Σ_{i∈I_k} g_i:
+    ``nn[k]`` = N_kᵀN_k, ``ng[k]`` = N_kᵀG_k, ``gg[k]`` = G_kᵀG_k (float64, length n + 1). Every
+    clipped set I_C = {i : ‖g_i‖ > C} is one of the I_k. ``norms`` and ``labels`` keep the
+    probe's order.
     """
 
-    gram: np.ndarray
+    norms: np.ndarray
     labels: np.ndarray
     dimension: int
+    sorted_norms: np.ndarray
+    nn: np.ndarray
+    ng: np.ndarray
+    gg: np.ndarray
 
-    @property
-    def norms(self) -> np.ndarray:
-        """‖g_i‖₂ of every probe example, shape (n,)."""
-        return np.sqrt(np.clip(np.diag(self.gram), 0.0, None))
+    @classmethod
+    def from_per_example(cls, per_example: torch.Tensor, labels: torch.Tensor) -> ProbeGradients:
+        """Summarise an (n, d) matrix of per-example gradients in O(n·d) (no n×n Gram matrix).
+
+        Suffix sums of the norm-sorted rows give N_k and G_k for every k at once, one block of
+        columns at a time in float64; their row-wise dot products accumulate over blocks.
+        """
+        n = len(per_example)
+        squared = torch.zeros(n, dtype=torch.float64, device=per_example.device)
+        for block in per_example.split(_BLOCK_COLUMNS, dim=1):
+            squared += block.double().square().sum(dim=1)
+        norms = squared.sqrt()
+        order = torch.argsort(norms, stable=True)
+        inverse = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))[order, None]
+        forms = torch.zeros(3, n + 1, dtype=torch.float64, device=per_example.device)
+        for block in per_example.split(_BLOCK_COLUMNS, dim=1):
+            rows = block[order].double()
+            g_suffix = rows.flip(0).cumsum(0).flip(0)  # row k: Σ_{i≥k} g_i (this block's columns)
+            n_suffix = (rows * inverse).flip(0).cumsum(0).flip(0)  # row k: Σ_{i≥k} g_i/‖g_i‖
+            forms[0, :n] += (n_suffix * n_suffix).sum(dim=1)
+            forms[1, :n] += (n_suffix * g_suffix).sum(dim=1)
+            forms[2, :n] += (g_suffix * g_suffix).sum(dim=1)
+        nn_form, ng_form, gg_form = forms.cpu().numpy()
+        norms_np = norms.cpu().numpy()
+        return cls(
+            norms=norms_np,
+            labels=labels.cpu().numpy(),
+            dimension=per_example.shape[1],
+            sorted_norms=norms_np[order.cpu().numpy()],
+            nn=nn_form,
+            ng=ng_form,
+            gg=gg_form,
+        )
 
 
-def probe_gradients(
+def per_example_gradients(
     model: nn.Module, physical_batches: Iterable[PhysicalBatch], autocast_dtype: torch.dtype | None = None
-) -> ProbeGradients:
-    """Per-example gradients of the summed cross-entropy on the probe, via Opacus' hooks.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) float32 per-example gradients of the summed cross-entropy, and the (n,) labels.
 
-    ``model`` must be in training mode (Opacus captures activations only then) with no other
-    grad-sample hooks attached; call it between optimizer steps (it leaves ``p.grad`` as None).
-    Gradients are flattened over all trainable parameters in ``model.parameters()`` order.
+    Via Opacus' hooks; rows are flattened over the trainable parameters in
+    ``model.parameters()`` order. ``model`` must be in training mode (Opacus captures
+    activations only then); call it between optimizer steps (it leaves ``p.grad`` as None).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = params[0].device.type
@@ -83,38 +119,18 @@ def probe_gradients(
                 logits = model(*inputs)
             summed_cross_entropy(logits, batch_labels).backward()
             rows.append(torch.cat([p.grad_sample.reshape(len(batch_labels), -1).float() for p in params], dim=1))
-            labels.append(batch_labels.cpu())
+            labels.append(batch_labels)
             hooks.set_grad_sample_to_none()
     for p in params:
         p.grad = None
-    per_example = torch.cat(rows)
-    gram = torch.zeros(len(per_example), len(per_example), dtype=torch.float64, device=per_example.device)
-    for block in per_example.split(_GRAM_COLUMNS, dim=1):
-        block64 = block.double()
-        gram += block64 @ block64.T
-    return ProbeGradients(gram=gram.cpu().numpy(), labels=torch.cat(labels).numpy(), dimension=per_example.shape[1])
+    return torch.cat(rows), torch.cat(labels)
 
 
-def _suffix_forms(gram: np.ndarray, order: np.ndarray, inverse_norms: np.ndarray) -> tuple[np.ndarray, ...]:
-    """NᵀN, NᵀG and GᵀG over every suffix {order[k:]} of the examples sorted by norm, k = 0..n.
-
-    Entry k sums over I = order[k:] (entry n is the empty set): NᵀN = Σ_{a,b∈I} K_ab/(s_a s_b),
-    NᵀG = Σ_{a,b∈I} K_ab/s_a, GᵀG = Σ_{a,b∈I} K_ab, read off the diagonal of a 2-D suffix sum.
-    """
-    sorted_gram = gram[np.ix_(order, order)]
-    u = inverse_norms[order]
-    forms = []
-    for matrix in (sorted_gram * np.outer(u, u), sorted_gram * u[:, None], sorted_gram):
-        suffix = matrix[::-1, ::-1].cumsum(axis=0).cumsum(axis=1)[::-1, ::-1]
-        forms.append(np.append(np.diag(suffix), 0.0))
-    return tuple(forms)
-
-
-def _sorted_suffixes(probe: ProbeGradients) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    norms = probe.norms
-    order = np.argsort(norms, kind="stable")
-    inverse_norms = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-    return norms[order], _suffix_forms(probe.gram, order, inverse_norms)
+def probe_gradients(
+    model: nn.Module, physical_batches: Iterable[PhysicalBatch], autocast_dtype: torch.dtype | None = None
+) -> ProbeGradients:
+    """:func:`per_example_gradients` of the probe, summarised (:meth:`ProbeGradients.from_per_example`)."""
+    return ProbeGradients.from_per_example(*per_example_gradients(model, physical_batches, autocast_dtype))
 
 
 def _variance_weight(probe: ProbeGradients, noise_multiplier: float, expected_batch_size: float) -> float:
@@ -127,10 +143,9 @@ def clipping_mse(
     probe: ProbeGradients, clip_bound: float, noise_multiplier: float, expected_batch_size: float
 ) -> tuple[float, float]:
     """(bias, variance) of the per-step MSE at C (module docstring): ‖(CN_C − G_C)/n‖², σ²C²d/B²."""
-    sorted_norms, (nn_form, ng_form, gg_form) = _sorted_suffixes(probe)
-    k = int(np.searchsorted(sorted_norms, clip_bound, side="right"))  # I_C = sorted examples k..n-1
-    n = len(sorted_norms)
-    bias = (clip_bound**2 * nn_form[k] - 2 * clip_bound * ng_form[k] + gg_form[k]) / n**2
+    k = int(np.searchsorted(probe.sorted_norms, clip_bound, side="right"))  # I_C = I_k
+    n = len(probe.sorted_norms)
+    bias = (clip_bound**2 * probe.nn[k] - 2 * clip_bound * probe.ng[k] + probe.gg[k]) / n**2
     variance = noise_multiplier**2 * clip_bound**2 * probe.dimension / expected_batch_size**2
     return float(max(bias, 0.0)), float(variance)
 
@@ -138,18 +153,17 @@ def clipping_mse(
 def optimal_clip_bound(probe: ProbeGradients, noise_multiplier: float, expected_batch_size: float) -> float:
     """C* minimising MSE(C) over C ≥ 0 (Theorem 5.2; search over the intervals between norms).
 
-    On the interval [s_(k), s_(k+1)] (s sorted, s_(0) = 0, s_(n+1) = ∞) the clipped set is the
-    examples k+1..n and n²·MSE(C) = C²(NᵀN + v) − 2C·NᵀG + GᵀG with v = σ²d·n²/B²; its minimiser
-    NᵀG/(NᵀN + v) is clamped to the interval and the best interval wins (ties: smallest C).
+    On the interval [s_(k), s_(k+1)] (s sorted, s_(0) = 0, s_(n+1) = ∞) the clipped set is I_k
+    and n²·MSE(C) = C²(N_kᵀN_k + v) − 2C·N_kᵀG_k + G_kᵀG_k with v = σ²d·n²/B²; its minimiser
+    N_kᵀG_k/(N_kᵀN_k + v) is clamped to the interval and the best interval wins (ties: smallest C).
     """
-    sorted_norms, (nn_form, ng_form, gg_form) = _sorted_suffixes(probe)
     weight = _variance_weight(probe, noise_multiplier, expected_batch_size)
-    lower = np.concatenate([[0.0], sorted_norms])
-    upper = np.concatenate([sorted_norms, [np.inf]])
-    curvature = nn_form + weight
-    stationary = np.divide(ng_form, curvature, out=np.zeros_like(ng_form), where=curvature > 0)
+    lower = np.concatenate([[0.0], probe.sorted_norms])
+    upper = np.concatenate([probe.sorted_norms, [np.inf]])
+    curvature = probe.nn + weight
+    stationary = np.divide(probe.ng, curvature, out=np.zeros_like(probe.ng), where=curvature > 0)
     candidates = np.clip(stationary, lower, upper)
-    mse = candidates**2 * curvature - 2 * candidates * ng_form + gg_form
+    mse = candidates**2 * curvature - 2 * candidates * probe.ng + probe.gg
     return float(candidates[int(np.argmin(mse))])
 
 
@@ -163,11 +177,12 @@ def class_diagnostics(norms: np.ndarray, labels: np.ndarray, clip_bound: float) 
     for label in np.unique(labels):
         members = labels == label
         class_norms = norms[members]
+        quantiles = np.quantile(class_norms, list(QUANTILES.values()))
         result.append(
             ClassDiagnostics(
                 label=int(label),
                 examples=int(members.sum()),
-                grad_norm_quantiles={key: float(np.quantile(class_norms, q)) for key, q in QUANTILES.items()},
+                grad_norm_quantiles={key: float(q) for key, q in zip(QUANTILES, quantiles, strict=True)},
                 clipped_fraction=float(np.mean(class_norms > clip_bound)),
                 retention_weight=float(np.mean(factors[members])),
             )

@@ -5,7 +5,8 @@ step — forward, mean cross-entropy, backward, Adam step — and (b) the DP ste
 ``engine.noisy_gradient`` (per-example gradients, clipping, noise; one physical batch) then the
 same Adam step. Each kind steps its own copy of the model. After ``--warmup`` untimed steps of
 each kind, ``--rounds`` rounds time ``--steps`` steps of every kind in turn (interleaved, so load
-from other processes falls on all kinds alike); the median round is reported. Prints examples/s
+from other processes falls on all kinds alike); the median round is reported (CUDA: wall clock;
+CPU: process CPU time, as the host may be shared). Prints examples/s
 and the ratio DP/non-private (the figure that matters: 1.0 = DP is free) as a markdown table and
 writes JSON (``--json``). A case or engine that fails is recorded with its error; the run goes on
 and exits 1.
@@ -110,8 +111,11 @@ def time_kinds(
 
     Every kind first runs ``warmup`` untimed steps; then each of ``rounds`` rounds times
     ``per_round`` steps of every kind in turn, so that load from other processes falls on all
-    kinds alike. CUDA is synchronised around each timed block.
+    kinds alike. On CUDA: wall clock, synchronised around each timed block. On the CPU: this
+    process's CPU time (a shared host's other processes do not count; with several torch threads
+    it sums them, so examples/s are per CPU-second).
     """
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -122,13 +126,13 @@ def time_kinds(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
+            start = clock()
             for _ in range(per_round):
                 step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 peaks[kind] = torch.cuda.max_memory_allocated(device) / 2**30
-            seconds[kind].append((time.perf_counter() - start) / per_round)
+            seconds[kind].append((clock() - start) / per_round)
     result = {}
     for kind, values in seconds.items():
         median = statistics.median(values)

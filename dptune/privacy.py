@@ -9,6 +9,13 @@ Accountant: the PRV accountant of Gopi, Lee and Wutschitz (NeurIPS 2021, arXiv 2
 ``prv_accountant``. It returns (lower, estimate, upper) bounds on ε; every ε this module reports is
 the *upper* bound, so that a reported ε is a guarantee. Accuracy settings (the same as Opacus'
 ``PRVAccountant`` defaults): ``eps_error = EPSILON_ERROR = 0.01`` and ``delta_error = δ/1000``.
+The library's ``PRVAccountant`` steps (truncate the PRV to [−L, L], discretise it on a mesh with its
+mean matched, compose by FFT, read ε at δ) run here from the library's own parts, with one
+correction: the mean of the truncated PRV is integrated from the support's lower end log(1 − q)
+(``_TruncatedSubsampledGaussianPRV``). The library's quadrature misses that end for q ≈ 0.1 and
+σ ≲ 1 (large ε, few steps: e.g. ε = 8, q = 32/300, T = 27) and then refuses to discretise
+("Discrete mean differs from continuous mean significantly") whatever the domain size; a coarser
+mesh only hides the error (it then shifts the PRV right, overstating ε).
 
 Calibration (``calibrate_noise_multiplier``) returns the σ the accountant certifies for the target:
 ``epsilon_spent(σ, q, T, δ) ≤ ε_target`` always holds, and σ is within ``NOISE_MULTIPLIER_RTOL``
@@ -84,7 +91,7 @@ MAX_NOISE_MULTIPLIER = 1e4
 MIN_EPSILON = 0.05
 MAX_EPSILON = 50.0
 #: Bump when the calibration procedure changes: it is part of every cache key.
-METHOD_VERSION = "prv-coarse-secant-1"
+METHOD_VERSION = "prv-coarse-secant-2"  # 2: the truncated PRV's mean sees log(1 − q)
 
 _CACHE_FOLDER = "accounting"
 _SIGMA_GRID_PER_OCTAVE = 16
@@ -259,8 +266,9 @@ def _fft_friendly_domain(half_width: float, steps: int, eps_error: float, delta_
     is even with prime factors ≤ 11 (pocketfft's fast radices, ``scipy.fft.next_fast_len``).
 
     Mesh = eps_error / √(T/2 · log(12/delta_error)) (Gopi et al. Thm 5.5, as ``PRVAccountant``).
-    ``Domain.create_aligned(−L', L', mesh)`` has 2·⌈L'/mesh⌉ + 2 points for an L' that is not a multiple
-    of the mesh: L' = (a − ½)·mesh with a = m/2 − 1 gives exactly m points, and a ≥ ⌈L/mesh + ½⌉ gives L' ≥ L.
+    ``Domain.create_aligned(−L', L', mesh)`` has 2·⌈L'/mesh⌉ + 2 points for an L' that is not a
+    multiple of the mesh: L' = (a − ½)·mesh with a = m/2 − 1 gives exactly m points, and
+    a ≥ ⌈L/mesh + ½⌉ gives L' ≥ L.
     """
     from prv_accountant.domain import Domain
     from scipy.fft import next_fast_len
@@ -276,7 +284,8 @@ def _fft_friendly_domain(half_width: float, steps: int, eps_error: float, delta_
 _MEAN_BREAKPOINTS = (-1e-1, -1e-2, -1e-3, -1e-4, -1e-5, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 #: The extra breakpoint sits this far above the support's lower end log(1 − q), where the CDF is
 #: still computable (at the end itself its formula takes the log of a rounding residue, which can be
-#: negative: NaN). The mean's error from it is at most this width, far below any half-mesh (≥ 1e-6).
+#: negative: NaN). The mean's error from it is at most this width, far below the half-mesh the
+#: discretiser allows (3e-4 at T = 27, 5e-7 even at T = 10⁷, with eps_error = 0.01).
 _SUPPORT_EDGE_OFFSET = 1e-9
 
 
@@ -294,8 +303,9 @@ class _TruncatedSubsampledGaussianPRV:
     with a zero error estimate. The mean comes out too large by ∫_{log(1−q)}^{−0.1} F (8.5e-4 at
     q = 0.107, σ = 0.735), more than the half-mesh (3.0e-4 at T = 27, eps_error = 0.01) that
     ``CellCentred.discretise`` allows: "Discrete mean differs from continuous mean significantly"
-    (and, below that threshold, a discretised PRV silently shifted right). Here the same formula
-    runs with one more breakpoint, just above log(1 − q), so that the rule's nodes cover the rise.
+    (below that threshold the discretised PRV is silently shifted right: ε overstated). Here the
+    same formula runs with one more breakpoint, just above log(1 − q), so that the rule's nodes
+    cover the rise.
     """
 
     truncated: PrivacyRandomVariableTruncated

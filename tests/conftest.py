@@ -88,25 +88,42 @@ def _job_api_status(dashboard_url: str, token: str | None) -> int:
         return 0
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains ``text`` (our head's unique temp folder)."""
-    pids = []
+def _descendants(root: int) -> set[int]:
+    """PIDs of every living process below ``root`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended while we looked
             continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid ..."
+        children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _stop_head(process: subprocess.Popen, temp_dir: Path) -> None:
     """SIGTERM the ``ray start --block`` process (it stops the Ray processes it started), then
-    SIGKILL, by PID, anything of this head still alive. Never ``ray stop``: that kills every Ray
-    on the machine, other people's included."""
+    SIGKILL, by PID, whatever of its process tree outlives it (workers renamed ``ray::IDLE``
+    included), and remove its temp folder. Never ``ray stop``: that kills every Ray on the
+    machine, other people's included."""
+    tree = _descendants(process.pid)
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=_HEAD_STOP_TIMEOUT_S)
@@ -114,7 +131,7 @@ def _stop_head(process: subprocess.Popen, temp_dir: Path) -> None:
         process.kill()
         process.wait()
     deadline = time.monotonic() + 10
-    while (leftovers := _processes_mentioning(str(temp_dir))) and time.monotonic() < deadline:
+    while (leftovers := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in leftovers:
         try:

@@ -159,6 +159,18 @@ def test_optimal_clip_bound_is_the_fixed_point_of_theorem_5_2_when_batch_is_the_
     assert best == pytest.approx(big_n @ big_g / (big_n @ big_n + sigma**2 * d), rel=1e-10)
 
 
+def test_float32_gradients_give_the_float64_diagnostics() -> None:
+    """Trials summarise float32 gradients: C* and the bias at C barely move from float64."""
+    vectors = random_vectors(seed=7, n=200, d=300)
+    exact = probe_from_vectors(vectors)
+    single = ProbeGradients.from_per_example(torch.from_numpy(vectors).float(), torch.zeros(200, dtype=torch.int64))
+    clip_bound = float(np.quantile(exact.norms, 0.3))  # most examples clipped, slightly: C·N_C ≈ G_C
+    assert optimal_clip_bound(single, 0.5, 64.0) == pytest.approx(optimal_clip_bound(exact, 0.5, 64.0), rel=1e-5)
+    assert clipping_mse(single, clip_bound, 0.5, 64.0)[0] == pytest.approx(
+        clipping_mse(exact, clip_bound, 0.5, 64.0)[0], rel=1e-5
+    )
+
+
 def test_without_noise_nothing_should_be_clipped() -> None:
     vectors = random_vectors(seed=5)
     probe = probe_from_vectors(vectors)

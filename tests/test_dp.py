@@ -105,6 +105,7 @@ def test_auto_s_matches_its_formula_on_a_hand_example() -> None:
     torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # Opacus' hook on the input layer
 def test_rule_optimizer_in_opacus_own_flow_matches_the_engine_step() -> None:
     """DP-SGD as Opacus runs it (GradSampleModule, BatchMemoryManager, optimizer.step) = engine + SGD."""
     x, y = small_batch(n=9)

@@ -36,8 +36,9 @@ from dptune.plan import sample_rate, steps_per_epoch, total_steps
 from dptune.privacy import calibrate_noise_multiplier, check_delta, epsilon_spent
 from dptune.trial import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialResult
 
-#: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32);
-#: the probe shrinks below ``diagnostic_examples`` when n·d·4 would exceed it.
+#: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32; the
+#: summary needs about as much again): the probe shrinks below ``diagnostic_examples`` when n·d·4
+#: would exceed it.
 PROBE_MEMORY_BYTES = 1 << 30
 
 
@@ -215,13 +216,14 @@ class _Trial:
             self.steps_per_epoch,
             torch.Generator().manual_seed(int(sampling_seed)),
         )
-        self.probe_indices = self._probe_indices(int(probe_seed), trainable_parameter_count(self.model))
+        self.probe = self._probe(int(probe_seed), trainable_parameter_count(self.model)) if config.diagnostics else ()
 
-    def _probe_indices(self, seed: int, dimension: int) -> torch.Tensor:
-        """A fixed (by seed) subset of ≤ ``diagnostic_examples`` training examples within memory."""
+    def _probe(self, seed: int, dimension: int) -> tuple[torch.Tensor, ...]:
+        """A fixed (by seed) batch of ≤ ``diagnostic_examples`` training examples within memory."""
         fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
         size = min(self.config.diagnostic_examples, len(self.workload.train), fits)
-        return torch.randperm(len(self.workload.train), generator=torch.Generator().manual_seed(seed))[:size]
+        indices = torch.randperm(len(self.workload.train), generator=torch.Generator().manual_seed(seed))[:size]
+        return tuple(default_collate([self.workload.train[int(i)] for i in indices]))
 
     def new_result(self) -> TrialResult:
         workload = self.workload
@@ -244,13 +246,12 @@ class _Trial:
     def diagnose(self, epoch: int) -> Diagnostics:
         """The paper's diagnostics on the probe, without disturbing the training RNG streams."""
         start = time.perf_counter()
-        probe = default_collate([self.workload.train[int(i)] for i in self.probe_indices])
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             self.model.train()
             gradients = probe_gradients(
                 self.model,
-                physical_batches(tuple(probe), self.config.max_physical_batch_size, self.device),
+                physical_batches(self.probe, self.config.max_physical_batch_size, self.device),
                 self.autocast_dtype,
             )
         record = diagnose(

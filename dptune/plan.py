@@ -4,8 +4,12 @@
 batch size B and marks the B the paper's rule recommends.
 
 Single source of truth for how a trial turns (N, B, E) into DP-SGD steps: with Poisson sampling at
-rate q = B/N (``sample_rate``), an epoch is ``steps_per_epoch`` = max(1, round(N/B)) steps and a
-trial runs exactly T = E·steps_per_epoch steps (``total_steps``); σ is calibrated for that (q, T).
+rate q = B/N (``sample_rate``) a step visits each example with probability q, so E epochs are
+E·N/B steps; a trial runs exactly T = round(E·N/B) steps (``total_steps``), rounded once over
+the whole budget, and σ is calibrated for that (q, T). The expected passes over the data, T·q,
+are then within q/2 of E. (Rounding per epoch instead, E·round(N/B), drifts: N = 50000, B = 32768
+gives 2 steps per epoch at q = 0.655, 1.31 passes per epoch.) Epoch e ends at step round(e·N/B)
+(``epoch_steps``), so every epoch boundary is within q/2 passes of e as well.
 
 The batch-size rule (Rehn et al., ICLR 2026, §6): under a fixed epoch budget, T = E·N/B, so doubling
 B halves the steps. The per-step noise std σC/B keeps falling towards full batch and would always
@@ -20,12 +24,14 @@ paper's datasets, dataset dependent), find the minimum of σ√T and recommend t
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import numbers
 import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from tqdm import tqdm
@@ -63,17 +69,41 @@ def sample_rate(num_examples: int, batch_size: int) -> float:
     return batch_size / num_examples
 
 
-def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """DP-SGD steps per epoch: max(1, round(N/B)) (Python's round: halves go to the even side)."""
-    _check_sizes(num_examples, batch_size)
-    return max(1, round(num_examples / batch_size))
+def _steps_after(num_examples: int, batch_size: int, epochs: int) -> int:
+    """round(E·N/B), exactly (integer arithmetic; Python's round: halves go to the even side).
+    It is ≥ E, as B ≤ N."""
+    return round(Fraction(epochs * num_examples, batch_size))
+
+
+def _check_epochs(epochs: int) -> None:
+    if not _is_count(epochs):
+        raise ValueError(f"epochs (E) must be an integer ≥ 1, got {epochs!r}")
 
 
 def total_steps(num_examples: int, batch_size: int, epochs: int) -> int:
-    """Steps T a trial runs: E·steps_per_epoch(N, B); σ is calibrated for exactly this T."""
-    if not _is_count(epochs):
-        raise ValueError(f"epochs (E) must be an integer ≥ 1, got {epochs!r}")
-    return epochs * steps_per_epoch(num_examples, batch_size)
+    """Steps T a trial runs: round(E·N/B) (≥ E ≥ 1 as B ≤ N), the fixed-epoch budget E·N/B rounded once.
+
+    σ is calibrated for exactly this T at q = B/N; the expected passes over the data T·q then satisfy
+    |T·q − E| ≤ q/2.
+    """
+    _check_sizes(num_examples, batch_size)
+    _check_epochs(epochs)
+    return _steps_after(num_examples, batch_size, epochs)
+
+
+def epoch_steps(num_examples: int, batch_size: int, epochs: int) -> list[int]:
+    """The steps of each of the E epochs: epoch e ends at step round(e·N/B) (= max(e, round(e·N/B))
+    as B ≤ N).
+
+    Invariants: E entries, each ≥ 1 (consecutive ends differ by N/B ≥ 1 before rounding), summing to
+    ``total_steps(N, B, E)``; after epoch e the expected passes over the data are within q/2 of e.
+    Full batch (B = N) gives [1]·E; B dividing N gives [N/B]·E; otherwise the entries are
+    ⌊N/B⌋ or ⌈N/B⌉ (e.g. N = 10, B = 4, E = 4: [2, 3, 3, 2]).
+    """
+    _check_sizes(num_examples, batch_size)
+    _check_epochs(epochs)
+    ends = [_steps_after(num_examples, batch_size, epoch) for epoch in range(epochs + 1)]
+    return [end - start for start, end in itertools.pairwise(ends)]
 
 
 def coupled_learning_rate(base_learning_rate: float, batch_size: int, reference_batch_size: int) -> float:
@@ -105,8 +135,8 @@ class PlanRow:
     epochs: int
     batch_size: int
     sample_rate: float  # q = B/N
-    steps_per_epoch: int
-    steps: int  # T
+    steps: int  # T = round(E·N/B)
+    passes: float  # T·q: expected passes over the data, within q/2 of E
     noise_multiplier: float  # σ
     noise_std_per_step: float  # σ·C/B: std of the noise on the averaged gradient, per step
     cumulative_noise: float  # σ·√T
@@ -184,7 +214,7 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
                                           [t for _, t, _ in block], min_steps, tolerance)
             rows += [PlanRow(
                 epsilon=float(epsilon), delta=delta, num_examples=num_examples, epochs=epochs, batch_size=b,
-                sample_rate=sample_rate(num_examples, b), steps_per_epoch=steps_per_epoch(num_examples, b), steps=t,
+                sample_rate=sample_rate(num_examples, b), steps=t, passes=t * sample_rate(num_examples, b),
                 noise_multiplier=s, noise_std_per_step=s / b, cumulative_noise=s * math.sqrt(t),
                 meets_min_steps=t >= min_steps, recommended=b == pick,
                 learning_rate=coupled_learning_rate(base_learning_rate, b, reference_batch_size),
@@ -200,7 +230,7 @@ RECOMMENDED_MARK = "◀ recommended"
 def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_learning_rate: float,
                 reference_batch_size: int) -> str:
     """Aligned table, one block per ε, the recommended row marked with ``RECOMMENDED_MARK``."""
-    header = ("B", "q", "steps/ep", "T", "σ", "σ/B", "σ√T", "σ√T/min", f"T≥{min_steps}", "η", "")
+    header = ("B", "q", "T", "passes", "σ", "σ/B", "σ√T", "σ√T/min", f"T≥{min_steps}", "η", "")
     blocks = []
     for epsilon in dict.fromkeys(row.epsilon for row in rows):
         block = [row for row in rows if row.epsilon == epsilon]
@@ -211,7 +241,7 @@ def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_
                  + (f"recommended B = {pick}" if pick is not None else
                     f"no B gives T ≥ {min_steps}; lower --min-steps or raise --epochs"))
         table = [header] + [(
-            str(row.batch_size), f"{row.sample_rate:.4g}", str(row.steps_per_epoch), str(row.steps),
+            str(row.batch_size), f"{row.sample_rate:.4g}", str(row.steps), f"{row.passes:.2f}",
             f"{row.noise_multiplier:.4f}", f"{row.noise_std_per_step:.3e}", f"{row.cumulative_noise:.2f}",
             f"{row.cumulative_noise / floor:.3f}", "yes" if row.meets_min_steps else "no",
             f"{row.learning_rate:.3g}", RECOMMENDED_MARK if row.recommended else "",
@@ -221,6 +251,7 @@ def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_
                  for line in table]
         blocks.append("\n".join([title, *(line.rstrip() for line in lines)]))
     legend = textwrap.fill(
+        "T = round(E·N/B): steps; passes = T·q: expected passes over the data (E up to rounding). "
         f"σ: noise multiplier (PRV accountant, add/remove adjacency). σ/B: per-step noise std on the averaged "
         f"gradient, σ√T: cumulative noise, both for C = 1. σ√T/min: relative to the minimum over B with "
         f"T ≥ {min_steps}. Rule: the smallest B with T ≥ {min_steps} within {tolerance:.0%} of that minimum. "
@@ -247,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dptune.plan",
         description="Batch-size plan before any compute (Rehn et al. 2026): per ε and B, the noise multiplier σ "
-                    "(PRV accountant), steps T = E·max(1, round(N/B)), per-step noise σ/B, cumulative noise σ√T, "
+                    "(PRV accountant), steps T = round(E·N/B), per-step noise σ/B, cumulative noise σ√T, "
                     "the min-step rule T ≥ T_min, the recommended B (smallest B on the σ√T plateau) and the "
                     "√B-coupled learning rate.",
     )

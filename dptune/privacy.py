@@ -331,6 +331,17 @@ class _TruncatedSubsampledGaussianPRV:
         return mean
 
 
+def _truncated_prv(noise_multiplier: float, sample_rate: float, t_min: float,
+                   t_max: float) -> _TruncatedSubsampledGaussianPRV:
+    """The PRV of one step at σ = ``noise_multiplier``, q = ``sample_rate``, truncated to [t_min, t_max]."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
+
+    mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
+    return _TruncatedSubsampledGaussianPRV(PrivacyRandomVariableTruncated(mechanism, t_min, t_max),
+                                           support_min=math.log1p(-sample_rate) if sample_rate < 1 else -math.inf)
+
+
 def _prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, eps_error: float) -> float:
     """Upper bound on ε of T-fold Poisson-subsampled Gaussian by the PRV accountant (Gopi et al. 2021).
 
@@ -339,18 +350,13 @@ def _prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta:
     matched (``CellCentred``, with the mean of ``_TruncatedSubsampledGaussianPRV``), self-composed T
     times by FFT (``Fourier``), and ε read off at δ with ``eps_error`` and ``delta_error`` = δ/1000.
     """
-    from prv_accountant import PoissonSubsampledGaussianMechanism
     from prv_accountant.composers import Fourier
     from prv_accountant.discretisers import CellCentred
-    from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
 
     delta_error = delta * DELTA_ERROR_FRACTION
     domain = _fft_friendly_domain(_safe_half_width(_grid_floor(noise_multiplier), sample_rate, steps, delta), steps,
                                   eps_error, delta_error)
-    mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
-    truncated = _TruncatedSubsampledGaussianPRV(
-        PrivacyRandomVariableTruncated(mechanism, domain.t_min(), domain.t_max()),
-        support_min=math.log1p(-sample_rate) if sample_rate < 1 else -math.inf)
+    truncated = _truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
     composed = Fourier([CellCentred().discretise(truncated, domain)]).compute_composition([steps])
     _, _, epsilon_upper = composed.compute_epsilon(delta, delta_error, eps_error)
     return float(epsilon_upper)

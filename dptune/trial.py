@@ -114,7 +114,7 @@ class TrialResult:
     reason: str = ""
     noise_multiplier: float = float("nan")  # σ
     sample_rate: float = float("nan")  # q = B/N
-    steps: int = 0  # T planned = E·round(N/B)
+    steps: int = 0  # T planned = plan.total_steps(N, B, E), what σ is calibrated for
     epsilon_spent: float = float("nan")  # from the accountant that drove training; ≤ epsilon
     num_train: int = 0
     num_val: int = 0

@@ -156,7 +156,7 @@ def test_poisson_loader_samples_each_example_independently_at_rate_q() -> None:
     assert isinstance(loader, DPDataLoader)
     assert isinstance(loader.batch_sampler, UniformWithReplacementSampler)
     sizes = [len(labels) for _, labels in loader]
-    assert len(sizes) == steps  # exactly steps_per_epoch batches per pass
+    assert len(sizes) == steps  # exactly the requested number of batches per pass
     assert len(set(sizes)) > 3  # batch sizes vary (Poisson), unlike a fixed-size shuffled loader
     mean, std = sum(sizes) / steps, math.sqrt(n * q * (1 - q) / steps)
     assert abs(mean - n * q) < 4 * std

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -18,11 +19,11 @@ from dptune.plan import (
     PlanRow,
     coupled_learning_rate,
     default_batch_sizes,
+    epoch_steps,
     main,
     plan,
     recommended_batch_size,
     sample_rate,
-    steps_per_epoch,
     total_steps,
 )
 
@@ -36,22 +37,60 @@ BATCH_SIZES = [256, 1024, 4096, 16384, 50_000]
 CLI_ARGS = ["--n", str(N), "--eps", "1", "8", "--epochs", str(EPOCHS), "--batch-sizes", *map(str, BATCH_SIZES)]
 
 
-def test_steps_follow_round_n_over_b() -> None:
-    assert steps_per_epoch(50_000, 16) == 3125
-    assert steps_per_epoch(50_000, 32_768) == 2  # round(1.53)
-    assert steps_per_epoch(100, 40) == 2  # round(2.5): half to even
-    assert steps_per_epoch(10, 7) == 1  # round(1.43)
-    assert steps_per_epoch(10, 10) == 1
-    assert total_steps(50_000, 256, 10) == 10 * 195
+def test_steps_round_the_whole_epoch_budget_once() -> None:
+    assert total_steps(50_000, 16, 10) == 31_250
+    assert total_steps(50_000, 256, 10) == 1953  # round(1953.125); per-epoch rounding gave 10·195 = 1950
+    assert total_steps(50_000, 32_768, 10) == 15  # round(15.26); per-epoch rounding gave 10·round(1.53) = 20
+    assert total_steps(100, 40, 1) == 2  # round(2.5): half to even
+    assert total_steps(100, 40, 3) == 8  # round(7.5): half to even
+    assert total_steps(10, 7, 1) == 1  # round(1.43)
+    assert total_steps(10, 10, 5) == 5  # full batch: one step per epoch
     assert sample_rate(50_000, 256) == 256 / 50_000
 
 
+def test_epoch_steps_examples() -> None:
+    assert epoch_steps(10, 4, 4) == [2, 3, 3, 2]  # epochs end at round(2.5), 5, round(7.5), 10 = 2, 5, 8, 10
+    assert epoch_steps(50_000, 32_768, 10) == [2, 1] * 5  # 15 steps, 9.83 passes (2 steps per epoch: 13.1)
+    assert epoch_steps(300, 32, 3) == [9, 10, 9]  # the tiny test search: N = 300, E = 3
+    assert epoch_steps(300, 64, 3) == [5, 4, 5]
+    assert epoch_steps(300, 256, 3) == [1, 1, 2]
+    assert epoch_steps(1000, 100, 3) == [10, 10, 10]  # B divides N
+
+
+@pytest.mark.parametrize("num_examples", [1, 7, 300, 1000, 50_000])
+def test_full_batch_is_one_step_per_epoch_and_batch_of_one_is_n(num_examples: int) -> None:
+    assert epoch_steps(num_examples, num_examples, 4) == [1, 1, 1, 1]
+    assert total_steps(num_examples, num_examples, 4) == 4
+    assert epoch_steps(num_examples, 1, 3) == [num_examples] * 3
+    assert total_steps(num_examples, 1, 3) == 3 * num_examples
+
+
+# (N, B) with B dividing N, not dividing it, B > N/2, B = 1, B = N; E from 1 to 30.
+SWEEP = [(n, b, e) for n, b in [(7, 2), (7, 3), (7, 5), (50, 20), (300, 32), (300, 64), (300, 256), (1000, 999),
+                                (50_000, 16), (50_000, 256), (50_000, 32_768), (50_000, 50_000), (11_293, 1)]
+         for e in (1, 2, 3, 10, 30)]
+
+
+def test_epoch_steps_sum_to_total_steps_and_keep_the_expected_passes_on_budget() -> None:
+    """Every epoch has ≥ 1 step, ⌊N/B⌋ or ⌈N/B⌉ of them; the steps sum to T; after each epoch e the
+    expected passes over the data (steps so far · q) are within q/2 of e, so |T·B/N − E| ≤ B/(2N)."""
+    for num_examples, batch_size, epochs in SWEEP:
+        steps = epoch_steps(num_examples, batch_size, epochs)
+        ratio = num_examples / batch_size
+        assert len(steps) == epochs and sum(steps) == total_steps(num_examples, batch_size, epochs)
+        assert all(s >= 1 and math.floor(ratio) <= s <= math.ceil(ratio) for s in steps)
+        for epoch, taken in enumerate(itertools.accumulate(steps), start=1):
+            assert abs(taken * batch_size - epoch * num_examples) <= batch_size / 2  # |passes − e| ≤ q/2
+
+
 @pytest.mark.parametrize(("call", "named"), [
-    (lambda: steps_per_epoch(100, 101), "batch_size"),
-    (lambda: steps_per_epoch(100, 0), "batch_size"),
+    (lambda: total_steps(100, 101, 1), "batch_size"),
+    (lambda: epoch_steps(100, 0, 1), "batch_size"),
     (lambda: sample_rate(0, 1), "num_examples"),
     (lambda: total_steps(100, 10, 0), "epochs"),
     (lambda: total_steps(100, 10, 2.0), "epochs"),
+    (lambda: epoch_steps(100, 10, 0), "epochs"),
+    (lambda: epoch_steps(100, 10, True), "epochs"),
     (lambda: coupled_learning_rate(0.0, 64, 256), "base_learning_rate"),
 ])
 def test_step_helpers_reject_bad_sizes(call: object, named: str) -> None:
@@ -106,8 +145,10 @@ def rows() -> list[PlanRow]:
 def test_rows_agree_with_the_step_helpers_and_the_accountant(rows: list[PlanRow]) -> None:
     assert [(row.epsilon, row.batch_size) for row in rows] == [(e, b) for e in EPSILONS for b in BATCH_SIZES]
     for row in rows:
-        steps = EPOCHS * max(1, round(N / row.batch_size))
-        assert (row.sample_rate, row.steps_per_epoch, row.steps) == (row.batch_size / N, steps // EPOCHS, steps)
+        steps = round(EPOCHS * N / row.batch_size)
+        assert (row.sample_rate, row.steps) == (row.batch_size / N, steps)
+        assert row.passes == pytest.approx(steps * row.batch_size / N, rel=1e-12)
+        assert abs(row.passes - EPOCHS) <= row.sample_rate / 2
         assert row.noise_multiplier == privacy.calibrate_noise_multiplier(row.epsilon, DELTA, row.batch_size / N, steps)
         assert privacy.epsilon_spent(row.noise_multiplier, row.sample_rate, row.steps, DELTA) <= row.epsilon
         assert row.cumulative_noise == pytest.approx(row.noise_multiplier * math.sqrt(steps), rel=1e-12)
@@ -139,6 +180,18 @@ def test_tighter_privacy_recommends_a_smaller_or_equal_batch(rows: list[PlanRow]
     picks = {row.epsilon: row.batch_size for row in rows if row.recommended}
     assert picks[1.0] <= picks[8.0]
     assert picks == {1.0: 4096, 8.0: 16384}  # from σ√T on this grid, as computed by the PRV accountant
+
+
+def test_plan_of_the_tiny_search_calibrates_every_cell() -> None:
+    """N = 300, B ∈ {32, 64, 256}, E = 3 (tests/spaces/tiny.yaml) at the paper's ε: large ε, q ≈ 0.1–0.85
+    and few steps, where the PRV discretisation used to fail (ε = 8, q = 32/300)."""
+    rows = plan(300, [1.0, 2.0, 4.0, 8.0], DELTA, 3, [32, 64, 256], min_steps=10)
+    assert [(row.batch_size, row.steps) for row in rows[:3]] == [(32, 28), (64, 14), (256, 4)]
+    for row in rows:
+        assert privacy.epsilon_spent(row.noise_multiplier, row.sample_rate, row.steps, DELTA) <= row.epsilon
+        assert abs(row.passes - 3) <= row.sample_rate / 2
+        assert row.meets_min_steps == (row.batch_size != 256)
+    assert len([row for row in rows if row.recommended]) == 4
 
 
 def test_repeated_plan_is_served_from_the_cache(rows: list[PlanRow]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -15,7 +16,7 @@ from dptune.dp.trainer import workload_spec
 from dptune.data import load_workload
 from dptune.models import ModelError
 from dptune.paths import CACHE_ENV
-from dptune.plan import sample_rate, total_steps
+from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialResult, run_trial
 
@@ -27,7 +28,7 @@ BASE = TrialConfig(
     delta=1e-5,
     epochs=4,
     clip_bound=0.5,
-    batch_size=20,
+    batch_size=30,  # N/B = 10/3: epochs of 3, 4, 3, 3 steps, T = round(E·N/B) = 13
     learning_rate=0.05,
     base_learning_rate=0.05,
     optimizer="adam",
@@ -69,7 +70,8 @@ def test_trial_runs_the_planned_poisson_steps_at_the_calibrated_noise(
     assert result.sample_rate == pytest.approx(sample_rate(n, BASE.batch_size))
     assert result.steps == total_steps(n, BASE.batch_size, BASE.epochs)
     assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate, result.steps)
-    assert [m.steps for m in result.epochs] == [result.steps * e // BASE.epochs for e in range(1, BASE.epochs + 1)]
+    assert [m.steps for m in result.epochs] == list(itertools.accumulate(epoch_steps(n, BASE.batch_size, BASE.epochs)))
+    assert result.epochs[-1].steps == result.steps  # exactly the T steps σ was calibrated for
     assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, result.steps, BASE.delta)
     assert 0.9 * BASE.epsilon < result.epsilon_spent <= BASE.epsilon
     assert result.engine == "opacus"

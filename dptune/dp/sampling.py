@@ -19,20 +19,19 @@ from torch.utils.data import Dataset
 from dptune.dp.engine import PhysicalBatch
 
 
-def poisson_loader(
-    dataset: Dataset, sample_rate: float, steps_per_epoch: int, generator: torch.Generator
-) -> DPDataLoader:
-    """Opacus' Poisson loader over ``dataset``: one pass yields ``steps_per_epoch`` batches.
+def poisson_loader(dataset: Dataset, sample_rate: float, steps: int, generator: torch.Generator) -> DPDataLoader:
+    """Opacus' Poisson loader over ``dataset``: one pass yields exactly ``steps`` batches.
 
-    ``sample_rate`` is q = B/N; ``generator`` (CPU) fixes the draws. Batches are collated tuples
+    ``sample_rate`` is q = B/N; ``generator`` (CPU) fixes the draws. A trial makes one pass of
+    all T steps the accountant was given and cuts it into epochs. Batches are collated tuples
     ``(*inputs, labels)``; an empty draw yields zero-length tensors of the right shapes.
     """
     if not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch must be ≥ 1, got {steps_per_epoch}")
+    if steps < 1:
+        raise ValueError(f"steps must be ≥ 1, got {steps}")
     loader = DPDataLoader(dataset, sample_rate=sample_rate, generator=generator)
-    loader.batch_sampler.steps = steps_per_epoch  # Opacus' default is int(1/q); plan.py's is round(N/B)
+    loader.batch_sampler.steps = steps  # Opacus' default is one "epoch" of int(1/q) batches
     return loader
 
 

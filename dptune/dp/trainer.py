@@ -3,8 +3,9 @@
 Order of work, so that bad input fails before compute: (1) the config's values and names are
 checked against the registries; (2) the workload is loaded and B ≤ N checked; (3) the model is
 built and checked for DP (no trainable BatchNorm); (4) σ is calibrated for (ε, δ, q = B/N,
-T = E·round(N/B)); then (5) exactly T Poisson steps run, E epochs of ``steps_per_epoch``, with
-evaluation after each epoch, diagnostics at epochs 0, ⌈E/2⌉ and E, and the test set after the last.
+T = ``plan.total_steps``); then (5) exactly T Poisson steps run in one pass of the sampler, cut
+into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnostics at epochs 0,
+⌈E/2⌉ and E, and the test set after the last.
 
 A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
 exception). ε spent is the PRV accountant's for the steps actually taken, which is ≤ ε by
@@ -14,6 +15,7 @@ calibration. Same seed and device → same result (CPU: bit-identical).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -32,7 +34,7 @@ from dptune.dp.opacus_engine import autocast
 from dptune.dp.optimizers import build_optimizer, check_optimizer
 from dptune.dp.sampling import physical_batches, poisson_loader
 from dptune.models import BACKBONES, PEFTS, build_model, check_dp_compatible, trainable_parameter_count
-from dptune.plan import sample_rate, steps_per_epoch, total_steps
+from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, check_delta, epsilon_spent
 from dptune.trial import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialResult
 
@@ -196,8 +198,8 @@ class _Trial:
         check_dp_compatible(self.model)
         engine_factory = select_engine(config.engine, self.model, config.peft)  # refuses before σ is computed
         self.sample_rate = sample_rate(num_train, config.batch_size)
-        self.steps_per_epoch = steps_per_epoch(num_train, config.batch_size)
         self.steps = total_steps(num_train, config.batch_size, config.epochs)
+        self.epoch_steps = epoch_steps(num_train, config.batch_size, config.epochs)
         self.noise_multiplier = calibrate_noise_multiplier(config.epsilon, config.delta, self.sample_rate, self.steps)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, trainable, config.learning_rate)
@@ -211,10 +213,7 @@ class _Trial:
         noise_generator = torch.Generator(device=device).manual_seed(int(noise_seed))
         self.engine: DPEngine = engine_factory(self.model, self.spec, noise_generator)
         self.loader = poisson_loader(
-            workload.train,
-            self.sample_rate,
-            self.steps_per_epoch,
-            torch.Generator().manual_seed(int(sampling_seed)),
+            workload.train, self.sample_rate, self.steps, torch.Generator().manual_seed(int(sampling_seed))
         )
         self.probe = self._probe(int(probe_seed), trainable_parameter_count(self.model)) if config.diagnostics else ()
 
@@ -284,12 +283,13 @@ class _Trial:
         train_time = 0.0
         if 0 in probe_epochs:
             result.diagnostics.append(self.diagnose(0))
-        for epoch in range(1, config.epochs + 1):
+        batches = iter(self.loader)  # all T Poisson batches, one pass
+        for epoch, epoch_length in enumerate(self.epoch_steps, start=1):
             epoch_start = time.perf_counter()
             self.model.train()
             epoch_loss = 0.0
             epoch_examples = 0
-            for batch in self.loader:
+            for batch in itertools.islice(batches, epoch_length):
                 loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
                 steps_taken += 1
                 if not math.isfinite(loss):

@@ -78,6 +78,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("num_classes", pa.int64()),
             ("trainable_parameters", pa.int64()),
             ("wall_time_s", pa.float64()),
+            ("diagnostics_wall_time_s", pa.float64()),
             ("examples_per_s", pa.float64()),
             ("device", pa.string()),
             ("engine", pa.string()),
@@ -125,6 +126,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("mse_bias", pa.float64()),
             ("mse_variance", pa.float64()),
             ("optimal_clip_bound", pa.float64()),
+            ("expected_batch_size", pa.float64()),
+            ("wall_time_s", pa.float64()),
             ("grad_norms", pa.list_(pa.float64())),
             ("labels", pa.list_(pa.int64())),
         ]
@@ -188,7 +191,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
         **{name: getattr(result, name) for name in (
             "noise_multiplier", "sample_rate", "steps", "epsilon_spent", "status", "reason",
             "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
-            "num_classes", "trainable_parameters", "wall_time_s", "examples_per_s", "device",
+            "num_classes", "trainable_parameters", "wall_time_s", "diagnostics_wall_time_s", "examples_per_s", "device",
             "engine")},
         "config": json.dumps(asdict(config), sort_keys=True),
         "versions": json.dumps(dict(versions), sort_keys=True),

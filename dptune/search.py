@@ -443,7 +443,7 @@ def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: in
         dataset=task.dataset, backbone=task.backbone, peft=task.peft,
         epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
         clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
-        optimizer=training.optimizer, clipping=plan.clipping, seed=space.seed,
+        optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=space.seed,
         fraction=task.fraction, examples_per_class=task.examples_per_class, classes=task.classes,
         max_tokens=task.max_tokens, validation_fraction=task.validation_fraction,
         max_physical_batch_size=space.resources.max_physical_batch_size,

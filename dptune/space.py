@@ -177,6 +177,9 @@ class TrainingSpec(_Strict):
 
     optimizer: Literal["adam", "sgd"] = "adam"
     clipping: ClippingRule = "normalized"
+    engine: Literal["auto", "film", "opacus"] = Field(
+        "auto", description="per-example gradients: dptune's FiLM engine for film/head where it supports "
+        "every trainable module (auto), or Opacus hooks")
     compare_auto_s: bool = Field(False, description="also run AUTO-S trials per cell (paper Fig. 5)")
     diagnostics: bool = True
     diagnostic_examples: int = Field(256, ge=8, le=512)

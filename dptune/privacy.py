@@ -12,8 +12,8 @@ the *upper* bound, so that a reported ε is a guarantee. Accuracy settings (the 
 The library's ``PRVAccountant`` steps (truncate the PRV to [−L, L], discretise it on a mesh with its
 mean matched, compose by FFT, read ε at δ) run here from the library's own parts, with one
 correction: the mean of the truncated PRV is integrated from the support's lower end log(1 − q)
-(``_TruncatedSubsampledGaussianPRV``). The library's quadrature misses that end for q ≈ 0.1 and
-σ ≲ 1 (large ε, few steps: e.g. ε = 8, q = 32/300, T = 27) and then refuses to discretise
+(``_TruncatedSubsampledGaussianPRV``). The library's quadrature misses that end for q a little
+above 0.1 and σ ≲ 1 (large ε, few steps: e.g. ε = 8, q = 32/300, T = 27) and then refuses to discretise
 ("Discrete mean differs from continuous mean significantly") whatever the domain size; a coarser
 mesh only hides the error (it then shifts the PRV right, overstating ε).
 
@@ -297,15 +297,15 @@ class _TruncatedSubsampledGaussianPRV:
     ``truncated`` is prv_accountant's ``PrivacyRandomVariableTruncated``; probabilities come from it
     unchanged. Its ``mean()`` (E[Y] = Σ over panels [l, r] of r·F(r) − l·F(l) − ∫ₗʳ F dt, panels split
     at t_min, ±0.1, ±0.01, …, ±1e-5, t_max) misses the support's lower end log(1 − q): the privacy
-    loss of the subsampled Gaussian is Y = log(1 − q + q·e^{(2x−1)/(2σ²)}) > log(1 − q), and for
-    q ≳ 0.1 and σ ≲ 1 much of the CDF's rise lies in the sliver [log(1 − q), −0.1] of the first panel
-    [−L, −0.1] (L ≈ 10–30), between the nodes of the Gauss–Kronrod rule, which then returns ∫F = 0
-    with a zero error estimate. The mean comes out too large by ∫_{log(1−q)}^{−0.1} F (8.5e-4 at
-    q = 0.107, σ = 0.735), more than the half-mesh (3.0e-4 at T = 27, eps_error = 0.01) that
-    ``CellCentred.discretise`` allows: "Discrete mean differs from continuous mean significantly"
-    (below that threshold the discretised PRV is silently shifted right: ε overstated). Here the
-    same formula runs with one more breakpoint, just above log(1 − q), so that the rule's nodes
-    cover the rise.
+    loss of the subsampled Gaussian is Y = log(1 − q + q·e^{(2x−1)/(2σ²)}) > log(1 − q), and for q
+    a little above 0.1 and σ ≲ 1 much of the CDF's rise lies in the sliver [log(1 − q), −0.1] of the
+    first panel [−L, −0.1] (L ≈ 10–30), between the nodes of the Gauss–Kronrod rule, which then
+    returns ∫F = 0 with a zero error estimate (likewise, smaller, for q a little above 0.01). The
+    mean comes out too large by ∫_{log(1−q)}^{−0.1} F (8.5e-4 at q = 0.107, σ = 0.735), more than the
+    half-mesh (3.0e-4 at T = 27, eps_error = 0.01) that ``CellCentred.discretise`` allows: "Discrete
+    mean differs from continuous mean significantly" (below that threshold the discretised PRV is
+    silently shifted right: ε overstated). Here the same formula runs with one more breakpoint, just
+    above log(1 − q), so that the rule's nodes cover the rise.
     """
 
     truncated: PrivacyRandomVariableTruncated

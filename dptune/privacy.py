@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import numbers
 import os
@@ -619,14 +620,23 @@ def tuning_privacy_cost(epsilon_per_trial: float, delta_per_trial: float, trials
 
     trial_events = [SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t)
                     for s, q, t in zip(sigmas, rates, step_counts)]
-    if len(trial_events) == 1:
-        accountant = RdpAccountant().compose(RepeatAndSelectDpEvent(trial_events[0], float(trials), float(shape)))
-        epsilon_selection = accountant.get_epsilon(delta_per_trial)
-    else:
-        orders = RdpAccountant()._orders  # dp_accounting's default orders
-        per_trial_rdp = np.max([RdpAccountant(orders).compose(event)._rdp for event in trial_events], axis=0)
-        selection_rdp = _compute_rdp_repeat_and_select(orders, per_trial_rdp, float(trials), float(shape))
-        epsilon_selection = compute_epsilon(orders, selection_rdp, delta_per_trial)[0]
+    # dp_accounting logs a warning for each fractional RDP order whose series does not converge;
+    # it then sets that order's RDP to ∞, which only drops the order from the minimum over
+    # orders (the bound stays valid, at worst looser). Keep those lines out of the user's terminal.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        if len(trial_events) == 1:
+            accountant = RdpAccountant().compose(RepeatAndSelectDpEvent(trial_events[0], float(trials), float(shape)))
+            epsilon_selection = accountant.get_epsilon(delta_per_trial)
+        else:
+            orders = RdpAccountant()._orders  # dp_accounting's default orders
+            per_trial_rdp = np.max([RdpAccountant(orders).compose(event)._rdp for event in trial_events], axis=0)
+            selection_rdp = _compute_rdp_repeat_and_select(orders, per_trial_rdp, float(trials), float(shape))
+            epsilon_selection = compute_epsilon(orders, selection_rdp, delta_per_trial)[0]
+    finally:
+        absl_logger.setLevel(level)
     return TuningCost(
         trials=int(trials),
         epsilon_per_trial=epsilon_per_trial,

@@ -296,12 +296,10 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def result_datasets() -> list[str]:
-    """The result datasets ``test_analysis.py`` and ``test_report.py`` read: the one place to swap.
+def result_datasets(tiny_search: SearchRun) -> list[str]:
+    """The result datasets ``test_analysis.py`` and ``test_report.py`` read: the real tiny search.
 
-    Today two synthetic grid searches written with ``dptune.records`` (``tests/tiny_results.py``);
-    for the real tiny search: ``def result_datasets(tiny_search): return [str(tiny_search.root)]``.
+    (``tests/tiny_results.py`` writes synthetic two-task searches with the same structure, for
+    tests that need several tasks; ``results_paths()`` there.)
     """
-    from tiny_results import results_paths
-
-    return list(results_paths())
+    return [str(tiny_search.root)]

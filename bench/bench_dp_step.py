@@ -30,7 +30,7 @@ measured. A last column checks that the FiLM engine computes what Opacus does:
 
 Run (from the repository root)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_dp_step.py --device cpu --threads 1 --out bench/out/dp_step_cpu
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_dp_step.py --device cpu --threads 1 --out build/bench/dp_step_cpu
     # on a GPU machine without the venv (the device image has torch, timm, transformers but no
     # Opacus): copy the venv's pure-Python opacus package to build/device/ (git-ignored), carry it
     mkdir -p build/device && cp -r .venv/lib/python3.11/site-packages/opacus build/device/

@@ -256,6 +256,37 @@ def _empty_panel(ax: Axes, title: str) -> None:
     ax.text(0.5, 0.5, "not in the results", ha="center", va="center", transform=ax.transAxes, color="dimgrey")
 
 
+#: One drawn panel of a (task, E) grid: its axes, the task, E and the rows of the frame it shows.
+Panel = tuple[Axes, str, int, pd.DataFrame]
+
+
+def _task_epoch_panels(ctx: Context, frame: pd.DataFrame, width: float = 4.0,
+                       height: float = 3.1) -> tuple[Figure, np.ndarray, list[Panel]]:
+    """A figure with one panel per (task, E) of ``frame``: rows are the tasks in report order,
+    columns the E values ascending. A panel ``frame`` has no rows for is marked empty; the others
+    are returned for the caller to draw."""
+    tasks = [t for t in ctx.tasks if t in set(frame["task"])]
+    epochs = sorted(frame["epochs"].unique())
+    figure, axes = _new_figure(len(tasks), len(epochs), width=width, height=height)
+    panels: list[Panel] = []
+    for row, task in enumerate(tasks):
+        for column, n_epochs in enumerate(epochs):
+            part = frame[(frame["task"] == task) & (frame["epochs"] == n_epochs)]
+            if part.empty:
+                _empty_panel(axes[row, column], f"{task}\nE = {n_epochs}")
+            else:
+                panels.append((axes[row, column], task, n_epochs, part))
+    return figure, axes, panels
+
+
+def _label_panel(ax: Axes, title: str, xlabel: str, ylabel: str, grid_axis: str = "both") -> None:
+    """Axis labels, a small title and a light grid: the dress every line and box panel shares."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+
+
 def _figure_legend(figure: Figure, axes: np.ndarray, columns: int) -> None:
     """One legend below the panels with every labelled artist of ``axes`` (first of each label)."""
     entries: dict[str, object] = {}
@@ -453,39 +484,29 @@ def _grad_norms(ctx: Context) -> Section:
     if "stratum" not in samples:
         samples["stratum"] = "all"
     samples["stratum"] = samples["stratum"].fillna("all")
-    tasks = [t for t in ctx.tasks if t in set(samples["task"])]
-    epochs = sorted(samples["epochs"].unique())
-    figure, axes = _new_figure(len(tasks), len(epochs), width=4.2, height=3.2)
+    figure, _, panels = _task_epoch_panels(ctx, samples, width=4.2, height=3.2)
     strata = [s for s in (*an.STRATA, "all") if s in set(samples["stratum"])]
     width = 0.8 / len(strata)
-    for row, task in enumerate(tasks):
-        for column, n_epochs in enumerate(epochs):
-            ax = axes[row, column]
-            part = samples[(samples["task"] == task) & (samples["epochs"] == n_epochs)]
-            if part.empty:
-                _empty_panel(ax, f"{task}\nE = {n_epochs}")
+    for ax, task, n_epochs, part in panels:
+        epsilons = sorted(part["epsilon"].unique())
+        for s, stratum in enumerate(strata):
+            data = [part[(part["epsilon"] == e) & (part["stratum"] == stratum)]["grad_norm"].to_numpy()
+                    for e in epsilons]
+            positions = [i + (s - (len(strata) - 1) / 2) * width for i in range(len(epsilons))]
+            keep = [k for k, d in enumerate(data) if len(d)]
+            if not keep:
                 continue
-            epsilons = sorted(part["epsilon"].unique())
-            for s, stratum in enumerate(strata):
-                data = [part[(part["epsilon"] == e) & (part["stratum"] == stratum)]["grad_norm"].to_numpy()
-                        for e in epsilons]
-                positions = [i + (s - (len(strata) - 1) / 2) * width for i in range(len(epsilons))]
-                keep = [k for k, d in enumerate(data) if len(d)]
-                if not keep:
-                    continue
-                boxes = ax.boxplot([data[k] for k in keep], positions=[positions[k] for k in keep], widths=width * 0.9,
-                                   patch_artist=True, showfliers=False)
-                for patch in boxes["boxes"]:
-                    patch.set_facecolor("white" if stratum == an.EASY else "lightgrey")
-                    patch.set_hatch("" if stratum == an.EASY else "//")
-                for median in boxes["medians"]:
-                    median.set_color("black")
-            ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
-            _log_axis(ax, "y", data=part["grad_norm"])
-            ax.set_xlabel("privacy budget ε")
-            ax.set_ylabel("per-example gradient norm ‖g_i‖ (log)")
-            ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
-            ax.grid(True, axis="y", alpha=0.3)
+            boxes = ax.boxplot([data[k] for k in keep], positions=[positions[k] for k in keep], widths=width * 0.9,
+                               patch_artist=True, showfliers=False)
+            for patch in boxes["boxes"]:
+                patch.set_facecolor("white" if stratum == an.EASY else "lightgrey")
+                patch.set_hatch("" if stratum == an.EASY else "//")
+            for median in boxes["medians"]:
+                median.set_color("black")
+        ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
+        _log_axis(ax, "y", data=part["grad_norm"])
+        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε", "per-example gradient norm ‖g_i‖ (log)",
+                     grid_axis="y")
     handles = [Patch(facecolor="white" if s == an.EASY else "lightgrey",
                                         hatch="" if s == an.EASY else "//", edgecolor="black", label=f"{s} classes")
                for s in strata]
@@ -526,29 +547,18 @@ def _retention(ctx: Context) -> Section:
 def _stratum_lines(ctx: Context, section: Section, frame: pd.DataFrame, x: str, y: str, scale: float,
                    ylabel: str, key: str) -> None:
     """Panels per (task, E): one line per (ε, stratum) of ``y`` against log ``x``."""
-    tasks = [t for t in ctx.tasks if t in set(frame["task"])]
-    epochs = sorted(frame["epochs"].unique())
     epsilons = sorted(frame["epsilon"].unique())
     colors = dict(zip(epsilons, _series_colors(len(epsilons))))
-    figure, axes = _new_figure(len(tasks), len(epochs), width=4.0, height=3.1)
-    for row, task in enumerate(tasks):
-        for column, n_epochs in enumerate(epochs):
-            ax = axes[row, column]
-            part = frame[(frame["task"] == task) & (frame["epochs"] == n_epochs)]
-            if part.empty:
-                _empty_panel(ax, f"{task}\nE = {n_epochs}")
-                continue
-            for k, epsilon in enumerate(epsilons):
-                for stratum, (style, marker) in STRATUM_STYLE.items():
-                    line = part[(part["epsilon"] == epsilon) & (part["stratum"] == stratum)].sort_values(x)
-                    if len(line):
-                        ax.plot(line[x], scale * line[y], linestyle=style, marker=marker, color=colors[epsilon],
-                                markersize=4)
-            _log_axis(ax, "x", part[x].unique())
-            ax.set_xlabel("clip bound C (gradient norm, log scale)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
-            ax.grid(True, alpha=0.3)
+    figure, _, panels = _task_epoch_panels(ctx, frame)
+    for ax, task, n_epochs, part in panels:
+        for epsilon in epsilons:
+            for stratum, (style, marker) in STRATUM_STYLE.items():
+                line = part[(part["epsilon"] == epsilon) & (part["stratum"] == stratum)].sort_values(x)
+                if len(line):
+                    ax.plot(line[x], scale * line[y], linestyle=style, marker=marker, color=colors[epsilon],
+                            markersize=4)
+        _log_axis(ax, "x", part[x].unique())
+        _label_panel(ax, f"{task}\nE = {n_epochs}", "clip bound C (gradient norm, log scale)", ylabel)
     handles = [Line2D([], [], color=colors[e], marker=_MARKERS[0], label=f"ε = {e:g}") for e in epsilons]
     handles += [Line2D([], [], color="black", linestyle=s, marker=m, label=f"{name} classes")
                 for name, (s, m) in STRATUM_STYLE.items()]
@@ -567,28 +577,18 @@ def _auto_s(ctx: Context) -> Section:
     if table.empty:
         section.note("Missing: no cell has both a finished AUTO-S and a finished tuned-C trial.")
         return section
-    tasks = [t for t in ctx.tasks if t in set(table["task"])]
-    epochs = sorted(table["epochs"].unique())
-    figure, axes = _new_figure(len(tasks), len(epochs), width=4.0, height=3.1)
+    figure, axes, panels = _task_epoch_panels(ctx, table)
     lines = (("tuned", "test_accuracy", "-", "o", "tuned C, all classes"),
              ("auto_s", "test_accuracy", "--", "o", "AUTO-S, all classes"),
              ("tuned", an.HARD, "-", "s", "tuned C, hard classes"),
              ("auto_s", an.HARD, "--", "s", "AUTO-S, hard classes"))
-    for row, task in enumerate(tasks):
-        for column, n_epochs in enumerate(epochs):
-            ax = axes[row, column]
-            part = table[(table["task"] == task) & (table["epochs"] == n_epochs)].sort_values("epsilon")
-            if part.empty:
-                _empty_panel(ax, f"{task}\nE = {n_epochs}")
-                continue
-            for method, measure, style, marker, label in lines:
-                ax.plot(part["epsilon"], 100 * part[f"{method}_{measure}"].astype(float), linestyle=style,
-                        marker=marker, color="black" if method == "tuned" else "grey", label=label)
-            _log_axis(ax, "x", part["epsilon"])
-            ax.set_xlabel("privacy budget ε (log scale)")
-            ax.set_ylabel("test accuracy (%)")
-            ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
-            ax.grid(True, alpha=0.3)
+    for ax, task, n_epochs, part in panels:
+        part = part.sort_values("epsilon")
+        for method, measure, style, marker, label in lines:
+            ax.plot(part["epsilon"], 100 * part[f"{method}_{measure}"].astype(float), linestyle=style,
+                    marker=marker, color="black" if method == "tuned" else "grey", label=label)
+        _log_axis(ax, "x", part["epsilon"])
+        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)", "test accuracy (%)")
     _figure_legend(figure, axes, 2)
     figure.suptitle("Best tuned-C trial against best AUTO-S trial (both selected on validation)", fontsize=10)
     ctx.writer.figure(section, figure, "fig5-auto-s")
@@ -689,38 +689,29 @@ def _clipping(ctx: Context) -> Section:
     section.text("C* minimises the per-step MSE of the clipped noisy gradient against the true one on the probe "
                  "(Theorem 5.2, no sampling noise); it needs the true gradients, so it explains the tuned C "
                  "rather than picking it privately. Lower MSE tightens the per-step progress bound (Theorem 5.4).")
-    tasks = [t for t in ctx.tasks if t in set(table["task"])]
-    epochs = sorted(table["epochs"].unique())
     best = an.optimal_settings(ctx.results, ctx.options.near_optimal)
-    figure, axes = _new_figure(len(tasks), len(epochs), width=4.0, height=3.1)
-    for row, task in enumerate(tasks):
-        for column, n_epochs in enumerate(epochs):
-            ax = axes[row, column]
-            part = table[(table["task"] == task) & (table["epochs"] == n_epochs)].sort_values("epsilon")
-            tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
-            if part.empty:
-                _empty_panel(ax, f"{task}\nE = {n_epochs}")
-                continue
-            ax.fill_between(part["epsilon"], part["optimal_clip_low"], part["optimal_clip_high"], color="grey",
-                            alpha=0.3, label="C* range over the cell's trials")
-            ax.plot(part["epsilon"], part["optimal_clip_bound"], color="grey", marker="D", linestyle="--",
-                    label="C* of the best trial")
-            y = tuned["clip_bound"].to_numpy(dtype=float)
-            ax.errorbar(tuned["epsilon"], y, yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float),
-                                                             tuned["clip_high"].to_numpy(dtype=float) - y]),
-                        color="black", marker="o", capsize=3, label="tuned C (near-optimal range)")
-            _log_axis(ax, "x", part["epsilon"])
-            _log_axis(ax, "y", data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"],
-                                     *tuned["clip_high"]])
-            ax.set_xlabel("privacy budget ε (log scale)")
-            ax.set_ylabel("clip bound (gradient norm, log scale)")
-            ax.set_title(f"{task}\nE = {n_epochs}", fontsize=8)
-            ax.grid(True, alpha=0.3)
+    figure, axes, panels = _task_epoch_panels(ctx, table)
+    for ax, task, n_epochs, part in panels:
+        part = part.sort_values("epsilon")
+        tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
+        ax.fill_between(part["epsilon"], part["optimal_clip_low"], part["optimal_clip_high"], color="grey",
+                        alpha=0.3, label="C* range over the cell's trials")
+        ax.plot(part["epsilon"], part["optimal_clip_bound"], color="grey", marker="D", linestyle="--",
+                label="C* of the best trial")
+        y = tuned["clip_bound"].to_numpy(dtype=float)
+        ax.errorbar(tuned["epsilon"], y, yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float),
+                                                         tuned["clip_high"].to_numpy(dtype=float) - y]),
+                    color="black", marker="o", capsize=3, label="tuned C (near-optimal range)")
+        _log_axis(ax, "x", part["epsilon"])
+        _log_axis(ax, "y", data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"],
+                                 *tuned["clip_high"]])
+        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)",
+                     "clip bound (gradient norm, log scale)")
     _figure_legend(figure, axes, 3)
     figure.suptitle("Optimal clip bound C* (Theorem 5.2) against the tuned C", fontsize=10)
     ctx.writer.figure(section, figure, "fig7a-optimal-clip")
     points = an.mse_split(ctx.results)
-    for task in tasks:
+    for task in [t for t in ctx.tasks if t in set(table["task"])]:
         part = points[points["task"] == task]
         epsilons, epoch_list = _budgets(part, task)
         figure, axes = _new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9)
@@ -748,10 +739,8 @@ def _clipping(ctx: Context) -> Section:
                           [*cell["clip_bound"],
                            *row_best[["tuned_clip_bound", "optimal_clip_median"]].to_numpy().ravel()])
                 _log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
-                ax.set_xlabel("trial clip bound C (log scale)")
-                ax.set_ylabel("per-step MSE (squared gradient norm)")
-                ax.set_title(f"ε = {epsilon:g}, E = {n_epochs}", fontsize=8)
-                ax.grid(True, alpha=0.3)
+                _label_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}", "trial clip bound C (log scale)",
+                             "per-step MSE (squared gradient norm)")
         _figure_legend(figure, axes, 3)
         figure.suptitle(f"{task}: MSE of the clipped noisy gradient, one point per trial", fontsize=10)
         ctx.writer.figure(section, figure, "fig7b-mse-split", task)

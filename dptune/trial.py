@@ -89,6 +89,11 @@ class Diagnostics:
     ``mse_variance`` split the per-step MSE of the clipped-noised mean gradient at the trial's C
     for a step of ``expected_batch_size`` examples (normalisation: see ``dptune.dp.diagnostics``).
     ``wall_time_s`` is what computing this record cost.
+
+    Not private: the record is computed from the probe examples' exact gradients and released
+    without noise, so it is outside the trial's (ε, δ) guarantee (a research diagnostic, as in the
+    paper). A deployment whose results leave the data owner's trust boundary sets
+    ``TrialConfig.diagnostics = False``.
     """
 
     epoch: int

@@ -295,11 +295,17 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
 # --------------------------------------------------------------------------- results for analysis and report tests
 
 
-@pytest.fixture(scope="session")
-def result_datasets(tiny_search: SearchRun) -> list[str]:
-    """The result datasets ``test_analysis.py`` and ``test_report.py`` read: the real tiny search.
+@pytest.fixture(scope="session", params=["real", "synthetic"])
+def result_datasets(request: pytest.FixtureRequest) -> list[str]:
+    """The result datasets ``test_analysis.py`` and ``test_report.py`` read; each test runs on both:
 
-    (``tests/tiny_results.py`` writes synthetic two-task searches with the same structure, for
-    tests that need several tasks; ``results_paths()`` there.)
+    - ``real``: the real tiny search of ``tests/spaces/tiny.yaml`` (one task, trained trials);
+    - ``synthetic``: two searches written with ``dptune.records`` by ``tests/tiny_results.py``,
+      tasks of known difficulty, so the multi-task views (difficulty ranking, trends across
+      tasks) have something to rank.
     """
-    return [str(tiny_search.root)]
+    if request.param == "real":
+        return [str(request.getfixturevalue("tiny_search").root)]
+    from tiny_results import results_paths
+
+    return list(results_paths())

@@ -296,7 +296,6 @@ def test_unsupported_modules_are_named_and_selection_falls_back() -> None:
     refused = unsupported_modules(full)
     assert "backbone.net.patch_embed.proj (Conv2d)" in refused
     assert any(name.startswith("backbone.net (VisionTransformer") for name in refused)  # cls_token, pos_embed
-    assert not FilmEngine.supports(full)
     assert select_engine("auto", full, "full") is OpacusEngine
     with pytest.raises(ValueError, match="patch_embed.proj"):
         select_engine("film", full, "film")
@@ -304,7 +303,7 @@ def test_unsupported_modules_are_named_and_selection_falls_back() -> None:
         FilmEngine(full, spec_for("standard", 1.0), torch.Generator())
 
     film = build_model(VIT, "film", 10, pretrained=False, image_size=32)
-    assert unsupported_modules(film) == [] and FilmEngine.supports(film)
+    assert unsupported_modules(film) == []
     assert select_engine("auto", film, "film") is FilmEngine
 
     channels_first = nn.Sequential(LayerNorm2d(3), nn.Flatten(), nn.Linear(12, 2))

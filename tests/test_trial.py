@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -194,3 +197,28 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+#: Modules that must stay importable without torch and Ray (readers of results, the report, the
+#: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
+TORCH_FREE_MODULES = ("dptune.trial", "dptune.records", "dptune.analysis", "dptune.report", "dptune.space")
+
+
+def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
+    # one fresh interpreter; after each import, the torch/Ray modules loaded so far (the first
+    # module that pulls one in is the culprit); then a module that does use torch, as a control
+    # that the check sees it
+    code = (
+        "import importlib, json, sys\n"
+        "heavy = {}\n"
+        f"for name in {(*TORCH_FREE_MODULES, 'dptune.dp.engine')!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    heavy[name] = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray'})\n"
+        "print(json.dumps(heavy))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1]
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert loaded == {**{name: [] for name in TORCH_FREE_MODULES}, "dptune.dp.engine": ["torch"]}

@@ -244,6 +244,24 @@ def _listing_digest(files: Sequence[Path], labels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def _image_files_dataset(
+    name: str, class_names: Sequence[str], files: Sequence[str | Path], labels: Sequence[int], image_size: int | None
+) -> RawDataset:
+    """A dataset of image files read lazily at ``image_size`` px (default ``FOLDER_IMAGE_SIZE``),
+    with no official train/test split, fingerprinted by its file listing."""
+    paths = [Path(path) for path in files]
+    label_array = np.asarray(labels, dtype=np.int64)
+    return RawDataset(
+        name=name,
+        modality="image",
+        class_names=list(class_names),
+        inputs=ImageFiles(paths, image_size or FOLDER_IMAGE_SIZE),
+        labels=label_array,
+        num_official_train=None,
+        fingerprint=_listing_digest(paths, label_array),
+    )
+
+
 def load_sun397(root: Path | None = None, image_size: int | None = None) -> RawDataset:
     """SUN397 (108,754 scene images, 397 classes) via torchvision, read lazily; no official split."""
     import torchvision
@@ -258,16 +276,7 @@ def load_sun397(root: Path | None = None, image_size: int | None = None) -> RawD
             "on a machine with network run torchvision.datasets.SUN397(root, download=True) and "
             "copy the SUN397 folder there",
         ) from error
-    files, labels = list(dataset._image_files), np.asarray(dataset._labels, dtype=np.int64)
-    return RawDataset(
-        name="sun397",
-        modality="image",
-        class_names=list(dataset.classes),
-        inputs=ImageFiles(files, image_size or FOLDER_IMAGE_SIZE),
-        labels=labels,
-        num_official_train=None,
-        fingerprint=_listing_digest(files, labels),
-    )
+    return _image_files_dataset("sun397", dataset.classes, dataset._image_files, dataset._labels, image_size)
 
 
 def load_cassava(root: Path | None = None, image_size: int | None = None) -> RawDataset:
@@ -283,17 +292,8 @@ def load_cassava(root: Path | None = None, image_size: int | None = None) -> Raw
             "put the Cassava leaf images there, one sub-folder per class (ImageFolder layout)",
         )
     dataset = torchvision.datasets.ImageFolder(str(folder))
-    files = [Path(path) for path, _ in dataset.samples]
-    labels = np.asarray(dataset.targets, dtype=np.int64)
-    return RawDataset(
-        name="cassava",
-        modality="image",
-        class_names=list(dataset.classes),
-        inputs=ImageFiles(files, image_size or FOLDER_IMAGE_SIZE),
-        labels=labels,
-        num_official_train=None,
-        fingerprint=_listing_digest(files, labels),
-    )
+    files = [path for path, _ in dataset.samples]
+    return _image_files_dataset("cassava", dataset.classes, files, dataset.targets, image_size)
 
 
 DATASETS: dict[str, DatasetInfo] = {

@@ -24,6 +24,9 @@ sum-form MSE is n² times the one above).
 
 These use the *standard* clipped sum for every rule (the theorem's setting): ``normalized``
 divides the same sum by C, a scale the learning rate absorbs.
+
+None of this is differentially private: it reads exact per-example gradients of training
+examples and releases norms, labels and C* without noise, outside the trial's (ε, δ) accounting.
 """
 
 from __future__ import annotations

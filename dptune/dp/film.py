@@ -299,11 +299,6 @@ class FilmEngine:
         self._anchor = torch.zeros((), device=self._device, requires_grad=True)
         self.last_grad_norms = torch.zeros(0, device=self._device)
 
-    @staticmethod
-    def supports(model: nn.Module) -> bool:
-        """Whether every trainable module of ``model`` is supported (else :func:`unsupported_modules` says which)."""
-        return not unsupported_modules(model)
-
     @contextlib.contextmanager
     def _taps(self) -> Iterator[None]:
         """Forward hooks that wrap each trainable module's output in a :class:`_Tap`, removed on exit."""

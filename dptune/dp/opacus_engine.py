@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
 import weakref
+from collections.abc import Iterable, Iterator
 from weakref import WeakKeyDictionary
 
 import torch

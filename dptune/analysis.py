@@ -295,7 +295,8 @@ def class_strata(results: Results, hard_fraction: float = 0.5,
 
     Default: the reference trial of a task is its best (validation) finished trial at the
     task's largest ε that recorded per-class accuracies; its ⌈hard_fraction·K⌉ classes of lowest
-    test accuracy (ties: smaller label) are hard, at least one and at most K − 1 (0.5 = median
+    *validation* accuracy (ties: smaller label; never test accuracy, which the strata are then
+    used to report) are hard, at least one and at most K − 1 (0.5 = median
     split). With ``hard_classes`` (labels or class names, matched as text) exactly those
     classes are hard, in every task that has them.
 
@@ -305,7 +306,7 @@ def class_strata(results: Results, hard_fraction: float = 0.5,
     if not 0 < hard_fraction < 1:
         raise AnalysisError(f"hard_fraction must lie strictly between 0 and 1, got {hard_fraction}")
     columns = ["task", "label", "class_name", "reference_accuracy", "reference_trial", "stratum"]
-    classes = results.classes[results.classes["test_accuracy"].notna()]
+    classes = results.classes[results.classes["val_accuracy"].notna()]
     with_classes = results.finished.merge(classes[["search_id", "trial_id"]].drop_duplicates(),
                                           on=["search_id", "trial_id"])
     if with_classes.empty:
@@ -314,8 +315,8 @@ def class_strata(results: Results, hard_fraction: float = 0.5,
         return pd.DataFrame(columns=columns)
     loosest = with_classes[with_classes["epsilon"] == with_classes.groupby("task")["epsilon"].transform("max")]
     reference = select_best(loosest, ["task"])[["search_id", "trial_id", "task"]]
-    table = classes.merge(reference, on=["search_id", "trial_id", "task"])
-    table = table.rename(columns={"test_accuracy": "reference_accuracy", "trial_id": "reference_trial"})
+    table = classes.drop(columns="test_accuracy").merge(reference, on=["search_id", "trial_id", "task"])
+    table = table.rename(columns={"val_accuracy": "reference_accuracy", "trial_id": "reference_trial"})
     table = table.sort_values(["task", "reference_accuracy", "label"]).reset_index(drop=True)
     if hard_classes:
         wanted = {str(c) for c in hard_classes}

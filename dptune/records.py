@@ -107,6 +107,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("trial_id", pa.string()),
             ("label", pa.int64()),
             ("class_name", pa.string()),
+            ("val_accuracy", pa.float64()),  # per-class strata are decided on this, never on test
             ("test_accuracy", pa.float64()),
             ("diagnostic_epoch", pa.int64()),
             ("probe_examples", pa.int64()),
@@ -200,7 +201,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
     epochs = [{**keys, **asdict(metrics)} for metrics in result.epochs]
     last = result.diagnostics[-1] if result.diagnostics else None
     per_class = {c.label: c for c in last.classes} if last else {}
-    labels = sorted(set(result.class_accuracy) | set(per_class))
+    labels = sorted(set(result.class_accuracy) | set(result.class_val_accuracy) | set(per_class))
     classes = []
     for label in labels:
         diag = per_class.get(label)
@@ -208,6 +209,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
             **keys,
             "label": label,
             "class_name": result.class_names.get(label, str(label)),
+            "val_accuracy": result.class_val_accuracy.get(label),
             "test_accuracy": result.class_accuracy.get(label),
             "diagnostic_epoch": last.epoch if diag else None,
             "probe_examples": diag.examples if diag else None,

@@ -352,7 +352,7 @@ def _overview(ctx: Context) -> Section:
                      "per-stratum views are left out.")
     else:
         rule = ("the classes given with --hard-classes" if ctx.options.hard_classes else
-                f"the ⌈{ctx.options.hard_fraction:g}·K⌉ classes with the lowest test accuracy in the reference "
+                f"the ⌈{ctx.options.hard_fraction:g}·K⌉ classes with the lowest validation accuracy in the reference "
                 "trial (the best validation trial at the task's largest ε)")
         section.text(f"Difficulty strata: hard classes are {rule}; the others are easy. A stratum's accuracy is "
                      "the unweighted mean of its classes' test accuracies.")

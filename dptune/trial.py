@@ -136,6 +136,7 @@ class TrialResult:
     engine: str = ""
     epochs: list[EpochMetrics] = field(default_factory=list)
     class_accuracy: dict[int, float] = field(default_factory=dict)  # test accuracy per class
+    class_val_accuracy: dict[int, float] = field(default_factory=dict)  # validation accuracy per class
     class_names: dict[int, str] = field(default_factory=dict)
     diagnostics: list[Diagnostics] = field(default_factory=list)
 

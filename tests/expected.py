@@ -45,12 +45,12 @@ def hard_labels(paths: Sequence[str], hard_fraction: float = 0.5) -> dict[tuple[
     trials = read(paths, "trials")
     classes = read(paths, "classes")
     ok = trials[(trials["status"] == "ok")]
-    ok = ok[ok["trial_id"].isin(classes.loc[classes["test_accuracy"].notna(), "trial_id"])]
+    ok = ok[ok["trial_id"].isin(classes.loc[classes["val_accuracy"].notna(), "trial_id"])]
     hard = {}
     for key, task in ok.groupby(TASK):
         reference = best(task[task["epsilon"] == task["epsilon"].max()], TASK).iloc[0]
         own = classes[(classes["trial_id"] == reference["trial_id"]) & (classes["search_id"] == reference["search_id"])]
-        own = own.sort_values(["test_accuracy", "label"])
+        own = own.sort_values(["val_accuracy", "label"])  # strata come from validation, never test
         count = min(max(math.ceil(hard_fraction * len(own)), 1), len(own) - 1)
         hard[key] = set(own["label"].iloc[:count])
     return hard

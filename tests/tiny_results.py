@@ -185,6 +185,8 @@ def _result(task: SyntheticTask, epsilon: float, epochs: int, clip_bound: float,
         num_classes=len(task.class_names), trainable_parameters=task.feature_dimension * len(task.class_names),
         val_accuracy=val, test_accuracy=test, train_loss=per_epoch[-1].train_loss, wall_time_s=0.8 * epochs,
         examples_per_s=task.num_train / 0.8, device="cpu", engine="film", epochs=per_epoch, class_accuracy=classes,
+        class_val_accuracy={label: float(np.clip(accuracy + _rng(task.name, epsilon, epochs, key, label).normal(0.0, 0.02),
+                                                 0.0, 1.0)) for label, accuracy in classes.items()},
         class_names=dict(enumerate(task.class_names)),
         diagnostics=_diagnostics(task, config, sigma, key))
 

@@ -327,6 +327,7 @@ class _Trial:
                 result.test_accuracy = test.accuracy
                 result.train_loss = metrics.train_loss
                 result.class_accuracy = test.class_accuracy()
+                result.class_val_accuracy = val.class_accuracy()
             if report is not None:
                 report(metrics)
             if epoch in probe_epochs:

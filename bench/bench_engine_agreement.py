@@ -1,11 +1,10 @@
 """Does a DP search give the same accuracies with the FiLM engine as with Opacus? (issue 7)
 
 Runs the same grid search on the embedded task three times through ``python -m dptune.search``:
-engine ``film`` (seed 0), engine ``opacus`` (seed 0) and engine ``opacus`` (seed 1). The two
-engines compute the same clipped sum but draw the DP noise differently, so with one seed they
-are two noise draws of one configuration; seed 1 shows how much accuracy moves between two
-draws of the same engine (seed noise). The agreement holds when the FiLM-vs-Opacus differences
-look like the seed-to-seed differences.
+engine ``film`` (seed 0), engine ``opacus`` (seed 0) and engine ``opacus`` (seed 1). Both
+engines compute the same clipped sum and take their noise from the trial's seeded generator;
+seed 1 shows how much accuracy moves between two noise draws of one engine (seed noise). The
+agreement holds when the FiLM-vs-Opacus differences are no larger than the seed-to-seed ones.
 
     python bench/bench_engine_agreement.py [--out FILE.json]
 """

@@ -220,7 +220,10 @@ def _new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2
 
 
 def _tick(value: float) -> str:
-    """A tick label: three significant digits, positional (1000, 0.001), never 1e+03."""
+    """A tick label: whole numbers exactly (batch sizes: 1024, not 1020), others to three
+    significant digits, positional (0.001), never 1e+03."""
+    if value >= 1 and float(value).is_integer():
+        return str(int(value))
     return np.format_float_positional(value, precision=3, unique=False, fractional=False, trim="-")
 
 

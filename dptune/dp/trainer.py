@@ -15,6 +15,7 @@ calibration. Same seed and device → same result (CPU: bit-identical).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
@@ -341,11 +342,18 @@ class _Trial:
         return result
 
 
+@functools.lru_cache(maxsize=2)
+def _process_workload(spec: WorkloadSpec) -> Workload:
+    """``load_workload`` memoised per process: the trials of a search that share a process (Ray
+    Tune reuses its actors) load the splits once. Trials only read the datasets."""
+    return load_workload(spec)
+
+
 def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
     """Check ``config``, load and build everything, then train; see the module docstring."""
     device = check_config(config)
     with torch_threads(config.threads):
-        workload = load_workload(workload_spec(config))
+        workload = _process_workload(workload_spec(config))
         num_train = len(workload.train)
         if config.batch_size > num_train:
             raise TrialConfigError(

@@ -2,17 +2,17 @@
 
 The service's cost has two parts, measured apart in one process:
 
-- per search cell (fixed): Tune's set-up and a fresh trial process (imports torch, Opacus,
-  dptune) for each cell run;
+- per search (fixed): Tune's set-up and fresh trial processes (imports torch, Opacus, dptune);
+  all cells of a search share one Tune run, so this is paid once per search;
 - per trial (marginal): scheduling, reporting each epoch, accounting look-ups and writing the
   Parquet rows, in a reused trial process.
 
 Method: after warming this process's imports and caches, run the same cell twice through
-``dptune.search.run_cell`` (Ray started beforehand, ``max_concurrent_trials = 1``), once with
+``dptune.search.run_cells`` (Ray started beforehand, ``max_concurrent_trials = 1``), once with
 ``--small`` and once with ``--large`` grid points, and run the large grid's configurations
 directly with ``run_trial`` (the baseline: the trials' own compute, sequential, same process).
 Then marginal overhead per trial = ((S_large − S_small) − (B_large − B_small)) / (large − small)
-and fixed overhead per cell run = S_small − B_small − small · marginal, where S is the service's
+and fixed overhead per Tune run = S_small − B_small − small · marginal, where S is the service's
 wall time and B the baseline's for the same configurations.
 
     python bench/bench_search_overhead.py [--max-train-examples N] [--epochs E] [--out FILE.json]
@@ -66,7 +66,7 @@ def main() -> None:
             search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,
             reference_batch_size=space.coupling.reference_batch_size)
         started = time.perf_counter()
-        search.run_cell(space, plan, context, resume=False)
+        search.run_cells(space, [plan], [context], resume=False)
         elapsed = time.perf_counter() - started
         from dptune.records import read_table
         ran = read_table(storage, "trials")
@@ -101,7 +101,7 @@ def main() -> None:
         "service_small_s": round(service_small, 2), "service_large_s": round(service_large, 2),
         "baseline_small_s": round(baseline_small, 2), "baseline_large_s": round(baseline_large, 2),
         "trial_compute_mean_s": round(baseline_large / len(configs_large), 2),
-        "overhead_per_trial_s": round(marginal, 2), "overhead_per_cell_run_s": round(fixed, 2),
+        "overhead_per_trial_s": round(marginal, 2), "overhead_per_tune_run_s": round(fixed, 2),
         "overhead_ratio_per_trial": round(marginal / (baseline_large / len(configs_large)), 3),
         "overhead_ratio_large_run": round(service_large / baseline_large - 1, 3),
     }

@@ -196,10 +196,24 @@ def _selection_value(result: TrialResult) -> float:
     return value if result.status == "ok" and math.isfinite(value) else 0.0
 
 
-def tune_trainable(params: dict[str, Any], context: TrialContext) -> None:
-    """Ray Tune function trainable: run one DP trial, report each epoch, record the result."""
+#: The key of a trial's Tune config that names its cell run; the other keys are the sampled (C, B, η₀).
+CELL_KEY = "cell"
+
+
+def sampled(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampled hyperparameters of a Tune config (without the cell key)."""
+    return {name: value for name, value in params.items() if name != CELL_KEY}
+
+
+def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) -> None:
+    """Ray Tune function trainable: run one DP trial, report each epoch, record the result.
+
+    ``params`` holds the sampled (C, B, η₀) and, under ``CELL_KEY``, the cell run it belongs to.
+    """
     from ray import tune
 
+    context = contexts[params[CELL_KEY]]
+    params = sampled(params)
     config = trial_config(context, params)
     trial_id = configuration_id(context.cell_key, params)
     store = ResultsStore(context.results_root)
@@ -305,12 +319,6 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
             self.inner.on_trial_complete(trial_id, result=result, error=error)
 
-        def save(self, checkpoint_path: str) -> None:
-            self.inner.save(checkpoint_path)
-
-        def restore(self, checkpoint_path: str) -> None:
-            self.inner.restore(checkpoint_path)
-
     return MinStepPruning(OptunaSearch(space=distributions, metric=METRIC, mode="max", sampler=sampler))
 
 
@@ -325,19 +333,21 @@ def record_pruned(context: TrialContext, plan: CellPlan, params: dict[str, Any],
     write_result(context, configuration_id(context.cell_key, params), result)
 
 
-def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
+def _make_callback(cells: dict[str, tuple[TrialContext, CellPlan]]) -> Any:
     """Driver-side callback: progress lines, and rows for trials that ended without recording."""
     from ray.tune import Callback
 
     class RecordAndReport(Callback):
         def __init__(self) -> None:
-            self.finished = 0
+            self.finished = dict.fromkeys(cells, 0)
 
         def _progress(self, trial: Any, what: str) -> None:
-            self.finished += 1
+            key = trial.config[CELL_KEY]
+            plan = cells[key][1]
+            self.finished[key] += 1
             cfg = trial.config
             clip = f"C={cfg['clip_bound']:.3g} " if "clip_bound" in cfg else ""
-            print(f"[{plan.cell.cell_id} {plan.clipping}] {self.finished}/{plan.trials} {what}: "
+            print(f"[{plan.cell.cell_id} {plan.clipping}] {self.finished[key]}/{plan.trials} {what}: "
                   f"{clip}B={cfg['batch_size']} η₀={cfg['base_learning_rate']:.3g}", flush=True)
 
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
@@ -354,10 +364,12 @@ def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
             self._progress(trial, f"error: {reason}")
 
         def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
-            trial_id = configuration_id(context.cell_key, trial.config)
+            context, plan = cells[trial.config[CELL_KEY]]
+            params = sampled(trial.config)
+            trial_id = configuration_id(context.cell_key, params)
             if ResultsStore(context.results_root).has_trial(trial_id):
                 return  # the trial wrote its full record before it was stopped
-            config = trial_config(context, trial.config)
+            config = trial_config(context, params)
             last = trial.last_result or {}
             epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
                 **{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
@@ -370,6 +382,103 @@ def _make_callback(context: TrialContext, plan: CellPlan) -> Any:
             write_result(context, trial_id, result)
 
     return RecordAndReport()
+
+
+def _make_multiplexer(searchers: dict[str, Any], budgets: dict[str, int]) -> Any:
+    """One Tune searcher over every cell run: each cell keeps its own sampler and budget."""
+    from ray import cloudpickle
+    from ray.tune.search import Searcher
+
+    class CellMultiplexer(Searcher):
+        """Round-robin over the cells that still have budget, so cells run side by side.
+
+        Each suggestion carries its cell under ``CELL_KEY``; results go back to that cell's
+        sampler only. State (per-cell counts, trial owners, each sampler's state) is saved and
+        restored with Tune's experiment checkpoints, so ``--resume`` continues every cell.
+        """
+
+        def __init__(self) -> None:
+            super().__init__(metric=METRIC, mode="max")
+            self.searchers = searchers
+            self.budgets = dict(budgets)
+            self.suggested = dict.fromkeys(searchers, 0)
+            self.owner: dict[str, str] = {}
+            self.turn = 0
+
+        def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001
+            return all(s.set_search_properties(metric, mode, config, **spec) for s in self.searchers.values())
+
+        def suggest(self, trial_id: str) -> dict | None:
+            while open_cells := [k for k in self.searchers if self.suggested[k] < self.budgets[k]]:
+                key = open_cells[self.turn % len(open_cells)]
+                self.turn += 1
+                params = self.searchers[key].suggest(trial_id)
+                if params == Searcher.FINISHED:  # a grid ran out early: close the cell
+                    self.budgets[key] = self.suggested[key]
+                    continue
+                if params is None:
+                    return None
+                self.suggested[key] += 1
+                self.owner[trial_id] = key
+                return {**params, CELL_KEY: key}
+            return Searcher.FINISHED
+
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            self.searchers[self.owner[trial_id]].on_trial_result(trial_id, result)
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            self.searchers[self.owner[trial_id]].on_trial_complete(trial_id, result=result, error=error)
+
+        def save(self, checkpoint_path: str) -> None:
+            # One file (Tune renames it into place): the per-cell samplers are local classes
+            # holding Optuna studies, which cloudpickle stores by value.
+            with open(checkpoint_path, "wb") as file:
+                cloudpickle.dump(self.__dict__, file)
+
+        def restore(self, checkpoint_path: str) -> None:
+            with open(checkpoint_path, "rb") as file:
+                self.__dict__.update(cloudpickle.load(file))
+
+    return CellMultiplexer()
+
+
+def _make_scheduler(space: SearchSpace, plans: dict[str, CellPlan]) -> Any:
+    """ASHA per cell (trials are compared only within their cell), or none."""
+    if space.scheduler is None:
+        return None
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    spec = space.scheduler
+
+    class PerCellASHA(FIFOScheduler):
+        """Routes each trial to its own cell's ASHA: accuracies at ε = 1 and ε = 8 never compete."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.cells = {key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                             grace_period=min(spec.grace_period, plan.cell.epochs),
+                                             reduction_factor=spec.reduction_factor)
+                          for key, plan in plans.items()}
+
+        def set_search_properties(self, metric, mode, **spec) -> bool:  # noqa: ANN001
+            return all(s.set_search_properties(metric, mode, **spec) for s in self.cells.values())
+
+        def _of(self, trial: Any) -> Any:
+            return self.cells[trial.config[CELL_KEY]]
+
+        def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+            self._of(trial).on_trial_add(tune_controller, trial)
+
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            return self._of(trial).on_trial_result(tune_controller, trial, result)
+
+        def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+            self._of(trial).on_trial_complete(tune_controller, trial, result)
+
+        def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
+            self._of(trial).on_trial_remove(tune_controller, trial)
+
+    return PerCellASHA()
 
 
 # --------------------------------------------------------------------------- the whole search
@@ -397,17 +506,21 @@ def _tune_storage(results_root: str) -> str:
     return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
 
 
-def run_cell(space: SearchSpace, plan: CellPlan, context: TrialContext, resume: bool) -> None:
-    """One Ray Tune run for one cell (resumed from its experiment state when asked)."""
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
+def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> None:
+    """One Ray Tune run for every cell of the search (resumed from its experiment state when asked).
 
+    The cells share the trial processes (one set-up, not one per cell) and run side by side; each
+    keeps its own sampler, budget and, with ASHA, its own scheduler.
+    """
+    from ray import tune
+
+    by_key = {plan.key: (context, plan) for plan, context in zip(plans, contexts, strict=True)}
     trainable = tune.with_resources(
-        tune.with_parameters(tune_trainable, context=context),
+        tune.with_parameters(tune_trainable, contexts={key: context for key, (context, _) in by_key.items()}),
         {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
     )
-    storage = _tune_storage(context.results_root)
-    experiment = f"{storage}/{plan.key}"
+    storage = _tune_storage(contexts[0].results_root)
+    experiment = f"{storage}/search"
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
@@ -415,20 +528,18 @@ def run_cell(space: SearchSpace, plan: CellPlan, context: TrialContext, resume: 
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:
-        scheduler = None
-        if space.scheduler is not None:
-            scheduler = ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
-                                      grace_period=min(space.scheduler.grace_period, plan.cell.epochs),
-                                      reduction_factor=space.scheduler.reduction_factor)
+        searchers = {key: _make_searcher(space, plan, context) for key, (context, plan) in by_key.items()}
         tuner = tune.Tuner(
             trainable,
             tune_config=tune.TuneConfig(
-                search_alg=_make_searcher(space, plan, context), scheduler=scheduler, metric=METRIC, mode="max",
-                num_samples=plan.trials, max_concurrent_trials=space.resources.max_concurrent_trials,
+                search_alg=_make_multiplexer(searchers, {plan.key: plan.trials for plan in plans}),
+                scheduler=_make_scheduler(space, {plan.key: plan for plan in plans}), metric=METRIC, mode="max",
+                num_samples=sum(plan.trials for plan in plans),
+                max_concurrent_trials=space.resources.max_concurrent_trials,
                 reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
             ),
             run_config=tune.RunConfig(
-                name=plan.key, storage_path=storage, callbacks=[_make_callback(context, plan)], verbose=0,
+                name="search", storage_path=storage, callbacks=[_make_callback(by_key)], verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             ),
         )
@@ -565,13 +676,12 @@ def run_search(options: SearchOptions) -> str:
     search_id = f"{name}-{loaded.spec_hash}"
     print(init_ray(options.address), flush=True)
     started = time.monotonic()
-    for plan in plans:
-        context = TrialContext(
-            base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
-            results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
-            coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size)
-        print(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.trials} trials", flush=True)
-        run_cell(space, plan, context, options.resume)
+    contexts = [TrialContext(
+        base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
+        results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+        coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size) for plan in plans]
+    print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
+    run_cells(space, plans, contexts, options.resume)
     store.write_part("search", search_id, search_rows(loaded, plans, search_id))
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
     print("best configuration per cell (selected on validation accuracy):")

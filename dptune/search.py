@@ -4,9 +4,10 @@
 ``ray job submit -- python -m dptune.search ...`` on a cluster (joins it through RAY_ADDRESS).
 
 Flow: validate the space and the flags (no compute) → load the workload once in the driver
-(fills the feature cache) → plan each cell (steps, σ, min-step pruning) → one Ray Tune run per
-cell, each with its own Optuna sampler → each trial writes its own Parquet rows when it ends →
-the search table (with the privacy cost of tuning) → summary table → report.
+(fills the feature cache) → plan each cell (steps, σ, min-step pruning) → one Ray Tune run for
+all cells, each cell with its own Optuna sampler, budget and (optionally) ASHA scheduler, cells
+side by side → each trial writes its own Parquet rows when it ends → the search table (with the
+privacy cost of tuning) → summary table → report.
 
 Ray appears only here: a trial (``dptune.trial.run_trial``) is a plain function.
 """

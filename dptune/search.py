@@ -296,7 +296,6 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
         def __init__(self, inner: OptunaSearch) -> None:
             super().__init__(metric=METRIC, mode="max")
             self.inner = inner
-            self.proposals = 0
 
         def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001
             return self.inner.set_search_properties(metric, mode, config, **spec)
@@ -306,8 +305,8 @@ def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) ->
                 params = self.inner.suggest(f"{trial_id}~{attempt}")
                 if params is None or params == Searcher.FINISHED:
                     return params
-                self.proposals += 1
                 if int(params["batch_size"]) in plan.feasible_batch_sizes:
+                    # re-key the Optuna trial under the id Tune will report results for
                     self.inner._ot_trials[trial_id] = self.inner._ot_trials.pop(f"{trial_id}~{attempt}")
                     return params
                 self.inner.on_trial_complete(f"{trial_id}~{attempt}", result=None)

@@ -495,10 +495,14 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     target = address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return "already initialised"
+    # Every worker process first leaves a deleted working directory (inherited from the
+    # `ray start` of its node), which would otherwise kill trials at `import torch`.
+    runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
     if target:
-        ray.init(address=target, log_to_driver=False)
+        ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
         return f"joined Ray cluster at {target}"
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env=runtime_env)
     return f"started embedded local Ray ({num_cpus or os.cpu_count()} CPUs)"
 
 

@@ -7,6 +7,8 @@ The types here are plain data with no torch import; the training itself lives in
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -156,6 +158,24 @@ def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResul
     non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.dp.trainer` (imported
     here on first use so that readers of these types, e.g. ``dptune.records``, stay torch-free).
     """
+    leave_deleted_working_directory()
     from dptune.dp.trainer import run
 
     return run(config, report)
+
+
+def leave_deleted_working_directory() -> None:
+    """Move to the temp folder if this process's working directory no longer exists.
+
+    oneMKL inside ``libtorch_cpu.so`` aborts the whole process at ``import torch`` ("Intel oneMKL
+    FATAL ERROR: Cannot load .../libtorch_cpu.so") when the working directory has been deleted,
+    and Ray Tune's ``Trainable`` fails on ``os.getcwd()``. Ray's worker processes inherit the
+    working directory of the ``ray start`` that launched their node, so a worker node started
+    from a temporary folder that is later removed kills every trial scheduled on it.
+    ``dptune.search`` installs this as Ray's ``worker_process_setup_hook``; ``run_trial`` calls it
+    too. It must run before torch is first imported.
+    """
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        os.chdir(tempfile.gettempdir())

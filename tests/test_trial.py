@@ -222,3 +222,21 @@ def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout.splitlines()[-1])
     assert loaded == {**{name: [] for name in TORCH_FREE_MODULES}, "dptune.dp.engine": ["torch"]}
+
+
+def test_a_deleted_working_directory_does_not_kill_the_trial_process(tmp_path: Path) -> None:
+    """oneMKL aborts `import torch` in a process whose working directory was deleted (the cause of
+    trials dying on a Ray worker node started from a removed temp folder); run_trial moves away first."""
+    script = ("import os, sys\n"
+              f"os.mkdir({str(tmp_path / 'gone')!r}); os.chdir({str(tmp_path / 'gone')!r}); "
+              f"os.rmdir({str(tmp_path / 'gone')!r})\n"
+              "if sys.argv[1] == 'guarded':\n"
+              "    from dptune.trial import leave_deleted_working_directory\n"
+              "    leave_deleted_working_directory()\n"
+              "import torch\n"
+              "a = torch.randn(64, 64)\n"
+              "print('matmul', float((a @ a).abs().sum()) > 0)\n")
+    unguarded = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, timeout=120)
+    assert unguarded.returncode != 0 and "oneMKL FATAL ERROR" in unguarded.stdout + unguarded.stderr
+    guarded = subprocess.run([sys.executable, "-c", script, "guarded"], capture_output=True, text=True, timeout=120)
+    assert guarded.returncode == 0 and "matmul True" in guarded.stdout, guarded.stderr

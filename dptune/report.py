@@ -236,7 +236,10 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     """
     target = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
-    chosen = sorted({float(v) for v in (ticks if ticks is not None else ()) if np.isfinite(v) and v > 0})
+    chosen = []
+    for value in sorted({float(v) for v in (ticks if ticks is not None else ()) if np.isfinite(v) and v > 0}):
+        if not chosen or value >= 1.5 * chosen[-1]:  # labels closer than 1.5x would overlap
+            chosen.append(value)
     if 0 < len(chosen) <= 8:
         target.set_ticks(chosen, labels=[_tick(t) for t in chosen])
         target.set_minor_formatter(NullFormatter())

@@ -78,7 +78,7 @@ def encode_texts(
     extractor = extractor.to(device).eval()
     with (
         torch.inference_mode(),
-        tqdm(total=len(texts), desc="encoding text", unit="doc", disable=None) as bar,
+        tqdm(total=len(texts), desc="encoding text", unit="doc", mininterval=2.0) as bar,
     ):
         start = 0
         while start < len(order):
@@ -120,7 +120,7 @@ def encode_images(
     done = 0
     with (
         torch.inference_mode(),
-        tqdm(total=len(rows), desc="encoding images", unit="img", disable=None) as bar,
+        tqdm(total=len(rows), desc="encoding images", unit="img", mininterval=2.0) as bar,
     ):
         for batch in batches:
             features[done : done + len(batch)] = extractor(batch.to(device)).float().cpu().numpy()

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dptune.dp.clipping import ClippingRule
+
 TrialStatus = Literal["ok", "diverged", "error", "pruned_min_steps", "stopped_early"]
 
 
@@ -38,7 +40,7 @@ class TrialConfig:
     learning_rate: float
     base_learning_rate: float
     optimizer: Literal["adam", "sgd"] = "adam"
-    clipping: Literal["standard", "normalized", "auto_s"] = "normalized"
+    clipping: ClippingRule = "normalized"
     seed: int = 0
     # difficulty knobs and data sizing
     fraction: float = 1.0

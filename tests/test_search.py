@@ -6,7 +6,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import ray
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
 from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
-from dptune.records import ResultsStore, read_table
+from dptune.records import read_table
 from dptune.space import load_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"

@@ -40,16 +40,20 @@ a dict lookup or one small file read.
 
 Disk cache format: one small JSON file per key, written to a temporary file in the same folder and
 moved into place with ``os.replace``. That rename is atomic on POSIX, so concurrent writers (Ray
-trials, several drivers, several users of a shared cache) never leave a partial file and never
-block each other; the last writer of an identical value wins. A reader that finds an unreadable
-file (e.g. after a crash) treats it as a miss and rewrites it. Chosen over SQLite with WAL because
+trials, several drivers) never leave a partial file and never block each other; the last writer of
+an identical value wins. The folder is private to the user (0700, files 0600) and every entry
+carries an HMAC-SHA256 under a per-user secret key kept beside it: a reader that finds an
+unreadable, foreign or tampered entry treats it as a miss and recomputes it, so a σ that was not
+computed here can never set a trial's noise. Chosen over SQLite with WAL because
 it needs no locks, works on network file systems where SQLite's locking is unreliable, and each
 entry can be read or removed by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -188,28 +192,66 @@ def _accountant_identity() -> dict[str, object]:
     }
 
 
+def _cache_folder() -> Path:
+    """The accounting cache folder, private to this user (mode 0700): a σ read from it sets the
+    noise of every trial, so nobody else may write it."""
+    folder = cache_dir(_CACHE_FOLDER)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+@lru_cache(maxsize=1)
+def _cache_key_secret() -> bytes:
+    """A per-user secret (32 random bytes in a 0600 file of the cache folder) that signs entries.
+
+    An entry whose HMAC does not verify (edited, copied from elsewhere, written by another user,
+    truncated) is recomputed, never trusted: a tampered σ cannot weaken a trial's guarantee.
+    """
+    path = _cache_folder() / ".hmac-key"
+    try:
+        secret = path.read_bytes()
+        if len(secret) == 32 and path.stat().st_uid == os.getuid() and not path.stat().st_mode & 0o077:
+            return secret
+    except OSError:
+        pass
+    path.unlink(missing_ok=True)  # unusable (wrong size, owner or mode): replaced
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".hmac-key.", suffix=".tmp")  # mode 0600
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(os.urandom(32))
+    with contextlib.suppress(FileExistsError):  # a link is created whole or not at all: the first writer wins
+        os.link(temporary, path)
+    os.unlink(temporary)
+    return path.read_bytes()
+
+
+def _signature(key: dict[str, object], value: float) -> str:
+    message = json.dumps({"key": key, "value": value}, sort_keys=True).encode()
+    return hmac.new(_cache_key_secret(), message, hashlib.sha256).hexdigest()
+
+
 def _cache_path(key: dict[str, object]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
-    return cache_dir(_CACHE_FOLDER) / f"{key['kind']}-{digest}.json"
+    return _cache_folder() / f"{key['kind']}-{digest}.json"
 
 
 def _read_cached(path: Path, key: dict[str, object]) -> float | None:
     try:
         record = json.loads(path.read_text())
-        if record["key"] == key:
-            return float(record["value"])
+        value = record["value"]
+        if record["key"] == key and isinstance(value, float) and math.isfinite(value) and hmac.compare_digest(
+                str(record["hmac"]), _signature(key, value)):
+            return value
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing, partial (crash) or foreign file: a miss; it is rewritten below
+        pass  # missing, partial (crash), foreign or tampered file: a miss; it is rewritten below
     return None
 
 
 def _write_cached(path: Path, key: dict[str, object], value: float) -> None:
-    """Write atomically: temporary file in the same folder, then ``os.replace``."""
+    """Write atomically: temporary file (mode 0600) in the same folder, then ``os.replace``."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; a cache may be shared
         with os.fdopen(fd, "w") as handle:
-            json.dump({"key": key, "value": value}, handle, sort_keys=True)
+            json.dump({"key": key, "value": value, "hmac": _signature(key, value)}, handle, sort_keys=True)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -234,6 +276,7 @@ def _cached(kind: str, inputs: dict[str, float | int], compute: Callable[[], flo
 def clear_memory_cache() -> None:
     """Forget in-process results (the on-disk cache stays); for tests and long-lived processes."""
     _memo.clear()
+    _cache_key_secret.cache_clear()
     _certified_epsilon.cache_clear()
     _safe_half_width.cache_clear()
 
@@ -521,130 +564,229 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     return _cached("noise_multiplier", inputs, lambda: _calibrate(*inputs.values()))
 
 
-# --------------------------------------------------------------------------- privacy cost of tuning
+# --------------------------------------------------------------------------- privacy cost of a search
+
+#: Additive error of the PRV accountant for the whole-search ε: the figure is an upper bound; this
+#: coarser mesh keeps the composition of tens of trials × thousands of steps to seconds.
+SEARCH_EPSILON_ERROR = 0.1
 
 
 @dataclass(frozen=True)
-class TuningCost:
-    """(ε, δ) of a whole hyperparameter search that releases its best trial.
+class TrialMechanism:
+    """One trial as the accountant sees it: ``steps`` (T) Poisson-subsampled Gaussian steps at rate
+    ``sample_rate`` (q) with noise multiplier ``noise_multiplier`` (σ, noise std in units of C).
 
-    ``epsilon_composition``/``delta_composition``: basic composition of k trials, (k·ε, k·δ).
-    ``epsilon_selection``/``delta_selection``: Papernot & Steinke (2022) private selection with a
-    random number of trials of mean k (distribution ``distribution``), by dp_accounting's RDP
-    accountant, reported at δ = ``delta_selection`` (the per-trial δ).
+    ``steps`` is what the trial actually took (a stopped or failed trial counts the steps it ran;
+    a trial that took no step costs nothing and is left out).
     """
 
-    trials: int
-    epsilon_per_trial: float
-    delta_per_trial: float
-    epsilon_composition: float
-    delta_composition: float
-    epsilon_selection: float
-    delta_selection: float
-    distribution: str
-    shape: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def checked(self) -> TrialMechanism:
+        return TrialMechanism(_check_noise_multiplier(self.noise_multiplier), _check_sample_rate(self.sample_rate),
+                              _check_steps(self.steps))
 
 
-def _trial_count_distribution(shape: float) -> str:
-    if shape == math.inf:
-        return "poisson"
+def _merged(mechanisms: Sequence[TrialMechanism]) -> list[TrialMechanism]:
+    """Trials with equal (σ, q) composed into one mechanism: T₁ + T₂ steps of one step mechanism."""
+    steps: dict[tuple[float, float], int] = {}
+    for mechanism in mechanisms:
+        checked = mechanism.checked()
+        key = (checked.noise_multiplier, checked.sample_rate)
+        steps[key] = steps.get(key, 0) + checked.steps
+    return [TrialMechanism(sigma, rate, total) for (sigma, rate), total in sorted(steps.items())]
+
+
+def composed_epsilon(mechanisms: Sequence[TrialMechanism], delta: float,
+                     eps_error: float = SEARCH_EPSILON_ERROR) -> float:
+    """ε of running every mechanism in ``mechanisms`` on the same data (adaptive composition), at δ.
+
+    The PRV accountant's upper bound (Gopi et al. 2021) for heterogeneous composition: each distinct
+    (σ, q) is discretised on one domain (half-width from ``compute_safe_domain_size`` over all of
+    them, mesh from the total number of steps, Thm 5.5), self-composed by FFT, and the results are
+    convolved (prv_accountant's ``Heterogeneous`` composer); ε is read at δ with ``eps_error`` and
+    delta_error = δ/1000. This is the whole-search cost when every trial's coins are fresh and
+    independent: it holds for releasing *every* trial's model, and is far below basic
+    composition Σεᵢ. Raises ``PrivacyParameterError`` for an empty list or bad parameters.
+    """
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.accountant import compute_safe_domain_size
+    from prv_accountant.composers import Heterogeneous
+    from prv_accountant.discretisers import CellCentred
+
+    delta = _check_delta(delta)
+    merged = _merged(mechanisms)
+    _require(len(merged) > 0, "mechanisms", mechanisms, "a non-empty list of trials that took steps")
+    delta_error = delta * DELTA_ERROR_FRACTION
+    prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=m.sample_rate, noise_multiplier=m.noise_multiplier)
+            for m in merged]
+    steps = [m.steps for m in merged]
+    half_width = compute_safe_domain_size(prvs, steps, eps_error=eps_error, delta_error=delta_error)
+    domain = _fft_friendly_domain(half_width, sum(steps), eps_error, delta_error)
+    discrete = [CellCentred().discretise(_truncated_prv(m.noise_multiplier, m.sample_rate, domain.t_min(),
+                                                        domain.t_max()), domain) for m in merged]
+    composed = Heterogeneous(discrete).compute_composition(steps)
+    _, _, epsilon_upper = composed.compute_epsilon(delta, delta_error, eps_error)
+    return float(epsilon_upper)
+
+
+# --------------------------------------------------------------------------- private selection
+
+
+def trial_count_gamma(mean_trials: float, shape: float) -> float:
+    """γ of the truncated negative binomial with shape η = ``shape`` and mean k = ``mean_trials``.
+
+    P(K = j) ∝ C(j + η − 1, j)·(1 − γ)^j for j ≥ 1, whose mean is η(1 − γ)/(γ(1 − γ^η)) (Papernot &
+    Steinke 2022, Def. 1); η = 1 is the geometric distribution on {1, 2, ...} with γ = 1/k.
+    """
+    from scipy.optimize import brentq
+
+    _require(mean_trials > 1, "mean_trials", mean_trials, "> 1 (the mean of the random trial count)")
+    _require(0 < shape < math.inf, "shape", shape, "in (0, ∞) (1 = geometric)")
     if shape == 1:
-        return "geometric"
-    if shape == 0:
-        return "logarithmic"
-    return f"truncated negative binomial (η={shape:g})"
+        return 1.0 / mean_trials
+
+    def mean_minus_target(gamma: float) -> float:
+        return shape * (1 - gamma) / (gamma * -math.expm1(shape * math.log(gamma))) - mean_trials
+
+    return float(brentq(mean_minus_target, 1e-12, 1 - 1e-12))
 
 
-def _as_tuple(value: object) -> tuple[object, ...]:
-    return tuple(value) if isinstance(value, Sequence) else (value,)
+def draw_trial_count(mean_trials: float, shape: float, rng: np.random.Generator) -> int:
+    """K ≥ 1 from the truncated negative binomial of ``trial_count_gamma`` (rejection of K = 0 from
+    numpy's negative binomial, which counts failures before η successes of probability γ).
 
-
-def tuning_privacy_cost(epsilon_per_trial: float, delta_per_trial: float, trials: int, *,
-                        sample_rate: float | Sequence[float], steps: int | Sequence[int],
-                        noise_multiplier: float | Sequence[float] | None = None,
-                        shape: float = 1.0) -> TuningCost:
-    """Privacy cost of running a search of ``trials`` trials, each (ε, δ)-DP, and releasing the best.
-
-    Basic composition (no assumptions on how trials are chosen, every trial may be released):
-    ε_total = k·ε, δ_total = k·δ.
-
-    Private selection (Papernot & Steinke, "Hyperparameter tuning with Renyi differential privacy",
-    ICLR 2022, arXiv 2110.03620): run the training mechanism Q a *random* number K of times, with
-    K ~ truncated negative binomial of shape η and mean k (``shape``: 1 = geometric, the default;
-    0 = logarithmic; ``math.inf`` = Poisson, Thm 6; otherwise Thm 2), and release only the best run.
-    (Geometric is the default: at k = 10–50 trials its bound is within ~15% of the logarithmic
-    distribution's, which puts far more mass on a single trial, while the Poisson bound grows with
-    k·δ̂: for ε = 1 per trial and k = 50, about 2.9 against 6.3.) If Q is
-    (λ, ε_λ)-RDP for all λ, the selection is RDP with, for the Poisson case,
-    ε'_λ = ε_λ + k·δ̂ + log(k)/(λ − 1), where δ̂ is Q's δ at ε̂ = log(1 + 1/(λ − 1)); for the
-    truncated negative binomial (γ set by the mean k)
-    ε'_λ = ε_λ + (1 + η)·min_λ̂[(1 − 1/λ̂)·ε_λ̂ − log(γ)/λ̂] + log(k)/(λ − 1).
-    Q's RDP is that of T-fold Poisson-subsampled Gaussian (dp_accounting's
-    ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)``) and the bound is
-    computed by dp_accounting's ``RdpAccountant`` on ``RepeatAndSelectDpEvent`` and converted to
-    (ε, δ) at δ = ``delta_per_trial``. RDP is looser than PRV for one trial, so ε_selection ≥ the
-    PRV ε of one trial.
-
-    Assumptions of the selection bound: the number of trials is drawn from that distribution
-    (not fixed), each trial's hyperparameters are drawn independently of the data and of earlier
-    trials (random search; an adaptive sampler such as TPE is *not* covered), the score used to
-    pick the best is part of what Q outputs (computed under DP or on data outside the
-    guarantee), and only the selected trial is released.
-
-    Several candidate configurations (e.g. a search over B): pass sequences of equal length for
-    ``sample_rate``, ``steps`` and ``noise_multiplier``. A trial that picks one of them at random is
-    RDP with the pointwise maximum over the candidates' RDP curves (Rényi divergence is quasi-convex),
-    which is what is fed to the selection bound; the maximum of the per-candidate selection ε would
-    *under*-state the cost. ``noise_multiplier`` defaults to ``calibrate_noise_multiplier`` of each
-    candidate at (ε, δ).
+    Private selection needs K secret: pass a generator seeded from OS entropy.
     """
-    from dp_accounting.dp_event import (GaussianDpEvent, PoissonSampledDpEvent, RepeatAndSelectDpEvent,
-                                        SelfComposedDpEvent)
+    gamma = trial_count_gamma(mean_trials, shape)
+    while True:
+        count = int(rng.negative_binomial(shape, gamma))
+        if count >= 1:
+            return count
+
+
+def _trial_rdp(orders: np.ndarray, candidates: Sequence[TrialMechanism],
+               score_noise_multiplier: float | None) -> np.ndarray:
+    """RDP curve of one trial that runs one of ``candidates`` (picked independently of the data),
+    then, with ``score_noise_multiplier`` (σ_s), releases its validation score with Gaussian noise
+    of std σ_s on a sensitivity-1 count.
+
+    A mixture over candidates is RDP with the pointwise maximum of their curves (Rényi divergence is
+    quasi-convex); the score adds λ/(2σ_s²) (the Gaussian mechanism's RDP).
+    """
+    from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
     from dp_accounting.rdp import RdpAccountant
-    from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_repeat_and_select, compute_epsilon
 
-    epsilon_per_trial = _check_epsilon(epsilon_per_trial, "epsilon_per_trial")
-    delta_per_trial = _check_delta(delta_per_trial, "delta_per_trial")
-    _require(isinstance(trials, numbers.Integral) and not isinstance(trials, bool) and trials >= 1, "trials", trials,
-             "an integer ≥ 1 (planned number of trials = mean of the random trial count)")
-    _require(shape >= 0, "shape", shape, "≥ 0 (0 logarithmic, 1 geometric, math.inf Poisson)")
-    rates = [_check_sample_rate(q) for q in _as_tuple(sample_rate)]
-    step_counts = [_check_steps(t) for t in _as_tuple(steps)]
-    _require(len(rates) == len(step_counts), "sample_rate and steps", (sample_rate, steps), "of equal length")
-    if noise_multiplier is None:
-        sigmas = [calibrate_noise_multiplier(epsilon_per_trial, delta_per_trial, q, t)
-                  for q, t in zip(rates, step_counts)]
-    else:
-        sigmas = [_check_noise_multiplier(s) for s in _as_tuple(noise_multiplier)]
-    _require(len(sigmas) == len(rates), "noise_multiplier", noise_multiplier, "one per (sample_rate, steps) candidate")
+    curves = [RdpAccountant(orders).compose(SelfComposedDpEvent(
+        PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps))._rdp for m in candidates]
+    rdp = np.max(curves, axis=0)
+    if score_noise_multiplier is not None:
+        rdp = rdp + orders / (2 * score_noise_multiplier**2)
+    return rdp
 
-    trial_events = [SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t)
-                    for s, q, t in zip(sigmas, rates, step_counts)]
-    # dp_accounting logs a warning for each fractional RDP order whose series does not converge;
-    # it then sets that order's RDP to ∞, which only drops the order from the minimum over
-    # orders (the bound stays valid, at worst looser). Keep those lines out of the user's terminal.
+
+def selection_epsilon(candidates: Sequence[TrialMechanism], mean_trials: float, delta: float, *,
+                      shape: float = 1.0, score_noise_multiplier: float | None = None) -> float:
+    """ε of private selection: run a trial K times, K random with mean ``mean_trials``, release the best.
+
+    Papernot & Steinke, "Hyperparameter tuning with Renyi differential privacy" (ICLR 2022,
+    arXiv 2110.03620), Thm 2: if each run Q is (λ, ε_λ)-RDP for all λ and K is truncated negative
+    binomial with shape η (``shape``, 1 = geometric) and mean k, releasing the best run is RDP with
+    ε'_λ = ε_λ + (1 + η)·(1 − 1/λ̂)·ε_λ̂ + (1 + η)·log(1/γ)/λ̂ + log(k)/(λ − 1) for any λ̂
+    (dp_accounting's ``_compute_rdp_repeat_and_select`` minimises over λ̂); converted to (ε, δ) at
+    ``delta``. Q is the trial's training (``_trial_rdp`` over ``candidates``) and, with
+    ``score_noise_multiplier``, its noisy validation score, so the score used to pick the best is
+    part of Q's DP output.
+
+    Holds under the theorem's assumptions only: K drawn from that distribution and kept secret,
+    each trial's hyperparameters drawn independently of the data and of earlier trials (random
+    search; no TPE, no ASHA), the selection score computed under DP, only the selected run
+    released, and every run's coins fresh and secret.
+    """
+    from dp_accounting.rdp.rdp_privacy_accountant import (DEFAULT_RDP_ORDERS, _compute_rdp_repeat_and_select,
+                                                          compute_epsilon)
+
+    delta = _check_delta(delta)
+    _require(len(candidates) > 0, "candidates", candidates, "a non-empty list of trial mechanisms")
+    checked = [m.checked() for m in candidates]
+    if score_noise_multiplier is not None:
+        _require(score_noise_multiplier > 0, "score_noise_multiplier", score_noise_multiplier, "> 0")
+    trial_count_gamma(mean_trials, shape)  # checks the mean and the shape
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    # dp_accounting logs a warning for each fractional RDP order whose series does not converge; it
+    # then sets that order's RDP to ∞, which only drops the order from the minimum (still a bound).
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)
     try:
-        if len(trial_events) == 1:
-            accountant = RdpAccountant().compose(RepeatAndSelectDpEvent(trial_events[0], float(trials), float(shape)))
-            epsilon_selection = accountant.get_epsilon(delta_per_trial)
-        else:
-            orders = RdpAccountant()._orders  # dp_accounting's default orders
-            per_trial_rdp = np.max([RdpAccountant(orders).compose(event)._rdp for event in trial_events], axis=0)
-            selection_rdp = _compute_rdp_repeat_and_select(orders, per_trial_rdp, float(trials), float(shape))
-            epsilon_selection = compute_epsilon(orders, selection_rdp, delta_per_trial)[0]
+        rdp = _trial_rdp(orders, checked, score_noise_multiplier)
+        selected = _compute_rdp_repeat_and_select(orders, rdp, float(mean_trials), float(shape))
+        epsilon, _ = compute_epsilon(orders, selected, delta)
     finally:
         absl_logger.setLevel(level)
-    return TuningCost(
-        trials=int(trials),
-        epsilon_per_trial=epsilon_per_trial,
-        delta_per_trial=delta_per_trial,
-        epsilon_composition=trials * epsilon_per_trial,
-        delta_composition=trials * delta_per_trial,
-        epsilon_selection=float(epsilon_selection),
-        delta_selection=delta_per_trial,
-        distribution=_trial_count_distribution(shape),
-        shape=float(shape),
-    )
+    return float(epsilon)
+
+
+@dataclass(frozen=True)
+class PrivateSelectionPlan:
+    """Per-trial ε (and σ per candidate batch size) that makes private selection meet a total budget.
+
+    ``epsilon_per_trial`` is the training's per-trial target; ``noise_multipliers[i]`` is σ
+    calibrated (PRV) for it at candidate i; ``epsilon_selection`` ≤ ``epsilon_total`` is the
+    selection bound of those σ, at δ = ``delta``.
+    """
+
+    epsilon_total: float
+    delta: float
+    epsilon_per_trial: float
+    noise_multipliers: tuple[float, ...]
+    epsilon_selection: float
+
+
+#: Relative width to which the per-trial ε of a private search is searched (the bound always holds).
+SELECTION_EPSILON_RTOL = 0.02
+
+
+def plan_private_selection(epsilon_total: float, delta: float, mean_trials: float,
+                           sample_rates: Sequence[float], steps: Sequence[int], *, shape: float = 1.0,
+                           score_noise_multiplier: float | None = None) -> PrivateSelectionPlan:
+    """The largest per-trial ε (within ``SELECTION_EPSILON_RTOL``) whose trials, run a random number
+    of times with mean ``mean_trials`` and released best-only, meet (``epsilon_total``, δ).
+
+    A candidate is a batch size: (q, T) pairs from ``sample_rates`` and ``steps``; a trial picks one at
+    random, so the bound uses the worst RDP curve over them (``selection_epsilon``). The search is a
+    bisection on log ε_trial in [MIN_EPSILON, ε_total]; σ of each candidate comes from
+    ``calibrate_noise_multiplier`` (so a trial that recalibrates from ε_trial gets the same σ).
+    Guarantee: the returned plan's ``epsilon_selection`` ≤ ``epsilon_total``. Raises
+    ``PrivacyParameterError`` when even ε_trial = MIN_EPSILON exceeds the total (lower the mean
+    number of trials, raise the score noise or the total).
+    """
+    epsilon_total = _check_epsilon(epsilon_total, "epsilon_total")
+    _require(len(sample_rates) == len(steps) and len(steps) > 0, "sample_rates and steps", (sample_rates, steps),
+             "non-empty and of equal length")
+
+    def plan(epsilon_per_trial: float) -> PrivateSelectionPlan:
+        sigmas = tuple(calibrate_noise_multiplier(epsilon_per_trial, delta, q, t) for q, t in zip(sample_rates, steps))
+        candidates = [TrialMechanism(s, q, t) for s, q, t in zip(sigmas, sample_rates, steps)]
+        bound = selection_epsilon(candidates, mean_trials, delta, shape=shape,
+                                  score_noise_multiplier=score_noise_multiplier)
+        return PrivateSelectionPlan(epsilon_total, delta, epsilon_per_trial, sigmas, bound)
+
+    low = plan(MIN_EPSILON)
+    if low.epsilon_selection > epsilon_total:
+        raise PrivacyParameterError(
+            f"epsilon_total={epsilon_total:g} is unreachable with a mean of {mean_trials:g} trials: even "
+            f"{MIN_EPSILON:g} per trial costs {low.epsilon_selection:.3g} by the private-selection bound; "
+            "raise the total, lower sampler.trials_per_cell or raise the score noise")
+    high = plan(epsilon_total)
+    if high.epsilon_selection <= epsilon_total:
+        return high
+    while high.epsilon_per_trial / low.epsilon_per_trial > 1 + SELECTION_EPSILON_RTOL:
+        middle = plan(math.sqrt(low.epsilon_per_trial * high.epsilon_per_trial))
+        if middle.epsilon_selection <= epsilon_total:
+            low = middle
+        else:
+            high = middle
+    return low

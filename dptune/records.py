@@ -8,6 +8,7 @@ such as ``s3://bucket/prefix``)::
     <root>/classes/part-<trial_id>.parquet      one row per trial and class
     <root>/diagnostics/part-<trial_id>.parquet  one row per trial and diagnostic epoch
     <root>/search/part-<search_id>.parquet      one row per (ε, epochs) cell of the search
+    <root>/release/part-<search_id>.parquet     end-to-end private searches only: the released trial
 
 Invariants:
 - Every part is written whole or not at all: local parts go to a temporary name in the same
@@ -38,7 +39,9 @@ import pyarrow.parquet as pq
 
 from dptune.trial import TrialResult
 
-SCHEMA_VERSION = 1
+#: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
+#: (seed is null for secret coins); search gains the whole-search cost and the guarantee; release.
+SCHEMA_VERSION = 2
 
 _QUANTILES = ("q05", "q25", "q50", "q75", "q95")
 
@@ -62,11 +65,16 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("reference_batch_size", pa.int64()),
             ("optimizer", pa.string()),
             ("clipping", pa.string()),
-            ("seed", pa.int64()),
+            ("seed", pa.int64()),  # null: fresh secret coins (the default); else the reproducible seed
+            ("split_seed", pa.int64()),  # public: data split and subset caps
             ("noise_multiplier", pa.float64()),
             ("sample_rate", pa.float64()),
-            ("steps", pa.int64()),
+            ("steps", pa.int64()),  # T planned
+            ("steps_taken", pa.int64()),  # steps actually run: what epsilon_spent counts
             ("epsilon_spent", pa.float64()),
+            ("score_noise_multiplier", pa.float64()),  # σ_s of the DP selection score, null without one
+            ("noisy_val_accuracy", pa.float64()),
+            ("released", pa.bool_()),  # false: a record of a private search, not covered by its total budget
             ("status", pa.string()),
             ("reason", pa.string()),
             ("val_accuracy", pa.float64()),
@@ -138,6 +146,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("search_id", pa.string()),
             ("name", pa.string()),
             ("cell_id", pa.string()),
+            ("clipping", pa.string()),  # the cell's clipping rule (a cell with compare_auto_s has two rows)
             ("epsilon", pa.float64()),
             ("epochs", pa.int64()),
             ("delta", pa.float64()),
@@ -148,15 +157,44 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("trials_planned", pa.int64()),
             ("configurations_pruned", pa.int64()),
             ("epsilon_per_trial", pa.float64()),
-            ("epsilon_composition", pa.float64()),
-            ("delta_composition", pa.float64()),
-            ("epsilon_selection", pa.float64()),
+            ("trials_with_steps", pa.int64()),  # trials of this cell that took ≥ 1 step
+            ("epsilon_cell", pa.float64()),  # PRV composition of this cell's trials, at delta
+            ("epsilon_composition", pa.float64()),  # basic composition of this cell's trials: Σ ε spent
+            ("delta_composition", pa.float64()),  # and Σ δ
+            ("epsilon_search", pa.float64()),  # PRV composition of every trial of the search, at delta
+            ("epsilon_search_basic", pa.float64()),  # Σ ε spent over the search
+            ("delta_search_basic", pa.float64()),
+            ("epsilon_selection", pa.float64()),  # private selection only: the total budget's bound
             ("delta_selection", pa.float64()),
-            ("selection_bound_holds", pa.bool_()),  # random sampler with a random trial count
+            ("selection_bound_holds", pa.bool_()),  # private selection with secret coins
+            ("reproducible", pa.bool_()),
+            ("guarantee", pa.string()),  # what (ε, δ) covers and what it does not, in words
             ("spec_yaml", pa.string()),
             ("spec_hash", pa.string()),
             ("schema_version", pa.int64()),
             ("dptune_version", pa.string()),
+            ("created_at", pa.timestamp("ms", tz="UTC")),
+        ]
+    ),
+    "release": pa.schema(
+        [
+            ("search_id", pa.string()),
+            ("cell_id", pa.string()),
+            ("trial_id", pa.string()),
+            ("clip_bound", pa.float64()),
+            ("batch_size", pa.int64()),
+            ("base_learning_rate", pa.float64()),
+            ("learning_rate", pa.float64()),
+            ("epochs", pa.int64()),
+            ("noisy_val_accuracy", pa.float64()),
+            ("test_accuracy", pa.float64()),  # on the test split, treated as public
+            ("epsilon_total", pa.float64()),
+            ("delta_total", pa.float64()),
+            ("epsilon_per_trial", pa.float64()),
+            ("score_noise_multiplier", pa.float64()),
+            ("mean_trials", pa.float64()),
+            ("trial_count_shape", pa.float64()),
+            ("guarantee", pa.string()),
             ("created_at", pa.timestamp("ms", tz="UTC")),
         ]
     ),
@@ -187,11 +225,13 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
         "cell_id": cell_id,
         **{name: getattr(config, name) for name in (
             "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
-            "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed")},
+            "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed", "split_seed",
+            "score_noise_multiplier")},
+        "released": config.score_noise_multiplier is None,
         "reference_batch_size": reference_batch_size,
         **{name: getattr(result, name) for name in (
-            "noise_multiplier", "sample_rate", "steps", "epsilon_spent", "status", "reason",
-            "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
+            "noise_multiplier", "sample_rate", "steps", "steps_taken", "epsilon_spent", "noisy_val_accuracy", "status",
+            "reason", "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
             "num_classes", "trainable_parameters", "wall_time_s", "diagnostics_wall_time_s", "examples_per_s", "device",
             "engine")},
         "config": json.dumps(asdict(config), sort_keys=True),
@@ -280,6 +320,6 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
     if not parts:
         return schema.empty_table().select(selected).to_pandas()
     frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(columns=selected).to_pandas()
-    if table not in ("trials", "search") and "trial_id" in frame:
+    if table not in ("trials", "search", "release") and "trial_id" in frame:
         frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)
     return frame

@@ -34,10 +34,12 @@ from tqdm import tqdm
 
 from dptune import __version__
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
-from dptune.privacy import calibrate_noise_multiplier, tuning_privacy_cost
-from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noise_multiplier, draw_trial_count,
+                            epsilon_spent, plan_private_selection, selection_epsilon)
+from dptune.search_privacy import composition_cost, guarantee, select_release
+from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, trial_rows
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space
-from dptune.trial import EpochMetrics, TrialConfig, TrialResult, run_trial
+from dptune.trial import EpochMetrics, TrialConfig, TrialFailed, TrialResult, run_trial
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
@@ -70,25 +72,35 @@ class CellPlan:
         return base if self.clipping != "auto_s" else f"{base}-auto_s"
 
 
+def _feasible(space: SearchSpace, candidates: list[int], num_train: int, epochs: int,
+              cell_name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(feasible, pruned) batch sizes of a cell with ``epochs``: the min-step rule T ≥ T_min."""
+    feasible = tuple(b for b in candidates if total_steps(num_train, b, epochs) >= space.min_steps)
+    if not feasible:
+        raise SearchError(
+            f"cell {cell_name}: no batch size gives T ≥ min_steps = {space.min_steps} "
+            f"with N = {num_train} (largest T is {total_steps(num_train, min(candidates), epochs)}); "
+            "lower min_steps, add smaller batch sizes or more epochs"
+        )
+    return feasible, tuple(b for b in candidates if b not in feasible)
+
+
 def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
     """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and σ per B.
 
+    With ``privacy.private_selection`` the one cell's per-trial ε is the largest that meets the
+    total budget by the private-selection bound (``privacy.plan_private_selection``).
     Raises ``SearchError`` when a cell has no batch size with T ≥ T_min.
     """
     candidates = space.batch_size.candidates(num_train)
     if not candidates:
         raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
+    if space.privacy.private_selection is not None:
+        return [_plan_private_cell(space, candidates, num_train)]
     variants = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
     plans = []
     for cell in space.cells():
-        feasible = tuple(b for b in candidates if total_steps(num_train, b, cell.epochs) >= space.min_steps)
-        pruned = tuple(b for b in candidates if b not in feasible)
-        if not feasible:
-            raise SearchError(
-                f"cell {cell.cell_id}: no batch size gives T ≥ min_steps = {space.min_steps} "
-                f"with N = {num_train} (largest T is {total_steps(num_train, min(candidates), cell.epochs)}); "
-                "lower min_steps, add smaller batch sizes or more epochs"
-            )
+        feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)
         sigmas = {}
         for batch_size in tqdm(feasible, desc=f"calibrating σ for {cell.cell_id}", unit="B", file=sys.stderr,
                                disable=not progress, leave=False):
@@ -101,21 +113,44 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
     return plans
 
 
+def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int) -> CellPlan:
+    """The one cell of an end-to-end private search: per-trial ε and σ per B from the total budget."""
+    selection = space.privacy.private_selection
+    assert selection is not None and space.sampler.trials_per_cell is not None
+    epochs = space.epochs[0]
+    feasible, pruned = _feasible(space, candidates, num_train, epochs, f"epochs={epochs}")
+    print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
+    try:
+        found = plan_private_selection(
+            selection.epsilon, space.privacy.delta, space.sampler.trials_per_cell,
+            [sample_rate(num_train, b) for b in feasible], [total_steps(num_train, b, epochs) for b in feasible],
+            shape=selection.trial_count_shape, score_noise_multiplier=selection.score_noise_multiplier)
+    except PrivacyParameterError as error:
+        raise SearchError(f"privacy.private_selection: {error}") from None
+    plan = CellPlan(Cell(epsilon=found.epsilon_per_trial, epochs=epochs), space.training.clipping, num_train,
+                    feasible, pruned, dict(zip(feasible, found.noise_multipliers, strict=True)), 0)
+    return replace(plan, trials=_trial_count(space, plan))
+
+
 def _trial_count(space: SearchSpace, plan: CellPlan) -> int:
-    """Trials a cell runs: the grid's size, ``trials_per_cell``, or a draw K ≥ 1 from the geometric
-    distribution with mean ``trials_per_cell`` (P(K = k) = γ(1−γ)^(k−1), γ = 1/mean), seeded per cell:
-    the random trial count that Papernot & Steinke's private-selection bound assumes."""
+    """Trials a cell runs: the grid's size, ``trials_per_cell``, or, with a random trial count (and
+    always under private selection), a draw K ≥ 1 from the truncated negative binomial with mean
+    ``trials_per_cell`` (geometric unless ``trial_count_shape`` says otherwise). K comes from fresh
+    OS entropy — the private-selection bound needs it secret — unless the space is ``reproducible``."""
     if space.sampler.name == "grid":
         return _grid_size(space, plan.feasible_batch_sizes, plan.clipping)
     mean = space.sampler.trials_per_cell
     assert mean is not None
-    if not space.sampler.random_trial_count:
+    selection = space.privacy.private_selection
+    if not space.sampler.random_trial_count and selection is None:
         return mean
-    return int(np.random.default_rng(_cell_seed(space, plan)).geometric(1.0 / mean))
+    rng = np.random.default_rng(_cell_seed(space, plan) if space.reproducible else None)
+    return draw_trial_count(mean, selection.trial_count_shape if selection else 1.0, rng)
 
 
 def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
-    """A seed per cell, from the space's seed and the cell's key."""
+    """A public seed per cell, from the space's seed and the cell's key: it drives the sampler's
+    proposals (data-independent for random and grid search), never a trial's noise or batches."""
     return space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
 
 
@@ -133,7 +168,14 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
         f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
         f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
         + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
+        "coins: " + (f"REPRODUCIBLE from seed {space.seed} (no DP guarantee for released results)" if space.reproducible
+                     else "fresh OS entropy per trial (noise, Poisson batches, initialisation), never stored"),
     ]
+    selection = space.privacy.private_selection
+    if selection is not None:
+        lines.append(f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
+                     f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
+                     f"{space.sampler.trials_per_cell}), noisy validation score σ_s = {selection.score_noise_multiplier:g}")
     for plan in plans:
         lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.trials} trials")
         lines.append("      B      T   σ        σ√T")
@@ -161,6 +203,7 @@ class TrialContext:
     cell_key: str
     coupling: str
     reference_batch_size: int
+    reproducible_seed: int | None = None  # the space's seed when it opts into reproducible coins
 
 
 def package_versions() -> dict[str, str]:
@@ -175,12 +218,22 @@ def package_versions() -> dict[str, str]:
 
 
 def trial_config(context: TrialContext, params: dict[str, Any]) -> TrialConfig:
-    """The trial's full config from the sampled (C, B, η₀), with √B coupling applied."""
+    """The trial's full config from the sampled (C, B, η₀), with √B coupling applied.
+
+    Its coins: ``seed=None`` (fresh OS entropy in the trial) unless the space is reproducible; then
+    a seed from the space's seed and the trial's id, so that trials still never share coins.
+    """
     batch_size = int(params["batch_size"])
     base_lr = float(params["base_learning_rate"])
     lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size) if context.coupling == "sqrt" else base_lr
     clip_bound = float(params.get("clip_bound", context.base.clip_bound))
-    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr, learning_rate=lr)
+    seed = None
+    if context.reproducible_seed is not None:
+        trial_id = configuration_id(context.cell_key, params)
+        digest = hashlib.sha256(f"{context.reproducible_seed}:{trial_id}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "big") >> 11  # 53 bits: exact in the float64 a pandas null column uses
+    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr,
+                   learning_rate=lr, seed=seed)
 
 
 def write_result(context: TrialContext, trial_id: str, result: TrialResult) -> None:
@@ -192,8 +245,9 @@ def write_result(context: TrialContext, trial_id: str, result: TrialResult) -> N
 
 
 def _selection_value(result: TrialResult) -> float:
-    """What the sampler is told: validation accuracy, 0 for a trial that diverged or failed."""
-    value = result.val_accuracy
+    """What the sampler is told: validation accuracy (the noisy one when the trial has a DP score),
+    0 for a trial that diverged or failed."""
+    value = result.noisy_val_accuracy if result.config.score_noise_multiplier is not None else result.val_accuracy
     return value if result.status == "ok" and math.isfinite(value) else 0.0
 
 
@@ -230,10 +284,28 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
         if metrics.epoch < config.epochs:
             tune.report({**asdict(metrics), "done_recording": False})
 
-    result = run_trial(config, report)
+    try:
+        result = run_trial(config, report)
+    except TrialFailed as failure:  # training had begun: record what it spent, then fail the Tune trial
+        write_result(context, trial_id, _failed_result(config, failure.steps, str(failure), steps_taken=failure.steps_taken,
+                                                       epsilon_spent=failure.epsilon_spent,
+                                                       noise_multiplier=failure.noise_multiplier,
+                                                       sample_rate=failure.sample_rate))
+        raise
+    except Exception as error:  # raised before the first step: nothing spent
+        write_result(context, trial_id, _failed_result(config, 0, f"{type(error).__name__}: {error}", steps_taken=0,
+                                                       epsilon_spent=0.0))
+        raise
     write_result(context, trial_id, result)
     tune.report({METRIC: _selection_value(result), "test_accuracy": result.test_accuracy, "status": result.status,
                  "epoch": config.epochs, "done_recording": True})
+
+
+def _failed_result(config: TrialConfig, steps: int, reason: str, *, steps_taken: int, epsilon_spent: float,
+                   noise_multiplier: float = float("nan"), sample_rate: float = float("nan")) -> TrialResult:
+    """The record of a trial that raised: status ``error`` with what it spent."""
+    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
+                       sample_rate=sample_rate, steps=steps, steps_taken=steps_taken, epsilon_spent=epsilon_spent)
 
 
 # --------------------------------------------------------------------------- driver-side pieces
@@ -328,7 +400,7 @@ def record_pruned(context: TrialContext, plan: CellPlan, params: dict[str, Any],
     steps = total_steps(plan.num_train, config.batch_size, config.epochs)
     result = TrialResult(config=config, status="pruned_min_steps",
                          reason=f"T = {steps} steps < min_steps = {min_steps}",
-                         sample_rate=sample_rate(plan.num_train, config.batch_size), steps=steps,
+                         sample_rate=sample_rate(plan.num_train, config.batch_size), steps=steps, steps_taken=0,
                          num_train=plan.num_train, epsilon_spent=0.0)
     write_result(context, configuration_id(context.cell_key, params), result)
 
@@ -373,10 +445,17 @@ def _make_callback(cells: dict[str, tuple[TrialContext, CellPlan]]) -> Any:
             last = trial.last_result or {}
             epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
                 **{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
-            result = TrialResult(config=config, status=status, reason=reason,
-                                 noise_multiplier=plan.noise_multipliers.get(config.batch_size, float("nan")),
-                                 sample_rate=sample_rate(plan.num_train, config.batch_size),
-                                 steps=total_steps(plan.num_train, config.batch_size, config.epochs),
+            sigma = plan.noise_multipliers[config.batch_size]
+            rate = sample_rate(plan.num_train, config.batch_size)
+            steps = total_steps(plan.num_train, config.batch_size, config.epochs)
+            if status == "stopped_early":  # Tune's function trainables block in report(): no step after it
+                steps_taken = int(last.get("steps", 0))
+            else:  # the trial's process was lost before it could record itself: count every planned step
+                steps_taken = steps
+                reason += " (trial process lost: its privacy cost is counted as if every planned step ran)"
+            spent = epsilon_spent(sigma, rate, steps_taken, config.delta) if steps_taken else 0.0
+            result = TrialResult(config=config, status=status, reason=reason, noise_multiplier=sigma,
+                                 sample_rate=rate, steps=steps, steps_taken=steps_taken, epsilon_spent=spent,
                                  num_train=plan.num_train, epochs=epochs,
                                  val_accuracy=last.get(METRIC, float("nan")))
             write_result(context, trial_id, result)
@@ -558,7 +637,10 @@ def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: in
         dataset=task.dataset, backbone=task.backbone, peft=task.peft,
         epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
         clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
-        optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=space.seed,
+        optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=None,
+        split_seed=space.seed,
+        score_noise_multiplier=(space.privacy.private_selection.score_noise_multiplier
+                                if space.privacy.private_selection else None),
         fraction=task.fraction, examples_per_class=task.examples_per_class, classes=task.classes,
         max_tokens=task.max_tokens, validation_fraction=task.validation_fraction,
         max_physical_batch_size=space.resources.max_physical_batch_size,
@@ -568,31 +650,73 @@ def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: in
     )
 
 
-def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> list[dict[str, Any]]:
-    """One ``search`` row per cell run, with the privacy cost of the tuning itself."""
+def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str,
+                trials: pd.DataFrame) -> list[dict[str, Any]]:
+    """One ``search`` row per cell run, with the privacy cost of the tuning itself.
+
+    ``trials`` is the search's ``trials`` table. Per cell: the composition of its trials that took
+    steps; for the whole search (every row alike): the composition of every trial of every cell and
+    variant, which all train on the same data; with private selection, the bound it meets.
+    """
     space = loaded.space
+    delta = space.privacy.delta
+    trials = trials[trials["search_id"] == search_id]
+    whole = composition_cost(trials, delta)
+    selection = space.privacy.private_selection
     rows = []
     for plan in plans:
-        # A trial of this cell runs at one of the feasible B: pass them all as candidates, so
-        # the selection bound uses the pointwise-worst RDP curve over them.
-        mean_trials = space.sampler.trials_per_cell if space.sampler.random_trial_count else plan.trials
-        cost = tuning_privacy_cost(
-            epsilon_per_trial=plan.cell.epsilon, delta_per_trial=space.privacy.delta, trials=mean_trials,
-            sample_rate=[sample_rate(plan.num_train, b) for b in plan.feasible_batch_sizes],
-            steps=[total_steps(plan.num_train, b, plan.cell.epochs) for b in plan.feasible_batch_sizes],
-            noise_multiplier=[plan.noise_multipliers[b] for b in plan.feasible_batch_sizes])
+        cell_trials = trials[(trials["cell_id"] == plan.cell.cell_id) & (trials["clipping"] == plan.clipping)]
+        cell = composition_cost(cell_trials, delta)
+        epsilon_selection = math.nan
+        if selection is not None:
+            candidates = [TrialMechanism(plan.noise_multipliers[b], sample_rate(plan.num_train, b),
+                                         total_steps(plan.num_train, b, plan.cell.epochs))
+                          for b in plan.feasible_batch_sizes]
+            epsilon_selection = selection_epsilon(candidates, space.sampler.trials_per_cell or 0, delta,
+                                                  shape=selection.trial_count_shape,
+                                                  score_noise_multiplier=selection.score_noise_multiplier)
         rows.append({
-            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id,
-            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": space.privacy.delta,
+            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id, "clipping": plan.clipping,
+            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": delta,
             "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
             "num_train": plan.num_train, "trials_planned": plan.trials,
             "configurations_pruned": len(plan.pruned_batch_sizes),
-            "epsilon_per_trial": plan.cell.epsilon,
-            "epsilon_composition": cost.epsilon_composition, "delta_composition": cost.delta_composition,
-            "epsilon_selection": cost.epsilon_selection, "delta_selection": cost.delta_selection,
-            "selection_bound_holds": space.sampler.random_trial_count,
-            "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": 1,
+            "epsilon_per_trial": plan.cell.epsilon, "trials_with_steps": cell.trials_with_steps,
+            "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
+            "delta_composition": cell.delta_basic, "epsilon_search": whole.epsilon,
+            "epsilon_search_basic": whole.epsilon_basic, "delta_search_basic": whole.delta_basic,
+            "epsilon_selection": epsilon_selection, "delta_selection": delta if selection else math.nan,
+            "selection_bound_holds": selection is not None and not space.reproducible,
+            "reproducible": space.reproducible,
+            "guarantee": guarantee(space, whole, None if selection is None else epsilon_selection),
+            "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": SCHEMA_VERSION,
             "dptune_version": __version__, "created_at": pd.Timestamp.now(tz="UTC"),
+        })
+    return rows
+
+
+def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]],
+                 trials: pd.DataFrame) -> list[dict[str, Any]]:
+    """An end-to-end private search's released outcome: per cell, the trial with the best noisy
+    validation score (``search_privacy.select_release``); empty for other searches."""
+    selection = space.privacy.private_selection
+    if selection is None:
+        return []
+    rows = []
+    for plan, row in zip(plans, search_rows_, strict=True):
+        chosen = select_release(trials[(trials["search_id"] == row["search_id"]) &
+                                       (trials["cell_id"] == plan.cell.cell_id)])
+        if chosen is None:
+            continue
+        rows.append({
+            "search_id": row["search_id"], "cell_id": plan.cell.cell_id, "trial_id": chosen["trial_id"],
+            **{name: chosen[name] for name in ("clip_bound", "batch_size", "base_learning_rate", "learning_rate",
+                                               "epochs", "noisy_val_accuracy", "test_accuracy")},
+            "epsilon_total": selection.epsilon, "delta_total": space.privacy.delta,
+            "epsilon_per_trial": plan.cell.epsilon, "score_noise_multiplier": selection.score_noise_multiplier,
+            "mean_trials": float(space.sampler.trials_per_cell or 0),
+            "trial_count_shape": selection.trial_count_shape, "guarantee": row["guarantee"],
+            "created_at": pd.Timestamp.now(tz="UTC"),
         })
     return rows
 
@@ -683,32 +807,54 @@ def run_search(options: SearchOptions) -> str:
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
         results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
-        coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size) for plan in plans]
+        coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
+        reproducible_seed=space.seed if space.reproducible else None) for plan in plans]
     print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
     run_cells(space, plans, contexts, options.resume)
-    store.write_part("search", search_id, search_rows(loaded, plans, search_id))
-    print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
-    print("best configuration per cell (selected on validation accuracy):")
-    print(format_summary(summary_table(results_root)))
-    _print_tuning_cost(results_root)
+    print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}", flush=True)
+    print("composing the privacy cost of every trial (PRV accountant)...", flush=True)
+    trials = read_table(results_root, "trials")
+    rows = search_rows(loaded, plans, search_id, trials)
+    released = release_rows(space, plans, rows, trials)
+    if released:  # before the search rows: a search row marks a finished search
+        store.write_part("release", search_id, released)
+    store.write_part("search", search_id, rows)
+    if space.privacy.private_selection is None:
+        print("best configuration per cell (selected on exact validation accuracy: not a DP release):")
+        print(format_summary(summary_table(results_root)))
+    print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release")))
     if options.report:
         _build_report(results_root, name)
     return results_root
 
 
-def _print_tuning_cost(results_root: str) -> None:
-    search = read_table(results_root, "search")
+def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
+    """The privacy section of the summary: per-cell and whole-search cost, the release of a private
+    search, and what the guarantee covers (the ``guarantee`` text recorded with the search)."""
     if search.empty:
-        return
-    print("\nprivacy cost of the tuning itself (every trial touches the same data; releasing the best trial):")
-    table = search[["cell_id", "trials_planned", "epsilon_per_trial", "epsilon_composition", "epsilon_selection",
-                    "selection_bound_holds"]]
-    print(table.rename(columns={"epsilon_per_trial": "ε per trial", "epsilon_composition": "ε composed",
-                                "epsilon_selection": "ε private selection", "selection_bound_holds": "selection holds"}
-                       ).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    if not search["selection_bound_holds"].all():
-        print("  'ε composed' holds for this search. 'ε private selection' (Papernot & Steinke 2022) holds only "
-              "with sampler 'random' and random_trial_count: true; shown for comparison.")
+        return ""
+    lines = ["", "privacy cost of the search (trials took steps on the same data; ε at the space's δ):"]
+    table = search[["cell_id", "clipping", "trials_with_steps", "epsilon_per_trial", "epsilon_cell",
+                    "epsilon_composition"]]
+    lines.append(table.rename(columns={
+        "cell_id": "cell", "trials_with_steps": "trials with steps", "epsilon_per_trial": "ε per trial",
+        "epsilon_cell": "ε cell (PRV)", "epsilon_composition": "Σε (basic)"}).to_string(
+        index=False, float_format=lambda v: f"{v:.3g}"))
+    first = search.iloc[0]
+    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PRV composition of "
+                 f"every trial that took a step); basic composition: ε = {first['epsilon_search_basic']:.3g}, "
+                 f"δ = {first['delta_search_basic']:.2g}")
+    if not release.empty:
+        lines.append("released outcome (end-to-end private tuning):")
+        columns = {"clip_bound": "C", "batch_size": "B", "base_learning_rate": "η₀", "learning_rate": "η",
+                   "noisy_val_accuracy": "noisy val acc", "test_accuracy": "test acc", "epsilon_total": "ε total",
+                   "delta_total": "δ"}
+        lines.append(release[list(columns)].rename(columns=columns).to_string(
+            index=False, float_format=lambda v: f"{v:.4g}"))
+    elif first["selection_bound_holds"]:
+        lines.append("released outcome: none (no trial finished)")
+    lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
+    return "\n".join(lines)
 
 
 def _build_report(results_root: str, name: str) -> None:

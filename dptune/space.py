@@ -46,18 +46,46 @@ class TaskSpec(_Strict):
     validation_fraction: float = Field(0.1, gt=0, lt=1)
 
 
-class PrivacySpec(_Strict):
-    """Privacy budgets: one search cell per ε (and per epoch budget); δ as in (ε, δ)-DP."""
+class PrivateSelectionSpec(_Strict):
+    """End-to-end private tuning: one (ε, δ) for the whole search *and* the release of its best trial.
 
-    epsilons: list[PositiveFloat] = Field(min_length=1)
+    The search runs a secret random number of trials (truncated negative binomial with shape
+    ``trial_count_shape``, 1 = geometric, mean ``sampler.trials_per_cell``), each with the per-trial ε
+    that makes Papernot & Steinke's private-selection bound meet ``epsilon``, scores each trial by
+    its noisy validation count (Gaussian, std ``score_noise_multiplier`` correct predictions) and
+    releases only the best one.
+    """
+
+    epsilon: float = Field(gt=0, description="ε_total of the tuning and the released model, at privacy.delta")
+    score_noise_multiplier: float = Field(
+        5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions")
+    trial_count_shape: float = Field(1.0, gt=0, le=100, description="η of the random trial count (1 = geometric)")
+
+
+class PrivacySpec(_Strict):
+    """Privacy budgets: one search cell per ε (and per epoch budget); δ as in (ε, δ)-DP.
+
+    Either ``epsilons`` (a per-trial budget per cell; the whole search's cost is reported beside) or
+    ``private_selection`` (a total budget for the tuning and the released model).
+    """
+
+    epsilons: list[PositiveFloat] | None = Field(None, min_length=1)
     delta: float = Field(1e-5, gt=0, lt=1)
+    private_selection: PrivateSelectionSpec | None = None
 
     @field_validator("epsilons")
     @classmethod
-    def _distinct(cls, values: list[float]) -> list[float]:
-        if len(set(values)) != len(values):
+    def _distinct(cls, values: list[float] | None) -> list[float] | None:
+        if values is not None and len(set(values)) != len(values):
             raise ValueError("epsilons must be distinct")
         return values
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> Self:
+        if (self.epsilons is None) == (self.private_selection is None):
+            raise ValueError("give exactly one of epsilons (per-trial budgets, one cell each) or private_selection "
+                             "(one total budget for the tuning and the released model)")
+        return self
 
 
 class RangeSpec(_Strict):
@@ -137,8 +165,9 @@ class SamplerSpec(_Strict):
     name: Literal["tpe", "random", "grid"] = "tpe"
     trials_per_cell: int | None = Field(None, ge=1, description="required for tpe/random; grid runs every point")
     random_trial_count: bool = Field(
-        False, description="draw each cell's number of trials from a geometric distribution with mean "
-        "trials_per_cell (sampler random only): then the private-selection bound of Papernot & Steinke holds")
+        False, description="draw each cell's number of trials secretly from a geometric distribution with mean "
+        "trials_per_cell (sampler random only): one assumption of Papernot & Steinke's private-selection bound; "
+        "the bound as a whole holds only with privacy.private_selection")
 
     @model_validator(mode="after")
     def _random_count(self) -> Self:
@@ -202,7 +231,12 @@ class SearchSpace(_Strict):
     sampler: SamplerSpec = SamplerSpec()
     scheduler: SchedulerSpec | None = None
     resources: ResourcesSpec = ResourcesSpec()
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="public: the data split, subset caps and the sampler's proposals; "
+                      "never the trials' noise or batches (unless reproducible)")
+    reproducible: bool = Field(
+        False, description="derive every trial's noise, Poisson batches and initialisation from seed and the "
+        "trial's id (research, tests). Off: fresh OS entropy per trial, never stored. On: the DP guarantees "
+        "assume secret coins and do not hold for released results")
 
     @model_validator(mode="after")
     def _sampler_fits(self) -> Self:
@@ -216,11 +250,33 @@ class SearchSpace(_Strict):
             raise ValueError(f"sampler '{self.sampler.name}' needs sampler.trials_per_cell")
         if len(set(self.epochs)) != len(self.epochs):
             raise ValueError("epochs must be distinct")
+        if self.privacy.private_selection is not None:
+            self._check_private_selection()
         return self
 
+    def _check_private_selection(self) -> None:
+        """Refuse what voids the private-selection bound (Papernot & Steinke 2022), before any compute."""
+        voids = {
+            "sampler.name": (self.sampler.name != "random", f"'{self.sampler.name}' must be 'random': the bound "
+                             "assumes hyperparameters drawn independently of the data and of earlier trials (TPE "
+                             "adapts to private scores, a grid fixes the trial count)"),
+            "scheduler": (self.scheduler is not None, "must be absent: ASHA stops trials on other trials' private "
+                          "scores"),
+            "training.diagnostics": (self.training.diagnostics, "must be false: diagnostics release exact gradient "
+                                     "norms and labels of training examples"),
+            "training.compare_auto_s": (self.training.compare_auto_s, "must be false: one selection per search"),
+            "epochs": (len(self.epochs) != 1, "must hold one epoch budget: one selection per search"),
+            "sampler.trials_per_cell": ((self.sampler.trials_per_cell or 0) < 2,
+                                        "must be ≥ 2: the mean of the random trial count"),
+        }
+        problems = [f"{key} {why}" for key, (bad, why) in voids.items() if bad]
+        if problems:
+            raise ValueError("privacy.private_selection: " + "; ".join(problems))
+
     def cells(self) -> list[Cell]:
-        """The (ε, E) cells, each its own search, ordered by ε then E."""
-        return [Cell(epsilon=e, epochs=n) for e in sorted(self.privacy.epsilons) for n in sorted(self.epochs)]
+        """The (ε, E) cells with a per-trial ε, each its own search, ordered by ε then E (none with
+        ``private_selection``: its one cell's ε is found by the planner)."""
+        return [Cell(epsilon=e, epochs=n) for e in sorted(self.privacy.epsilons or []) for n in sorted(self.epochs)]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,15 @@ class TrialConfig:
     gradient-norm units; ``batch_size`` is the *expected* logical batch B = q·N under Poisson
     sampling; ``learning_rate`` is the η the optimizer uses, ``base_learning_rate`` the η₀ it was
     coupled from (η = η₀·√(B/B_ref), or η = η₀ when coupling is off).
+
+    Randomness: ``split_seed`` is public and fixes only the data split and subset caps.
+    ``seed`` roots the trial's *coins* (model initialisation, Poisson sampling, gradient noise,
+    score noise, diagnostics probe): ``None`` (the default) draws them from fresh OS entropy, so
+    no two trials share noise or batches and nothing stored regenerates them — what the (ε, δ)
+    guarantee and any composition across trials assume. An integer makes the trial reproducible
+    (research and tests), and then the guarantee does not hold for its released results.
+    ``score_noise_multiplier`` (σ_s, a count's std) asks for a DP selection score: the number of
+    correct validation predictions plus N(0, σ_s²) (sensitivity 1 under add/remove of a row).
     """
 
     dataset: str
@@ -41,7 +50,9 @@ class TrialConfig:
     base_learning_rate: float
     optimizer: Literal["adam", "sgd"] = "adam"
     clipping: ClippingRule = "normalized"
-    seed: int = 0
+    seed: int | None = None
+    split_seed: int = 0
+    score_noise_multiplier: float | None = None
     # difficulty knobs and data sizing
     fraction: float = 1.0
     examples_per_class: int | None = None
@@ -124,13 +135,15 @@ class TrialResult:
     noise_multiplier: float = float("nan")  # σ
     sample_rate: float = float("nan")  # q = B/N
     steps: int = 0  # T planned = plan.total_steps(N, B, E), what σ is calibrated for
-    epsilon_spent: float = float("nan")  # from the accountant that drove training; ≤ epsilon
+    steps_taken: int = 0  # steps actually run (< steps when stopped or failed); what ε spent counts
+    epsilon_spent: float = float("nan")  # ε of steps_taken steps at (σ, q, δ); ≤ epsilon
     num_train: int = 0
     num_val: int = 0
     num_test: int = 0
     num_classes: int = 0
     trainable_parameters: int = 0
-    val_accuracy: float = float("nan")  # after the last epoch (selection metric)
+    val_accuracy: float = float("nan")  # after the last epoch (selection metric; exact, not private)
+    noisy_val_accuracy: float = float("nan")  # (correct + N(0, σ_s²)) / num_val with score noise; else NaN
     test_accuracy: float = float("nan")  # after the last epoch (never used for selection)
     train_loss: float = float("nan")
     wall_time_s: float = 0.0  # training + evaluation + diagnostics (data loading and σ excluded)
@@ -152,11 +165,29 @@ class TrialConfigError(ValueError):
     """A :class:`TrialConfig` cannot run; raised before any training, naming the allowed values."""
 
 
+class TrialFailed(RuntimeError):
+    """A trial failed after training began; carries what it spent, so the search can account it.
+
+    ``steps_taken`` Poisson steps at (``noise_multiplier``, ``sample_rate``) ran before the error
+    (the ``__cause__``); ``epsilon_spent`` is their ε at the trial's δ.
+    """
+
+    def __init__(self, message: str, *, noise_multiplier: float, sample_rate: float, steps: int, steps_taken: int,
+                 epsilon_spent: float) -> None:
+        super().__init__(message)
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.steps_taken = steps_taken
+        self.epsilon_spent = epsilon_spent
+
+
 def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
     """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch.
 
     Raises ``ValueError`` (:class:`TrialConfigError`, ``WorkloadError``, ``ModelError``,
-    ``PrivacyParameterError``) for bad input, always before training. A run whose loss turns
+    ``PrivacyParameterError``) for bad input, always before training; any error once training
+    has begun is raised as :class:`TrialFailed` (with the steps taken). A run whose loss turns
     non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.dp.trainer` (imported
     here on first use so that readers of these types, e.g. ``dptune.records``, stay torch-free).
     """

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from dptune.privacy import (
     calibrate_noise_multiplier,
     check_delta,
     epsilon_spent,
-    tuning_privacy_cost,
 )
 
 pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
@@ -300,8 +300,9 @@ def test_concurrent_processes_calibrate_into_one_consistent_cache(tmp_path: Path
     assert all(worker.returncode == 0 for worker in workers)
     assert results[0] == results[1] == results[2]
     folder = tmp_path / "accounting"
-    assert sorted(p.suffix for p in folder.iterdir()) == [".json"] * 3  # no temporary files left
-    for entry in folder.iterdir():
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".json")) == [".hmac-key"]  # no temp files
+    assert len(list(folder.glob("*.json"))) == 3
+    for entry in folder.glob("*.json"):
         assert json.loads(entry.read_text())["value"] in results[0]
 
 
@@ -336,6 +337,29 @@ def test_unreadable_cache_entry_is_recomputed(private_cache: Path) -> None:
     privacy.clear_memory_cache()
     assert calibrate_noise_multiplier(*CHEAP) == sigma
     assert json.loads(entry.read_text())["value"] == sigma
+
+
+def test_a_tampered_cache_entry_is_recomputed_not_trusted(private_cache: Path) -> None:
+    sigma = calibrate_noise_multiplier(*CHEAP)
+    (entry,) = (private_cache / "accounting").glob("*.json")
+    record = json.loads(entry.read_text())
+    record["value"] = sigma / 10  # a weaker σ, well-formed: without the key its signature cannot match
+    entry.write_text(json.dumps(record))
+    privacy.clear_memory_cache()
+    assert calibrate_noise_multiplier(*CHEAP) == sigma
+    assert json.loads(entry.read_text())["value"] == sigma
+
+
+def test_the_cache_is_private_to_its_user(private_cache: Path) -> None:
+    calibrate_noise_multiplier(*CHEAP)
+    folder = private_cache / "accounting"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert all(path.stat().st_mode & 0o077 == 0 for path in folder.iterdir())
+    key = folder / ".hmac-key"
+    key.chmod(0o644)  # readable by others: no longer a secret, replaced; entries it signed become misses
+    privacy.clear_memory_cache()
+    assert calibrate_noise_multiplier(*CHEAP) > 0
+    assert key.stat().st_mode & 0o077 == 0
 
 
 # --------------------------------------------------------------------------- bad input
@@ -429,68 +453,141 @@ def test_check_delta_warns_above_one_over_n() -> None:
         check_delta(1e-5, 0)
 
 
-# --------------------------------------------------------------------------- privacy cost of tuning
+# --------------------------------------------------------------------------- the cost of a search
 
-TRIAL = {"sample_rate": 0.01, "steps": 1000}  # σ from calibrate_noise_multiplier(1.0, δ, 0.01, 1000)
-
-
-def test_basic_composition_is_exact() -> None:
-    cost = tuning_privacy_cost(1.5, 1e-6, 7, noise_multiplier=1.0, **TRIAL)
-    assert (cost.epsilon_composition, cost.delta_composition) == (7 * 1.5, 7 * 1e-6)
-    assert (cost.trials, cost.epsilon_per_trial, cost.delta_per_trial) == (7, 1.5, 1e-6)
+TRIAL = {"sample_rate": 0.01, "steps": 1000}
+# Trials of a search: three batch sizes at two budgets, as a search's cells produce them (σ, q, T).
+SEARCH_TRIALS = [(1.1, 0.01, 1000), (1.1, 0.01, 1000), (2.5, 0.05, 200), (0.8, 0.02, 500), (0.6, 0.1, 60)]
 
 
-def test_geometric_selection_bound_matches_papernot_steinke_by_hand() -> None:
-    """Theorem 2 of Papernot & Steinke with η = 1 (geometric, γ = 1/k), on Opacus' independent RDP of
-    the trial, converted with Opacus' RDP→(ε, δ) formula; dp_accounting must give the same number."""
-    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+def _pld_epsilon(trials: list[tuple[float, float, int]], delta: float) -> float:
+    """dp_accounting's PLD accountant (Meiser & Mohammadi; Doroshenko et al.) on the same events:
+    independent of the PRV code path, pessimistic discretisation of 1e-3."""
+    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
 
-    trials, sigma = 20, 1.3
-    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
-    rdp = np.array(compute_rdp(q=TRIAL["sample_rate"], noise_multiplier=sigma, steps=TRIAL["steps"], orders=orders))
+    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials])
+    return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
+
+
+def test_whole_search_epsilon_equals_an_independent_pld_composition() -> None:
+    mechanisms = [privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS]
+    composed = privacy.composed_epsilon(mechanisms, DELTA)
+    expected = _pld_epsilon(SEARCH_TRIALS, DELTA)
+    # the PRV figure is an upper bound within SEARCH_EPSILON_ERROR; PLD's pessimistic grid adds ≤ ~1e-2
+    assert expected - 0.02 <= composed <= expected + privacy.SEARCH_EPSILON_ERROR + 0.02
+    basic = sum(epsilon_spent(*trial, DELTA) for trial in SEARCH_TRIALS)
+    assert composed < basic  # tighter than Σ εᵢ, and at δ rather than k·δ
+
+
+def test_one_trial_composed_is_that_trial_and_equal_trials_merge() -> None:
+    sigma, q, steps = SEARCH_TRIALS[0]
+    alone = privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, steps)], DELTA)
+    assert epsilon_spent(sigma, q, steps, DELTA) - 0.02 <= alone <= epsilon_spent(sigma, q, steps, DELTA) + 0.1
+    twice = privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, steps)] * 2, DELTA)
+    assert twice == privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, 2 * steps)], DELTA)
+
+
+def _papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: float) -> float:
+    """Theorem 2 of Papernot & Steinke with η = 1 (γ = 1/k), by hand, converted with Opacus' formula."""
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
     gamma = 1 / trials
     constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
     selected = rdp + math.log(trials) / (orders - 1) + constant
     selected = np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected, _ = get_privacy_spent(orders=orders, rdp=selected, delta=DELTA)
-
-    cost = tuning_privacy_cost(1.0, DELTA, trials, noise_multiplier=sigma, shape=1.0, **TRIAL)
-    assert cost.epsilon_selection == pytest.approx(expected, rel=1e-6)
-    assert cost.distribution == "geometric" and cost.delta_selection == DELTA
+        epsilon, _ = get_privacy_spent(orders=orders, rdp=selected, delta=DELTA)
+    return float(epsilon)
 
 
-@pytest.mark.parametrize("shape", [1.0, 0.0, 0.5, math.inf])
-def test_selection_costs_more_than_one_trial_and_grows_with_trials(shape: float) -> None:
-    few = tuning_privacy_cost(1.0, DELTA, 5, shape=shape, **TRIAL)
-    many = tuning_privacy_cost(1.0, DELTA, 50, shape=shape, **TRIAL)
-    assert 1.0 < few.epsilon_selection < many.epsilon_selection
+def _opacus_rdp(orders: np.ndarray, sigma: float, q: float, steps: int) -> np.ndarray:
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return np.array(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders))
+
+
+@pytest.mark.parametrize("score_noise", [None, 3.0])
+def test_geometric_selection_bound_matches_papernot_steinke_by_hand(score_noise: float | None) -> None:
+    """Opacus' independent RDP of the trial (plus λ/(2σ_s²) for the Gaussian score), Thm 2 by hand."""
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    trials, sigma = 20, 1.3
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    rdp = _opacus_rdp(orders, sigma, TRIAL["sample_rate"], TRIAL["steps"])
+    if score_noise is not None:
+        rdp = rdp + orders / (2 * score_noise**2)
+    expected = _papernot_steinke_geometric(rdp, orders, trials)
+    mechanism = privacy.TrialMechanism(sigma, TRIAL["sample_rate"], TRIAL["steps"])
+    got = privacy.selection_epsilon([mechanism], trials, DELTA, score_noise_multiplier=score_noise)
+    assert got == pytest.approx(expected, rel=1e-6)
 
 
 def test_selection_over_candidates_uses_the_worst_rdp_curve() -> None:
-    small_batches = {"sample_rate": 0.01, "steps": 1000}
-    large_batches = {"sample_rate": 0.1, "steps": 100}
-    one = tuning_privacy_cost(1.0, DELTA, 20, **small_batches)
-    other = tuning_privacy_cost(1.0, DELTA, 20, **large_batches)
-    both = tuning_privacy_cost(1.0, DELTA, 20, sample_rate=[0.01, 0.1], steps=[1000, 100])
-    same_twice = tuning_privacy_cost(1.0, DELTA, 20, sample_rate=[0.01, 0.01], steps=[1000, 1000])
-    assert both.epsilon_selection > max(one.epsilon_selection, other.epsilon_selection)
-    assert same_twice.epsilon_selection == pytest.approx(one.epsilon_selection, rel=1e-12)
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    small, large = privacy.TrialMechanism(1.0, 0.01, 1000), privacy.TrialMechanism(2.0, 0.1, 100)
+    worst = np.maximum(_opacus_rdp(orders, 1.0, 0.01, 1000), _opacus_rdp(orders, 2.0, 0.1, 100))
+    both = privacy.selection_epsilon([small, large], 20, DELTA)
+    assert both == pytest.approx(_papernot_steinke_geometric(worst, orders, 20), rel=1e-4)  # two RDP codes
+    assert both >= max(privacy.selection_epsilon([m], 20, DELTA) for m in (small, large))
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    ({"trials": 0}, "trials"),
-    ({"trials": 2.5}, "trials"),
-    ({"shape": -1.0}, "shape"),
-    ({"epsilon_per_trial": 0.0}, "epsilon_per_trial"),
-    ({"delta_per_trial": 1.0}, "delta_per_trial"),
-    ({"steps": [1000, 100]}, "sample_rate and steps"),
-    ({"noise_multiplier": [1.0, 2.0]}, "noise_multiplier"),
+def test_private_selection_plan_meets_the_total_and_is_nearly_the_largest() -> None:
+    rates, steps = [0.01, 0.05], [1000, 200]
+    plan = privacy.plan_private_selection(4.0, DELTA, 8, rates, steps, score_noise_multiplier=5.0)
+    assert plan.epsilon_selection <= 4.0
+    assert plan.noise_multipliers == tuple(calibrate_noise_multiplier(plan.epsilon_per_trial, DELTA, q, t)
+                                           for q, t in zip(rates, steps))
+    # independent check of the bound with Opacus' RDP of each candidate's σ, by hand
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    worst = np.max([_opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps)], axis=0)
+    assert _papernot_steinke_geometric(worst + orders / (2 * 5.0**2), orders, 8) <= 4.0 + 1e-9
+    # a per-trial ε one tolerance step larger breaks the total
+    bigger = plan.epsilon_per_trial * (1 + 2 * privacy.SELECTION_EPSILON_RTOL)
+    candidates = [privacy.TrialMechanism(calibrate_noise_multiplier(bigger, DELTA, q, t), q, t)
+                  for q, t in zip(rates, steps)]
+    assert privacy.selection_epsilon(candidates, 8, DELTA, score_noise_multiplier=5.0) > 4.0
+
+
+def test_unreachable_total_budget_is_refused() -> None:
+    with pytest.raises(PrivacyParameterError, match="epsilon_total=0.1 is unreachable"):
+        privacy.plan_private_selection(0.1, DELTA, 50, [0.01], [1000])
+
+
+@pytest.mark.parametrize(("mean", "shape"), [(8.0, 1.0), (5.0, 2.0), (10.0, 0.5)])
+def test_random_trial_count_follows_the_truncated_negative_binomial(mean: float, shape: float) -> None:
+    gamma = privacy.trial_count_gamma(mean, shape)
+    # the distribution's mean, from its probabilities P(K = j) ∝ C(j + η − 1, j)(1 − γ)^j, j ≥ 1
+    j = np.arange(1, 20_000)
+    log_p = (scipy_gammaln(j + shape) - scipy_gammaln(shape) - scipy_gammaln(j + 1)) + j * math.log1p(-gamma)
+    p = np.exp(log_p - log_p.max())
+    assert float((j * p).sum() / p.sum()) == pytest.approx(mean, rel=1e-6)
+    draws = [privacy.draw_trial_count(mean, shape, np.random.default_rng(seed)) for seed in range(4000)]
+    assert min(draws) >= 1
+    std = math.sqrt(float((j**2 * p).sum() / p.sum()) - mean**2)
+    assert abs(np.mean(draws) - mean) < 5 * std / math.sqrt(len(draws))
+
+
+def scipy_gammaln(x: np.ndarray | float) -> np.ndarray:
+    from scipy.special import gammaln
+
+    return gammaln(x)
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 1.0, DELTA), "mean_trials"),
+    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 5, DELTA, shape=-1), "shape"),
+    (lambda: privacy.selection_epsilon([], 5, DELTA), "candidates"),
+    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 0)], 5, DELTA), "steps"),
+    (lambda: privacy.composed_epsilon([], DELTA), "mechanisms"),
+    (lambda: privacy.composed_epsilon([privacy.TrialMechanism(1.0, 1.5, 10)], DELTA), "sample_rate"),
+    (lambda: privacy.plan_private_selection(4.0, DELTA, 8, [0.01], [10, 20]), "sample_rates and steps"),
 ])
-def test_bad_tuning_input_names_the_parameter(kwargs: dict[str, object], named: str) -> None:
-    arguments: dict[str, object] = {"epsilon_per_trial": 1.0, "delta_per_trial": DELTA, "trials": 10, **TRIAL,
-                                    "noise_multiplier": 1.0, **kwargs}
+def test_bad_search_cost_input_names_the_parameter(call: Callable[[], object], named: str) -> None:
     with pytest.raises(PrivacyParameterError, match=f"^{named} must be"):
-        tuning_privacy_cost(**arguments)  # type: ignore[arg-type]
+        call()

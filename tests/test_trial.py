@@ -21,7 +21,7 @@ from dptune.models import ModelError
 from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialResult, run_trial
+from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
 
 BASE = TrialConfig(
     dataset="20newsgroups",
@@ -118,6 +118,7 @@ def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: 
 
 
 def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
+    """The reproducibility opt-in (BASE has seed=3): same seed, same result, bit for bit."""
     again = run_trial(BASE)
     timing = ("wall_time_s", "examples_per_s", "diagnostics_wall_time_s", "epochs", "diagnostics")
     strip = {k: v for k, v in asdict(again).items() if k not in timing}
@@ -128,6 +129,70 @@ def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
     undiagnosed = run_trial(replace(BASE, diagnostics=False))  # the probe leaves the training RNG alone
     assert [m.val_loss for m in undiagnosed.epochs] == [m.val_loss for m in result.epochs]
     assert undiagnosed.diagnostics == []
+
+
+def _first_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trial's first draws: its first Poisson batch and one step's noise (the noisy gradient of an
+    empty batch is the noise alone). (The head starts at zero: its initialisation draws nothing.)"""
+    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    trainable = [p for p in trial.model.parameters() if p.requires_grad]
+    features = next(iter(trial.loader))[0]
+    trial.engine.noisy_gradient(iter(()))
+    return features, torch.cat([p.grad.flatten() for p in trainable])
+
+
+COINS = replace(BASE, engine="film", diagnostics=False, batch_size=50)
+
+
+def test_fresh_coins_by_default_differ_between_trials_and_are_uncorrelated() -> None:
+    assert TrialConfig.__dataclass_fields__["seed"].default is None
+    fresh = replace(COINS, seed=None)
+    (b1, z1), (b2, z2) = _first_coins(fresh), _first_coins(fresh)
+    assert b1.shape != b2.shape or not torch.equal(b1, b2)  # Poisson batch (q = 1/2 of 100 examples)
+    assert not torch.equal(z1, z2)
+    # independent N(0, s²) vectors of d = 385·k entries: sample correlation ~ N(0, 1/d), |r| < 5/√d
+    correlation = float(torch.corrcoef(torch.stack([z1, z2]))[0, 1])
+    assert abs(correlation) < 5 / math.sqrt(z1.numel())
+    first, second = run_trial(fresh), run_trial(fresh)
+    assert [m.train_loss for m in first.epochs] != [m.train_loss for m in second.epochs]
+
+
+def test_an_explicit_seed_reproduces_every_coin() -> None:
+    seeded = replace(COINS, seed=12345)
+    for a, b in zip(_first_coins(seeded), _first_coins(seeded), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(_first_coins(seeded)[1], _first_coins(replace(seeded, seed=12346))[1])
+
+
+def test_an_error_after_training_began_says_what_it_spent() -> None:
+    def fail_in_second_epoch(metrics: EpochMetrics) -> None:
+        if metrics.epoch == 2:
+            raise RuntimeError("injected fault")
+
+    with pytest.raises(TrialFailed, match="injected fault") as caught:
+        run_trial(COINS, fail_in_second_epoch)
+    failure = caught.value
+    n = 100
+    assert failure.steps_taken == sum(epoch_steps(n, COINS.batch_size, COINS.epochs)[:2]) < failure.steps
+    assert failure.epsilon_spent == epsilon_spent(failure.noise_multiplier, failure.sample_rate, failure.steps_taken,
+                                                  COINS.delta)
+    assert 0 < failure.epsilon_spent < COINS.epsilon
+    assert isinstance(failure.__cause__, RuntimeError)
+
+
+def test_dp_selection_score_is_the_correct_count_plus_gaussian_noise() -> None:
+    sigma = 4.0
+    config = replace(COINS, score_noise_multiplier=sigma)
+    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    val = trial.evaluate(trial.workload.val)
+    count, correct = val.examples_per_class.sum(), val.correct_per_class.sum()
+    noise = torch.tensor([trial.noisy_score(val) for _ in range(4000)], dtype=torch.float64) * count - correct
+    assert abs(float(noise.mean())) < 5 * sigma / math.sqrt(4000)
+    assert float(noise.std()) == pytest.approx(sigma, rel=0.06)
+    result = run_trial(config)
+    assert result.status == "ok" and math.isfinite(result.noisy_val_accuracy)
+    assert result.noisy_val_accuracy != result.val_accuracy
+    assert math.isnan(run_trial(COINS).noisy_val_accuracy)  # no score noise asked: no noisy score
 
 
 def test_film_engine_is_chosen_automatically_for_a_head(result: TrialResult) -> None:

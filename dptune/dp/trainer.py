@@ -8,8 +8,19 @@ into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnos
 ⌈E/2⌉ and E, and the test set after the last.
 
 A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
-exception). ε spent is the PRV accountant's for the steps actually taken, which is ≤ ε by
-calibration. Same seed and device → same result (CPU: bit-identical).
+exception). With a DP selection score (``score_noise_multiplier``) the trial decides divergence
+only from its DP outputs (non-finite parameters after an epoch), never from the exact losses of
+private rows, and releases the noisy validation count. ε spent is the PRV accountant's for the
+steps actually taken, which is ≤ ε by calibration.
+
+Coins: every random draw of the mechanism (initialisation, Poisson masks, Gaussian noise, score
+noise, the diagnostics probe) comes from ``np.random.SeedSequence(config.seed)``, which with
+``seed=None`` (the default) takes 128 bits of fresh OS entropy: independent across trials and
+never stored. The draws themselves come from torch's generators (MT19937 on the CPU, Philox on
+CUDA) seeded with 64 bits each: statistically independent streams, not a cryptographically secure
+generator (Opacus' ``secure_mode`` needs torchcsprng, which is not installed), and floating-point
+sampling is not hardened against attacks on the Gaussian sampler's low bits. With an integer seed
+(reproducibility opt-in) the same seed and device give the same result (CPU: bit-identical).
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from dptune.dp.sampling import physical_batches, poisson_loader
 from dptune.models import BACKBONES, PEFTS, build_model, check_dp_compatible, trainable_parameter_count
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, check_delta, epsilon_spent
-from dptune.trial import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialResult
+from dptune.trial import (Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialFailed,
+                          TrialResult)
 
 #: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32; the
 #: summary needs about as much again): the probe shrinks below ``diagnostic_examples`` when n·d·4
@@ -81,6 +93,10 @@ def check_config(config: TrialConfig) -> torch.device:
             raise TrialConfigError(f"{name} must be > 0, got {value}")
     if not 0 < config.delta < 1:
         raise TrialConfigError(f"delta must be in (0, 1), got {config.delta}")
+    if config.score_noise_multiplier is not None and not config.score_noise_multiplier > 0:
+        raise TrialConfigError(f"score_noise_multiplier must be > 0 or None, got {config.score_noise_multiplier}")
+    if config.seed is not None and not 0 <= config.seed < 2**128:
+        raise TrialConfigError(f"seed must be None (fresh OS entropy) or an integer in [0, 2**128), got {config.seed}")
     if config.threads is not None and config.threads < 1:
         raise TrialConfigError(f"threads must be ≥ 1 or None, got {config.threads}")
     return resolve_device(config.device)
@@ -166,7 +182,7 @@ def workload_spec(config: TrialConfig) -> WorkloadSpec:
         dataset=config.dataset,
         backbone=config.backbone,
         peft=config.peft,
-        seed=config.seed,
+        seed=config.split_seed,
         fraction=config.fraction,
         examples_per_class=config.examples_per_class,
         classes=config.classes,
@@ -190,8 +206,11 @@ class _Trial:
         self.device = device
         self.workload = workload
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-        model_seed, sampling_seed, noise_seed, probe_seed = np.random.SeedSequence(config.seed).generate_state(4)
+        coins = np.random.SeedSequence(config.seed)  # seed None: 128 bits of OS entropy
+        model_seed, sampling_seed, noise_seed, probe_seed, score_seed = coins.generate_state(5, dtype=np.uint64)
         torch.manual_seed(int(model_seed))
+        self.score_generator = torch.Generator().manual_seed(int(score_seed))
+        self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(
             config.backbone, config.peft, workload.num_classes, feature_input=workload.modality == "features"
@@ -278,8 +297,8 @@ class _Trial:
         config = self.config
         result = self.new_result()
         probe_epochs = diagnostic_epochs(config.epochs) if config.diagnostics else []
+        private_score = config.score_noise_multiplier is not None
         start = time.perf_counter()
-        steps_taken = 0
         examples_seen = 0
         train_time = 0.0
         if 0 in probe_epochs:
@@ -292,10 +311,10 @@ class _Trial:
             epoch_examples = 0
             for batch in itertools.islice(batches, epoch_length):
                 loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
-                steps_taken += 1
-                if not math.isfinite(loss):
+                self.steps_taken += 1
+                if not math.isfinite(loss) and not private_score:
                     result.status = "diverged"
-                    result.reason = f"non-finite training loss ({loss}) at step {steps_taken} (epoch {epoch})"
+                    result.reason = f"non-finite training loss ({loss}) at step {self.steps_taken} (epoch {epoch})"
                     break
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -304,17 +323,20 @@ class _Trial:
             epoch_train_time = time.perf_counter() - epoch_start
             train_time += epoch_train_time
             examples_seen += epoch_examples
+            if private_score and not self._parameters_finite():
+                result.status = "diverged"
+                result.reason = f"non-finite parameters after epoch {epoch}"
             if result.status == "diverged":
                 break
             val = self.evaluate(self.workload.val)
-            if not math.isfinite(val.loss):
+            if not math.isfinite(val.loss) and not private_score:
                 result.status = "diverged"
                 result.reason = f"non-finite validation loss ({val.loss}) after epoch {epoch}"
                 break
             test = self.evaluate(self.workload.test) if epoch == config.epochs else None
             metrics = EpochMetrics(
                 epoch=epoch,
-                steps=steps_taken,
+                steps=self.steps_taken,
                 train_loss=epoch_loss / max(epoch_examples, 1),
                 val_loss=val.loss,
                 val_accuracy=val.accuracy,
@@ -329,6 +351,8 @@ class _Trial:
                 result.train_loss = metrics.train_loss
                 result.class_accuracy = test.class_accuracy()
                 result.class_val_accuracy = val.class_accuracy()
+                if private_score:
+                    result.noisy_val_accuracy = self.noisy_score(val)
             if report is not None:
                 report(metrics)
             if epoch in probe_epochs:
@@ -336,10 +360,31 @@ class _Trial:
         result.wall_time_s = time.perf_counter() - start
         result.examples_per_s = examples_seen / train_time if train_time > 0 else 0.0
         result.diagnostics_wall_time_s = sum(d.wall_time_s for d in result.diagnostics)
-        result.epsilon_spent = (
-            epsilon_spent(self.noise_multiplier, self.sample_rate, steps_taken, config.delta) if steps_taken else 0.0
-        )
+        result.steps_taken = self.steps_taken
+        result.epsilon_spent = self.epsilon_spent()
         return result
+
+    def epsilon_spent(self) -> float:
+        """ε of the steps taken so far (0 before the first step)."""
+        if not self.steps_taken:
+            return 0.0
+        return epsilon_spent(self.noise_multiplier, self.sample_rate, self.steps_taken, self.config.delta)
+
+    def _parameters_finite(self) -> bool:
+        """Whether every trainable parameter is finite: a function of the DP outputs only."""
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
+
+    def noisy_score(self, val: Evaluation) -> float:
+        """The DP selection score: (correct validation predictions + N(0, σ_s²)) / num_val.
+
+        The count has sensitivity 1 under add/remove of one validation row, so this is the Gaussian
+        mechanism with noise multiplier σ_s = ``score_noise_multiplier`` (split sizes are treated
+        as public, as q = B/N already treats N). Its draw comes from the trial's own coins.
+        """
+        sigma = self.config.score_noise_multiplier
+        assert sigma is not None
+        noise = float(torch.normal(0.0, sigma, size=(), generator=self.score_generator))
+        return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
 
 
 @functools.lru_cache(maxsize=2)
@@ -361,4 +406,11 @@ def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
                 f"{config.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
             )
         check_delta(config.delta, num_train)
-        return _Trial(config, device, workload).run(report)
+        trial = _Trial(config, device, workload)
+        try:
+            return trial.run(report)
+        except Exception as error:  # once training may have begun: say what was spent
+            raise TrialFailed(
+                f"{type(error).__name__}: {error} (after {trial.steps_taken} of {trial.steps} steps)",
+                noise_multiplier=trial.noise_multiplier, sample_rate=trial.sample_rate, steps=trial.steps,
+                steps_taken=trial.steps_taken, epsilon_spent=trial.epsilon_spent()) from error

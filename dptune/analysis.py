@@ -254,6 +254,21 @@ def missing_data(results: Results) -> list[str]:
     return notes
 
 
+def privacy_statements(results: Results) -> list[str]:
+    """What each search's (ε, δ) covers, as recorded with it (``search.guarantee``), one per search;
+    for results written before the guarantee was recorded, a statement of what is known."""
+    search = results.search
+    if search.empty:
+        return []
+    statements = []
+    for search_id, rows in search.groupby("search_id", sort=True):
+        text = rows["guarantee"].dropna().iloc[0] if "guarantee" in rows and rows["guarantee"].notna().any() else (
+            "recorded before dptune stated its guarantees (schema 1): every trial of that version shared the "
+            "search's seed, so trials drew the same noise and no composition bound holds for them.")
+        statements.append(f"{search_id}: {text}")
+    return statements
+
+
 def task_difficulty(results: Results) -> pd.DataFrame:
     """Tasks ranked from easiest (rank 1) to hardest by best validation accuracy.
 

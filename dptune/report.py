@@ -343,6 +343,8 @@ def _overview(ctx: Context) -> Section:
                  "are test accuracies of the selected trials, in %.")
     for note in an.missing_data(results):
         section.note(f"Missing: {note}.")
+    for text in an.privacy_statements(results):
+        section.text(f"Privacy: {text}")
     if not results.trials.empty:
         coverage = an.coverage(results)
         section.table(coverage.drop(columns=["search_id"]), {"epsilon": _sig},

@@ -98,3 +98,27 @@ def cumulative_noise(paths: Sequence[str]) -> pd.DataFrame:
                                                    steps=("steps", "first")).reset_index()
     table["sigma_sqrt_t"] = table["sigma"] * np.sqrt(table["steps"])
     return table
+
+
+def opacus_rdp(orders: np.ndarray, sigma: float, q: float, steps: int) -> np.ndarray:
+    """RDP of T Poisson-subsampled Gaussian steps by Opacus' code (independent of dp_accounting)."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return np.array(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders))
+
+
+def papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: float, delta: float) -> float:
+    """Theorem 2 of Papernot & Steinke (ICLR 2022) with η = 1 (geometric, γ = 1/k), written out by hand
+    over a trial's RDP curve, converted to (ε, δ) with Opacus' formula."""
+    import warnings
+
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    gamma = 1 / trials
+    constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
+    selected = rdp + math.log(trials) / (orders - 1) + constant
+    selected = np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        epsilon, _ = get_privacy_spent(orders=orders, rdp=selected, delta=delta)
+    return float(epsilon)

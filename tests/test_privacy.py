@@ -23,6 +23,7 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from dptune import privacy
+from expected import opacus_rdp, papernot_steinke_geometric
 from dptune.privacy import (
     EPSILON_ERROR,
     NOISE_MULTIPLIER_RTOL,
@@ -488,26 +489,6 @@ def test_one_trial_composed_is_that_trial_and_equal_trials_merge() -> None:
     assert twice == privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, 2 * steps)], DELTA)
 
 
-def _papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: float) -> float:
-    """Theorem 2 of Papernot & Steinke with η = 1 (γ = 1/k), by hand, converted with Opacus' formula."""
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
-    gamma = 1 / trials
-    constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
-    selected = rdp + math.log(trials) / (orders - 1) + constant
-    selected = np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        epsilon, _ = get_privacy_spent(orders=orders, rdp=selected, delta=DELTA)
-    return float(epsilon)
-
-
-def _opacus_rdp(orders: np.ndarray, sigma: float, q: float, steps: int) -> np.ndarray:
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    return np.array(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders))
-
-
 @pytest.mark.parametrize("score_noise", [None, 3.0])
 def test_geometric_selection_bound_matches_papernot_steinke_by_hand(score_noise: float | None) -> None:
     """Opacus' independent RDP of the trial (plus λ/(2σ_s²) for the Gaussian score), Thm 2 by hand."""
@@ -515,10 +496,10 @@ def test_geometric_selection_bound_matches_papernot_steinke_by_hand(score_noise:
 
     trials, sigma = 20, 1.3
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
-    rdp = _opacus_rdp(orders, sigma, TRIAL["sample_rate"], TRIAL["steps"])
+    rdp = opacus_rdp(orders, sigma, TRIAL["sample_rate"], TRIAL["steps"])
     if score_noise is not None:
         rdp = rdp + orders / (2 * score_noise**2)
-    expected = _papernot_steinke_geometric(rdp, orders, trials)
+    expected = papernot_steinke_geometric(rdp, orders, trials, DELTA)
     mechanism = privacy.TrialMechanism(sigma, TRIAL["sample_rate"], TRIAL["steps"])
     got = privacy.selection_epsilon([mechanism], trials, DELTA, score_noise_multiplier=score_noise)
     assert got == pytest.approx(expected, rel=1e-6)
@@ -529,9 +510,9 @@ def test_selection_over_candidates_uses_the_worst_rdp_curve() -> None:
 
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
     small, large = privacy.TrialMechanism(1.0, 0.01, 1000), privacy.TrialMechanism(2.0, 0.1, 100)
-    worst = np.maximum(_opacus_rdp(orders, 1.0, 0.01, 1000), _opacus_rdp(orders, 2.0, 0.1, 100))
+    worst = np.maximum(opacus_rdp(orders, 1.0, 0.01, 1000), opacus_rdp(orders, 2.0, 0.1, 100))
     both = privacy.selection_epsilon([small, large], 20, DELTA)
-    assert both == pytest.approx(_papernot_steinke_geometric(worst, orders, 20), rel=1e-4)  # two RDP codes
+    assert both == pytest.approx(papernot_steinke_geometric(worst, orders, 20, DELTA), rel=1e-4)  # two RDP codes
     assert both >= max(privacy.selection_epsilon([m], 20, DELTA) for m in (small, large))
 
 
@@ -545,8 +526,8 @@ def test_private_selection_plan_meets_the_total_and_is_nearly_the_largest() -> N
     from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
-    worst = np.max([_opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps)], axis=0)
-    assert _papernot_steinke_geometric(worst + orders / (2 * 5.0**2), orders, 8) <= 4.0 + 1e-9
+    worst = np.max([opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps)], axis=0)
+    assert papernot_steinke_geometric(worst + orders / (2 * 5.0**2), orders, 8, DELTA) <= 4.0 + 1e-9
     # a per-trial ε one tolerance step larger breaks the total
     bigger = plan.epsilon_per_trial * (1 + 2 * privacy.SELECTION_EPSILON_RTOL)
     candidates = [privacy.TrialMechanism(calibrate_noise_multiplier(bigger, DELTA, q, t), q, t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -9,12 +10,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 import ray
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
+from expected import opacus_rdp, papernot_steinke_geometric
 from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import read_table
@@ -151,23 +155,125 @@ def test_per_trial_tables_are_complete(tiny_search: SearchRun) -> None:
     assert set(diagnostics["trial_id"]) == set(ran.index)
 
 
-def test_search_table_reports_the_privacy_cost_of_tuning(tiny_search: SearchRun) -> None:
+def _pld_epsilon(trials: pd.DataFrame, delta: float) -> float:
+    """dp_accounting's PLD accountant over the recorded (q, σ, steps taken): independent of dptune's PRV path."""
+    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    events = [SelfComposedDpEvent(PoissonSampledDpEvent(row.sample_rate, GaussianDpEvent(row.noise_multiplier)),
+                                  int(row.steps_taken)) for row in trials.itertuples() if row.steps_taken > 0]
+    return PLDAccountant(value_discretization_interval=1e-3).compose(ComposedDpEvent(events)).get_epsilon(delta)
+
+
+def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch,
+                                                    test_cache_dir: Path) -> None:
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     search = read_table(str(tiny_search.root), "search")
-    space = load_space(TINY).space
-    assert len(search) == 4 and set(search["schema_version"]) == {1}
-    normalized = search.drop_duplicates("cell_id")
-    for row in normalized.itertuples():
-        assert row.epsilon_composition == pytest.approx(row.trials_planned * row.epsilon)
-        assert row.delta_composition == pytest.approx(row.trials_planned * space.privacy.delta)
-        assert row.epsilon < row.epsilon_selection
-    assert "privacy cost of the tuning itself" in tiny_search.stdout
+    trials = read_table(str(tiny_search.root), "trials")
+    delta = load_space(TINY).space.privacy.delta
+    assert len(search) == 4 and set(search["schema_version"]) == {2}
+    ran = trials[trials["steps_taken"] > 0]
+    assert len(ran) == 12 and ran["epsilon_spent"].notna().all() and (ran["epsilon_spent"] > 0).all()
+    # the whole search: every trial of every cell and variant, composed; equal to PLD within discretisation
+    expected = _pld_epsilon(trials, delta)
+    assert search["epsilon_search"].nunique() == 1
+    assert expected - 0.02 <= search["epsilon_search"].iloc[0] <= expected + privacy.SEARCH_EPSILON_ERROR + 0.02
+    assert search["epsilon_search_basic"].iloc[0] == pytest.approx(ran["epsilon_spent"].sum())
+    assert search["delta_search_basic"].iloc[0] == pytest.approx(len(ran) * delta)
+    assert search["epsilon_search"].iloc[0] < search["epsilon_search_basic"].iloc[0]
+    for row in search.itertuples():  # per cell and clipping variant: its own trials
+        own = ran[(ran["cell_id"] == row.cell_id) & (ran["clipping"] == row.clipping)]
+        assert row.trials_with_steps == len(own)
+        assert row.epsilon_composition == pytest.approx(own["epsilon_spent"].sum())
+        assert _pld_epsilon(own, delta) - 0.02 <= row.epsilon_cell <= _pld_epsilon(own, delta) + 0.12
+    assert not search["selection_bound_holds"].any() and search["epsilon_selection"].isna().all()
+    assert search["guarantee"].str.contains("NOT covered by \\(ε, δ\\): validation accuracies").all()
+    assert "whole search: ε =" in tiny_search.stdout and "what (ε, δ) covers" in tiny_search.stdout
     assert "best configuration per cell" in tiny_search.stdout
+
+
+def test_trials_draw_secret_coins_that_the_results_cannot_regenerate(tiny_search: SearchRun) -> None:
+    trials = read_table(str(tiny_search.root), "trials")
+    assert trials["seed"].isna().all()  # nothing stored from which noise or batches could be regenerated
+    assert all(json.loads(config)["seed"] is None for config in trials["config"])
+    assert (trials["split_seed"] == 0).all() and trials["released"].all()
+    ok = trials[trials["status"] == "ok"]
+    assert (ok["steps_taken"] == ok["steps"]).all()
+
+
+def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> None:
+    loaded = load_space(TINY, {"reproducible": True})
+    plan = search.plan_cells(loaded.space, TINY_TRAIN_EXAMPLES, progress=False)[0]
+
+    def context(reproducible_seed: int | None) -> search.TrialContext:
+        return search.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
+                                   search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling="sqrt",
+                                   reference_batch_size=64, reproducible_seed=reproducible_seed)
+
+    first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}
+    second = {**first, "clip_bound": 1.0}
+    seeded = context(0)
+    assert search.trial_config(seeded, first).seed == search.trial_config(seeded, first).seed  # repeats
+    assert search.trial_config(seeded, first).seed != search.trial_config(seeded, second).seed  # never shared
+    assert search.trial_config(context(None), first).seed is None  # the default: fresh OS entropy
+    assert "REPRODUCIBLE from seed 0" in search.format_plan(loaded, [plan])
 
 
 def test_existing_results_need_resume(tiny_search: SearchRun, search_env: dict[str, str]) -> None:
     completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tiny_search.root.parent), timeout=300)
     assert completed.returncode == 2
     assert "pass --resume to continue" in completed.stderr
+
+
+# --------------------------------------------------------------------------- end-to-end private tuning
+
+PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("sampler.name=tpe", "sampler.name 'tpe' must be 'random'"),
+    ("scheduler={name: asha}", "scheduler must be absent: ASHA"),
+    ("training.diagnostics=true", "training.diagnostics must be false"),
+])
+def test_private_search_refuses_what_voids_the_bound_before_ray(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                override: str, named: str) -> None:
+    message = main_exit(capsys, "--space", str(PRIVATE), "--storage", str(tmp_path), "--set", override)
+    assert "privacy.private_selection" in message and named in message
+    assert not ray.is_initialized() and not list(tmp_path.iterdir())
+
+
+def test_private_search_releases_one_trial_within_the_total_budget(
+        search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
+    completed = run_cli(search_env, "--space", str(PRIVATE), "--storage", str(tmp_path), "--no-report", *overrides)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    root = str(tmp_path / "private")
+    trials, release = read_table(root, "trials"), read_table(root, "release")
+    (row,) = read_table(root, "search").itertuples()
+    space = load_space(PRIVATE, {"sampler.trials_per_cell": 3, "epochs": [5]}).space
+    selection = space.privacy.private_selection
+    assert row.selection_bound_holds and row.epsilon_selection <= selection.epsilon
+    # independent check: Opacus' RDP of every feasible batch size at the per-trial ε and the score's
+    # Gaussian, Papernot–Steinke Thm 2 by hand
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
+    feasible = [b for b in space.batch_size.candidates(TINY_TRAIN_EXAMPLES)
+                if total_steps(TINY_TRAIN_EXAMPLES, b, 5) >= space.min_steps]
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    curves = []
+    for b in feasible:
+        q, steps = sample_rate(TINY_TRAIN_EXAMPLES, b), total_steps(TINY_TRAIN_EXAMPLES, b, 5)
+        curves.append(opacus_rdp(orders, privacy.calibrate_noise_multiplier(row.epsilon_per_trial, space.privacy.delta,
+                                                                            q, steps), q, steps))
+    rdp = np.max(curves, axis=0) + orders / (2 * selection.score_noise_multiplier**2)
+    assert papernot_steinke_geometric(rdp, orders, 3, space.privacy.delta) <= selection.epsilon
+    # one trial released: the best noisy validation score; every per-trial record marked as not released
+    ok = trials[trials["status"] == "ok"]
+    assert len(ok) >= 1 and len(release) == 1
+    assert release["trial_id"].iloc[0] == ok.loc[ok["noisy_val_accuracy"].idxmax(), "trial_id"]
+    assert release["epsilon_total"].iloc[0] == selection.epsilon
+    assert not trials["released"].any() and (ok["noisy_val_accuracy"] != ok["val_accuracy"]).all()
+    assert "released outcome" in completed.stdout and "Only the release table is covered" in completed.stdout
+    assert "best configuration per cell" not in completed.stdout
 
 
 # --------------------------------------------------------------------------- crash, kill, resume
@@ -230,6 +336,7 @@ def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, 
     failed = ran[ran["batch_size"] == 32]
     assert set(failed["status"]) == {"error"}
     assert failed["reason"].str.contains("injected fault: GPU fell off the bus").all()
+    assert (failed["steps_taken"] == 0).all() and (failed["epsilon_spent"] == 0).all()  # failed before a step
     assert set(ran[ran["batch_size"] == 64]["status"]) == {"ok"}
 
 
@@ -286,3 +393,10 @@ def test_asha_stops_weak_trials_early_and_records_them(search_env: dict[str, str
     last_epoch = epochs.groupby("trial_id")["epoch"].max()
     assert (last_epoch.loc[stopped["trial_id"]] < 4).all()
     assert (last_epoch.loc[ran[ran["status"] == "ok"]["trial_id"]] == 4).all()
+    # a stopped trial spent the steps it took before its last report, and the search counts them
+    last_steps = epochs.sort_values("epoch").groupby("trial_id")["steps"].last()
+    assert (stopped.set_index("trial_id")["steps_taken"] == last_steps.loc[stopped["trial_id"]]).all()
+    assert ((stopped["epsilon_spent"] > 0) & (stopped["epsilon_spent"] < stopped["epsilon"])).all()
+    search_row = read_table(str(tmp_path / "tiny"), "search").iloc[0]
+    assert search_row["trials_with_steps"] == 12
+    assert search_row["epsilon_composition"] == pytest.approx(ran["epsilon_spent"].sum())

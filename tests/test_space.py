@@ -14,7 +14,8 @@ DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
 @pytest.mark.parametrize("path", SPACES, ids=lambda p: p.name)
 def test_shipped_spaces_load(path: Path) -> None:
     loaded = load_space(path)
-    assert loaded.space.cells(), "a space has at least one (ε, E) cell"
+    # a space has at least one (ε, E) cell, or a total budget whose one cell the planner finds
+    assert loaded.space.cells() or loaded.space.privacy.private_selection is not None
     assert len(loaded.spec_hash) == 16
 
 
@@ -108,3 +109,28 @@ def test_paper_spaces_are_the_papers_grid() -> None:
             space = load_space(path).space
             assert space.privacy.epsilons == [1, 2, 4, 8] and space.privacy.delta == 1e-5
             assert space.sampler.name == "grid" and space.coupling.rule == "sqrt"
+
+
+PRIVATE = ROOT / "search_spaces" / "private.yaml"
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"privacy.epsilons": [1.0]}, "give exactly one of epsilons"),
+    ({"privacy.private_selection": None, "privacy.epsilons": None}, "give exactly one of epsilons"),
+    ({"epochs": [5, 10]}, "epochs must hold one epoch budget"),
+    ({"training.compare_auto_s": True}, "training.compare_auto_s must be false"),
+    ({"sampler.name": "grid", "clip_bound": {"values": [1.0]}, "base_learning_rate": {"values": [0.01]}},
+     "sampler.name 'grid' must be 'random'"),
+    ({"sampler.trials_per_cell": 1}, "sampler.trials_per_cell must be ≥ 2"),
+    ({"privacy.private_selection.score_noise_multiplier": 0}, "score_noise_multiplier"),
+])
+def test_private_selection_refuses_what_voids_its_bound(overrides: dict, expected: str) -> None:
+    with pytest.raises(SpaceError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        load_space(PRIVATE, overrides)
+
+
+def test_private_space_has_no_per_trial_cells_and_secret_coins() -> None:
+    space = load_space(PRIVATE).space
+    assert space.cells() == [] and space.privacy.epsilons is None
+    assert not space.reproducible and space.sampler.name == "random" and space.scheduler is None
+    assert load_space(ROOT / "search_spaces" / "default.yaml").space.reproducible is False

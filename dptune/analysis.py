@@ -262,9 +262,13 @@ def privacy_statements(results: Results) -> list[str]:
         return []
     statements = []
     for search_id, rows in search.groupby("search_id", sort=True):
-        text = rows["guarantee"].dropna().iloc[0] if "guarantee" in rows and rows["guarantee"].notna().any() else (
-            "recorded before dptune stated its guarantees (schema 1): every trial of that version shared the "
-            "search's seed, so trials drew the same noise and no composition bound holds for them.")
+        if rows["guarantee"].notna().any():
+            text = rows["guarantee"].dropna().iloc[0]
+        elif (rows["schema_version"] < 2).any():
+            text = ("written by dptune before schema 2, whose trials all drew their noise and batches from the "
+                    "search's one seed: no DP guarantee and no composition bound holds for them.")
+        else:
+            text = "no statement of what (ε, δ) covers was recorded with this search."
         statements.append(f"{search_id}: {text}")
     return statements
 

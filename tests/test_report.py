@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
 import subprocess
 import sys
@@ -79,6 +80,15 @@ def test_report_is_self_contained_with_every_figure(built: tuple[Path, str], res
     references = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert references and all(r.startswith(("data:image/png;base64,", "#s")) for r in references)
     assert not re.search(r"https?://|<link|<script|@import|url\(", page)
+
+
+def test_report_states_what_each_search_guarantees(built: tuple[Path, str], result_datasets: list[str]) -> None:
+    _, page = built
+    search = expected.read(result_datasets, "search")
+    for search_id, rows in search.groupby("search_id"):
+        recorded = rows["guarantee"].dropna()
+        statement = recorded.iloc[0] if len(recorded) else "no statement of what (ε, δ) covers was recorded"
+        assert html.escape(f"Privacy: {search_id}: {statement}") in page
 
 
 def test_guideline_table_equals_pandas(built: tuple[Path, str], result_datasets: list[str]) -> None:

@@ -258,7 +258,7 @@ def _write_cached(path: Path, key: dict[str, object], value: float) -> None:
         raise
 
 
-def _cached(kind: str, inputs: dict[str, float | int], compute: Callable[[], float]) -> float:
+def _cached(kind: str, inputs: dict[str, float | int | str], compute: Callable[[], float]) -> float:
     """``compute()`` once per exact inputs: in-process memo, then the on-disk cache, then compute."""
     memo_key = (kind, *inputs.values())
     if memo_key in _memo:
@@ -609,16 +609,23 @@ def composed_epsilon(mechanisms: Sequence[TrialMechanism], delta: float,
     convolved (prv_accountant's ``Heterogeneous`` composer); ε is read at δ with ``eps_error`` and
     delta_error = δ/1000. This is the whole-search cost when every trial's coins are fresh and
     independent: it holds for releasing *every* trial's model, and is far below basic
-    composition Σεᵢ. Raises ``PrivacyParameterError`` for an empty list or bad parameters.
+    composition Σεᵢ. Raises ``PrivacyParameterError`` for an empty list or bad parameters. Memoised
+    and cached on disk like σ.
     """
+    delta = _check_delta(delta)
+    merged = _merged(mechanisms)
+    _require(len(merged) > 0, "mechanisms", mechanisms, "a non-empty list of trials that took steps")
+    inputs = {"mechanisms": json.dumps([[m.noise_multiplier, m.sample_rate, m.steps] for m in merged]),
+              "delta": delta, "eps_error": eps_error}
+    return _cached("composed_epsilon", inputs, lambda: _composed_epsilon(merged, delta, eps_error))
+
+
+def _composed_epsilon(merged: list[TrialMechanism], delta: float, eps_error: float) -> float:
     from prv_accountant import PoissonSubsampledGaussianMechanism
     from prv_accountant.accountant import compute_safe_domain_size
     from prv_accountant.composers import Heterogeneous
     from prv_accountant.discretisers import CellCentred
 
-    delta = _check_delta(delta)
-    merged = _merged(mechanisms)
-    _require(len(merged) > 0, "mechanisms", mechanisms, "a non-empty list of trials that took steps")
     delta_error = delta * DELTA_ERROR_FRACTION
     prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=m.sample_rate, noise_multiplier=m.noise_multiplier)
             for m in merged]

@@ -274,7 +274,8 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
     store = ResultsStore(context.results_root)
     if store.has_trial(trial_id):  # finished before a crash: report the recorded result, spend nothing
         row = read_table(context.results_root, "trials").set_index("trial_id").loc[trial_id]
-        tune.report({METRIC: row[METRIC] if row["status"] == "ok" else 0.0, "test_accuracy": row["test_accuracy"],
+        score = row["noisy_val_accuracy"] if config.score_noise_multiplier is not None else row[METRIC]
+        tune.report({METRIC: score if row["status"] == "ok" else 0.0, "test_accuracy": row["test_accuracy"],
                      "status": row["status"], "epoch": config.epochs, "done_recording": True})
         return
 

@@ -33,6 +33,7 @@ import yaml
 from tqdm import tqdm
 
 from dptune import __version__
+from dptune.errors import DptuneError
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, tuning_privacy_cost
 from dptune.records import ResultsStore, read_table, trial_rows
@@ -44,7 +45,7 @@ METRIC = "val_accuracy"
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
 
-class SearchError(ValueError):
+class SearchError(DptuneError):
     """Bad flags or an unusable results location, reported before any compute."""
 
 

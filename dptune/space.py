@@ -472,6 +472,29 @@ def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None
     return LoadedSpace(space=space, path=path, text=text)
 
 
+def spec_differences(old_text: str, new_text: str) -> list[str]:
+    """The keys (dotted) whose values differ between two spec texts, each as ``key: old → new``."""
+    before, after = _flatten(parse_yaml(old_text, "the recorded space")), _flatten(parse_yaml(new_text, "the space"))
+    missing = object()
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, missing), after.get(key, missing)
+        if old != new:
+            changes.append(f"{key}: {'(not set)' if old is missing else shown(old, 40)} → "
+                           f"{'(not set)' if new is missing else shown(new, 40)}")
+    return changes
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{dotted.key: value}`` (lists and scalars are values)."""
+    if not isinstance(data, dict):
+        return {prefix: data} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
 def load_space(path: str | Path, overrides: dict | None = None) -> LoadedSpace:
     """Read and validate a search-space file (``SpaceError`` if missing, unreadable or invalid)."""
     path = Path(path)

@@ -24,8 +24,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from dptune.errors import DptuneError, shown
 from dptune.paths import filesystem
 from dptune.privacy import check_delta
@@ -149,15 +147,19 @@ def _check_fits(resources: ResourcesSpec, nodes: list[dict[str, float]], what: s
 # --------------------------------------------------------------------------- the results folder
 
 
-def check_results_folder(results_root: str, quarantine: bool) -> list[str]:
-    """Refuse (or, with ``quarantine``, move aside) unreadable parts; return notes on what was moved."""
+def check_results_folder(results_root: str, quarantine: bool, move: bool = True) -> list[str]:
+    """Refuse unreadable parts, or with ``quarantine`` move them aside (only say so unless ``move``).
+
+    Returns one note per part moved (or to be moved).
+    """
     notes = []
     for table, part, problem in unreadable_parts(results_root):
         if not quarantine:
-            raise PreflightError(f"{shown(part, 300)}: {problem} (an unreadable part of table '{table}'; move it "
+            raise PreflightError(f"{part}: {problem} (an unreadable part of table '{table}'; move it "
                                  "aside, or pass --quarantine-corrupt to move every such part to "
                                  f"{results_root}/quarantine/)")
-        notes.append(f"moved unreadable part {part} ({problem}) to {quarantine_part(results_root, table, part)}")
+        target = quarantine_part(results_root, table, part) if move else f"{results_root}/quarantine/{table}/"
+        notes.append(f"unreadable part {part} ({problem}) {'moved' if move else 'would be moved'} to {target}")
     return notes
 
 
@@ -212,8 +214,7 @@ def write_manifest(results_root: str, loaded: LoadedSpace, name: str) -> None:
 
     fs, root = filesystem(results_root)
     fs.create_dir(root, recursive=True)
-    data = json.dumps({"name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text,
-                       "started_at": pd.Timestamp.now(tz="UTC").isoformat()}, indent=1).encode()
+    data = json.dumps({"name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text}, indent=1).encode()
     final = f"{root}/{MANIFEST}"
     temporary = f"{root}/.{MANIFEST}.tmp-{os.getpid()}" if isinstance(fs, pafs.LocalFileSystem) else final
     with fs.open_output_stream(temporary) as stream:

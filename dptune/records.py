@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from dptune.errors import DptuneError, shown
+from dptune.errors import DptuneError
 from dptune.paths import filesystem
 from dptune.trial import TrialResult
 
@@ -330,7 +330,7 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
         if not bad:
             raise
         part, problem = bad[0]
-        raise RecordsError(f"{shown(part, 300)}: {problem} ({len(bad)} unreadable part(s) in table '{table}'; move "
+        raise RecordsError(f"{part}: {problem} ({len(bad)} unreadable part(s) in table '{table}'; move "
                            "them aside, or run python -m dptune.search --resume --quarantine-corrupt)") from exc
     if table not in ("trials", "search") and "trial_id" in frame:
         frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)

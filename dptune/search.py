@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from dptune import __version__, preflight
 from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
-from dptune.paths import check_name, probe_writable
+from dptune.paths import check_name, filesystem, probe_writable
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, tuning_privacy_cost
 from dptune.records import ResultsStore, read_table, trial_rows
@@ -643,9 +643,11 @@ def _results_root(storage: str, name: str) -> str:
     return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage, name).resolve())
 
 
-def check_storage(location: str) -> None:
-    """The results location (under ``--storage``) must take a file: a probe is written and removed."""
-    probe_writable(location, "--storage")
+def check_storage(storage: str, results_root: str) -> None:
+    """``--storage`` must be a usable location and the results folder under it must take a file
+    (a probe is written and removed there)."""
+    filesystem(storage, "--storage")
+    probe_writable(results_root, "--storage")
 
 
 def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> list[str]:
@@ -658,14 +660,13 @@ def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, re
     """
     space = loaded.space
     check_name(name, "--name" if options.name else f"{loaded.path}: name")
-    check_storage(results_root)
+    check_storage(options.storage, results_root)
     target = options.address or os.environ.get("RAY_ADDRESS")
     if target:
         preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
     else:
         preflight.check_local_resources(space.resources)
-    notes = preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides)
-    notes += preflight.check_results_folder(results_root, options.quarantine_corrupt)
+    notes = preflight.check_results_folder(results_root, options.quarantine_corrupt, move=not options.dry_run)
     if options.resume:
         preflight.check_tune_state(results_root)
         preflight.check_same_space(results_root, loaded)
@@ -693,8 +694,9 @@ def run_search(options: SearchOptions) -> str:
     space = loaded.space
     name = options.name or space.name
     results_root = _results_root(options.storage, name)
-    notes = check_before_data(options, loaded, name, results_root)
-    _warn(notes)
+    _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
+    _warn(checked := check_before_data(options, loaded, name, results_root))
+    notes += checked
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and store.completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "

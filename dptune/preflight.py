@@ -253,7 +253,8 @@ def flag_warnings(space: SearchSpace, trials_per_cell_flag: bool) -> list[str]:
     """Settings that are accepted but do nothing, each as one sentence."""
     notes = []
     if space.sampler.name == "grid" and space.sampler.trials_per_cell is not None:
-        source = "--trials-per-cell" if trials_per_cell_flag else "sampler.trials_per_cell"
+        source = ("--trials-per-cell (or --set sampler.trials_per_cell)" if trials_per_cell_flag
+                  else "sampler.trials_per_cell")
         notes.append(f"{source} does not apply to sampler 'grid', which runs each grid point once; ignored")
     if space.coupling.rule == "none" and "reference_batch_size" in space.coupling.model_fields_set:
         notes.append("coupling.reference_batch_size does not apply with coupling rule 'none'; ignored")

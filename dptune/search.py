@@ -730,8 +730,8 @@ def run_search(options: SearchOptions) -> str:
     ran = plans_that_ran(results_root, search_id, plans)
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
-    rows = search_rows(loaded, ran, search_id) if ran else []
-    if rows:
+    if ran:
+        rows = search_rows(loaded, ran, search_id)
         store.write_part("search", search_id, [{**row, "warnings": json.dumps(notes + idle)} for row in rows])
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
     print("best configuration per cell (selected on validation accuracy):")

@@ -51,6 +51,10 @@ DEFAULT_BASE_LEARNING_RATE = 1e-3
 DEFAULT_REFERENCE_BATCH_SIZE = 256
 #: Smallest batch size of the default grid (powers of two from here up to N, plus N).
 SMALLEST_DEFAULT_BATCH_SIZE = 16
+#: Most steps T one configuration may plan: σ calibration (PRV accountant) grows with T, from
+#: about 10 s at T ≈ 2·10⁴ to 35 s at 2·10⁵ and past a minute (and gigabytes) beyond 10⁶ on
+#: 2 cores, so a larger T is refused before any accounting instead of hanging.
+MAX_STEPS = 1_000_000
 
 
 def _is_count(value: object) -> bool:
@@ -171,14 +175,14 @@ def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs
         raise PlanError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
     if not epsilons or not all(MIN_EPSILON <= e <= MAX_EPSILON for e in epsilons):
         raise PlanError(f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], "
-                         f"got {list(epsilons)}")
+                        f"got {list(epsilons)}")
     if not 0 < delta < 1:
         raise PlanError(f"delta (--delta) must be in (0, 1), got {delta!r}")
     if not _is_count(epochs):
         raise PlanError(f"epochs (--epochs) must be an integer ≥ 1, got {epochs!r}")
     if batch_sizes is not None and not (batch_sizes and all(_is_count(b) and b <= num_examples for b in batch_sizes)):
         raise PlanError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], "
-                         f"got {list(batch_sizes)}")
+                        f"got {list(batch_sizes)}")
     if not _is_count(min_steps):
         raise PlanError(f"min_steps (--min-steps) must be an integer ≥ 1, got {min_steps!r}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -187,7 +191,20 @@ def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs
         raise PlanError(f"base learning rate (--base-lr) must be > 0, got {base_learning_rate!r}")
     if not _is_count(reference_batch_size):
         raise PlanError(f"reference batch size (--reference-batch-size) must be an integer ≥ 1, "
-                         f"got {reference_batch_size!r}")
+                        f"got {reference_batch_size!r}")
+    check_max_steps(num_examples, min(batch_sizes or default_batch_sizes(num_examples)), epochs,
+                    "--n, --epochs, --batch-sizes")
+
+
+def check_max_steps(num_examples: int, batch_size: int, epochs: int, where: str) -> None:
+    """Refuse a configuration whose T = round(E·N/B) exceeds ``MAX_STEPS`` (``PlanError`` naming ``where``)."""
+    steps = total_steps(num_examples, batch_size, epochs)
+    if steps > MAX_STEPS:
+        smallest = math.ceil(epochs * num_examples / MAX_STEPS)
+        fix = f"batch sizes B ≥ {smallest} or fewer epochs" if smallest <= num_examples else "fewer epochs"
+        raise PlanError(f"{where}: B = {batch_size} gives T = E·N/B = {steps} steps (N = {num_examples}, "
+                        f"E = {epochs}), more than the {MAX_STEPS} steps σ can be calibrated for in bounded time "
+                        f"(use {fix})")
 
 
 def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,

@@ -26,6 +26,7 @@ from typing import Any
 
 from dptune.errors import DptuneError, shown
 from dptune.paths import filesystem
+from dptune.plan import check_max_steps
 from dptune.privacy import check_delta
 from dptune.records import quarantine_part, read_table, unreadable_parts
 from dptune.space import LoadedSpace, ResourcesSpec, SearchSpace, spec_differences
@@ -259,6 +260,13 @@ def flag_warnings(space: SearchSpace, trials_per_cell_flag: bool) -> list[str]:
     if space.coupling.rule == "none" and "reference_batch_size" in space.coupling.model_fields_set:
         notes.append("coupling.reference_batch_size does not apply with coupling rule 'none'; ignored")
     return notes
+
+
+def check_steps(space: SearchSpace, num_train: int) -> None:
+    """Refuse batch sizes whose step count T is beyond ``MAX_STEPS`` (before σ is calibrated)."""
+    candidates = space.batch_size.candidates(num_train)
+    if candidates:
+        check_max_steps(num_train, min(candidates), max(space.epochs), "batch_size, epochs")
 
 
 def data_warnings(space: SearchSpace, num_train: int) -> list[str]:

@@ -708,6 +708,7 @@ def run_search(options: SearchOptions) -> str:
         fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
         max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
         max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes

@@ -138,6 +138,7 @@ def test_binary_space_file_names_the_file(tmp_path: Path, capsys: pytest.Capture
     (["--set", "extends.file=x"], "--set 'extends.file': extends is a file name, not a section"),
     (["--set", "extends=nowhere.yaml"], "extends: 'nowhere.yaml' is no such file"),
     (["--set", "privacy.epsilons=*anchor"], "--set 'privacy.epsilons': not valid YAML"),
+    (["--set", "privacy.epsilons=[1e9]"], "privacy.epsilons.0: Input should be less than or equal to 50"),
 ])
 def test_bad_search_flag_is_refused_before_ray(args: list[str], message: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -356,6 +357,8 @@ def test_report_refuses_an_unwritable_out(out: str, tmp_path: Path, capsys: pyte
     (["--out", "/tmp"], "--out must end in .csv or .parquet"),
     (["--delta", "nan"], "delta (--delta) must be in (0, 1)"),
     (["--eps", "1e9"], "epsilons (--eps) must be one or more values in"),
+    (["--n", "1000000000000"], "B = 16 gives T = E·N/B = 312500000000 steps (N = 1000000000000, E = 5), more than"),
+    (["--epochs", "1000000000"], "use fewer epochs"),
 ])
 def test_plan_refuses_bad_flags(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     base = {"--n": "1000", "--eps": "1", "--epochs": "5"}

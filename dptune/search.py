@@ -732,8 +732,9 @@ def run_search(options: SearchOptions) -> str:
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
     if ran:
-        rows = search_rows(loaded, ran, search_id)
-        store.write_part("search", search_id, [{**row, "warnings": json.dumps(notes + idle)} for row in rows])
+        rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
+                for row in search_rows(loaded, ran, search_id)]
+        store.write_part("search", search_id, rows)
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
     print("best configuration per cell (selected on validation accuracy):")
     print(format_summary(summary_table(results_root)))

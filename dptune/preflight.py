@@ -38,7 +38,7 @@ ADDRESS_TIMEOUT_S = 5.0
 #: Where Tune keeps its experiment state under the results folder (``dptune.search`` writes it).
 TUNE_EXPERIMENT = "_tune/search"
 
-_ADDRESS = re.compile(r"(?:(?P<scheme>ray|http|https)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
+_ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
 
 
 class PreflightError(DptuneError):
@@ -80,7 +80,7 @@ def check_address(address: str, where: str = "--address", timeout_s: float = ADD
 
 
 def _connect(host: str, port: int, timeout_s: float) -> str | None:
-    """Open and close a TCP connection; the problem in words, or None. Name lookup included, bounded by ``timeout_s``."""
+    """Open and close a TCP connection: the problem in words, or None; bounded by ``timeout_s``, name lookup included."""
     outcome: list[str | None] = []
 
     def attempt() -> None:

@@ -288,8 +288,8 @@ def part_problem(store: ResultsStore, table: str, part: str) -> str | None:
     except (pa.ArrowException, OSError) as exc:
         return f"not a readable Parquet file ({str(exc).strip().splitlines()[0][:160] if str(exc) else 'unreadable'})"
     expected = SCHEMAS[table]
-    wrong = [f"{field.name} is {field.type}, expected {expected.field(field.name).type}"
-             for field in found if field.name in expected.names and not field.type.equals(expected.field(field.name).type)]
+    wrong = [f"{field.name} is {field.type}, expected {expected.field(field.name).type}" for field in found
+             if field.name in expected.names and not field.type.equals(expected.field(field.name).type)]
     return f"its schema differs from table '{table}': {'; '.join(wrong)[:200]}" if wrong else None
 
 

@@ -300,7 +300,8 @@ def test_dry_run_prints_warnings_and_dropped_batch_sizes(search_env: dict[str, s
                        "--set", "privacy.delta=0.01", "--set", "batch_size.values=[32,64,512]"),
         cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning: --trials-per-cell (or --set sampler.trials_per_cell) does not apply to sampler 'grid'" in done.stderr
+    assert ("warning: --trials-per-cell (or --set sampler.trials_per_cell) does not apply to sampler 'grid'"
+            in done.stderr)
     assert "warning: privacy.delta: delta=0.01 is larger than 1/num_examples = 1/300" in done.stderr
     assert "warning: batch_size: B = [512] exceed the training set (N = 300) and are dropped" in done.stderr
     assert "  dropped, larger than N = 300: B = [512]" in done.stdout

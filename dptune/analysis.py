@@ -40,6 +40,7 @@ import pandas as pd
 import pyarrow.fs as pafs
 import yaml
 
+from dptune.errors import DptuneError
 from dptune.plan import DEFAULT_MIN_STEPS, DEFAULT_TOLERANCE, recommended_batch_size
 from dptune.records import TABLES, read_table
 
@@ -64,7 +65,7 @@ NEAR_OPTIMAL = 0.01
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
 
-class AnalysisError(ValueError):
+class AnalysisError(DptuneError):
     """Results or options that cannot be analysed; the message names the problem and the choices."""
 
 

@@ -37,6 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dptune import __version__
+from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
+from dptune.paths import probe_writable
 from dptune.privacy import MAX_EPSILON, MIN_EPSILON, calibrate_noise_multiplier, check_delta
 
 #: T_min of the min-step rule: the paper saw no convergence below ~20 steps on one dataset.
@@ -49,6 +51,10 @@ DEFAULT_BASE_LEARNING_RATE = 1e-3
 DEFAULT_REFERENCE_BATCH_SIZE = 256
 #: Smallest batch size of the default grid (powers of two from here up to N, plus N).
 SMALLEST_DEFAULT_BATCH_SIZE = 16
+#: Most steps T one configuration may plan: σ calibration (PRV accountant) grows with T, from
+#: about 10 s at T ≈ 2·10⁴ to 35 s at 2·10⁵ and past a minute (and gigabytes) beyond 10⁶ on
+#: 2 cores, so a larger T is refused before any accounting instead of hanging.
+MAX_STEPS = 1_000_000
 
 
 def _is_count(value: object) -> bool:
@@ -158,30 +164,47 @@ def recommended_batch_size(batch_sizes: Sequence[int], cumulative_noise: Sequenc
     return min(b for b, noise in eligible if noise <= (1 + tolerance) * floor)
 
 
+class PlanError(DptuneError):
+    """A planning input out of range; the message names the parameter, its flag and what is allowed."""
+
+
 def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,
               batch_sizes: Sequence[int] | None, min_steps: int, tolerance: float, base_learning_rate: float,
               reference_batch_size: int) -> None:
     if not _is_count(num_examples):
-        raise ValueError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
+        raise PlanError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
     if not epsilons or not all(MIN_EPSILON <= e <= MAX_EPSILON for e in epsilons):
-        raise ValueError(f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], "
-                         f"got {list(epsilons)}")
+        raise PlanError(f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], "
+                        f"got {list(epsilons)}")
     if not 0 < delta < 1:
-        raise ValueError(f"delta (--delta) must be in (0, 1), got {delta!r}")
+        raise PlanError(f"delta (--delta) must be in (0, 1), got {delta!r}")
     if not _is_count(epochs):
-        raise ValueError(f"epochs (--epochs) must be an integer ≥ 1, got {epochs!r}")
+        raise PlanError(f"epochs (--epochs) must be an integer ≥ 1, got {epochs!r}")
     if batch_sizes is not None and not (batch_sizes and all(_is_count(b) and b <= num_examples for b in batch_sizes)):
-        raise ValueError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], "
-                         f"got {list(batch_sizes)}")
+        raise PlanError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], "
+                        f"got {list(batch_sizes)}")
     if not _is_count(min_steps):
-        raise ValueError(f"min_steps (--min-steps) must be an integer ≥ 1, got {min_steps!r}")
+        raise PlanError(f"min_steps (--min-steps) must be an integer ≥ 1, got {min_steps!r}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
-        raise ValueError(f"tolerance (--tolerance) must be a relative tolerance ≥ 0 (e.g. 0.05), got {tolerance!r}")
+        raise PlanError(f"tolerance (--tolerance) must be a relative tolerance ≥ 0 (e.g. 0.05), got {tolerance!r}")
     if not (math.isfinite(base_learning_rate) and base_learning_rate > 0):
-        raise ValueError(f"base learning rate (--base-lr) must be > 0, got {base_learning_rate!r}")
+        raise PlanError(f"base learning rate (--base-lr) must be > 0, got {base_learning_rate!r}")
     if not _is_count(reference_batch_size):
-        raise ValueError(f"reference batch size (--reference-batch-size) must be an integer ≥ 1, "
-                         f"got {reference_batch_size!r}")
+        raise PlanError(f"reference batch size (--reference-batch-size) must be an integer ≥ 1, "
+                        f"got {reference_batch_size!r}")
+    check_max_steps(num_examples, min(batch_sizes or default_batch_sizes(num_examples)), epochs,
+                    "--n, --epochs, --batch-sizes")
+
+
+def check_max_steps(num_examples: int, batch_size: int, epochs: int, where: str) -> None:
+    """Refuse a configuration whose T = round(E·N/B) exceeds ``MAX_STEPS`` (``PlanError`` naming ``where``)."""
+    steps = total_steps(num_examples, batch_size, epochs)
+    if steps > MAX_STEPS:
+        smallest = math.ceil(epochs * num_examples / MAX_STEPS)
+        fix = f"batch sizes B ≥ {smallest} or fewer epochs" if smallest <= num_examples else "fewer epochs"
+        raise PlanError(f"{where}: B = {batch_size} gives T = E·N/B = {steps} steps (N = {num_examples}, "
+                        f"E = {epochs}), more than the {MAX_STEPS} steps σ can be calibrated for in bounded time "
+                        f"(use {fix})")
 
 
 def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,
@@ -191,7 +214,7 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
     """One row per (ε, B), distinct ε in the given order and B ascending; exactly one row per ε is
     ``recommended`` unless no B meets T ≥ ``min_steps``.
 
-    All inputs are checked (``ValueError`` naming the parameter and its CLI flag) before any
+    All inputs are checked (``PlanError`` naming the parameter and its CLI flag) before any
     accounting; a δ above 1/N is warned about. ``progress`` shows a tqdm bar on stderr while σ is
     calibrated (calibrations are cached, so a repeated plan is fast).
     """
@@ -275,7 +298,7 @@ def write_plan(rows: Sequence[PlanRow], path: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m dptune.plan",
         description="Batch-size plan before any compute (Rehn et al. 2026): per ε and B, the noise multiplier σ "
                     "(PRV accountant), steps T = round(E·N/B), per-step noise σ/B, cumulative noise σ√T, "
@@ -305,14 +328,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.out is not None and args.out.suffix not in (".csv", ".parquet"):
-        parser.error(f"--out must end in .csv or .parquet, got {str(args.out)!r}")
+        parser.error(f"--out must end in .csv or .parquet, got {shown(str(args.out))}")
     if args.out is not None and not args.out.parent.is_dir():
-        parser.error(f"--out: folder {str(args.out.parent)!r} does not exist")
+        parser.error(f"--out: folder {shown(str(args.out.parent))} does not exist")
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {shown(str(args.out))}: is a folder (give a file name ending in .csv or .parquet)")
     try:
+        if args.out is not None:
+            probe_writable(str(args.out.parent), "--out")
         rows = plan(args.n, args.eps, args.delta, args.epochs, args.batch_sizes, args.min_steps, args.tolerance,
                     base_learning_rate=args.base_lr, reference_batch_size=args.reference_batch_size, progress=True)
-    except ValueError as error:  # bad flags (checked before any accounting) or an unreachable ε
-        parser.error(str(error))
+    except DptuneError as error:  # bad flags (checked before any accounting) or an unreachable ε
+        report_and_exit(error)
     print(format_plan(rows, args.min_steps, args.tolerance, args.base_lr, args.reference_batch_size))
     if args.out is not None:
         write_plan(rows, args.out)

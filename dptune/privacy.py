@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dptune.errors import DptuneError
 from dptune.paths import cache_dir
 
 # prv_accountant (which imports scipy.signal, ~1.5 s) and scipy are imported where σ or ε is computed,
@@ -105,7 +106,7 @@ _MAX_COARSE_EVALUATIONS = 12
 _LOG2 = math.log(2.0)
 
 
-class PrivacyParameterError(ValueError):
+class PrivacyParameterError(DptuneError):
     """A privacy parameter is out of range, or the target cannot be met; raised before any work."""
 
 

@@ -26,7 +26,7 @@ stored in every ``search`` row.
 from __future__ import annotations
 
 import json
-import os
+import posixpath
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -37,6 +37,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from dptune.errors import DptuneError
+from dptune.paths import filesystem
 from dptune.trial import TrialResult
 
 #: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
@@ -174,6 +176,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("schema_version", pa.int64()),
             ("dptune_version", pa.string()),
             ("created_at", pa.timestamp("ms", tz="UTC")),
+            ("warnings", pa.string()),  # JSON list of the warnings the search printed before it ran
         ]
     ),
     "release": pa.schema(
@@ -203,15 +206,18 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLES: tuple[str, ...] = tuple(SCHEMAS)
 
 
-class RecordsError(ValueError):
+#: Where ``quarantine_part`` moves unreadable parts: ``<root>/quarantine/<table>/part-*.parquet``
+#: (outside every table folder, so readers never see them again).
+QUARANTINE = "quarantine"
+
+
+class RecordsError(DptuneError):
     """A results path or table that cannot be read or written."""
 
 
 def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     """Resolve a local path or URI into a pyarrow filesystem and a path inside it."""
-    if "://" in root:
-        return pafs.FileSystem.from_uri(root)
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root))
+    return filesystem(root)
 
 
 def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: str,
@@ -305,21 +311,67 @@ class ResultsStore:
         return set(read_table(self.root, "trials", columns=["trial_id"])["trial_id"])
 
 
+def _part_paths(store: ResultsStore, table: str) -> list[str]:
+    infos = store._fs.get_file_info(pafs.FileSelector(store._table_dir(table), allow_not_found=True))
+    return sorted(i.path for i in infos if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+
+
+def part_problem(store: ResultsStore, table: str, part: str) -> str | None:
+    """Why the part at ``part`` cannot be read as table ``table``, or None if it can.
+
+    Reads the Parquet footer only (cheap): a file that is not Parquet, is cut short, or has a
+    column whose type differs from ``SCHEMAS[table]`` is unreadable. Missing columns are not a
+    problem (older parts read them as null).
+    """
+    try:
+        found = pq.read_schema(part, filesystem=store._fs)
+    except (pa.ArrowException, OSError) as exc:
+        return f"not a readable Parquet file ({str(exc).strip().splitlines()[0][:160] if str(exc) else 'unreadable'})"
+    expected = SCHEMAS[table]
+    wrong = [f"{field.name} is {field.type}, expected {expected.field(field.name).type}" for field in found
+             if field.name in expected.names and not field.type.equals(expected.field(field.name).type)]
+    return f"its schema differs from table '{table}': {'; '.join(wrong)[:200]}" if wrong else None
+
+
+def unreadable_parts(root: str) -> list[tuple[str, str, str]]:
+    """Every part of the dataset at ``root`` that cannot be read: ``(table, path, problem)``."""
+    store = ResultsStore(root)
+    return [(table, part, problem) for table in TABLES for part in _part_paths(store, table)
+            if (problem := part_problem(store, table, part)) is not None]
+
+
+def quarantine_part(root: str, table: str, part: str) -> str:
+    """Move an unreadable part to ``<root>/quarantine/<table>/`` and return its new path."""
+    store = ResultsStore(root)
+    folder = f"{store._path}/{QUARANTINE}/{table}"
+    store._fs.create_dir(folder, recursive=True)
+    target = f"{folder}/{posixpath.basename(part)}"
+    store._fs.move(part, target)
+    return target
+
+
 def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.DataFrame:
     """Read one table of a results dataset into pandas (empty with the schema's columns if none).
 
     Rows of per-trial tables whose trial has no ``trials`` row yet (a write in progress) are
-    dropped, so a search that is still running reads consistently.
+    dropped, so a search that is still running reads consistently. Raises ``RecordsError``
+    naming the part when one cannot be read.
     """
     store = ResultsStore(root)
-    directory = store._table_dir(table)
+    parts = _part_paths(store, table)  # checks the table's name
     schema = SCHEMAS[table]
     selected = columns or schema.names
-    infos = store._fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
-    parts = sorted(i.path for i in infos if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
     if not parts:
         return schema.empty_table().select(selected).to_pandas()
-    frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(columns=selected).to_pandas()
+    try:
+        frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(columns=selected).to_pandas()
+    except (pa.ArrowException, OSError) as exc:
+        bad = [(part, problem) for part in parts if (problem := part_problem(store, table, part)) is not None]
+        if not bad:
+            raise
+        part, problem = bad[0]
+        raise RecordsError(f"{part}: {problem} ({len(bad)} unreadable part(s) in table '{table}'; move "
+                           "them aside, or run python -m dptune.search --resume --quarantine-corrupt)") from exc
     if table not in ("trials", "search", "release") and "trial_id" in frame:
         frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)
     return frame

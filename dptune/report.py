@@ -13,7 +13,6 @@ in Rehn et al., ICLR 2026); a section whose data is missing says what is missing
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import io
@@ -36,6 +35,8 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from dptune import __version__
 from dptune import analysis as an
+from dptune.errors import ArgumentParser, DptuneError, report_and_exit
+from dptune.paths import probe_writable
 
 #: Colour map for ordered series (ε) and heatmaps: perceptually uniform, prints in grey.
 COLOR_MAP = "viridis"
@@ -869,7 +870,7 @@ def _name(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m dptune.report",
         description="Difficulty-stratified HTML report (figures as embedded PNG) from dptune result datasets.")
     parser.add_argument("results", nargs="*", metavar="RESULTS", help="result dataset folders (or URIs)")
@@ -899,10 +900,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--near-optimal must be ≥ 0 accuracy points, got {args.near_optimal}")
     hard = [c.strip() for c in args.hard_classes.split(",") if c.strip()] if args.hard_classes else None
     try:
+        an.check_results_paths(args.results)
+        probe_writable(args.out, "--out")
         index = build_report(args.results, args.out, hard_fraction=args.hard_fraction, hard_classes=hard,
                              near_optimal=args.near_optimal / 100, title=args.title)
-    except an.AnalysisError as exc:
-        parser.error(str(exc))
+    except DptuneError as exc:  # bad input (a corrupt part, an unwritable --out...); anything else is a bug
+        report_and_exit(exc)
     figures = len(list(index.parent.glob("fig*.png")))
     print(f"report written to {index} ({figures} figures)")
 

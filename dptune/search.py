@@ -14,7 +14,6 @@ Ray appears only here: a trial (``dptune.trial.run_trial``) is a plain function.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -29,16 +28,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 from tqdm import tqdm
 
-from dptune import __version__
+from dptune import __version__, preflight
+from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
+from dptune.paths import check_name, filesystem, probe_writable
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noise_multiplier, draw_trial_count,
                             epsilon_spent, plan_private_selection, selection_epsilon)
 from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, trial_rows
-from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space
+from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
 from dptune.trial import EpochMetrics, TrialConfig, TrialFailed, TrialResult, run_trial
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
@@ -46,7 +46,7 @@ METRIC = "val_accuracy"
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
 
-class SearchError(ValueError):
+class SearchError(DptuneError):
     """Bad flags or an unusable results location, reported before any compute."""
 
 
@@ -185,6 +185,8 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
         if plan.pruned_batch_sizes:
             lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
+        if oversized := space.batch_size.oversized(plan.num_train):
+            lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
     lines.append(f"total: {sum(p.trials for p in plans)} trials in {len(plans)} cell runs")
     return "\n".join(lines)
 
@@ -759,22 +761,54 @@ class SearchOptions:
     overrides: dict[str, Any]
     max_train_examples: int | None
     max_eval_examples: int | None
+    quarantine_corrupt: bool = False
 
 
 def _results_root(storage: str, name: str) -> str:
     return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage, name).resolve())
 
 
-def check_storage(storage: str) -> None:
-    """A local ``--storage`` must be a folder we can create and write; a URI is left to pyarrow."""
-    if "://" in storage:
-        return
-    path = Path(storage).expanduser()
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        raise SearchError(f"--storage {storage}: {existing} exists and is not a folder")
-    if not os.access(existing, os.W_OK):
-        raise SearchError(f"--storage {storage}: {existing} is not writable")
+def check_storage(storage: str, results_root: str) -> None:
+    """``--storage`` must be a usable location and the results folder under it must take a file
+    (a probe is written and removed there)."""
+    filesystem(storage, "--storage")
+    probe_writable(results_root, "--storage")
+
+
+def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> list[str]:
+    """Every check that needs neither the workload nor Ray, run in ``--dry-run`` too; returns warnings.
+
+    The name stays one folder under ``--storage``; the results location takes a file; the Ray
+    address answers (or, for an embedded Ray, this machine has the resources a trial asks for);
+    every part of an existing results folder is readable (or quarantined); on ``--resume`` Tune's
+    state loads and the space is the one the search started with.
+    """
+    space = loaded.space
+    check_name(name, "--name" if options.name else f"{loaded.path}: name")
+    check_storage(options.storage, results_root)
+    target = options.address or os.environ.get("RAY_ADDRESS")
+    if target:
+        preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
+    else:
+        preflight.check_local_resources(space.resources)
+    notes = preflight.check_results_folder(results_root, options.quarantine_corrupt, move=not options.dry_run)
+    if options.resume:
+        preflight.check_tune_state(results_root)
+        preflight.check_same_space(results_root, loaded)
+    return notes
+
+
+def _warn(notes: list[str]) -> None:
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+
+
+def plans_that_ran(results_root: str, search_id: str, plans: list[CellPlan]) -> list[CellPlan]:
+    """The cell runs with at least one recorded trial of this search (only those get a ``search`` row)."""
+    trials = read_table(results_root, "trials", columns=["search_id", "cell_id", "clipping"])
+    mine = trials[trials["search_id"] == search_id]
+    recorded = set(zip(mine["cell_id"], mine["clipping"], strict=True))
+    return [plan for plan in plans if (plan.cell.cell_id, plan.clipping) in recorded]
 
 
 def run_search(options: SearchOptions) -> str:
@@ -785,7 +819,9 @@ def run_search(options: SearchOptions) -> str:
     space = loaded.space
     name = options.name or space.name
     results_root = _results_root(options.storage, name)
-    check_storage(options.storage)
+    _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
+    _warn(checked := check_before_data(options, loaded, name, results_root))
+    notes += checked
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and store.completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
@@ -797,13 +833,19 @@ def run_search(options: SearchOptions) -> str:
         fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
         max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
         max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
+    _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
+    notes += data_notes
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root
 
     search_id = f"{name}-{loaded.spec_hash}"
+    preflight.write_manifest(results_root, loaded, name)
     print(init_ray(options.address), flush=True)
+    if options.address or os.environ.get("RAY_ADDRESS"):
+        preflight.check_cluster_resources(space.resources)
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
@@ -813,13 +855,18 @@ def run_search(options: SearchOptions) -> str:
     print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
     run_cells(space, plans, contexts, options.resume)
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}", flush=True)
-    print("composing the privacy cost of every trial (PRV accountant)...", flush=True)
-    trials = read_table(results_root, "trials")
-    rows = search_rows(loaded, plans, search_id, trials)
-    released = release_rows(space, plans, rows, trials)
-    if released:  # before the search rows: a search row marks a finished search
-        store.write_part("release", search_id, released)
-    store.write_part("search", search_id, rows)
+    ran = plans_that_ran(results_root, search_id, plans)
+    _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
+                   for p in plans if p not in ran])
+    if ran:
+        print("composing the privacy cost of every trial (PRV accountant)...", flush=True)
+        trials = read_table(results_root, "trials")
+        rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
+                for row in search_rows(loaded, ran, search_id, trials)]
+        released = release_rows(space, ran, rows, trials)
+        if released:  # before the search rows: a search row marks a finished search
+            store.write_part("release", search_id, released)
+        store.write_part("search", search_id, rows)
     if space.privacy.private_selection is None:
         print("best configuration per cell (selected on exact validation accuracy: not a DP release):")
         print(format_summary(summary_table(results_root)))
@@ -867,7 +914,7 @@ def _build_report(results_root: str, name: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m dptune.search",
         description="Joint DP hyperparameter search over clip bound C, batch size B and learning rate η₀ "
                     "per (ε, epochs) cell, on Ray Tune.",
@@ -885,14 +932,20 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
     parser.add_argument("--max-train-examples", type=int, help="cap the training set (quick runs and tests)")
     parser.add_argument("--max-eval-examples", type=int, help="cap the validation and test sets (quick runs and tests)")
+    parser.add_argument("--quarantine-corrupt", action="store_true",
+                        help="move unreadable Parquet parts of the results folder to <results>/quarantine/ "
+                             "instead of refusing to start")
     args = parser.parse_args(argv)
 
     overrides: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            parser.error(f"--set {item!r}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
-        overrides[key] = yaml.safe_load(value)
+            parser.error(f"--set {shown(item)}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
+        try:
+            overrides[key] = parse_override(key, value)
+        except SpaceError as exc:
+            parser.error(str(exc))
     if args.trials_per_cell is not None:
         if args.trials_per_cell < 1:
             parser.error(f"--trials-per-cell must be ≥ 1 (got {args.trials_per_cell})")
@@ -901,20 +954,25 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be ≥ 1 (got {value})")
-    if args.name is not None and not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        parser.error(f"--name {args.name!r}: use letters, digits, '-', '_' and '.' only")
+    try:
+        if args.name is not None:
+            check_name(args.name, "--name")
+        if args.address is not None:
+            preflight.check_address_syntax(args.address)
+    except DptuneError as exc:
+        parser.error(str(exc))
     return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
                          resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
-                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples)
+                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
+                         quarantine_corrupt=args.quarantine_corrupt)
 
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     try:
         run_search(options)
-    except (SpaceError, SearchError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except DptuneError as exc:  # bad input; anything else is a bug and keeps its traceback
+        report_and_exit(exc)
 
 
 if __name__ == "__main__":

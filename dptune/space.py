@@ -11,23 +11,42 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dptune.dp.clipping import ClippingRule
+from dptune.errors import DptuneError, shown
+from dptune.paths import MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
+from dptune.privacy import MAX_EPSILON, MIN_EPSILON
+
+#: Most trials one cell may run (``trials_per_cell``, or the points of a grid): a search is
+#: meant to finish, and a count beyond this is a typo far more often than a plan.
+MAX_TRIALS_PER_CELL = 10_000
+#: Largest ``seed``: Optuna's samplers take 32-bit seeds (NumPy ``RandomState``) and each cell
+#: adds an offset below 2**24 to the space's seed.
+MAX_SEED = 2**32 - 2**24 - 1
+#: Largest spec file read, in bytes (shipped specs are a few kB).
+MAX_SPEC_BYTES = 1_000_000
+#: Most YAML nodes a spec may expand to, each alias counted at every place it is used: a small
+#: file of nested anchors (a "billion laughs") would otherwise expand to gigabytes.
+MAX_SPEC_NODES = 10_000
+#: YAML tags a spec may resolve to: plain mappings, lists and scalars (and ``<<`` merge keys).
+_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in (
+    "map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp"))
 
 
-class SpaceError(ValueError):
+class SpaceError(DptuneError):
     """A search-space file that cannot be used; the message names the file, the key and the rule."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -56,7 +75,8 @@ class PrivateSelectionSpec(_Strict):
     releases only the best one.
     """
 
-    epsilon: float = Field(gt=0, description="ε_total of the tuning and the released model, at privacy.delta")
+    epsilon: float = Field(ge=MIN_EPSILON, le=MAX_EPSILON,
+                           description="ε_total of the tuning and the released model, at privacy.delta")
     score_noise_multiplier: float = Field(
         5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions")
     trial_count_shape: float = Field(1.0, gt=0, le=100, description="η of the random trial count (1 = geometric)")
@@ -69,7 +89,7 @@ class PrivacySpec(_Strict):
     ``private_selection`` (a total budget for the tuning and the released model).
     """
 
-    epsilons: list[PositiveFloat] | None = Field(None, min_length=1)
+    epsilons: list[Annotated[float, Field(ge=MIN_EPSILON, le=MAX_EPSILON)]] | None = Field(None, min_length=1)
     delta: float = Field(1e-5, gt=0, lt=1)
     private_selection: PrivateSelectionSpec | None = None
 
@@ -140,16 +160,20 @@ class BatchSizeSpec(_Strict):
         return self
 
     def candidates(self, num_examples: int) -> list[int]:
-        """The B values for a training set of ``num_examples``; those above N are dropped."""
+        """The B values for a training set of ``num_examples``; those above N are dropped (see ``oversized``)."""
+        return sorted(b for b in self._requested(num_examples) if b <= num_examples)
+
+    def oversized(self, num_examples: int) -> list[int]:
+        """The requested B values above ``num_examples`` (N), which a search drops."""
+        return sorted(b for b in self._requested(num_examples) if b > num_examples)
+
+    def _requested(self, num_examples: int) -> set[int]:
         if self.values is not None:
-            values = set(self.values)
-        else:
-            spec = self.powers_of_two
-            assert spec is not None
-            values = {2**k for k in range(int(math.log2(spec.min)), int(math.log2(spec.max)) + 1)}
-            if spec.full_batch:
-                values.add(num_examples)
-        return sorted(b for b in values if b <= num_examples)
+            return set(self.values)
+        spec = self.powers_of_two
+        assert spec is not None
+        values = {2**k for k in range(int(math.log2(spec.min)), int(math.log2(spec.max)) + 1)}
+        return values | {num_examples} if spec.full_batch else values
 
 
 class CouplingSpec(_Strict):
@@ -163,7 +187,8 @@ class SamplerSpec(_Strict):
     """Optuna sampler per cell: ``tpe``, ``random`` or ``grid`` (the paper's exhaustive grids)."""
 
     name: Literal["tpe", "random", "grid"] = "tpe"
-    trials_per_cell: int | None = Field(None, ge=1, description="required for tpe/random; grid runs every point")
+    trials_per_cell: int | None = Field(None, ge=1, le=MAX_TRIALS_PER_CELL,
+                                        description="required for tpe/random; grid runs every point")
     random_trial_count: bool = Field(
         False, description="draw each cell's number of trials secretly from a geometric distribution with mean "
         "trials_per_cell (sampler random only): one assumption of Papernot & Steinke's private-selection bound; "
@@ -217,7 +242,7 @@ class TrainingSpec(_Strict):
 class SearchSpace(_Strict):
     """A whole search-space file."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(max_length=MAX_NAME_CHARS)
     description: str = ""
     task: TaskSpec
     privacy: PrivacySpec
@@ -231,12 +256,17 @@ class SearchSpace(_Strict):
     sampler: SamplerSpec = SamplerSpec()
     scheduler: SchedulerSpec | None = None
     resources: ResourcesSpec = ResourcesSpec()
-    seed: int = Field(0, ge=0, description="public: the data split, subset caps and the sampler's proposals; "
-                      "never the trials' noise or batches (unless reproducible)")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="public: the data split, subset caps and the sampler's "
+                      "proposals; never the trials' noise or batches (unless reproducible)")
     reproducible: bool = Field(
         False, description="derive every trial's noise, Poisson batches and initialisation from seed and the "
         "trial's id (research, tests). Off: fresh OS entropy per trial, never stored. On: the DP guarantees "
         "assume secret coins and do not hold for released results")
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder(cls, value: str) -> str:
+        return check_name(value, "the name")
 
     @model_validator(mode="after")
     def _sampler_fits(self) -> Self:
@@ -246,6 +276,11 @@ class SearchSpace(_Strict):
                     raise ValueError(f"sampler 'grid' needs {key}.values (a list), not a range")
             if self.batch_size.values is None and self.batch_size.powers_of_two is None:
                 raise ValueError("sampler 'grid' needs batch_size values")
+            points = (len(self.clip_bound.values or ()) * len(self.base_learning_rate.values or ())
+                      * len(self.batch_size.candidates(2**62)))
+            if points > MAX_TRIALS_PER_CELL:
+                raise ValueError(f"the grid has {points} points per cell, more than the {MAX_TRIALS_PER_CELL} "
+                                 "trials a cell may run; use fewer values or sampler 'tpe'/'random'")
         elif self.sampler.trials_per_cell is None:
             raise ValueError(f"sampler '{self.sampler.name}' needs sampler.trials_per_cell")
         if len(set(self.epochs)) != len(self.epochs):
@@ -316,8 +351,8 @@ def _format_errors(path: Path, error: ValidationError) -> str:
         elif item["type"] == "literal_error":
             message = f"not allowed; {item['msg'].replace('Input should be', 'expected')}"
         got = item.get("input")
-        shown = "" if item["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  - {key}: {message}{shown}")
+        quoted = "" if item["type"] == "missing" or isinstance(got, dict) else f" (got {shown(got)})"
+        lines.append(f"  - {key}: {message}{quoted}")
     return "\n".join(lines)
 
 
@@ -329,39 +364,163 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def _read_mapping(text: str, path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """Parse YAML into a mapping, resolving ``extends: other.yaml`` (relative to ``path``)."""
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error, not last-one-wins."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML's own check reports it
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {shown(key)} is given twice (first on line {first_line[key] + 1}); "
+                    "give each key once", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_nodes(root: yaml.Node, where: str) -> None:
+    """Refuse non-plain tags and documents that expand (aliases counted at each use) past ``MAX_SPEC_NODES``."""
+    expanded: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in expanded:
+            return expanded[id(node)]
+        if node.tag not in _PLAIN_TAGS:
+            raise SpaceError(f"{where}: line {node.start_mark.line + 1}: YAML tag {shown(node.tag)} is not allowed "
+                             "(plain YAML only: mappings, lists, strings, numbers, booleans, null)")
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_SPEC_NODES:
+                raise SpaceError(f"{where}: expands to more than {MAX_SPEC_NODES} YAML nodes (aliases count at "
+                                 "each use); a search space needs a few hundred: write the values out")
+        expanded[id(node)] = total
+        return total
+
+    size(root)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Parse one YAML document of plain values (``SpaceError`` naming ``where`` otherwise).
+
+    Refused: duplicate keys, tags other than plain ones (``!!python/...``, custom ``!tags``),
+    documents that expand beyond ``MAX_SPEC_NODES`` nodes through aliases, and nesting deeper
+    than Python's recursion limit. Messages quote at most a short excerpt of the input.
+    """
+    loader = _SpecLoader(text)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, where)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
+        raise SpaceError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise SpaceError(f"{where}: nested too deeply (a search space is a few levels of mappings)") from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's problem and its line, without the excerpt of the input it would quote."""
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return f"{where}{(error.problem or error.context or 'unreadable')[:200]}"
+    return str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a spec file (``SpaceError`` naming the file if missing, too large or binary)."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise SpaceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpaceError(f"{path}: larger than {MAX_SPEC_BYTES} bytes (a search space is a small YAML file)")
+    binary = "a search space is UTF-8 YAML"
+    if (nul := data.find(b"\0")) >= 0:
+        raise SpaceError(f"{path}: not a text file (a NUL byte at offset {nul}; {binary})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpaceError(f"{path}: not a text file (byte {exc.start} is not UTF-8; {binary})") from None
+
+
+def _read_mapping(text: str, path: Path) -> dict:
+    """Parse YAML into a mapping (``SpaceError`` naming the file otherwise)."""
+    data = parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: a search space must be a YAML mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _resolve_extends(data: dict, path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Resolve ``extends: other.yaml`` (relative to ``path``): ``data`` deep-merged over the base's keys."""
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    base_path = (path.parent / str(parent)).resolve()
+    if not isinstance(parent, str) or not parent:
+        raise SpaceError(f"{path}: extends: expected the file name of a base space, got {shown(parent)}")
+    base_path = (path.parent / parent).resolve()
     if base_path in seen or not base_path.is_file():
         problem = "a cycle" if base_path in seen else "no such file"
-        raise SpaceError(f"{path}: extends: {parent!r} is {problem} ({base_path})")
-    return _merge(_read_mapping(base_path.read_text(), base_path, (*seen, base_path)), data)
+        raise SpaceError(f"{path}: extends: {shown(parent)} is {problem} ({base_path})")
+    base = _read_mapping(read_text(base_path), base_path)
+    return _merge(_resolve_extends(base, base_path, (*seen, base_path)), data)
+
+
+def _apply_override(data: dict, dotted: str, value: Any) -> None:
+    """Set the dotted key ``dotted`` of ``data`` to ``value`` (a ``--set``), creating sections."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise SpaceError(f"--set {shown(dotted)}: a key is dot-separated names, e.g. privacy.epsilons")
+    if parts[0] == "extends" and len(parts) > 1:
+        raise SpaceError(f"--set {shown(dotted)}: extends is a file name, not a section (use --set extends=FILE)")
+    node = data
+    for depth, part in enumerate(parts[:-1], start=1):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            section = ".".join(parts[:depth])
+            raise SpaceError(f"--set {shown(dotted)}: {section} is a value ({shown(child)}), not a section with "
+                             f"keys (set {section}=VALUE instead)")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(key: str, value: str) -> Any:
+    """The YAML value of ``--set KEY=VALUE``, parsed like a spec (``SpaceError`` naming the flag)."""
+    return parse_yaml(value, f"--set {shown(key)}")
 
 
 def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None = None) -> LoadedSpace:
     """Validate YAML ``text``; ``overrides`` (dotted keys) are applied first (CLI flags).
 
     A file may start from another with ``extends: base.yaml`` (path relative to the file): its
-    keys are deep-merged over the base's. The hashed text is the fully resolved spec.
+    keys are deep-merged over the base's; ``--set extends=base.yaml`` sets or replaces it. The
+    hashed text is the fully resolved spec.
     """
     path = Path(path)
+    overrides = dict(overrides or {})
     data = _read_mapping(text, path)
-    resolved = "extends:" in text
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    if "extends" in overrides:
+        data["extends"] = overrides.pop("extends")
+    resolved = "extends" in data
+    data = _resolve_extends(data, path)
+    for dotted, value in overrides.items():
+        _apply_override(data, dotted, value)
     try:
         space = SearchSpace.model_validate(data)
     except ValidationError as exc:
@@ -370,10 +529,33 @@ def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None
     return LoadedSpace(space=space, path=path, text=text)
 
 
+def spec_differences(old_text: str, new_text: str) -> list[str]:
+    """The keys (dotted) whose values differ between two spec texts, each as ``key: old → new``."""
+    before, after = _flatten(parse_yaml(old_text, "the recorded space")), _flatten(parse_yaml(new_text, "the space"))
+    missing = object()
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, missing), after.get(key, missing)
+        if old != new:
+            changes.append(f"{key}: {'(not set)' if old is missing else shown(old, 40)} → "
+                           f"{'(not set)' if new is missing else shown(new, 40)}")
+    return changes
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{dotted.key: value}`` (lists and scalars are values)."""
+    if not isinstance(data, dict):
+        return {prefix: data} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
 def load_space(path: str | Path, overrides: dict | None = None) -> LoadedSpace:
-    """Read and validate a search-space file (``SpaceError`` if missing or invalid)."""
+    """Read and validate a search-space file (``SpaceError`` if missing, unreadable or invalid)."""
     path = Path(path)
     if not path.is_file():
         shipped = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "search_spaces").glob("*.yaml"))
         raise SpaceError(f"{path}: no such search-space file; shipped spaces: {', '.join(shipped) or 'none found'}")
-    return parse_space(path.read_text(), path, overrides)
+    return parse_space(read_text(path), path, overrides)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dptune.dp.clipping import ClippingRule
+from dptune.errors import DptuneError
 
 TrialStatus = Literal["ok", "diverged", "error", "pruned_min_steps", "stopped_early"]
 
@@ -161,7 +162,7 @@ class TrialResult:
 Reporter = Callable[[EpochMetrics], None]
 
 
-class TrialConfigError(ValueError):
+class TrialConfigError(DptuneError):
     """A :class:`TrialConfig` cannot run; raised before any training, naming the allowed values."""
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dptune.space import SpaceError, load_space, parse_space
+from dptune.space import SpaceError, load_space, parse_override, parse_space, spec_differences
 
 ROOT = Path(__file__).resolve().parent.parent
 SPACES = sorted((ROOT / "search_spaces").glob("*.yaml"))
@@ -109,6 +109,38 @@ def test_paper_spaces_are_the_papers_grid() -> None:
             space = load_space(path).space
             assert space.privacy.epsilons == [1, 2, 4, 8] and space.privacy.delta == 1e-5
             assert space.sampler.name == "grid" and space.coupling.rule == "sqrt"
+
+
+def test_duplicate_keys_tags_and_alias_bombs_are_refused_with_the_line() -> None:
+    with pytest.raises(SpaceError, match=r"dup.yaml: not valid YAML: line 3, column 1: key 'seed' is given twice "
+                                         r"\(first on line 1\)"):
+        parse_space("seed: 1\nname: x\nseed: 2\n", "dup.yaml")
+    with pytest.raises(SpaceError, match=r"tag.yaml: line 1: YAML tag '!env' is not allowed"):
+        parse_space("seed: !env HOME\n", "tag.yaml")
+    nested = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"b{i}: &b{i} [{', '.join(['*' + ('a' if i == 0 else f'b{i - 1}')] * 10)}]\n" for i in range(4))
+    with pytest.raises(SpaceError, match="bomb.yaml: expands to more than 10000 YAML nodes"):
+        parse_space(nested, "bomb.yaml")
+
+
+def test_overrides_that_do_not_fit_name_the_flag() -> None:
+    with pytest.raises(SpaceError, match=r"--set 'seed.x': seed is a value \(0\), not a section"):
+        parse_space(DEFAULT, "default.yaml", {"seed": 0, "seed.x": 1})
+    with pytest.raises(SpaceError, match=r"--set 'a..b': a key is dot-separated names"):
+        parse_space(DEFAULT, "default.yaml", {"a..b": 1})
+    with pytest.raises(SpaceError, match=r"--set 'epochs': not valid YAML: line 1, column 3: expected ',' or ']'"):
+        parse_override("epochs", "[1")
+
+
+def test_spec_differences_name_every_changed_key() -> None:
+    changed = DEFAULT.replace("epsilons: [1, 8]", "epsilons: [1]")
+    assert spec_differences(DEFAULT, changed) == ["privacy.epsilons: [1, 8] → [1]"]
+    assert spec_differences(DEFAULT, DEFAULT + "\n# a comment\n") == []
+
+
+def test_batch_sizes_above_n_are_reported_apart() -> None:
+    space = parse_space(DEFAULT, "default.yaml", {"batch_size": {"values": [16, 64, 4096]}}).space
+    assert (space.batch_size.candidates(1000), space.batch_size.oversized(1000)) == ([16, 64], [4096])
 
 
 PRIVATE = ROOT / "search_spaces" / "private.yaml"

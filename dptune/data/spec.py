@@ -8,10 +8,12 @@ from typing import Literal
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from dptune.errors import DptuneError
+
 Modality = Literal["text", "image", "features"]
 
 
-class WorkloadError(ValueError):
+class WorkloadError(DptuneError):
     """A workload cannot be built from the spec: bad value, unknown name, missing data or weights.
 
     The message names the offending value and the valid choices (or how to provide what is

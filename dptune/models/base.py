@@ -10,12 +10,14 @@ from typing import Any, Literal
 
 from torch import nn
 
+from dptune.errors import DptuneError
+
 WEIGHTS_ENV = "DPTUNE_WEIGHTS_DIR"
 """Folder of locally provided pretrained weights: ``<dir>/<backbone>.safetensors`` (or ``.pth``)
 for timm backbones, ``<dir>/<backbone>/`` (a ``save_pretrained`` folder) for Hugging Face ones."""
 
 
-class ModelError(ValueError):
+class ModelError(DptuneError):
     """A model cannot be built or used as asked: unknown backbone/PEFT, a PEFT the backbone does
     not support, weights that cannot be had, or a module that DP-SGD cannot train. The message
     names the problem and the valid choices or the way to provide what is missing."""

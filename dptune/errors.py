@@ -1,0 +1,62 @@
+"""The one root of dptune's user errors, and how a command line reports them.
+
+Every error a user can cause (a bad flag, spec, path, address or results folder) is a
+``DptuneError``; each module subclasses it (``SpaceError``, ``SearchError``, ``RecordsError``,
+``PrivacyParameterError``...). A command's ``main()`` catches ``DptuneError`` only and prints
+one line shaped ``error: <where>: <what> (<what is allowed>)`` with exit status 2; anything else
+is a bug and keeps its traceback. ``DptuneError`` subclasses ``ValueError`` so that callers that
+already catch ``ValueError`` keep working.
+
+This module imports nothing else from dptune, so every module can import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import reprlib
+import sys
+from typing import NoReturn
+
+#: Longest repr of user input an error message shows (a hostile input must not flood the terminal).
+MAX_SHOWN_CHARS = 80
+
+#: Exit status of a command refused for bad input (argparse's status for bad flags).
+USER_ERROR_EXIT = 2
+
+
+class DptuneError(ValueError):
+    """Input a user can fix: the message names where (flag, file, key), what is wrong and what is allowed."""
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A repr of user input of at most ``limit`` characters (plus a note when cut).
+
+    Built with ``reprlib``, which stops at a few levels and items, so a large or deeply nested
+    value (an expanded YAML alias bomb) costs bounded time and output.
+    """
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… (cut at {limit} characters)"
+
+
+def _make_repr() -> reprlib.Repr:
+    bounded = reprlib.Repr()
+    bounded.maxlevel, bounded.maxstring, bounded.maxother, bounded.maxlong = 3, MAX_SHOWN_CHARS, MAX_SHOWN_CHARS, 40
+    bounded.maxdict = bounded.maxlist = bounded.maxtuple = bounded.maxset = 6
+    return bounded
+
+
+_REPR = _make_repr()
+
+
+def report_and_exit(error: DptuneError) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit with ``USER_ERROR_EXIT`` (no traceback)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(USER_ERROR_EXIT)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with dptune's error shape: ``error: <what>`` and a pointer to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT)

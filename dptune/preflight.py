@@ -1,0 +1,281 @@
+"""Checks a search runs before it loads data or starts Ray, and the notes it keeps for the record.
+
+Everything that can be known without the workload is checked here, in ``--dry-run`` too: the
+name and the results location (a write probe), the Ray address (syntax at once, then a TCP
+connection with a short timeout), the resources a trial asks for against this machine, the
+results folder (every part readable, Tune's state loadable, the same search space on
+``--resume``). A failed check raises ``PreflightError``: the command exits before any compute,
+so nothing can fail after Ray has started or hang waiting for resources that never come.
+
+A started search keeps a manifest (``manifest.json``: name, spec hash, resolved spec), written
+atomically before Ray starts, so that ``--resume`` can compare spaces even when the search was
+stopped before it wrote its ``search`` table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import socket
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dptune.errors import DptuneError, shown
+from dptune.paths import filesystem
+from dptune.plan import check_max_steps
+from dptune.privacy import check_delta
+from dptune.records import quarantine_part, read_table, unreadable_parts
+from dptune.space import LoadedSpace, ResourcesSpec, SearchSpace, spec_differences
+
+#: The manifest a started search writes into its results folder.
+MANIFEST = "manifest.json"
+#: Seconds to wait for a TCP connection to the Ray address (GCS port) before giving up.
+ADDRESS_TIMEOUT_S = 5.0
+#: Where Tune keeps its experiment state under the results folder (``dptune.search`` writes it).
+TUNE_EXPERIMENT = "_tune/search"
+
+_ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
+
+
+class PreflightError(DptuneError):
+    """A search refused before any compute: the message names the flag or key and what is allowed."""
+
+
+# --------------------------------------------------------------------------- the Ray address
+
+
+_ALLOWED_ADDRESS = "HOST:PORT of the cluster's head, e.g. 127.0.0.1:6379, or ray://HOST:10001"
+
+
+def check_address_syntax(address: str, where: str = "--address") -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address, None for Ray's keywords ``auto`` and ``local``.
+
+    ``PreflightError`` at once when it is neither ``HOST:PORT`` nor ``ray://HOST:PORT``.
+    """
+    if address in ("auto", "local"):
+        return None
+    match = _ADDRESS.fullmatch(address.strip())
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise PreflightError(f"{where} {shown(address)}: not a Ray address (expected {_ALLOWED_ADDRESS})")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+def check_address(address: str, where: str = "--address", timeout_s: float = ADDRESS_TIMEOUT_S) -> None:
+    """Refuse a Ray address that is malformed (at once) or where nothing answers within ``timeout_s``.
+
+    ``auto`` and ``local`` (Ray's own keywords) pass unchecked; otherwise a TCP connection to
+    the address must open.
+    """
+    endpoint = check_address_syntax(address, where)
+    if endpoint is None:
+        return
+    problem = _connect(*endpoint, timeout_s)
+    if problem is not None:
+        raise PreflightError(f"{where} {shown(address)}: no Ray cluster answers there ({problem}; expected "
+                             f"{_ALLOWED_ADDRESS} of a running cluster, or no address for an embedded local Ray)")
+
+
+def _connect(host: str, port: int, timeout_s: float) -> str | None:
+    """Open and close a TCP connection: the problem in words, or None; bounded by ``timeout_s``, name lookup included."""
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc.strerror or type(exc).__name__)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout_s + 0.5)
+    return outcome[0] if outcome else f"no answer within {timeout_s:g} s"
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def local_gpus() -> int:
+    """GPUs an embedded Ray would see: ``CUDA_VISIBLE_DEVICES`` if set, else the NVIDIA device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[len("nvidia"):].isdigit()])
+
+
+def check_local_resources(resources: ResourcesSpec, cpus: int | None = None, gpus: int | None = None) -> None:
+    """Refuse per-trial resources this machine cannot give (an embedded Ray would wait forever).
+
+    ``cpus``/``gpus`` default to what ``dptune.search.init_ray`` gives the embedded Ray:
+    ``os.cpu_count()`` CPUs and ``local_gpus()`` GPUs.
+    """
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    gpus = local_gpus() if gpus is None else gpus
+    _check_fits(resources, [{"CPU": cpus, "GPU": gpus}], "this machine")
+
+
+def check_cluster_resources(resources: ResourcesSpec) -> None:
+    """Refuse per-trial resources no node of the joined Ray cluster has (call after ``ray.init``).
+
+    A trial runs on one node, so one node must have the CPUs and GPUs a trial asks for. On a
+    refusal the driver disconnects (``ray.shutdown``) before the error is raised.
+    """
+    import ray
+
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    try:
+        _check_fits(resources, nodes, "any node of the Ray cluster")
+    except PreflightError:
+        ray.shutdown()
+        raise
+
+
+def _check_fits(resources: ResourcesSpec, nodes: list[dict[str, float]], what: str) -> None:
+    asked = {"CPU": resources.cpus, "GPU": resources.gpu}
+    if any(all(node.get(kind, 0) >= amount for kind, amount in asked.items()) for node in nodes):
+        return
+    largest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
+    raise PreflightError(
+        f"resources: a trial asks for {resources.cpus:g} CPU(s) and {resources.gpu:g} GPU(s), more than {what} has "
+        f"({largest.get('CPU', 0):g} CPU(s), {largest.get('GPU', 0):g} GPU(s)); the search would wait forever "
+        "(lower resources.cpus/resources.gpu, or join a cluster with --address)")
+
+
+# --------------------------------------------------------------------------- the results folder
+
+
+def check_results_folder(results_root: str, quarantine: bool, move: bool = True) -> list[str]:
+    """Refuse unreadable parts, or with ``quarantine`` move them aside (only say so unless ``move``).
+
+    Returns one note per part moved (or to be moved).
+    """
+    notes = []
+    for table, part, problem in unreadable_parts(results_root):
+        if not quarantine:
+            raise PreflightError(f"{part}: {problem} (an unreadable part of table '{table}'; move it "
+                                 "aside, or pass --quarantine-corrupt to move every such part to "
+                                 f"{results_root}/quarantine/)")
+        target = quarantine_part(results_root, table, part) if move else f"{results_root}/quarantine/{table}/"
+        notes.append(f"unreadable part {part} ({problem}) {'moved' if move else 'would be moved'} to {target}")
+    return notes
+
+
+def check_tune_state(results_root: str) -> None:
+    """Refuse a Tune experiment state that ``--resume`` could not load (checked before Ray starts)."""
+    fs, root = filesystem(results_root)
+    experiment = f"{root}/{TUNE_EXPERIMENT}"
+    import pyarrow.fs as pafs
+
+    tuner = f"{experiment}/tuner.pkl"
+    if fs.get_file_info(tuner).type != pafs.FileType.File:
+        return
+    fix = f"(remove {experiment} to restart the search; its finished trials are kept and not run again)"
+    try:
+        with fs.open_input_file(tuner) as file:
+            pickle.loads(file.readall())  # what Tune's restore does with it
+    except Exception as exc:  # noqa: BLE001 - any failure to load it is the problem reported
+        raise PreflightError(f"{tuner}: Tune's state cannot be loaded ({type(exc).__name__}: "
+                             f"{shown(str(exc))}) {fix}") from None
+    states = sorted(info.path for info in fs.get_file_info(pafs.FileSelector(experiment))
+                    if info.base_name.startswith("experiment_state-") and info.base_name.endswith(".json"))
+    if states:
+        try:
+            with fs.open_input_file(states[-1]) as file:
+                json.loads(file.readall())
+        except (ValueError, OSError) as exc:
+            raise PreflightError(f"{states[-1]}: Tune's state is not valid JSON ({shown(str(exc))}) {fix}") from None
+
+
+def read_manifest(results_root: str) -> dict[str, Any] | None:
+    """The manifest of the search at ``results_root``, or None when there is none."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(results_root)
+    path = f"{root}/{MANIFEST}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    try:
+        with fs.open_input_file(path) as file:
+            manifest = json.loads(file.readall())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("spec_yaml"), str):
+            raise ValueError("expected an object with spec_hash and spec_yaml")
+    except (ValueError, OSError) as exc:
+        raise PreflightError(f"{path}: unreadable manifest ({shown(str(exc))}; it is rewritten by a search "
+                             "started without --resume)") from None
+    return manifest
+
+
+def write_manifest(results_root: str, loaded: LoadedSpace, name: str) -> None:
+    """Write the manifest atomically: a temporary file renamed into place (one PUT on object stores)."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(results_root)
+    fs.create_dir(root, recursive=True)
+    data = json.dumps({"name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text}, indent=1).encode()
+    final = f"{root}/{MANIFEST}"
+    temporary = f"{root}/.{MANIFEST}.tmp-{os.getpid()}" if isinstance(fs, pafs.LocalFileSystem) else final
+    with fs.open_output_stream(temporary) as stream:
+        stream.write(data)
+    if temporary != final:
+        fs.move(temporary, final)
+
+
+def check_same_space(results_root: str, loaded: LoadedSpace) -> None:
+    """On ``--resume``: refuse a space whose hash differs from the one the search started with.
+
+    The recorded space is the manifest's, else (searches from before manifests) the ``search``
+    table's. The error lists the keys that differ. Nothing recorded: nothing to compare.
+    """
+    manifest = read_manifest(results_root)
+    if manifest is not None:
+        recorded = {manifest.get("spec_hash"): manifest["spec_yaml"]}
+    else:
+        search = read_table(results_root, "search", columns=["spec_hash", "spec_yaml"])
+        recorded = dict(zip(search["spec_hash"], search["spec_yaml"], strict=True))
+    if not recorded or loaded.spec_hash in recorded:
+        return
+    old_hash, old_text = next(iter(recorded.items()))
+    changes = spec_differences(old_text, loaded.text)
+    what = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
+    raise PreflightError(
+        f"--resume: the search space differs from the one {results_root} was started with (spec {old_hash} → "
+        f"{loaded.spec_hash}): {what or 'its text differs (comments or layout), no key'} (resume with the same "
+        "space and --set flags, or start a new search with another --name)")
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def flag_warnings(space: SearchSpace, trials_per_cell_flag: bool) -> list[str]:
+    """Settings that are accepted but do nothing, each as one sentence."""
+    notes = []
+    if space.sampler.name == "grid" and space.sampler.trials_per_cell is not None:
+        source = ("--trials-per-cell (or --set sampler.trials_per_cell)" if trials_per_cell_flag
+                  else "sampler.trials_per_cell")
+        notes.append(f"{source} does not apply to sampler 'grid', which runs each grid point once; ignored")
+    if space.coupling.rule == "none" and "reference_batch_size" in space.coupling.model_fields_set:
+        notes.append("coupling.reference_batch_size does not apply with coupling rule 'none'; ignored")
+    return notes
+
+
+def check_steps(space: SearchSpace, num_train: int) -> None:
+    """Refuse batch sizes whose step count T is beyond ``MAX_STEPS`` (before σ is calibrated)."""
+    candidates = space.batch_size.candidates(num_train)
+    if candidates:
+        check_max_steps(num_train, min(candidates), max(space.epochs), "batch_size, epochs")
+
+
+def data_warnings(space: SearchSpace, num_train: int) -> list[str]:
+    """Warnings that need the training set's size N: δ > 1/N, batch sizes above N."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_delta(space.privacy.delta, num_train)
+    notes = [f"privacy.delta: {warning.message}" for warning in caught]
+    oversized = space.batch_size.oversized(num_train)
+    if oversized:
+        notes.append(f"batch_size: B = {oversized} exceed the training set (N = {num_train}) and are dropped")
+    return notes

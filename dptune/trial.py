@@ -31,7 +31,7 @@ class TrialConfig:
 
     Randomness: ``split_seed`` is public and fixes only the data split and subset caps.
     ``seed`` roots the trial's *coins* (model initialisation, Poisson sampling, gradient noise,
-    score noise, diagnostics probe): ``None`` (the default) draws them from fresh OS entropy, so
+    score noise): ``None`` (the default) draws them from fresh OS entropy, so
     no two trials share noise or batches and nothing stored regenerates them — what the (ε, δ)
     guarantee and any composition across trials assume. An integer makes the trial reproducible
     (research and tests), and then the guarantee does not hold for its released results.

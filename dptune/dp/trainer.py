@@ -14,7 +14,7 @@ private rows, and releases the noisy validation count. ε spent is the PRV accou
 steps actually taken, which is ≤ ε by calibration.
 
 Coins: every random draw of the mechanism (initialisation, Poisson masks, Gaussian noise, score
-noise, the diagnostics probe) comes from ``np.random.SeedSequence(config.seed)``, which with
+noise) comes from ``np.random.SeedSequence(config.seed)``, which with
 ``seed=None`` (the default) takes 128 bits of fresh OS entropy: independent across trials and
 never stored. The draws themselves come from torch's generators (MT19937 on the CPU, Philox on
 CUDA) seeded with 64 bits each: statistically independent streams, not a cryptographically secure
@@ -55,6 +55,8 @@ from dptune.trial import (Diagnostics, EpochMetrics, Reporter, TrialConfig, Tria
 #: summary needs about as much again): the probe shrinks below ``diagnostic_examples`` when n·d·4
 #: would exceed it.
 PROBE_MEMORY_BYTES = 1 << 30
+#: Stream of the public split seed that picks the diagnostics probe.
+_PROBE_STREAM = 7
 
 
 def _choices(registry: Mapping[str, object]) -> str:
@@ -207,7 +209,10 @@ class _Trial:
         self.workload = workload
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
         coins = np.random.SeedSequence(config.seed)  # seed None: 128 bits of OS entropy
-        model_seed, sampling_seed, noise_seed, probe_seed, score_seed = coins.generate_state(5, dtype=np.uint64)
+        model_seed, sampling_seed, noise_seed, score_seed = coins.generate_state(4, dtype=np.uint64)
+        # the diagnostics probe is no coin of the mechanism: every trial of a search diagnoses the same
+        # examples (the public split seed picks them), so that their diagnostics compare
+        (probe_seed,) = np.random.SeedSequence([config.split_seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
         torch.manual_seed(int(model_seed))
         self.score_generator = torch.Generator().manual_seed(int(score_seed))
         self.steps_taken = 0

@@ -29,7 +29,7 @@ class TrialConfig:
     sampling; ``learning_rate`` is the η the optimizer uses, ``base_learning_rate`` the η₀ it was
     coupled from (η = η₀·√(B/B_ref), or η = η₀ when coupling is off).
 
-    Randomness: ``split_seed`` is public and fixes only the data split and subset caps.
+    Randomness: ``split_seed`` is public and fixes the data split, subset caps and diagnostics probe.
     ``seed`` roots the trial's *coins* (model initialisation, Poisson sampling, gradient noise,
     score noise): ``None`` (the default) draws them from fresh OS entropy, so
     no two trials share noise or batches and nothing stored regenerates them — what the (ε, δ)

@@ -532,6 +532,8 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:
+        if resume:
+            print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
         searchers = {key: _make_searcher(space, plan, context) for key, (context, plan) in by_key.items()}
         tuner = tune.Tuner(
             trainable,
@@ -598,12 +600,14 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str) -> l
 
 
 def summary_table(results_root: str) -> pd.DataFrame:
-    """Best trial per cell (and clipping variant), selected on validation accuracy."""
+    """Best trial per cell (and clipping variant), by the report's rule (``analysis.select_best``
+    over ``analysis.finished_trials``): only trials that trained to the end are ranked."""
+    from dptune.analysis import finished_trials, select_best
+
     trials = read_table(results_root, "trials")
-    done = trials[trials["status"].isin(["ok", "stopped_early"])]
-    if done.empty:
-        return done
-    best = done.sort_values(METRIC, ascending=False).groupby(["cell_id", "clipping"], sort=False).head(1)
+    best = select_best(finished_trials(trials), ["cell_id", "clipping"])
+    if best.empty:
+        return best
     counts = trials.groupby(["cell_id", "clipping"])["status"].value_counts().unstack(fill_value=0)
     best = best.set_index(["cell_id", "clipping"]).join(counts).reset_index()
     return best.sort_values(["epsilon", "epochs", "clipping"])
@@ -634,6 +638,7 @@ class SearchOptions:
     overrides: dict[str, Any]
     max_train_examples: int | None
     max_eval_examples: int | None
+    report_dir: str | None = None  # None: <storage>/<name>/report
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -652,6 +657,35 @@ def check_storage(storage: str) -> None:
         raise SearchError(f"--storage {storage}: {existing} is not writable")
 
 
+def report_location(results_root: str, report_dir: str | None) -> str:
+    """Where the report goes: ``report_dir`` (absolute, or a URI) or ``<results_root>/report``."""
+    if report_dir is None:
+        return f"{results_root}/report"
+    return report_dir.rstrip("/") if "://" in report_dir else str(Path(report_dir).expanduser().resolve())
+
+
+def check_report_location(location: str) -> None:
+    """The report folder must be creatable and writable (local), or on a filesystem pyarrow knows (URI)."""
+    if "://" in location:
+        import pyarrow.fs as pafs
+
+        try:
+            pafs.FileSystem.from_uri(location)
+        except (ValueError, OSError) as error:
+            raise SearchError(f"report location {location}: {error}") from None
+        return
+    path = Path(location)
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise SearchError(f"report location {location}: {existing} is not a writable folder; "
+                          "pass --report-dir DIR (or --no-report)")
+
+
+def search_finished(results_root: str, search_id: str) -> bool:
+    """Whether the search ``search_id`` ran to its end at ``results_root`` (its ``search`` rows exist)."""
+    return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
+
+
 def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location."""
     from dptune.data import WorkloadSpec, load_workload
@@ -661,10 +695,19 @@ def run_search(options: SearchOptions) -> str:
     name = options.name or space.name
     results_root = _results_root(options.storage, name)
     check_storage(options.storage)
+    report = report_location(results_root, options.report_dir) if options.report else None
+    if report is not None:
+        check_report_location(report)
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and store.completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
                           "or choose another --name/--storage")
+
+    search_id = f"{name}-{loaded.spec_hash}"
+    if options.resume and not options.dry_run and search_finished(results_root, search_id):
+        print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
+        conclude(results_root, report)
+        return results_root
 
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
@@ -677,7 +720,6 @@ def run_search(options: SearchOptions) -> str:
     if options.dry_run:
         return results_root
 
-    search_id = f"{name}-{loaded.spec_hash}"
     print(init_ray(options.address), flush=True)
     started = time.monotonic()
     contexts = [TrialContext(
@@ -687,13 +729,20 @@ def run_search(options: SearchOptions) -> str:
     print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
     run_cells(space, plans, contexts, options.resume)
     store.write_part("search", search_id, search_rows(loaded, plans, search_id))
-    print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}")
+    print(f"\nsearch finished in {time.monotonic() - started:.0f} s")
+    conclude(results_root, report)
+    return results_root
+
+
+def conclude(results_root: str, report: str | None) -> None:
+    """Print where the results are, the best trial per cell and the tuning's privacy cost; build
+    the report at ``report`` (unless ``None``)."""
+    print(f"results: {results_root}")
     print("best configuration per cell (selected on validation accuracy):")
     print(format_summary(summary_table(results_root)))
     _print_tuning_cost(results_root)
-    if options.report:
-        _build_report(results_root, name)
-    return results_root
+    if report is not None:
+        print(f"report: {build_report_at(results_root, report)}")
 
 
 def _print_tuning_cost(results_root: str) -> None:
@@ -711,12 +760,23 @@ def _print_tuning_cost(results_root: str) -> None:
               "with sampler 'random' and random_trial_count: true; shown for comparison.")
 
 
-def _build_report(results_root: str, name: str) -> None:
+def build_report_at(results_root: str, location: str) -> str:
+    """Build the report of ``results_root`` into folder ``location`` (a local path, or a URI: built
+    in a temporary folder, then copied through ``pyarrow.fs``); return its index.html's location."""
     from dptune.report import build_report
 
-    out = Path("reports") / name
-    build_report([results_root], out)
-    print(f"report: {out / 'index.html'}")
+    if "://" not in location:
+        return str(build_report([results_root], location))
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(location)
+    with tempfile.TemporaryDirectory(prefix="dptune-report-") as local:
+        build_report([results_root], local)
+        filesystem.create_dir(path, recursive=True)
+        pafs.copy_files(local, path, destination_filesystem=filesystem)
+    return f"{location}/index.html"
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
@@ -733,6 +793,8 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (cells, trials, pruning, σ per B) and stop")
     parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
+    parser.add_argument("--report-dir", metavar="DIR",
+                        help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)")
     parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
@@ -758,7 +820,8 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         parser.error(f"--name {args.name!r}: use letters, digits, '-', '_' and '.' only")
     return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
                          resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
-                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples)
+                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
+                         report_dir=args.report_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $$($(PY) -c "import tomllib;print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['dptune']['no-deps']))")
 	touch $(STAMP)
 
+# --resume: the first run starts the search; a later one continues an interrupted search, or, for
+# a finished one, computes nothing and prints its summary and rebuilds its report (seconds).
 run: venv
-	$(PY) -m dptune.search --space search_spaces/default.yaml
+	$(PY) -m dptune.search --space search_spaces/default.yaml --resume
 
 test: venv
 	$(PY) -m pytest -q

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -641,6 +642,45 @@ def test_entrypoint_names_a_space_that_loads_and_fits_a_gpu_worker() -> None:
     if options.report:  # the head's own disk vanishes with the Pod
         report = report_location(str(Path(options.storage, options.name or space.name)), options.report_dir)
         assert Path(report).is_relative_to(mount), f"the report ({report}) must lie on the shared claim at {mount}"
+
+
+# --------------------------------------------------------------------------- without the CRDs
+
+
+def _crd_validation_tests(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """This file's CRD validation tests in a fresh pytest, with ``env`` (and neither CI nor the
+    CRD variable inherited)."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("CI", CRD_ENV)} | {"COLUMNS": "1000", **env}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "validates_against_kuberay"], cwd=tmp_path, env=environment,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_crd_checks_are_skipped_with_a_reason_outside_ci_and_fail_in_ci(tmp_path: Path) -> None:
+    empty = tmp_path / "no-crds"
+    empty.mkdir()
+    skipped = _crd_validation_tests(tmp_path, **{CRD_ENV: str(empty)})
+    assert skipped.returncode == 0, skipped.stdout[-3000:]
+    assert f"{len(CUSTOM_RESOURCES)} skipped" in skipped.stdout
+    reason = f"KubeRay CRDs ray.io_rayclusters.yaml, ray.io_rayjobs.yaml not found in {empty}"
+    assert reason in skipped.stdout and f"or set {CRD_ENV} to a folder holding them" in skipped.stdout
+    failed = _crd_validation_tests(tmp_path, **{CRD_ENV: str(empty), "CI": "true"})
+    assert failed.returncode == 1 and f"{len(CUSTOM_RESOURCES)} error" in failed.stdout, failed.stdout[-3000:]
+    assert f"CI=true: {reason}" in failed.stdout
+
+
+def test_ci_entry_point_refuses_to_run_without_the_crds(tmp_path: Path) -> None:
+    # PATH holds only `dirname` (bash is called by its path): were the check to let CI through, `make` would not be found
+    # (exit 127) instead of running the whole suite inside this test.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    missing = tmp_path / "nowhere"
+    completed = subprocess.run([shutil.which("bash"), str(REPO_ROOT / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+                               env={"PATH": str(bin_dir), "CI": "true", CRD_ENV: str(missing)})
+    assert completed.returncode == 1, completed.stdout + completed.stderr
+    assert f"KubeRay CRD {missing}/ray.io_rayclusters.yaml is missing" in completed.stderr
+    assert completed.stdout == ""
 
 
 # --------------------------------------------------------------------------- against a real Ray head

@@ -82,10 +82,12 @@ def test_a_second_run_of_the_same_command_computes_nothing_and_rebuilds_the_repo
     report = results / "report" / "index.html"
     assert f"report: {report}\n" in completed.stdout and report.is_file()
 
+    # --report-dir elsewhere, as a pyarrow URI: built in a temporary folder, then copied there
     elsewhere = tmp_path / "elsewhere"
-    completed = _search_again(tmp_path, "--report-dir", str(elsewhere))
-    assert f"report: {elsewhere / 'index.html'}\n" in completed.stdout
+    completed = _search_again(tmp_path, "--report-dir", f"file://{elsewhere}")
+    assert f"report: file://{elsewhere}/index.html\n" in completed.stdout
     assert str(results) in (elsewhere / "index.html").read_text()
+    assert {p.name for p in elsewhere.glob("*.png")} == {p.name for p in report.parent.glob("*.png")} != set()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "tiny"]
 
 

@@ -110,8 +110,8 @@ def compare(rows: list[dict]) -> dict:
         picks = {p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0]
                  for p in PRECISIONS}
         best[f"eps={epsilon:g}|epochs={epochs}"] = {
-            p: {k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in pick.items()
-                if k in ("val_accuracy", "test_accuracy", "clip_bound", "batch_size", "base_learning_rate")}
+            p: {k: pick[k].item() if isinstance(pick[k], np.generic) else pick[k]
+                for k in ("val_accuracy", "test_accuracy", "clip_bound", "batch_size", "base_learning_rate")}
             for p, pick in picks.items()}
     return {
         "best_per_cell": best,

@@ -87,9 +87,10 @@ def encoding_precision(device: torch.device) -> str:
     """The precision features are encoded in on ``device``: one of ``PRECISIONS``.
 
     ``$DPTUNE_ENCODE_PRECISION`` when set (``fp32``, ``bf16``; ``auto`` or unset: the rule);
-    the rule is bf16 on a CUDA GPU that supports it and on a CPU with a flag of
-    ``CPU_BF16_FLAGS`` (where bf16 was measured faster: 2.4x with AVX-512 BF16, 2.5x with AMX;
-    ``bench/RESULTS.md``), fp32 elsewhere (bf16 would be emulated there; not measured).
+    the rule is bf16 on a CUDA GPU with native bf16 (compute capability ≥ 8, ROCm) and on a
+    CPU with a flag of ``CPU_BF16_FLAGS`` (where bf16 was measured faster: 2.4x with AVX-512
+    BF16, 2.5x with AMX; ``bench/RESULTS.md``), fp32 elsewhere (bf16 would be emulated there;
+    not measured). The GPU case is not measured in this repository.
     Raises ``ValueError`` for any other value of the variable.
     """
     forced = os.environ.get(PRECISION_ENV, "auto").strip().lower()
@@ -98,7 +99,7 @@ def encoding_precision(device: torch.device) -> str:
     if forced != "auto":
         raise ValueError(f"{PRECISION_ENV}={forced!r}: expected one of {[*PRECISIONS, 'auto']}")
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     return "bf16" if cpu_flags() & CPU_BF16_FLAGS else "fp32"
 
 

@@ -89,9 +89,8 @@ class Results:
 
     @property
     def finished(self) -> pd.DataFrame:
-        """Trials with status ``ok`` and a finite validation accuracy."""
-        trials = self.trials
-        return trials[(trials["status"] == FINISHED) & np.isfinite(trials["val_accuracy"])]
+        """Trials with status ``ok`` and a finite validation accuracy (``finished_trials``)."""
+        return finished_trials(self.trials)
 
     @property
     def tuned(self) -> pd.DataFrame:
@@ -193,6 +192,12 @@ def _sampled_from_range(search: pd.DataFrame, key: str) -> bool | None:
     specs = [yaml.safe_load(text) for text in search["spec_yaml"].dropna().unique()]
     ranges = [spec[key] for spec in specs if isinstance(spec, dict) and isinstance(spec.get(key), dict)]
     return any("low" in spec for spec in ranges) if ranges else None
+
+
+def finished_trials(trials: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``trials`` that may be ranked: status ``ok`` and a finite validation accuracy
+    (a trial stopped early or failed is listed, never ranked)."""
+    return trials[(trials["status"] == FINISHED) & np.isfinite(trials["val_accuracy"])]
 
 
 def select_best(trials: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:

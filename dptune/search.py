@@ -614,6 +614,8 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:
+        if resume:
+            print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
         searchers = {key: _make_searcher(space, plan, context) for key, (context, plan) in by_key.items()}
         tuner = tune.Tuner(
             trainable,
@@ -725,12 +727,14 @@ def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[d
 
 
 def summary_table(results_root: str) -> pd.DataFrame:
-    """Best trial per cell (and clipping variant), selected on validation accuracy."""
+    """Best trial per cell (and clipping variant), by the report's rule (``analysis.select_best``
+    over ``analysis.finished_trials``): only trials that trained to the end are ranked."""
+    from dptune.analysis import finished_trials, select_best
+
     trials = read_table(results_root, "trials")
-    done = trials[trials["status"].isin(["ok", "stopped_early"])]
-    if done.empty:
-        return done
-    best = done.sort_values(METRIC, ascending=False).groupby(["cell_id", "clipping"], sort=False).head(1)
+    best = select_best(finished_trials(trials), ["cell_id", "clipping"])
+    if best.empty:
+        return best
     counts = trials.groupby(["cell_id", "clipping"])["status"].value_counts().unstack(fill_value=0)
     best = best.set_index(["cell_id", "clipping"]).join(counts).reset_index()
     return best.sort_values(["epsilon", "epochs", "clipping"])
@@ -762,6 +766,7 @@ class SearchOptions:
     max_train_examples: int | None
     max_eval_examples: int | None
     quarantine_corrupt: bool = False
+    report_dir: str | None = None  # None: <storage>/<name>/report
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -811,6 +816,18 @@ def plans_that_ran(results_root: str, search_id: str, plans: list[CellPlan]) -> 
     return [plan for plan in plans if (plan.cell.cell_id, plan.clipping) in recorded]
 
 
+def report_location(results_root: str, report_dir: str | None) -> str:
+    """Where the report goes: ``report_dir`` (absolute, or a URI) or ``<results_root>/report``."""
+    if report_dir is None:
+        return f"{results_root}/report"
+    return report_dir.rstrip("/") if "://" in report_dir else str(Path(report_dir).expanduser().resolve())
+
+
+def search_finished(results_root: str, search_id: str) -> bool:
+    """Whether the search ``search_id`` ran to its end at ``results_root`` (its ``search`` rows exist)."""
+    return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
+
+
 def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location."""
     from dptune.data import WorkloadSpec, load_workload
@@ -822,10 +839,19 @@ def run_search(options: SearchOptions) -> str:
     _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
     _warn(checked := check_before_data(options, loaded, name, results_root))
     notes += checked
+    report = report_location(results_root, options.report_dir) if options.report else None
+    if report is not None:
+        probe_writable(report, "--report-dir" if options.report_dir else "the report location (--report-dir)")
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and store.completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
                           "or choose another --name/--storage")
+
+    search_id = f"{name}-{loaded.spec_hash}"
+    if options.resume and not options.dry_run and search_finished(results_root, search_id):
+        print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
+        conclude(results_root, report, private=space.privacy.private_selection is not None)
+        return results_root
 
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
@@ -841,7 +867,6 @@ def run_search(options: SearchOptions) -> str:
     if options.dry_run:
         return results_root
 
-    search_id = f"{name}-{loaded.spec_hash}"
     preflight.write_manifest(results_root, loaded, name)
     print(init_ray(options.address), flush=True)
     if options.address or os.environ.get("RAY_ADDRESS"):
@@ -854,7 +879,7 @@ def run_search(options: SearchOptions) -> str:
         reproducible_seed=space.seed if space.reproducible else None) for plan in plans]
     print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
     run_cells(space, plans, contexts, options.resume)
-    print(f"\nsearch finished in {time.monotonic() - started:.0f} s; results: {results_root}", flush=True)
+    print(f"\nsearch finished in {time.monotonic() - started:.0f} s", flush=True)
     ran = plans_that_ran(results_root, search_id, plans)
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
@@ -867,13 +892,21 @@ def run_search(options: SearchOptions) -> str:
         if released:  # before the search rows: a search row marks a finished search
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
-    if space.privacy.private_selection is None:
+    conclude(results_root, report, private=space.privacy.private_selection is not None)
+    return results_root
+
+
+def conclude(results_root: str, report: str | None, *, private: bool) -> None:
+    """Print where the results are, the best trial per cell (not for a private search: its per-trial
+    records are not released) and the search's privacy cost; build the report at ``report``
+    (unless ``None``)."""
+    print(f"results: {results_root}")
+    if not private:
         print("best configuration per cell (selected on exact validation accuracy: not a DP release):")
         print(format_summary(summary_table(results_root)))
     print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release")))
-    if options.report:
-        _build_report(results_root, name)
-    return results_root
+    if report is not None:
+        print(f"report: {build_report_at(results_root, report)}")
 
 
 def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
@@ -905,12 +938,23 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def _build_report(results_root: str, name: str) -> None:
+def build_report_at(results_root: str, location: str) -> str:
+    """Build the report of ``results_root`` into folder ``location`` (a local path, or a URI: built
+    in a temporary folder, then copied through ``pyarrow.fs``); return its index.html's location."""
     from dptune.report import build_report
 
-    out = Path("reports") / name
-    build_report([results_root], out)
-    print(f"report: {out / 'index.html'}")
+    if "://" not in location:
+        return str(build_report([results_root], location))
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(location)
+    with tempfile.TemporaryDirectory(prefix="dptune-report-") as local:
+        build_report([results_root], local)
+        filesystem.create_dir(path, recursive=True)
+        pafs.copy_files(local, path, destination_filesystem=filesystem)
+    return f"{location}/index.html"
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
@@ -927,6 +971,8 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (cells, trials, pruning, σ per B) and stop")
     parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
+    parser.add_argument("--report-dir", metavar="DIR",
+                        help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)")
     parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
@@ -964,7 +1010,7 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
                          resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
                          max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
-                         quarantine_corrupt=args.quarantine_corrupt)
+                         quarantine_corrupt=args.quarantine_corrupt, report_dir=args.report_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

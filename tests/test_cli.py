@@ -1,12 +1,29 @@
-"""Every entry point answers --version and --help."""
+"""The command lines on day one: every entry point answers --version and --help; a second run of
+the search's command exits 0 without computing; the report lands beside the results (or where
+--report-dir says); the printed summary names the report's best trial."""
 
 from __future__ import annotations
 
 import importlib
+import shutil
+import subprocess
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from dptune import __version__
+import ray
+
+from conftest import REPO_ROOT, SearchRun, search_command
+from dptune import __version__, search
+from dptune.analysis import CELL, load_results, select_best
+from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.search import (CellPlan, TrialContext, base_trial_config, configuration_id, format_summary,
+                           summary_table, trial_config)
+from dptune.space import Cell, load_space
+from dptune.trial import EpochMetrics, TrialResult
+
+TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
 
 @pytest.mark.parametrize("module", ["dptune.__main__", "dptune.plan", "dptune.search", "dptune.report"])
@@ -20,3 +37,80 @@ def test_version_and_help(module: str, capsys: pytest.CaptureFixture) -> None:
         main(["--help"])
     assert info.value.code == 0
     assert "usage: python -m " in capsys.readouterr().out
+
+
+def test_an_unwritable_report_location_fails_before_compute(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as info:
+        search.main(["--storage", str(tmp_path / "results"), "--report-dir", str(blocker / "report")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --report-dir: '{blocker}' exists and is not a folder" in err, err
+    assert not ray.is_initialized()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_report_location_is_beside_the_results_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert search.report_location("/data/results/default", None) == "/data/results/default/report"
+    assert search.report_location("s3://bucket/results/default", None) == "s3://bucket/results/default/report"
+    assert search.report_location("/data/results/default", "mine") == str(tmp_path / "mine")  # absolute
+    assert search.report_location("/data/results/default", "gs://b/r/") == "gs://b/r"
+
+
+def _search_again(storage: Path, *args: str) -> subprocess.CompletedProcess:
+    completed = subprocess.run(search_command("--space", str(TINY), "--storage", str(storage), "--resume", *args),
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed
+
+
+def test_a_second_run_of_the_same_command_computes_nothing_and_rebuilds_the_report(
+        tiny_search: SearchRun, tmp_path: Path) -> None:
+    # The finished tiny search, copied, then its command again with --resume (what `make run` passes).
+    results = tmp_path / "tiny"
+    shutil.copytree(tiny_search.root, results)
+    parts = {p: p.stat().st_mtime_ns for p in results.rglob("*.parquet")}
+    completed = _search_again(tmp_path)
+    search_id = read_table(str(results), "search")["search_id"].iloc[0]
+    assert f"--resume: search {search_id} at {results} is finished; nothing to run" in completed.stdout
+    assert "Ray" not in completed.stdout and "loading" not in completed.stdout, "nothing may start or load"
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*.parquet")} == parts, "no row may be written"
+    best = summary_table(str(results))
+    assert format_summary(best) in completed.stdout
+    report = results / "report" / "index.html"
+    assert f"report: {report}\n" in completed.stdout and report.is_file()
+
+    # --report-dir elsewhere, as a pyarrow URI: built in a temporary folder, then copied there
+    elsewhere = tmp_path / "elsewhere"
+    completed = _search_again(tmp_path, "--report-dir", f"file://{elsewhere}")
+    assert f"report: file://{elsewhere}/index.html\n" in completed.stdout
+    assert str(results) in (elsewhere / "index.html").read_text()
+    assert {p.name for p in elsewhere.glob("*.png")} == {p.name for p in report.parent.glob("*.png")} != set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "tiny"]
+
+
+def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
+    # A trial stopped early at a high intermediate validation accuracy must not beat a finished one.
+    space = load_space(TINY).space
+    plan = CellPlan(Cell(1.0, 4), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 0)
+    context = TrialContext(base=base_trial_config(space, plan, None, None), results_root=str(tmp_path),
+                           search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key,
+                           coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size)
+    store = ResultsStore(str(tmp_path))
+    for status, val, batch_size in (("stopped_early", 0.90, 32), ("ok", 0.70, 64), ("ok", 0.65, 32)):
+        params = {"clip_bound": 1.0, "batch_size": batch_size, "base_learning_rate": 0.01 if val > 0.66 else 0.001}
+        config = trial_config(context, params)
+        epochs = [EpochMetrics(epoch=1, steps=10, train_loss=1.0, val_loss=1.0, val_accuracy=val, wall_time_s=1.0,
+                               examples_per_s=100.0)]
+        result = TrialResult(config=config, status=status, val_accuracy=val, test_accuracy=val - 0.1, epochs=epochs)
+        trial_id = configuration_id(plan.key, params)
+        store.write_trial(trial_rows(result, search_id="s", trial_id=trial_id, cell_id=plan.cell.cell_id,
+                                     reference_batch_size=256, versions={}, finished_at=pd.Timestamp.now(tz="UTC")),
+                          trial_id)
+    summary = summary_table(str(tmp_path))
+    reported = select_best(load_results([str(tmp_path)]).tuned, CELL)
+    assert summary["trial_id"].tolist() == reported["trial_id"].tolist()
+    assert summary["val_accuracy"].tolist() == [0.70] and summary["batch_size"].tolist() == [64]
+    assert summary["stopped_early"].tolist() == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 import numpy as np
@@ -23,6 +24,13 @@ torch.set_num_threads(1)
 def temporary_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def fp32_features(monkeypatch):
+    """Features in fp32 here, whatever the CPU: these tests compare them with fp32 references
+    (bf16 encoding has its own test below)."""
+    monkeypatch.setenv(features.PRECISION_ENV, "fp32")
 
 
 @pytest.fixture
@@ -387,3 +395,40 @@ def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, en
         )
     )
     assert head.train.tensors[0].shape == (5, 1280) and encoder_calls == [5 + 2 + 5]
+
+
+# ---------------------------------------------------------------- encoding precision
+
+
+def test_encoding_precision_follows_the_hardware_unless_forced(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert features.cpu_flags(cpuinfo) == {"fpu", "sse2", "avx512f", "avx512_bf16"}
+    assert features.cpu_flags(tmp_path / "absent") == frozenset()
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(features.PRECISION_ENV)
+    for flags, expected in (({"avx2", "avx512f"}, "fp32"), ({"avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16")):
+        monkeypatch.setattr(features, "cpu_flags", lambda flags=flags: frozenset(flags))  # another CPU
+        assert features.encoding_precision(cpu) == expected, flags
+    monkeypatch.setenv(features.PRECISION_ENV, "fp32")
+    assert features.encoding_precision(cpu) == "fp32"
+    monkeypatch.setenv(features.PRECISION_ENV, "fp16")
+    with pytest.raises(ValueError, match=r"DPTUNE_ENCODE_PRECISION='fp16': expected one of \['fp32', 'bf16', 'auto'\]"):
+        features.encoding_precision(cpu)
+
+
+def test_bf16_features_agree_with_fp32_and_are_cached_apart(monkeypatch, encoder_calls, temporary_cache):
+    raw = tiny_corpus()
+    found = {}
+    for precision in features.PRECISIONS:
+        monkeypatch.setenv(features.PRECISION_ENV, precision)
+        found[precision] = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    assert encoder_calls == [12, 12]  # one cache entry per precision: bf16 never serves an fp32 request
+    keys = [json.loads(p.read_text()) for p in (temporary_cache / "features").glob("tiny20-minilm-*.json")]
+    assert sorted(key["precision"] for key in keys) == ["bf16", "fp32"]
+    reference = reference_minilm_features(raw.inputs, 16)
+    np.testing.assert_allclose(found["fp32"], reference, rtol=1e-4, atol=1e-5)
+    bf16 = found["bf16"]
+    cosine = (bf16 * reference).sum(1) / (np.linalg.norm(bf16, axis=1) * np.linalg.norm(reference, axis=1))
+    assert bf16.dtype == np.float32 and cosine.min() > 0.9995
+    assert np.abs(bf16 - reference).max() > 1e-4, "bf16 autocast did not take effect"

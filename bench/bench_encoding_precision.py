@@ -1,0 +1,159 @@
+"""bf16 autocast against fp32 for the MiniLM feature encoding of 20 Newsgroups: speed and accuracy.
+
+1. Speed: ``--docs`` documents of the training split (a seeded sample), truncated to
+   ``--max-tokens``, encoded by ``dptune.data.features.encode_texts`` in fp32 and in bf16, each
+   after a warm-up of one batch; documents per second of wall time and of process CPU time (the
+   fairer figure on a shared machine), and the cosine similarity of each document's bf16
+   features to its fp32 ones (minimum and median).
+2. Accuracy: the same DP linear-probe configurations (``run_trial``, peft ``head``, the default
+   search's ε and epoch budgets, DP-Adam with normalized clipping, explicit seed) trained on fp32
+   and on bf16 features of the same split (``--train-examples``/``--eval-examples`` caps, encoded
+   through the feature cache with ``DPTUNE_ENCODE_PRECISION`` forced); per cell the test and
+   validation accuracy of the configuration selected on validation, and the largest difference
+   over all configurations.
+
+Prints a markdown summary; ``--out FILE.json`` also writes every figure.
+
+    OMP_NUM_THREADS=2 nice .venv/bin/python bench/bench_encoding_precision.py --out build/bench/precision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dptune.data.features import PRECISION_ENV, PRECISIONS, cpu_flags, encode_texts
+from dptune.data.sources import load_20newsgroups
+from dptune.models import BACKBONES, build_feature_extractor, load_tokenizer
+from dptune.trial import TrialConfig, run_trial
+
+#: The default search's cells (search_spaces/default.yaml) and a spread of (C, B, η₀) in its ranges.
+EPSILONS = (1.0, 8.0)
+EPOCHS = (5, 20)
+CLIP_BOUNDS = (0.1, 1.0)
+BATCH_SIZES = (64, 256)
+BASE_LEARNING_RATES = (0.01,)
+REFERENCE_BATCH_SIZE = 256
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two ``(rows, dim)`` arrays."""
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def encoding_speed(docs: int, max_tokens: int, seed: int) -> dict:
+    """Docs/s of fp32 and bf16 encoding of ``docs`` training documents, and their agreement."""
+    raw = load_20newsgroups()
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(raw.num_official_train, size=docs, replace=False)
+    texts = [raw.inputs[row] for row in rows]
+    extractor = build_feature_extractor("minilm")
+    tokenizer = load_tokenizer("minilm")
+    dim = BACKBONES["minilm"].feature_dim
+    figures: dict = {"docs": docs, "max_tokens": max_tokens, "threads": torch.get_num_threads()}
+    features = {}
+    for precision in PRECISIONS:
+        encode_texts(extractor, tokenizer, texts[:64], max_tokens, dim, precision)  # warm-up
+        wall, cpu = time.perf_counter(), time.process_time()
+        features[precision] = encode_texts(extractor, tokenizer, texts, max_tokens, dim, precision)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        figures[precision] = {"wall_s": wall, "cpu_s": cpu, "docs_per_s": docs / wall, "docs_per_cpu_s": docs / cpu}
+    similarity = cosine(features["fp32"], features["bf16"])
+    figures["cosine_min"], figures["cosine_median"] = float(similarity.min()), float(np.median(similarity))
+    figures["speedup_wall"] = figures["bf16"]["docs_per_s"] / figures["fp32"]["docs_per_s"]
+    figures["speedup_cpu"] = figures["bf16"]["docs_per_cpu_s"] / figures["fp32"]["docs_per_cpu_s"]
+    return figures
+
+
+def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
+    """One row per (precision, ε, E, C, B, η₀): validation and test accuracy of the DP probe."""
+    from dptune.dp import trainer
+
+    rows = []
+    for precision in PRECISIONS:
+        os.environ[PRECISION_ENV] = precision
+        trainer._process_workload.cache_clear()  # the memo is keyed by spec, not by precision
+        for epsilon, epochs, clip, batch, base_lr in itertools.product(
+                EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES):
+            learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5
+            config = TrialConfig(
+                dataset="20newsgroups", backbone="minilm", peft="head", epsilon=epsilon, delta=1e-5,
+                epochs=epochs, clip_bound=clip, batch_size=batch, learning_rate=learning_rate,
+                base_learning_rate=base_lr, optimizer="adam", clipping="normalized", seed=seed,
+                max_tokens=max_tokens, threads=torch.get_num_threads(), diagnostics=False,
+                max_train_examples=train_examples, max_eval_examples=eval_examples)
+            result = run_trial(config)
+            rows.append({"precision": precision, "epsilon": epsilon, "epochs": epochs, "clip_bound": clip,
+                         "batch_size": batch, "base_learning_rate": base_lr, "status": result.status,
+                         "val_accuracy": result.val_accuracy, "test_accuracy": result.test_accuracy})
+            print(json.dumps(rows[-1]), flush=True)
+    os.environ.pop(PRECISION_ENV)
+    return rows
+
+
+def compare(rows: list[dict]) -> dict:
+    """Per cell, the best-on-validation trial of each precision; the largest gap over configurations."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    config = ["epsilon", "epochs", "clip_bound", "batch_size", "base_learning_rate"]
+    paired = frame.pivot_table(index=config, columns="precision", values=["val_accuracy", "test_accuracy"])
+    best = {}
+    for (epsilon, epochs), cell in frame.groupby(["epsilon", "epochs"]):
+        picks = {p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0]
+                 for p in PRECISIONS}
+        best[f"eps={epsilon:g}|epochs={epochs}"] = {
+            p: {k: pick[k].item() if isinstance(pick[k], np.generic) else pick[k]
+                for k in ("val_accuracy", "test_accuracy", "clip_bound", "batch_size", "base_learning_rate")}
+            for p, pick in picks.items()}
+    return {
+        "best_per_cell": best,
+        "max_abs_test_gap_points": float(100 * (paired["test_accuracy"]["bf16"] - paired["test_accuracy"]["fp32"]).abs().max()),
+        "max_abs_val_gap_points": float(100 * (paired["val_accuracy"]["bf16"] - paired["val_accuracy"]["fp32"]).abs().max()),
+        "configurations": len(paired),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=1024, help="documents timed per precision")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--train-examples", type=int, default=3000, help="training cap of the accuracy part")
+    parser.add_argument("--eval-examples", type=int, default=1500, help="validation and test caps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-accuracy", action="store_true", help="time the encoding only")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = parser.parse_args()
+    flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    figures: dict = {"cpu_bf16_flags": flags, "speed": encoding_speed(args.docs, args.max_tokens, args.seed)}
+    speed = figures["speed"]
+    print(f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, {args.max_tokens} tokens")
+    print("| precision | docs/s (wall) | docs/s (process CPU) |\n|---|---|---|")
+    for precision in PRECISIONS:
+        print(f"| {precision} | {speed[precision]['docs_per_s']:.1f} | {speed[precision]['docs_per_cpu_s']:.1f} |")
+    print(f"bf16/fp32: {speed['speedup_wall']:.2f}x wall, {speed['speedup_cpu']:.2f}x CPU; "
+          f"cosine(bf16, fp32) min {speed['cosine_min']:.6f}, median {speed['cosine_median']:.6f}")
+    if not args.skip_accuracy:
+        figures["accuracy"] = compare(probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens,
+                                                       args.seed))
+        print("\n| cell | fp32 val / test | bf16 val / test |\n|---|---|---|")
+        for cell, picks in figures["accuracy"]["best_per_cell"].items():
+            print(f"| {cell} | " + " | ".join(
+                f"{100 * picks[p]['val_accuracy']:.2f} / {100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS) + " |")
+        accuracy = figures["accuracy"]
+        print(f"largest |bf16 − fp32| over {accuracy['configurations']} configurations: "
+              f"test {accuracy['max_abs_test_gap_points']:.2f} points, val {accuracy['max_abs_val_gap_points']:.2f} points")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -91,7 +91,9 @@ def frozen_batch_norm_terms(
     inv_std = torch.rsqrt(module.running_var.float().view(shape) + module.eps)
     x_hat = (layer_input.float() - mean) * inv_std
     delta = grad_output.float()
-    if type(module) is BatchNormAct2d:
+    if type(module) is BatchNormAct2d and not (
+        isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity)
+    ):
         weight = module.weight.float().view(shape) if module.weight is not None else 1.0
         bias = module.bias.float().view(shape) if module.bias is not None else 0.0
         with torch.enable_grad():  # a backward pass runs with grad mode off

@@ -62,7 +62,7 @@ def _attach(model: nn.Module) -> GradSampleHooks:
     with_buffers = [
         module
         for module in model.modules()
-        if any(True for _ in module.buffers(recurse=False))
+        if any(True for _ in module.buffers())  # as Opacus checks: its own and its children's
         and any(p.requires_grad for p in module.parameters(recurse=False))
     ]
     strict = not all(

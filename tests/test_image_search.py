@@ -2,7 +2,8 @@
 
 - A model/PEFT/engine combination that cannot run, or a dataset that is not there, fails in the
   driver before Ray starts (no Ray in this process, no Ray process below it), with one message.
-- A cell whose trials all failed is summarised with the count and the most common reason.
+- A cell whose trials all failed is summarised with the count and the most common reason, also
+  at the end of a real search whose every trial fails (fault injected).
 - A tiny FiLM search on ``search_spaces/mnist5k_efficientnet_film.yaml`` (real EfficientNet-Lite0
   weights, MNIST-5k, embedded Ray) finishes with every trial ``ok`` and ε spent ≤ target, and
   ``python -m dptune.report`` draws its figures.
@@ -78,6 +79,30 @@ def test_a_cell_whose_trials_all_failed_says_so_and_why() -> None:
         "cell eps=1|epochs=3 [normalized]: every trial that ran failed (2 error, 1 diverged); most common reason "
         "(2 of 3): ModelError: BatchNorm cannot be trained"
     ]
+
+
+def test_a_search_whose_trials_all_fail_says_why_in_its_summary(search_env: dict[str, str], tmp_path: Path) -> None:
+    # Fault injection: a sitecustomize on PYTHONPATH (inherited by Ray's workers) makes every trial raise.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import dptune.trial as t\n"
+        "def run_trial(config, report=None):\n"
+        "    raise RuntimeError('injected fault: the disk is full')\n"
+        "t.run_trial = run_trial\n"
+        "import dptune.search as s\n"
+        "s.run_trial = run_trial\n")
+    env = {**search_env, "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}"}
+    command = search_command("--space", str(IMAGE_SPACE), "--storage", str(tmp_path), "--no-report",
+                             "--set", "privacy.epsilons=[8]", "--set", "batch_size.values=[64]",
+                             "--set", "min_steps=2", "--trials-per-cell", "2")
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    summary = done.stdout.split("best configuration per cell (selected on validation accuracy):\n")[1]
+    assert summary.startswith(
+        "cell eps=8|epochs=2 [normalized]: every trial that ran failed (2 error); most common reason (2 of 2): "
+        "RuntimeError: injected fault: the disk is full\n")
+    assert "no finished trials yet" not in done.stdout
 
 
 def test_a_tiny_film_search_on_the_image_space_finishes_and_reports(search_env: dict[str, str],

@@ -21,7 +21,7 @@ import pytest
 
 import ray
 
-from conftest import REPO_ROOT, _descendants, search_command
+from conftest import REPO_ROOT, _descendants, fault_injection_env, search_command
 from dptune import search
 from dptune.records import read_table
 
@@ -82,17 +82,7 @@ def test_a_cell_whose_trials_all_failed_says_so_and_why() -> None:
 
 
 def test_a_search_whose_trials_all_fail_says_why_in_its_summary(search_env: dict[str, str], tmp_path: Path) -> None:
-    # Fault injection: a sitecustomize on PYTHONPATH (inherited by Ray's workers) makes every trial raise.
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import dptune.trial as t\n"
-        "def run_trial(config, report=None):\n"
-        "    raise RuntimeError('injected fault: the disk is full')\n"
-        "t.run_trial = run_trial\n"
-        "import dptune.search as s\n"
-        "s.run_trial = run_trial\n")
-    env = {**search_env, "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}"}
+    env = fault_injection_env(search_env, tmp_path / "hook", "True", "injected fault: the disk is full")
     command = search_command("--space", str(IMAGE_SPACE), "--storage", str(tmp_path), "--no-report",
                              "--set", "privacy.epsilons=[8]", "--set", "batch_size.values=[64]",
                              "--set", "min_steps=2", "--trials-per-cell", "2")

@@ -344,8 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every case of ``--device``; exit status 1 when a case or method failed."""
+def main(argv: list[str] | None = None, cases: Callable[[str], list[Case]] = cases_for) -> int:
+    """Run every case ``cases(device)`` of ``--device``; exit status 1 when a case or method failed."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, object]] = []
     failed = False
     started = time.perf_counter()
-    for case in cases_for(args.device):
+    for case in cases(args.device):
         if time.perf_counter() - started > args.total_cap_s:
             results.append({"case": asdict(case), "skipped": f"skipped: --total-cap-s {args.total_cap_s:.0f} s spent"})
         else:

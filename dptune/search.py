@@ -39,7 +39,7 @@ from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noi
 from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, trial_rows
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
-from dptune.trial import EpochMetrics, TrialConfig, TrialFailed, TrialResult, run_trial
+from dptune.trial import EpochMetrics, TrialConfig, TrialFailed, TrialResult, check_trial_can_run, run_trial
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
@@ -751,6 +751,34 @@ def format_summary(best: pd.DataFrame) -> str:
     return table.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
 
+#: Trial statuses that mean a trial ran (or tried to) and produced no usable model.
+FAILED_STATUSES = ("error", "diverged")
+
+
+def format_failed_cells(trials: pd.DataFrame) -> list[str]:
+    """One line per cell run with no finished trial and at least one failed one: how many failed,
+    and the most common reason with its count."""
+    lines = []
+    for (cell_id, clipping), cell in trials.groupby(["cell_id", "clipping"], sort=True):
+        failed = cell[cell["status"].isin(FAILED_STATUSES)]
+        if failed.empty or cell["status"].isin(["ok", "stopped_early"]).any():
+            continue
+        reasons = failed["reason"].fillna("").replace("", "no reason recorded").value_counts()
+        statuses = ", ".join(f"{count} {status}" for status, count in failed["status"].value_counts().items())
+        lines.append(f"cell {cell_id} [{clipping}]: every trial that ran failed ({statuses}); most common "
+                     f"reason ({reasons.iloc[0]} of {len(failed)}): {reasons.index[0]}")
+    return lines
+
+
+def format_outcome(results_root: str) -> str:
+    """The search's printed summary: the best trial of each cell that has one, then a line for
+    each cell whose trials all failed, saying why."""
+    best = summary_table(results_root)
+    trials = read_table(results_root, "trials")
+    failed = format_failed_cells(trials) if not trials.empty else []
+    return "\n".join(([] if best.empty and failed else [format_summary(best)]) + failed)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """Command-line options after validation."""
@@ -863,6 +891,7 @@ def run_search(options: SearchOptions) -> str:
     plans = plan_cells(space, len(workload.train))
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes
+    check_trial_can_run(base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples))
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root
@@ -903,7 +932,7 @@ def conclude(results_root: str, report: str | None, *, private: bool) -> None:
     print(f"results: {results_root}")
     if not private:
         print("best configuration per cell (selected on exact validation accuracy: not a DP release):")
-        print(format_summary(summary_table(results_root)))
+        print(format_outcome(results_root))
     print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release")))
     if report is not None:
         print(f"report: {build_report_at(results_root, report)}")

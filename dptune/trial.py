@@ -198,6 +198,40 @@ def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResul
     return run(config, report)
 
 
+def check_trial_can_run(config: TrialConfig) -> None:
+    """Raise ``ValueError`` (the same errors :func:`run_trial` raises) if ``config`` cannot run,
+    from the config, the registries and the model's structure alone: no data is read and no
+    weight is loaded.
+
+    Checked: names and values (:class:`TrialConfigError`); dataset × backbone × PEFT and the
+    workload knobs (``WorkloadError``); that DP can train the model (``ModelError``, e.g.
+    BatchNorm that would use batch statistics) and that the requested engine can run it. The
+    model is built with random weights on PyTorch's ``meta`` device (no memory, no compute).
+    ``dptune.search`` calls this once in the driver, before Ray starts.
+    """
+    leave_deleted_working_directory()
+    import torch
+
+    from dptune.data import DATASETS
+    from dptune.data.workload import check_spec
+    from dptune.dp.engine import select_engine
+    from dptune.dp.trainer import check_config, workload_spec
+    from dptune.models import build_model, check_dp_compatible
+
+    check_config(config)
+    check_spec(workload_spec(config))
+    classes = len(config.classes) if config.classes is not None else DATASETS[config.dataset].num_classes
+    with torch.device("meta"):
+        model = build_model(
+            config.backbone, config.peft, classes, feature_input=config.peft == "head", pretrained=False
+        )
+    check_dp_compatible(model)
+    try:
+        select_engine(config.engine, model, config.peft)
+    except ValueError as error:
+        raise TrialConfigError(str(error)) from error
+
+
 def leave_deleted_working_directory() -> None:
     """Move to the temp folder if this process's working directory no longer exists.
 

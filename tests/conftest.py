@@ -315,3 +315,22 @@ def result_datasets(request: pytest.FixtureRequest) -> list[str]:
     from tiny_results import results_paths
 
     return list(results_paths())
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+def fault_injection_env(env: dict[str, str], folder: Path, condition: str, message: str) -> dict[str, str]:
+    """``env`` with a ``sitecustomize`` on PYTHONPATH (inherited by Ray's workers) that makes every
+    trial whose ``config`` satisfies the Python expression ``condition`` raise
+    ``RuntimeError(message)`` inside ``run_trial``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import dptune.search, dptune.trial\n"
+        "_real = dptune.trial.run_trial\n"
+        "def run_trial(config, report=None):\n"
+        f"    if {condition}:\n"
+        f"        raise RuntimeError({message!r})\n"
+        "    return _real(config, report)\n"
+        "dptune.trial.run_trial = dptune.search.run_trial = run_trial\n")
+    return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}

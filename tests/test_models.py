@@ -230,22 +230,22 @@ def test_efficientnet_lite0_weights_load_strictly_and_classify_grace_hopper():
     assert int(logits.argmax()) == 652
 
 
-def test_batchnorm_is_refused_under_dp_unless_frozen():
-    film = build_model("efficientnet_lite0", "film", 10, pretrained=False, image_size=32)
+def test_batchnorm_is_accepted_under_dp_only_with_frozen_statistics():
+    for peft in ("film", "full", "head"):
+        model = build_model("efficientnet_lite0", peft, 10, pretrained=False, image_size=32)
+        model.train()
+        batch_norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert len(batch_norms) == 49 and not any(m.training for m in batch_norms)  # held in eval mode
+        assert model.head.training
+        check_dp_compatible(model)
+    assert trainable_names(model) == {"head.weight", "head.bias"}
+    assert not model.backbone.training  # frozen backbone: a fixed feature map
+    bare = model.backbone.net.train()  # outside the Classifier, train() means batch statistics
+    bare.requires_grad_(True)
     with pytest.raises(
-        ModelError, match="BatchNorm cannot be trained under DP.*GroupNorm/LayerNorm"
+        ModelError, match="BatchNorm cannot be trained under DP.*frozen.*GroupNorm/LayerNorm"
     ):
-        check_dp_compatible(film)
-    full = build_model("efficientnet_lite0", "full", 10, pretrained=False, image_size=32)
-    with pytest.raises(ModelError, match="BatchNorm"):
-        check_dp_compatible(full)
-    head = build_model("efficientnet_lite0", "head", 10, pretrained=False, image_size=32)
-    head.train()
-    assert (
-        head.training and not head.backbone.training
-    )  # frozen backbone: BatchNorm uses running stats
-    check_dp_compatible(head)
-    assert trainable_names(head) == {"head.weight", "head.bias"}
+        check_dp_compatible(bare)
 
 
 # --------------------------------------------------------------------- missing weights

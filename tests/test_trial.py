@@ -17,7 +17,6 @@ import torch
 import dptune.dp.trainer as trainer
 from dptune.dp.trainer import workload_spec
 from dptune.data import load_workload
-from dptune.models import ModelError
 from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
@@ -242,14 +241,6 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_input_is_refused_before_training(change: dict, message: str, no_training: None) -> None:
     with pytest.raises(TrialConfigError, match=message):
         run_trial(replace(BASE, **change))
-
-
-def test_trainable_batch_norm_is_refused_before_training(no_training: None) -> None:
-    config = replace(
-        BASE, dataset="mnist5k", backbone="efficientnet_lite0", peft="full", max_train_examples=40, batch_size=8
-    )
-    with pytest.raises(ModelError, match="BatchNorm"):
-        run_trial(config)
 
 
 def test_threads_setting_applies_during_the_trial_only() -> None:

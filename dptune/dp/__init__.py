@@ -4,6 +4,8 @@
 - :mod:`~dptune.dp.engine`: the ``DPEngine`` seam (one Poisson batch → released ``p.grad``) and
   engine selection; :mod:`~dptune.dp.opacus_engine` (Opacus hooks) and :mod:`~dptune.dp.film`
   (closed-form FiLM/head per-example gradients) implement it;
+- :mod:`~dptune.dp.batch_norm`: when BatchNorm is accepted under DP (frozen running statistics)
+  and its per-example γ/β gradients;
 - :mod:`~dptune.dp.optimizers`: Opacus ``DPOptimizer`` with the rules (DP-SGD, DP-Adam);
 - :mod:`~dptune.dp.sampling`: Poisson sampling and physical batches;
 - :mod:`~dptune.dp.diagnostics`: the paper's gradient-norm, w_y(C), MSE and C* diagnostics;

@@ -10,6 +10,9 @@ and output gradient δ_i = ∂ℓ_i/∂y_i (summed loss, so δ_i is one example'
       ∇_γ ℓ_i = Σ_t x̂_{i,t} ⊙ δ_{i,t}        ∇_β ℓ_i = Σ_t δ_{i,t}
 
 - GroupNorm over channels c (spatial positions s): the same sums over s, per channel.
+- BatchNorm with frozen running statistics (evaluation mode; :mod:`dptune.dp.batch_norm`): the
+  same sums over s, with x̂ from the running statistics and δ pulled back through timm's fused
+  activation. A BatchNorm that normalises with batch statistics is refused (here and at run time).
 - Linear head y = W a + b::
 
       ∇_W ℓ_i = Σ_t δ_{i,t} a_{i,t}ᵀ        ∇_b ℓ_i = Σ_t δ_{i,t}
@@ -38,8 +41,9 @@ Precision: under ``torch.autocast`` LayerNorm runs in float32 on CUDA; x̂ is re
 saved input in float32 and every sum is accumulated in float32, whatever dtype δ arrives in.
 
 Only exact module types are supported (as Opacus matches its grad samplers): ``nn.LayerNorm``,
-``nn.GroupNorm``, ``nn.Linear`` and timm's ``LayerNorm``/``GroupNorm``/``GroupNorm1``
-subclasses, whose forward is the parent's. A subclass with another layout (timm's
+``nn.GroupNorm``, ``nn.Linear``, timm's ``LayerNorm``/``GroupNorm``/``GroupNorm1``
+subclasses, whose forward is the parent's, and the frozen-statistics BatchNorms of
+:data:`~dptune.dp.batch_norm.FROZEN_BATCH_NORM_TYPES`. A subclass with another layout (timm's
 ``LayerNorm2d`` normalises channels first) is refused, as is a parameter shared by two modules;
 :func:`unsupported_modules` names them and the trial falls back to Opacus.
 """
@@ -59,6 +63,7 @@ from timm.layers import GroupNorm1 as TimmGroupNorm1
 from timm.layers import LayerNorm as TimmLayerNorm
 from torch import nn
 
+from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal, frozen_batch_norm_terms
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.opacus_engine import autocast
@@ -66,8 +71,9 @@ from dptune.dp.opacus_engine import autocast
 _LAYER_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, TimmLayerNorm)
 _GROUP_NORMS: tuple[type[nn.Module], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)
 _LINEARS: tuple[type[nn.Module], ...] = (nn.Linear,)
+_NORMS: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + FROZEN_BATCH_NORM_TYPES
 #: Module types the engine computes per-example gradients for (matched exactly, not by subclass).
-SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + _LINEARS
+SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = _NORMS + _LINEARS
 
 
 def _trainable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -83,13 +89,17 @@ def unsupported_modules(model: nn.Module) -> list[str]:
 
     Empty means :class:`FilmEngine` computes exactly the per-example gradients of every trainable
     parameter. A module is unsupported when its type is not in :data:`SUPPORTED_MODULE_TYPES`
-    (exact match) or when one of its trainable parameters also belongs to another module.
+    (exact match), when one of its trainable parameters also belongs to another module, or when
+    it is a BatchNorm that normalises with batch statistics (see :mod:`dptune.dp.batch_norm`).
     """
     refused: list[str] = []
     owner: dict[int, str] = {}
     for name, module, params in _trainable_modules(model):
+        batch_norm = batch_norm_refusal(module)
         if type(module) not in SUPPORTED_MODULE_TYPES:
             refused.append(f"{name} ({type(module).__name__})")
+        elif batch_norm is not None:
+            refused.append(f"{name} ({type(module).__name__} {batch_norm})")
         for p in params:
             if id(p) in owner:
                 refused.append(f"{name} ({type(module).__name__}, shares a parameter with {owner[id(p)]})")
@@ -145,12 +155,13 @@ class _Slot(abc.ABC):
 
 
 class _NormSlot(_Slot):
-    """LayerNorm or GroupNorm: per-example γ and β gradients, materialised as (n, size) float32
-    pieces, one per trainable parameter (weight then bias)."""
+    """LayerNorm, GroupNorm or frozen-statistics BatchNorm: per-example γ and β gradients,
+    materialised as (n, size) float32 pieces, one per trainable parameter (weight then bias)."""
 
     def __init__(self, name: str, module: nn.Module, offset: int) -> None:
         super().__init__(name, module, offset)
         self.group_norm = isinstance(module, nn.GroupNorm)
+        self.batch_norm = isinstance(module, FROZEN_BATCH_NORM_TYPES)
         self.pieces: list[torch.Tensor] = []
 
     def reset(self) -> None:
@@ -159,18 +170,20 @@ class _NormSlot(_Slot):
     def receive(self, layer_input: torch.Tensor, grad_output: torch.Tensor) -> None:
         m = self.module
         n = layer_input.shape[0]
-        x = layer_input.float()
-        delta = grad_output.float()
-        if self.group_norm:
+        if self.batch_norm:
+            # (n, C, *spatial): x̂ from the running statistics, sum over positions, per channel
+            x_hat, delta = frozen_batch_norm_terms(m, layer_input, grad_output)
+            reduce_dim = 2
+        elif self.group_norm:
             # (n, C, *spatial): sum over positions, per channel
-            x_hat = F.group_norm(x, m.num_groups, eps=m.eps).reshape(n, m.num_channels, -1)
-            delta = delta.reshape(n, m.num_channels, -1)
+            x_hat = F.group_norm(layer_input.float(), m.num_groups, eps=m.eps).reshape(n, m.num_channels, -1)
+            delta = grad_output.float().reshape(n, m.num_channels, -1)
             reduce_dim = 2
         else:
             # (n, *tokens, *normalized_shape): sum over tokens, per normalised feature
             features = math.prod(m.normalized_shape)
-            x_hat = F.layer_norm(x, m.normalized_shape, eps=m.eps).reshape(n, -1, features)
-            delta = delta.reshape(n, -1, features)
+            x_hat = F.layer_norm(layer_input.float(), m.normalized_shape, eps=m.eps).reshape(n, -1, features)
+            delta = grad_output.float().reshape(n, -1, features)
             reduce_dim = 1
         pieces = []
         if self.train_weight:
@@ -280,7 +293,7 @@ class FilmEngine:
         self._linear_slots: list[_LinearSlot] = []
         offset = 0
         for name, module in modules:
-            if isinstance(module, _LAYER_NORMS + _GROUP_NORMS):
+            if isinstance(module, _NORMS):
                 self._norm_slots.append(_NormSlot(name, module, offset))
                 offset += self._norm_slots[-1].numel
         self._norm_numel = offset

@@ -19,6 +19,7 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
+from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.optimizers import RuleDPOptimizer
 
@@ -28,12 +29,46 @@ from dptune.dp.optimizers import RuleDPOptimizer
 _KEPT_HOOKS: WeakKeyDictionary[nn.Module, weakref.ReferenceType[GradSampleHooks]] = WeakKeyDictionary()
 
 
+class _FrozenBatchNormHooks(GradSampleHooks):
+    """Opacus' hooks, recording the inputs of frozen-statistics BatchNorm layers too.
+
+    Opacus records a module's inputs only when the module is in training mode; a frozen
+    BatchNorm is in evaluation mode by design (:mod:`dptune.dp.batch_norm`). For such a layer
+    the flag reads ``True`` during the recording only: its forward has already run, on the
+    running statistics, so nothing is computed differently.
+    """
+
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input: list[torch.Tensor], _forward_output: torch.Tensor
+    ) -> None:
+        if type(module) not in FROZEN_BATCH_NORM_TYPES or batch_norm_refusal(module) is not None:
+            super().capture_activations_hook(module, forward_input, _forward_output)
+            return
+        module.training = True  # this module only, not its children
+        try:
+            super().capture_activations_hook(module, forward_input, _forward_output)
+        finally:
+            module.training = False
+
+
 def _attach(model: nn.Module) -> GradSampleHooks:
     """Opacus' hooks on ``model`` for g_i of a *summed* loss, attached disabled.
 
-    ``strict=True``: trainable modules with buffers (BatchNorm) are refused.
+    Opacus' ``strict`` mode refuses every trainable module with buffers. It is relaxed only when
+    each such module is a BatchNorm with frozen running statistics (its buffers are constants of
+    the pretrained model; :mod:`dptune.dp.batch_norm`), whose registered grad sampler refuses to
+    run on batch statistics.
     """
-    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
+    with_buffers = [
+        module
+        for module in model.modules()
+        if any(True for _ in module.buffers())  # as Opacus checks: its own and its children's
+        and any(p.requires_grad for p in module.parameters(recurse=False))
+    ]
+    strict = not all(
+        type(module) in FROZEN_BATCH_NORM_TYPES and batch_norm_refusal(module) is None for module in with_buffers
+    )
+    hooks = _FrozenBatchNormHooks(model, batch_first=True, loss_reduction="sum", strict=strict)
     hooks.disable_hooks()
     return hooks
 

@@ -2,7 +2,7 @@
 
 Order of work, so that bad input fails before compute: (1) the config's values and names are
 checked against the registries; (2) the workload is loaded and B ≤ N checked; (3) the model is
-built and checked for DP (no trainable BatchNorm); (4) σ is calibrated for (ε, δ, q = B/N,
+built and checked for DP (BatchNorm only with frozen running statistics); (4) σ is calibrated for (ε, δ, q = B/N,
 T = ``plan.total_steps``); then (5) exactly T Poisson steps run in one pass of the sampler, cut
 into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnostics at epochs 0,
 ⌈E/2⌉ and E, and the test set after the last.

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dptune.dp.batch_norm import batch_norm_refusal, hold_batch_norm_in_eval
 from dptune.models.backbones import get_backbone
 from dptune.models.base import BackboneInfo, ModelError
 from dptune.models.peft import PEFTS, lora_unsupported
@@ -21,6 +22,10 @@ class Classifier(nn.Module):
     (common practice in DP transfer learning). When no backbone parameter is trainable the
     backbone is a fixed feature map: it stays in eval mode even under ``train()``, so dropout
     is off and normalisation statistics are never updated — the same map as cached features.
+    Every BatchNorm stays in eval mode too, whatever is trained: it normalises with its running
+    statistics (the pretraining data's), which private data never updates, so it is a fixed
+    per-channel affine map of each example and its γ, β have per-example gradients
+    (:mod:`dptune.dp.batch_norm`).
     """
 
     def __init__(self, backbone: nn.Module, feature_dim: int, num_classes: int) -> None:
@@ -35,6 +40,7 @@ class Classifier(nn.Module):
         super().train(mode)
         if not any(p.requires_grad for p in self.backbone.parameters()):
             self.backbone.eval()
+        hold_batch_norm_in_eval(self)
         return self
 
 
@@ -86,7 +92,7 @@ def build_model(
         info.create(pretrained, image_size or info.image_size), info.feature_dim, num_classes
     )
     PEFTS[peft](model, info)
-    return model
+    return model.train()  # the mode DP training runs in: BatchNorm held in eval mode
 
 
 def check_model_request(
@@ -135,11 +141,14 @@ def trainable_parameter_count(model: nn.Module) -> int:
 def check_dp_compatible(model: nn.Module) -> None:
     """Raise :class:`ModelError` unless DP-SGD can train ``model`` example by example.
 
-    Refused: BatchNorm that is trained or runs in training mode (its batch statistics mix the
-    examples of a batch, so a per-example gradient is not a function of one example and clipping
-    bounds nothing; use GroupNorm/LayerNorm, freeze the backbone with peft 'head', or use cached
-    features); a model with no trainable parameter; anything Opacus' ``ModuleValidator`` rejects
-    among the trainable modules.
+    Checked in training mode (``model.train()``, what DP training runs). Refused: a BatchNorm that
+    normalises with batch statistics — in training mode, or without running statistics — since
+    they mix the examples of a batch, so a per-example gradient is not a function of one example
+    and clipping bounds nothing; a trained BatchNorm of a type without a per-example rule
+    (:func:`dptune.dp.batch_norm.batch_norm_refusal`); a model with no trainable parameter;
+    anything Opacus' ``ModuleValidator`` rejects among the trainable modules (its blanket
+    BatchNorm refusal aside). Accepted: a BatchNorm held in evaluation mode with running
+    statistics, trained (FiLM, full) or not, as :class:`Classifier` holds every BatchNorm.
     """
     from opacus.validators import ModuleValidator
 
@@ -147,12 +156,18 @@ def check_dp_compatible(model: nn.Module) -> None:
     model.train()  # what DP training will run; Opacus validates training-mode models only
     try:
         batch_norms = [
-            name
+            f"{name} {reason}"
             for name, module in model.named_modules()
-            if isinstance(module, _BatchNorm)
-            and (module.training or any(p.requires_grad for p in module.parameters()))
+            if (reason := batch_norm_refusal(module)) is not None
         ]
-        opacus_errors = ModuleValidator.validate(model, strict=False)
+        opacus_errors = [
+            error
+            for module in model.modules()
+            if not isinstance(module, _BatchNorm)  # accepted above when frozen
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            and type(module) in ModuleValidator.VALIDATORS
+            for error in ModuleValidator.VALIDATORS[type(module)](module)
+        ]
     finally:
         model.train(was_training)
     if batch_norms:
@@ -162,8 +177,11 @@ def check_dp_compatible(model: nn.Module) -> None:
         raise ModelError(
             f"BatchNorm cannot be trained under DP: its batch statistics mix examples, so "
             f"per-example clipping does not bound one example's influence ({len(batch_norms)} "
-            f"layers: {shown}). Use a backbone with GroupNorm/LayerNorm (e.g. wrn16_4, ViT), or "
-            f"peft 'head' (frozen backbone, e.g. on cached features)"
+            f"layers: {shown}). BatchNorm is accepted only with its running statistics frozen "
+            f"(evaluation mode for the whole trial, as dptune.models.Classifier holds it), where "
+            f"it is a fixed per-channel affine map of each example. Otherwise use a backbone with "
+            f"GroupNorm/LayerNorm (e.g. wrn16_4, ViT), or peft 'head' (frozen backbone, e.g. on "
+            f"cached features)"
         )
     if trainable_parameter_count(model) == 0:
         raise ModelError("model has no trainable parameter; nothing to fine-tune")

@@ -15,7 +15,8 @@ from dptune.models.base import BackboneInfo, ModelError
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, _NormBase)
 """Normalisation layers whose affine scale/bias FiLM trains (``_NormBase`` = BatchNorm and
-InstanceNorm, included so that :func:`check_dp_compatible` can refuse them by name)."""
+InstanceNorm). A BatchNorm is trained with its running statistics frozen (``Classifier`` holds
+it in eval mode); one that would use batch statistics is refused by :func:`check_dp_compatible`."""
 
 LORA_RANK = 8
 LORA_ALPHA = 8  # scaling alpha/rank = 1

@@ -1,0 +1,118 @@
+"""The image search space end to end, and what the search does before Ray and after failures.
+
+- A model/PEFT/engine combination that cannot run, or a dataset that is not there, fails in the
+  driver before Ray starts (no Ray in this process, no Ray process below it), with one message.
+- A cell whose trials all failed is summarised with the count and the most common reason, also
+  at the end of a real search whose every trial fails (fault injected).
+- A tiny FiLM search on ``search_spaces/mnist5k_efficientnet_film.yaml`` (real EfficientNet-Lite0
+  weights, MNIST-5k, embedded Ray) finishes with every trial ``ok`` and ε spent ≤ target, and
+  ``python -m dptune.report`` draws its figures.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import ray
+
+from conftest import REPO_ROOT, _descendants, fault_injection_env, search_command
+from dptune import search
+from dptune.records import read_table
+
+IMAGE_SPACE = REPO_ROOT / "search_spaces/mnist5k_efficientnet_film.yaml"
+RAY_PROCESSES = ("raylet", "gcs_server")
+
+
+def ray_processes_below_this_one() -> list[str]:
+    names = []
+    for pid in _descendants(os.getpid()):
+        try:
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:  # ended while we looked
+            continue
+    return [name for name in names if name.startswith(RAY_PROCESSES)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.engine=film", "task.peft=full"],
+         "engine 'film' cannot run this model: peft 'full' is not one of film, head; use engine 'opacus' or 'auto'"),
+        (["task.peft=lora"], "peft 'lora' adapts attention projections and backbone 'efficientnet_lite0' has no attention"),
+        (["task.dataset=cifar100", "task.backbone=wrn16_4", "task.peft=full"], "dataset 'cifar100' not found under"),
+    ],
+)
+def test_a_combination_that_cannot_run_fails_before_ray_starts(
+        overrides: list[str], message: str, capsys: pytest.CaptureFixture, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, dptune_cache_dir: Path) -> None:
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path / "no-data"))
+    assert not ray.is_initialized() and ray_processes_below_this_one() == []
+    args = ["--space", str(IMAGE_SPACE), "--storage", str(tmp_path / "results"), "--max-train-examples", "300",
+            "--set", "min_steps=5"]
+    with pytest.raises(SystemExit) as exit_info:
+        search.main(args + [item for override in overrides for item in ("--set", override)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    lines = [line for line in captured.err.replace("\r", "\n").splitlines()
+             if line.strip() and not line.startswith("calibrating σ")]
+    assert lines == [lines[-1]] and lines[-1].startswith("error: ") and message in lines[-1]  # one message
+    assert "started embedded local Ray" not in captured.out
+    assert not ray.is_initialized() and ray_processes_below_this_one() == []
+
+
+def test_a_cell_whose_trials_all_failed_says_so_and_why() -> None:
+    trials = pd.DataFrame({
+        "cell_id": ["eps=1|epochs=3"] * 4 + ["eps=8|epochs=3"] * 3,
+        "clipping": ["normalized"] * 7,
+        "status": ["error", "error", "diverged", "pruned_min_steps", "ok", "error", "pruned_min_steps"],
+        "reason": ["ModelError: BatchNorm cannot be trained", "ModelError: BatchNorm cannot be trained",
+                   "non-finite training loss (nan) at step 3 (epoch 1)", "T = 5 steps < min_steps = 20", "",
+                   "out of memory", "T = 5 steps < min_steps = 20"],
+    })
+    assert search.format_failed_cells(trials) == [
+        "cell eps=1|epochs=3 [normalized]: every trial that ran failed (2 error, 1 diverged); most common reason "
+        "(2 of 3): ModelError: BatchNorm cannot be trained"
+    ]
+
+
+def test_a_search_whose_trials_all_fail_says_why_in_its_summary(search_env: dict[str, str], tmp_path: Path) -> None:
+    env = fault_injection_env(search_env, tmp_path / "hook", "True", "injected fault: the disk is full")
+    command = search_command("--space", str(IMAGE_SPACE), "--storage", str(tmp_path), "--no-report",
+                             "--set", "privacy.epsilons=[8]", "--set", "batch_size.values=[64]",
+                             "--set", "min_steps=2", "--trials-per-cell", "2")
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    summary = done.stdout.split("best configuration per cell (selected on validation accuracy):\n")[1]
+    assert summary.startswith(
+        "cell eps=8|epochs=2 [normalized]: every trial that ran failed (2 error); most common reason (2 of 2): "
+        "RuntimeError: injected fault: the disk is full\n")
+    assert "no finished trials yet" not in done.stdout
+
+
+def test_a_tiny_film_search_on_the_image_space_finishes_and_reports(search_env: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    command = search_command("--space", str(IMAGE_SPACE), "--storage", str(tmp_path), "--name", "images",
+                             "--no-report", "--set", "privacy.epsilons=[2]", "--set", "epochs=[1]",
+                             "--set", "batch_size.values=[64]", "--set", "min_steps=5", "--trials-per-cell", "2",
+                             "--set", "training.diagnostic_examples=16")
+    done = subprocess.run(command, cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "no finished trials yet" not in done.stdout and "every trial that ran failed" not in done.stdout
+    trials = read_table(str(tmp_path / "images"), "trials")
+    assert len(trials) == 2 and (trials["status"] == "ok").all(), trials[["status", "reason"]]
+    assert (trials["epsilon_spent"] > 0).all() and (trials["epsilon_spent"] <= trials["epsilon"]).all()
+    assert set(trials["peft"]) == {"film"} and set(trials["engine"]) == {"film"}
+    assert (trials["test_accuracy"] > 0.1).all()  # better than chance on 10 digits after 1 epoch
+    report = subprocess.run([sys.executable, "-m", "dptune.report", str(tmp_path / "images"), "--out",
+                             str(tmp_path / "report")], cwd=REPO_ROOT, env=search_env, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    figures = {path.name for path in (tmp_path / "report").glob("*.png")}
+    assert {"fig2-optimal-c-b.png", "fig3-grad-norms.png", "fig4a-retention-weights.png"} <= figures
+    assert "fig1-accuracy-heatmaps-mnist5k-efficientnet-lite0-film.png" in figures

@@ -334,3 +334,23 @@ def fault_injection_env(env: dict[str, str], folder: Path, condition: str, messa
         "    return _real(config, report)\n"
         "dptune.trial.run_trial = dptune.search.run_trial = run_trial\n")
     return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}
+
+
+# --------------------------------------------------------------------------- Ray processes below this one
+
+
+def ray_processes_below() -> set[int]:
+    """PIDs of Ray's processes (raylet, gcs_server, ``ray::`` workers) among this process's descendants.
+
+    A session fixture (``ray_head``) may hold a head open for the whole session: a test that asserts
+    "no Ray started" compares this set before and after, rather than asking for it to be empty.
+    """
+    found = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:  # ended while we looked
+            continue
+        if name in ("raylet", "gcs_server") or name.startswith("ray::"):
+            found.add(pid)
+    return found

@@ -9,10 +9,8 @@ loaded, so these tests run in seconds; the few that must load data use the tiny 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +20,7 @@ import pytest
 
 import ray
 
-from conftest import REPO_ROOT, _descendants, _free_ports, search_command
+from conftest import REPO_ROOT, _free_ports, ray_processes_below, search_command
 from dptune import plan, preflight, report, search
 from dptune.errors import MAX_SHOWN_CHARS
 from dptune.paths import probe_writable
@@ -46,25 +44,15 @@ def no_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dptune.data, "load_workload", refuse)
 
 
-def ray_processes() -> list[str]:
-    """Names of Ray's daemons among this process's descendants."""
-    names = []
-    for pid in _descendants(os.getpid()):
-        try:
-            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
-        except OSError:  # ended while we looked
-            continue
-    return [name for name in names if name in ("raylet", "gcs_server") or name.startswith("ray::")]
-
-
 def refused(capsys: pytest.CaptureFixture[str], main: object, *args: str) -> str:
     """Run a command's ``main`` in this process; assert a clean refusal before Ray; return stderr."""
+    before = ray_processes_below()
     with pytest.raises(SystemExit) as info:
         main(list(args))  # type: ignore[operator]
     err = capsys.readouterr().err
     assert info.value.code == 2, err
     assert err.startswith("error: ") and "Traceback" not in err, err
-    assert not ray.is_initialized() and not ray_processes()
+    assert not ray.is_initialized() and ray_processes_below() <= before
     return err
 
 

@@ -246,11 +246,11 @@ def write_result(context: TrialContext, trial_id: str, result: TrialResult) -> N
     ResultsStore(context.results_root).write_trial(rows, trial_id)
 
 
-def _selection_value(result: TrialResult) -> float:
+def _selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy_val_accuracy: float) -> float:
     """What the sampler is told: validation accuracy (the noisy one when the trial has a DP score),
     0 for a trial that diverged or failed."""
-    value = result.noisy_val_accuracy if result.config.score_noise_multiplier is not None else result.val_accuracy
-    return value if result.status == "ok" and math.isfinite(value) else 0.0
+    value = noisy_val_accuracy if config.score_noise_multiplier is not None else val_accuracy
+    return value if status == "ok" and math.isfinite(value) else 0.0
 
 
 #: The key of a trial's Tune config that names its cell run; the other keys are the sampled (C, B, η₀).
@@ -276,8 +276,8 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
     store = ResultsStore(context.results_root)
     if store.has_trial(trial_id):  # finished before a crash: report the recorded result, spend nothing
         row = read_table(context.results_root, "trials").set_index("trial_id").loc[trial_id]
-        score = row["noisy_val_accuracy"] if config.score_noise_multiplier is not None else row[METRIC]
-        tune.report({METRIC: score if row["status"] == "ok" else 0.0, "test_accuracy": row["test_accuracy"],
+        score = _selection_value(config, row["status"], row[METRIC], row["noisy_val_accuracy"])
+        tune.report({METRIC: score, "test_accuracy": row["test_accuracy"],
                      "status": row["status"], "epoch": config.epochs, "done_recording": True})
         return
 
@@ -300,7 +300,8 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
                                                        epsilon_spent=0.0))
         raise
     write_result(context, trial_id, result)
-    tune.report({METRIC: _selection_value(result), "test_accuracy": result.test_accuracy, "status": result.status,
+    score = _selection_value(config, result.status, result.val_accuracy, result.noisy_val_accuracy)
+    tune.report({METRIC: score, "test_accuracy": result.test_accuracy, "status": result.status,
                  "epoch": config.epochs, "done_recording": True})
 
 

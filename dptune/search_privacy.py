@@ -42,10 +42,9 @@ class CompositionCost:
 
 
 def trial_mechanisms(trials: pd.DataFrame) -> list[TrialMechanism]:
-    """The trials that took at least one step, as the accountant sees them: (σ, q, steps taken)."""
-    took = trials[trials["steps_taken"].fillna(0) > 0]
+    """The trials as the accountant sees them: (σ, q, steps taken); pass only trials that took a step."""
     return [TrialMechanism(float(sigma), float(rate), int(steps))
-            for sigma, rate, steps in zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"])]
+            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], trials["steps_taken"])]
 
 
 def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
@@ -54,8 +53,9 @@ def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
     No trial with a step: zero. One trial: its own ε spent when that is the tighter bound (the
     whole-search accountant runs on a coarser mesh, ``privacy.SEARCH_EPSILON_ERROR``).
     """
-    mechanisms = trial_mechanisms(trials)
-    spent = float(trials.loc[trials["steps_taken"].fillna(0) > 0, "epsilon_spent"].sum())
+    took = trials[trials["steps_taken"].fillna(0) > 0]
+    mechanisms = trial_mechanisms(took)
+    spent = float(took["epsilon_spent"].sum())
     if not mechanisms:
         return CompositionCost(0, delta, 0.0, 0.0, 0.0)
     epsilon = composed_epsilon(mechanisms, delta)

@@ -122,3 +122,13 @@ def papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: floa
         warnings.simplefilter("ignore")
         epsilon, _ = get_privacy_spent(orders=orders, rdp=selected, delta=delta)
     return float(epsilon)
+
+
+def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> float:
+    """ε at ``delta`` of composing ``trials`` (σ, q, steps), each T Poisson-subsampled Gaussian steps, by
+    dp_accounting's PLD accountant (pessimistic discretisation of 1e-3): independent of dptune's PRV path."""
+    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials])
+    return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)

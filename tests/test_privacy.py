@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from scipy.integrate import quad
 from scipy.optimize import brentq
+from scipy.special import gammaln
 from scipy.stats import norm
 
 from dptune import privacy
-from expected import opacus_rdp, papernot_steinke_geometric
+from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 from dptune.privacy import (
     EPSILON_ERROR,
     NOISE_MULTIPLIER_RTOL,
@@ -461,20 +462,10 @@ TRIAL = {"sample_rate": 0.01, "steps": 1000}
 SEARCH_TRIALS = [(1.1, 0.01, 1000), (1.1, 0.01, 1000), (2.5, 0.05, 200), (0.8, 0.02, 500), (0.6, 0.1, 60)]
 
 
-def _pld_epsilon(trials: list[tuple[float, float, int]], delta: float) -> float:
-    """dp_accounting's PLD accountant (Meiser & Mohammadi; Doroshenko et al.) on the same events:
-    independent of the PRV code path, pessimistic discretisation of 1e-3."""
-    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
-    from dp_accounting.pld import PLDAccountant
-
-    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials])
-    return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
-
-
 def test_whole_search_epsilon_equals_an_independent_pld_composition() -> None:
     mechanisms = [privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS]
     composed = privacy.composed_epsilon(mechanisms, DELTA)
-    expected = _pld_epsilon(SEARCH_TRIALS, DELTA)
+    expected = pld_epsilon(SEARCH_TRIALS, DELTA)
     # the PRV figure is an upper bound within SEARCH_EPSILON_ERROR; PLD's pessimistic grid adds ≤ ~1e-2
     assert expected - 0.02 <= composed <= expected + privacy.SEARCH_EPSILON_ERROR + 0.02
     basic = sum(epsilon_spent(*trial, DELTA) for trial in SEARCH_TRIALS)
@@ -545,19 +536,13 @@ def test_random_trial_count_follows_the_truncated_negative_binomial(mean: float,
     gamma = privacy.trial_count_gamma(mean, shape)
     # the distribution's mean, from its probabilities P(K = j) ∝ C(j + η − 1, j)(1 − γ)^j, j ≥ 1
     j = np.arange(1, 20_000)
-    log_p = (scipy_gammaln(j + shape) - scipy_gammaln(shape) - scipy_gammaln(j + 1)) + j * math.log1p(-gamma)
+    log_p = (gammaln(j + shape) - gammaln(shape) - gammaln(j + 1)) + j * math.log1p(-gamma)
     p = np.exp(log_p - log_p.max())
     assert float((j * p).sum() / p.sum()) == pytest.approx(mean, rel=1e-6)
     draws = [privacy.draw_trial_count(mean, shape, np.random.default_rng(seed)) for seed in range(4000)]
     assert min(draws) >= 1
     std = math.sqrt(float((j**2 * p).sum() / p.sum()) - mean**2)
     assert abs(np.mean(draws) - mean) < 5 * std / math.sqrt(len(draws))
-
-
-def scipy_gammaln(x: np.ndarray | float) -> np.ndarray:
-    from scipy.special import gammaln
-
-    return gammaln(x)
 
 
 @pytest.mark.parametrize(("call", "named"), [

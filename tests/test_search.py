@@ -18,7 +18,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 import ray
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
-from expected import opacus_rdp, papernot_steinke_geometric
+from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import read_table
@@ -156,13 +156,10 @@ def test_per_trial_tables_are_complete(tiny_search: SearchRun) -> None:
 
 
 def _pld_epsilon(trials: pd.DataFrame, delta: float) -> float:
-    """dp_accounting's PLD accountant over the recorded (q, σ, steps taken): independent of dptune's PRV path."""
-    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
-    from dp_accounting.pld import PLDAccountant
-
-    events = [SelfComposedDpEvent(PoissonSampledDpEvent(row.sample_rate, GaussianDpEvent(row.noise_multiplier)),
-                                  int(row.steps_taken)) for row in trials.itertuples() if row.steps_taken > 0]
-    return PLDAccountant(value_discretization_interval=1e-3).compose(ComposedDpEvent(events)).get_epsilon(delta)
+    """PLD over the recorded (σ, q, steps taken) of the trials that took a step."""
+    took = trials[trials["steps_taken"] > 0]
+    return pld_epsilon(list(zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"].astype(int))),
+                       delta)
 
 
 def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch,

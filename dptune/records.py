@@ -21,6 +21,14 @@ Invariants:
 The dataset loads with pandas (``read_table``), polars (``pl.read_parquet(root/"trials")``)
 and duckdb (``read_parquet('root/trials/*.parquet')``). Schema changes bump ``SCHEMA_VERSION``,
 stored in every ``search`` row.
+
+Replicates (schema 3): a *configuration* is one sampled (C, B, η₀) of one cell; it may run R
+times with fresh coins. Every replicate is a trial with its own row: ``configuration_id`` (the
+cell key and a digest of (C, B, η₀), equal for every replicate of the configuration) and
+``replicate`` (0-based); its ``trial_id`` is ``replicate_trial_id(configuration_id, replicate)``
+= ``f"{configuration_id}-r{replicate}"``. Older datasets (schema ≤ 2) have neither column:
+``read_table`` reads each of their trials as replicate 0 of its own configuration
+(``configuration_id = trial_id``, ``replicate = 0``), so analyses rank them as before.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from dptune.trial import TrialResult
 
 #: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
 #: (seed is null for secret coins); search gains the whole-search cost and the guarantee; release.
-SCHEMA_VERSION = 2
+#: 3: trials gain configuration_id and replicate (R fresh-coin runs of one configuration).
+SCHEMA_VERSION = 3
 
 _QUANTILES = ("q05", "q25", "q50", "q75", "q95")
 
@@ -52,6 +61,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         [
             ("search_id", pa.string()),
             ("trial_id", pa.string()),
+            ("configuration_id", pa.string()),  # cell key + digest of (C, B, η₀): shared by its replicates
+            ("replicate", pa.int64()),  # 0-based index of the fresh-coin run of the configuration
             ("cell_id", pa.string()),
             ("dataset", pa.string()),
             ("backbone", pa.string()),
@@ -220,14 +231,27 @@ def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     return filesystem(root)
 
 
+def replicate_trial_id(configuration_id: str, replicate: int) -> str:
+    """The trial id of replicate ``replicate`` (0-based) of a configuration: ``<configuration_id>-r<replicate>``."""
+    return f"{configuration_id}-r{replicate}"
+
+
 def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: str,
-               reference_batch_size: int, versions: Mapping[str, str],
-               finished_at: pd.Timestamp) -> dict[str, list[dict[str, Any]]]:
-    """Flatten one ``TrialResult`` into rows for each per-trial table."""
+               reference_batch_size: int, versions: Mapping[str, str], finished_at: pd.Timestamp,
+               configuration_id: str | None = None, replicate: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """Flatten one ``TrialResult`` into rows for each per-trial table.
+
+    ``configuration_id`` names the configuration the trial is replicate ``replicate`` (0-based) of;
+    None: the trial is its own configuration (``configuration_id = trial_id``, as in schema ≤ 2).
+    """
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
+        raise RecordsError(f"trial {trial_id}: replicate must be an integer ≥ 0 (0-based), got {replicate!r}")
     config = result.config
     keys = {"search_id": search_id, "trial_id": trial_id}
     trial = {
         **keys,
+        "configuration_id": trial_id if configuration_id is None else configuration_id,
+        "replicate": replicate,
         "cell_id": cell_id,
         **{name: getattr(config, name) for name in (
             "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
@@ -354,17 +378,20 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
     """Read one table of a results dataset into pandas (empty with the schema's columns if none).
 
     Rows of per-trial tables whose trial has no ``trials`` row yet (a write in progress) are
-    dropped, so a search that is still running reads consistently. Raises ``RecordsError``
-    naming the part when one cannot be read.
+    dropped, so a search that is still running reads consistently. Trials written before schema
+    3 read as their own configuration: ``configuration_id = trial_id``, ``replicate = 0``.
+    Raises ``RecordsError`` naming the part when one cannot be read.
     """
     store = ResultsStore(root)
     parts = _part_paths(store, table)  # checks the table's name
     schema = SCHEMAS[table]
-    selected = columns or schema.names
+    selected = list(columns or schema.names)
     if not parts:
         return schema.empty_table().select(selected).to_pandas()
+    fill_ids = "configuration_id" in selected and "trial_id" not in selected
     try:
-        frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(columns=selected).to_pandas()
+        frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(
+            columns=[*selected, "trial_id"] if fill_ids else selected).to_pandas()
     except (pa.ArrowException, OSError) as exc:
         bad = [(part, problem) for part in parts if (problem := part_problem(store, table, part)) is not None]
         if not bad:
@@ -374,4 +401,15 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
                            "them aside, or run python -m dptune.search --resume --quarantine-corrupt)") from exc
     if table not in ("trials", "search", "release") and "trial_id" in frame:
         frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)
-    return frame
+    if table == "trials":
+        frame = _with_configuration_keys(frame)
+    return frame[selected]
+
+
+def _with_configuration_keys(trials: pd.DataFrame) -> pd.DataFrame:
+    """Fill the schema-3 keys of trials written before them: each is replicate 0 of its own configuration."""
+    if "configuration_id" in trials:
+        trials["configuration_id"] = trials["configuration_id"].fillna(trials["trial_id"])
+    if "replicate" in trials:
+        trials["replicate"] = trials["replicate"].fillna(0).astype("int64")
+    return trials

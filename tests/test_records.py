@@ -5,6 +5,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -103,3 +104,40 @@ def test_polars_and_duckdb_read_the_dataset(tmp_path: Path) -> None:
     assert sorted(frame["val_accuracy"].to_list()) == [0.5, 0.6]
     best = duckdb.sql(f"select max(val_accuracy) from read_parquet('{tmp_path}/trials/*.parquet')").fetchall()
     assert best == [(0.6,)]
+
+
+def test_replicates_share_a_configuration_id(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    for replicate, accuracy in enumerate((0.5, 0.6)):
+        trial_id = records.replicate_trial_id("eps1-E2-abc", replicate)
+        rows = trial_rows(make_result(accuracy), search_id="s1", trial_id=trial_id, cell_id="eps=1|epochs=2",
+                          reference_batch_size=256, versions={}, finished_at=NOW,
+                          configuration_id="eps1-E2-abc", replicate=replicate)
+        store.write_trial(rows, trial_id)
+    trials = read_table(str(tmp_path), "trials").sort_values("replicate")
+    assert trials["trial_id"].tolist() == ["eps1-E2-abc-r0", "eps1-E2-abc-r1"]
+    assert trials["configuration_id"].tolist() == ["eps1-E2-abc"] * 2 and trials["replicate"].tolist() == [0, 1]
+    assert trials["replicate"].dtype == "int64" and records.SCHEMA_VERSION == 3
+    only = read_table(str(tmp_path), "trials", columns=["configuration_id", "replicate"])
+    assert list(only.columns) == ["configuration_id", "replicate"] and len(only) == 2
+    for bad in (-1, 1.0, True):
+        with pytest.raises(RecordsError, match=r"replicate must be an integer ≥ 0 \(0-based\), got"):
+            trial_rows(make_result(), search_id="s1", trial_id="t", cell_id="c", reference_batch_size=256,
+                       versions={}, finished_at=NOW, configuration_id="c", replicate=bad)
+
+
+def test_schema_2_trials_read_as_replicate_0_of_their_own_configuration(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    write(store, "new", make_result(0.7))  # schema 3, no configuration given: its own configuration
+    old_schema = pa.schema([f for f in SCHEMAS["trials"] if f.name not in ("configuration_id", "replicate")])
+    row = trial_rows(make_result(0.4), search_id="s0", trial_id="old", cell_id="eps=1|epochs=2",
+                     reference_batch_size=256, versions={}, finished_at=NOW)["trials"][0]
+    old = {k: v for k, v in row.items() if k in old_schema.names}
+    pq.write_table(pa.Table.from_pylist([old], schema=old_schema), tmp_path / "trials" / "part-old.parquet")
+    assert records.part_problem(store, "trials", str(tmp_path / "trials" / "part-old.parquet")) is None
+    trials = read_table(str(tmp_path), "trials").set_index("trial_id")
+    assert trials.loc["old", "configuration_id"] == "old" and trials.loc["new", "configuration_id"] == "new"
+    assert trials["replicate"].tolist() == [0, 0] and trials["replicate"].dtype == "int64"
+    assert trials.loc["old", "val_accuracy"] == 0.4
+    only = read_table(str(tmp_path), "trials", columns=["configuration_id"])
+    assert sorted(only["configuration_id"]) == ["new", "old"] and list(only.columns) == ["configuration_id"]

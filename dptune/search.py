@@ -21,8 +21,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
-from importlib.metadata import PackageNotFoundError, version
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,19 @@ from tqdm import tqdm
 
 from dptune import __version__, preflight
 from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
+from dptune.cell_sampler import CellSampler, CellSpec
+from dptune.execution import TrialContext, record_pruned
 from dptune.paths import check_name, filesystem, probe_writable
-from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.plan import sample_rate, total_steps
 from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noise_multiplier, draw_trial_count,
-                            epsilon_spent, plan_private_selection, selection_epsilon)
+                            plan_private_selection, selection_epsilon)
+from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
 from dptune.search_privacy import composition_cost, guarantee, select_release
-from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, trial_rows
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
-from dptune.trial import EpochMetrics, TrialConfig, TrialFailed, TrialResult, check_trial_can_run, run_trial
+from dptune.trial import TrialConfig, check_trial_can_run
 
-#: The metric every sampler and scheduler optimises: accuracy on the validation split.
-METRIC = "val_accuracy"
-_VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
+#: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
+MAX_UNIT_CONFIGURATIONS = 256
 
 
 class SearchError(DptuneError):
@@ -191,377 +191,54 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- one trial under Tune
+# --------------------------------------------------------------------------- what each cell's sampler searches
 
 
-@dataclass(frozen=True)
-class TrialContext:
-    """What every trial of one cell shares (passed to the trainable with ``tune.with_parameters``)."""
+def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
+    """The plain-data search space of one cell's sampler (``dptune.cell_sampler``).
 
-    base: TrialConfig  # dataset, budgets, rule...; C, B, η filled per trial
-    results_root: str
-    search_id: str
-    cell_id: str
-    cell_key: str
-    coupling: str
-    reference_batch_size: int
-    reproducible_seed: int | None = None  # the space's seed when it opts into reproducible coins
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of the packages a result depends on (recorded with every trial)."""
-    versions = {}
-    for name in _VERSIONED_PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def trial_config(context: TrialContext, params: dict[str, Any]) -> TrialConfig:
-    """The trial's full config from the sampled (C, B, η₀), with √B coupling applied.
-
-    Its coins: ``seed=None`` (fresh OS entropy in the trial) unless the space is reproducible; then
-    a seed from the space's seed and the trial's id, so that trials still never share coins.
+    A grid is known in advance: its pruned B are never offered (:func:`record_pruned_grid` records
+    them). Model-based and random samplers are offered the pruned B too, so they learn to avoid
+    them; the cell sampler records and skips each such proposal.
     """
-    batch_size = int(params["batch_size"])
-    base_lr = float(params["base_learning_rate"])
-    lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size) if context.coupling == "sqrt" else base_lr
-    clip_bound = float(params.get("clip_bound", context.base.clip_bound))
-    seed = None
-    if context.reproducible_seed is not None:
-        trial_id = configuration_id(context.cell_key, params)
-        digest = hashlib.sha256(f"{context.reproducible_seed}:{trial_id}".encode()).digest()
-        seed = int.from_bytes(digest[:8], "big") >> 11  # 53 bits: exact in the float64 a pandas null column uses
-    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr,
-                   learning_rate=lr, seed=seed)
-
-
-def write_result(context: TrialContext, trial_id: str, result: TrialResult) -> None:
-    """Append one finished trial to the results dataset (atomic, idempotent per trial id)."""
-    rows = trial_rows(result, search_id=context.search_id, trial_id=trial_id, cell_id=context.cell_id,
-                      reference_batch_size=context.reference_batch_size, versions=package_versions(),
-                      finished_at=pd.Timestamp.now(tz="UTC"))
-    ResultsStore(context.results_root).write_trial(rows, trial_id)
-
-
-def _selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy_val_accuracy: float) -> float:
-    """What the sampler is told: validation accuracy (the noisy one when the trial has a DP score),
-    0 for a trial that diverged or failed."""
-    value = noisy_val_accuracy if config.score_noise_multiplier is not None else val_accuracy
-    return value if status == "ok" and math.isfinite(value) else 0.0
-
-
-#: The key of a trial's Tune config that names its cell run; the other keys are the sampled (C, B, η₀).
-CELL_KEY = "cell"
-
-
-def sampled(params: dict[str, Any]) -> dict[str, Any]:
-    """The sampled hyperparameters of a Tune config (without the cell key)."""
-    return {name: value for name, value in params.items() if name != CELL_KEY}
-
-
-def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) -> None:
-    """Ray Tune function trainable: run one DP trial, report each epoch, record the result.
-
-    ``params`` holds the sampled (C, B, η₀) and, under ``CELL_KEY``, the cell run it belongs to.
-    """
-    from ray import tune
-
-    context = contexts[params[CELL_KEY]]
-    params = sampled(params)
-    config = trial_config(context, params)
-    trial_id = configuration_id(context.cell_key, params)
-    store = ResultsStore(context.results_root)
-    if store.has_trial(trial_id):  # finished before a crash: report the recorded result, spend nothing
-        row = read_table(context.results_root, "trials").set_index("trial_id").loc[trial_id]
-        score = _selection_value(config, row["status"], row[METRIC], row["noisy_val_accuracy"])
-        tune.report({METRIC: score, "test_accuracy": row["test_accuracy"],
-                     "status": row["status"], "epoch": config.epochs, "done_recording": True})
-        return
-
-    def report(metrics: EpochMetrics) -> None:
-        # The last epoch is reported once, after the result is written: a scheduler may stop a
-        # trial at any report, and a trial that trained every epoch must keep its full record.
-        if metrics.epoch < config.epochs:
-            tune.report({**asdict(metrics), "done_recording": False})
-
-    try:
-        result = run_trial(config, report)
-    except TrialFailed as failure:  # training had begun: record what it spent, then fail the Tune trial
-        write_result(context, trial_id, _failed_result(config, failure.steps, str(failure), steps_taken=failure.steps_taken,
-                                                       epsilon_spent=failure.epsilon_spent,
-                                                       noise_multiplier=failure.noise_multiplier,
-                                                       sample_rate=failure.sample_rate))
-        raise
-    except Exception as error:  # raised before the first step: nothing spent
-        write_result(context, trial_id, _failed_result(config, 0, f"{type(error).__name__}: {error}", steps_taken=0,
-                                                       epsilon_spent=0.0))
-        raise
-    write_result(context, trial_id, result)
-    score = _selection_value(config, result.status, result.val_accuracy, result.noisy_val_accuracy)
-    tune.report({METRIC: score, "test_accuracy": result.test_accuracy, "status": result.status,
-                 "epoch": config.epochs, "done_recording": True})
-
-
-def _failed_result(config: TrialConfig, steps: int, reason: str, *, steps_taken: int, epsilon_spent: float,
-                   noise_multiplier: float = float("nan"), sample_rate: float = float("nan")) -> TrialResult:
-    """The record of a trial that raised: status ``error`` with what it spent."""
-    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
-                       sample_rate=sample_rate, steps=steps, steps_taken=steps_taken, epsilon_spent=epsilon_spent)
-
-
-# --------------------------------------------------------------------------- driver-side pieces
-
-
-def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
-    """A trial's id: its cell and a digest of its sampled (C, B, η₀).
-
-    Content-based, so a configuration that runs again after a crash or a resume (Tune's own
-    state may lag the results by a few seconds) maps onto the same row instead of a second one.
-    """
-    canonical = {name: float(params[name]) for name in sorted(params)}
-    return f"{cell_key}-{hashlib.sha1(json.dumps(canonical).encode()).hexdigest()[:12]}"
-
-
-def _make_searcher(space: SearchSpace, plan: CellPlan, context: TrialContext) -> Any:
-    """Optuna sampler for one cell, wrapped with min-step pruning (imports Ray lazily)."""
-    import optuna
-    from optuna.distributions import CategoricalDistribution, FloatDistribution
-    from ray.tune.search import Searcher
-    from ray.tune.search.optuna import OptunaSearch
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    distributions: dict[str, Any] = {}
-    grid: dict[str, list] = {}
-    # A grid is known in advance: its pruned points are recorded now and never offered to the
-    # sampler. Model-based and random samplers may propose a pruned B; MinStepPruning handles it.
     is_grid = space.sampler.name == "grid"
     offered = plan.feasible_batch_sizes if is_grid else tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
-    distributions["batch_size"] = CategoricalDistribution(list(offered))
-    grid["batch_size"] = list(offered)
+    ranges: dict[str, dict[str, Any]] = {}
+    for name, spec in _sampled_ranges(space, plan).items():
+        ranges[name] = ({"values": sorted(spec.values)} if spec.values is not None
+                        else {"low": spec.low, "high": spec.high, "log": spec.log})
+    return CellSpec(sampler=space.sampler.name, seed=_cell_seed(space, plan), batch_sizes=offered,
+                    feasible_batch_sizes=plan.feasible_batch_sizes, ranges=ranges,
+                    startup_trials=min(8, max(2, plan.trials // 3)))
+
+
+def _sampled_ranges(space: SearchSpace, plan: CellPlan) -> dict[str, Any]:
+    """The continuous or listed hyperparameters of a cell besides B: η₀, and C unless AUTO-S."""
     ranges = {"base_learning_rate": space.base_learning_rate}
     if plan.clipping != "auto_s":
         ranges["clip_bound"] = space.clip_bound
-    for name, spec in ranges.items():
-        if spec.values is not None:
-            distributions[name] = CategoricalDistribution(sorted(spec.values))
-            grid[name] = sorted(spec.values)
-        else:
-            distributions[name] = FloatDistribution(spec.low, spec.high, log=spec.log)
-    if is_grid:
-        for batch_size in plan.pruned_batch_sizes:
-            for point in itertools.product(*(grid[name] for name in ranges)):
-                record_pruned(context, plan, {"batch_size": batch_size, **dict(zip(ranges, point))}, space.min_steps)
-    seed = _cell_seed(space, plan)
-    if is_grid:
-        sampler = optuna.samplers.GridSampler(grid, seed=seed)
-    elif space.sampler.name == "random":
-        sampler = optuna.samplers.RandomSampler(seed=seed)
-    else:
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(8, max(2, plan.trials // 3)))
-
-    class MinStepPruning(Searcher):
-        """Wraps the Optuna searcher: a proposal with T < T_min is never scheduled.
-
-        It is recorded (status ``pruned_min_steps``, no compute) and told to Optuna as a pruned
-        trial, which TPE ranks below every completed one, so it stops proposing it.
-        """
-
-        def __init__(self, inner: OptunaSearch) -> None:
-            super().__init__(metric=METRIC, mode="max")
-            self.inner = inner
-
-        def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001
-            return self.inner.set_search_properties(metric, mode, config, **spec)
-
-        def suggest(self, trial_id: str) -> dict | None:
-            for attempt in range(1000):
-                params = self.inner.suggest(f"{trial_id}~{attempt}")
-                if params is None or params == Searcher.FINISHED:
-                    return params
-                if int(params["batch_size"]) in plan.feasible_batch_sizes:
-                    # re-key the Optuna trial under the id Tune will report results for
-                    self.inner._ot_trials[trial_id] = self.inner._ot_trials.pop(f"{trial_id}~{attempt}")
-                    return params
-                self.inner.on_trial_complete(f"{trial_id}~{attempt}", result=None)
-                record_pruned(context, plan, params, space.min_steps)
-            raise SearchError(f"cell {plan.cell.cell_id}: the sampler proposed only pruned batch sizes 1000 times")
-
-        def on_trial_result(self, trial_id: str, result: dict) -> None:
-            self.inner.on_trial_result(trial_id, result)
-
-        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-            self.inner.on_trial_complete(trial_id, result=result, error=error)
-
-    return MinStepPruning(OptunaSearch(space=distributions, metric=METRIC, mode="max", sampler=sampler))
+    return ranges
 
 
-def record_pruned(context: TrialContext, plan: CellPlan, params: dict[str, Any], min_steps: int) -> None:
-    """Record a configuration removed by the min-step rule: a row, no compute."""
-    config = trial_config(context, params)
-    steps = total_steps(plan.num_train, config.batch_size, config.epochs)
-    result = TrialResult(config=config, status="pruned_min_steps",
-                         reason=f"T = {steps} steps < min_steps = {min_steps}",
-                         sample_rate=sample_rate(plan.num_train, config.batch_size), steps=steps, steps_taken=0,
-                         num_train=plan.num_train, epsilon_spent=0.0)
-    write_result(context, configuration_id(context.cell_key, params), result)
+def record_pruned_grid(space: SearchSpace, plan: CellPlan, context: TrialContext) -> None:
+    """Record every grid point whose B the min-step rule removed: one row each, no compute."""
+    ranges = _sampled_ranges(space, plan)
+    for batch_size in plan.pruned_batch_sizes:
+        for point in itertools.product(*(sorted(spec.values) for spec in ranges.values())):
+            record_pruned(context, {"batch_size": batch_size, **dict(zip(ranges, point, strict=True))},
+                          plan.num_train, space.min_steps)
 
 
-def _make_callback(cells: dict[str, tuple[TrialContext, CellPlan]]) -> Any:
-    """Driver-side callback: progress lines, and rows for trials that ended without recording."""
-    from ray.tune import Callback
-
-    class RecordAndReport(Callback):
-        def __init__(self) -> None:
-            self.finished = dict.fromkeys(cells, 0)
-
-        def _progress(self, trial: Any, what: str) -> None:
-            key = trial.config[CELL_KEY]
-            plan = cells[key][1]
-            self.finished[key] += 1
-            cfg = trial.config
-            clip = f"C={cfg['clip_bound']:.3g} " if "clip_bound" in cfg else ""
-            print(f"[{plan.cell.cell_id} {plan.clipping}] {self.finished[key]}/{plan.trials} {what}: "
-                  f"{clip}B={cfg['batch_size']} η₀={cfg['base_learning_rate']:.3g}", flush=True)
-
-        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            last = trial.last_result or {}
-            if not last.get("done_recording"):
-                self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
-                self._progress(trial, f"stopped early at epoch {last.get('epoch')}")
-            else:
-                self._progress(trial, f"{last.get('status')}, val acc {last.get(METRIC, float('nan')):.4f}")
-
-        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            reason = str(trial.error_file and Path(trial.error_file).read_text().strip().splitlines()[-1])
-            self._record_unfinished(trial, "error", reason)
-            self._progress(trial, f"error: {reason}")
-
-        def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
-            context, plan = cells[trial.config[CELL_KEY]]
-            params = sampled(trial.config)
-            trial_id = configuration_id(context.cell_key, params)
-            if ResultsStore(context.results_root).has_trial(trial_id):
-                return  # the trial wrote its full record before it was stopped
-            config = trial_config(context, params)
-            last = trial.last_result or {}
-            epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
-                **{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
-            sigma = plan.noise_multipliers[config.batch_size]
-            rate = sample_rate(plan.num_train, config.batch_size)
-            steps = total_steps(plan.num_train, config.batch_size, config.epochs)
-            if status == "stopped_early":  # Tune's function trainables block in report(): no step after it
-                steps_taken = int(last.get("steps", 0))
-            else:  # the trial's process was lost before it could record itself: count every planned step
-                steps_taken = steps
-                reason += " (trial process lost: its privacy cost is counted as if every planned step ran)"
-            spent = epsilon_spent(sigma, rate, steps_taken, config.delta) if steps_taken else 0.0
-            result = TrialResult(config=config, status=status, reason=reason, noise_multiplier=sigma,
-                                 sample_rate=rate, steps=steps, steps_taken=steps_taken, epsilon_spent=spent,
-                                 num_train=plan.num_train, epochs=epochs,
-                                 val_accuracy=last.get(METRIC, float("nan")))
-            write_result(context, trial_id, result)
-
-    return RecordAndReport()
-
-
-def _make_multiplexer(searchers: dict[str, Any], budgets: dict[str, int]) -> Any:
-    """One Tune searcher over every cell run: each cell keeps its own sampler and budget."""
-    from ray import cloudpickle
-    from ray.tune.search import Searcher
-
-    class CellMultiplexer(Searcher):
-        """Round-robin over the cells that still have budget, so cells run side by side.
-
-        Each suggestion carries its cell under ``CELL_KEY``; results go back to that cell's
-        sampler only. State (per-cell counts, trial owners, each sampler's state) is saved and
-        restored with Tune's experiment checkpoints, so ``--resume`` continues every cell.
-        """
-
-        def __init__(self) -> None:
-            super().__init__(metric=METRIC, mode="max")
-            self.searchers = searchers
-            self.budgets = dict(budgets)
-            self.suggested = dict.fromkeys(searchers, 0)
-            self.owner: dict[str, str] = {}
-            self.turn = 0
-
-        def set_search_properties(self, metric, mode, config, **spec) -> bool:  # noqa: ANN001
-            return all(s.set_search_properties(metric, mode, config, **spec) for s in self.searchers.values())
-
-        def suggest(self, trial_id: str) -> dict | None:
-            while open_cells := [k for k in self.searchers if self.suggested[k] < self.budgets[k]]:
-                key = open_cells[self.turn % len(open_cells)]
-                self.turn += 1
-                params = self.searchers[key].suggest(trial_id)
-                if params == Searcher.FINISHED:  # a grid ran out early: close the cell
-                    self.budgets[key] = self.suggested[key]
-                    continue
-                if params is None:
-                    return None
-                self.suggested[key] += 1
-                self.owner[trial_id] = key
-                return {**params, CELL_KEY: key}
-            return Searcher.FINISHED
-
-        def on_trial_result(self, trial_id: str, result: dict) -> None:
-            self.searchers[self.owner[trial_id]].on_trial_result(trial_id, result)
-
-        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-            self.searchers[self.owner[trial_id]].on_trial_complete(trial_id, result=result, error=error)
-
-        def save(self, checkpoint_path: str) -> None:
-            # One file (Tune renames it into place): the per-cell samplers are local classes
-            # holding Optuna studies, which cloudpickle stores by value.
-            with open(checkpoint_path, "wb") as file:
-                cloudpickle.dump(self.__dict__, file)
-
-        def restore(self, checkpoint_path: str) -> None:
-            with open(checkpoint_path, "rb") as file:
-                self.__dict__.update(cloudpickle.load(file))
-
-    return CellMultiplexer()
-
-
-def _make_scheduler(space: SearchSpace, plans: dict[str, CellPlan]) -> Any:
-    """ASHA per cell (trials are compared only within their cell), or none."""
-    if space.scheduler is None:
-        return None
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    spec = space.scheduler
-
-    class PerCellASHA(FIFOScheduler):
-        """Routes each trial to its own cell's ASHA: accuracies at ε = 1 and ε = 8 never compete."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.cells = {key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
-                                             grace_period=min(spec.grace_period, plan.cell.epochs),
-                                             reduction_factor=spec.reduction_factor)
-                          for key, plan in plans.items()}
-
-        def set_search_properties(self, metric, mode, **spec) -> bool:  # noqa: ANN001
-            return all(s.set_search_properties(metric, mode, **spec) for s in self.cells.values())
-
-        def _of(self, trial: Any) -> Any:
-            return self.cells[trial.config[CELL_KEY]]
-
-        def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
-            self._of(trial).on_trial_add(tune_controller, trial)
-
-        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            return self._of(trial).on_trial_result(tune_controller, trial, result)
-
-        def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
-            self._of(trial).on_trial_complete(tune_controller, trial, result)
-
-        def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
-            self._of(trial).on_trial_remove(tune_controller, trial)
-
-    return PerCellASHA()
+def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> int:
+    """Configurations one Tune trial carries in a cell: ``resources.configurations_per_trial``, or
+    under ``auto`` with the fused runner the cell's budget spread over the trial slots (at most
+    ``MAX_UNIT_CONFIGURATIONS``), else one. The fused runner splits a unit to fit memory itself."""
+    asked = space.resources.configurations_per_trial
+    if asked != "auto":
+        return min(int(asked), max(1, plan.trials))
+    if not fused:
+        return 1
+    return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.trials / max(1, slots))))
 
 
 # --------------------------------------------------------------------------- the whole search
@@ -593,13 +270,27 @@ def _tune_storage(results_root: str) -> str:
     return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
 
 
+def trial_slots(space: SearchSpace) -> int:
+    """Tune trials that can run at once: the cluster's CPUs over a trial's, within ``max_concurrent_trials``."""
+    import ray
+
+    slots = int(ray.cluster_resources().get("CPU", 1) // space.resources.cpus) or 1
+    if space.resources.gpu:
+        slots = min(slots, int(ray.cluster_resources().get("GPU", 0) // space.resources.gpu) or 1)
+    return min(slots, space.resources.max_concurrent_trials or slots)
+
+
 def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> None:
     """One Ray Tune run for every cell of the search (resumed from its experiment state when asked).
 
     The cells share the trial processes (one set-up, not one per cell) and run side by side; each
-    keeps its own sampler, budget and, with ASHA, its own scheduler.
+    keeps its own sampler, budget and, with ASHA, its own scheduler. A Tune trial carries a unit
+    of configurations of one cell (:func:`unit_size`).
     """
     from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from dptune.tune_adapters import METRIC, CellMultiplexer, PerCellASHA, RecordAndReport, tune_trainable
 
     by_key = {plan.key: (context, plan) for plan, context in zip(plans, contexts, strict=True)}
     trainable = tune.with_resources(
@@ -614,24 +305,42 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
-    else:
-        if resume:
-            print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
-        searchers = {key: _make_searcher(space, plan, context) for key, (context, plan) in by_key.items()}
-        tuner = tune.Tuner(
-            trainable,
-            tune_config=tune.TuneConfig(
-                search_alg=_make_multiplexer(searchers, {plan.key: plan.trials for plan in plans}),
-                scheduler=_make_scheduler(space, {plan.key: plan for plan in plans}), metric=METRIC, mode="max",
-                num_samples=sum(plan.trials for plan in plans),
-                max_concurrent_trials=space.resources.max_concurrent_trials,
-                reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
-            ),
-            run_config=tune.RunConfig(
-                name="search", storage_path=storage, callbacks=[_make_callback(by_key)], verbose=0,
-                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-            ),
-        )
+        tuner.fit()
+        return
+    if resume:
+        print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
+    slots = trial_slots(space)
+    units = {key: unit_size(space, plan, slots, context.fused) for key, (context, plan) in by_key.items()}
+    if space.sampler.name == "grid":
+        for context, plan in by_key.values():
+            record_pruned_grid(space, plan, context)
+    searcher = CellMultiplexer(
+        samplers={key: CellSampler(cell_spec(space, plan)) for key, (_, plan) in by_key.items()},
+        budgets={key: plan.trials for key, (_, plan) in by_key.items()}, unit_sizes=units,
+        contexts={key: context for key, (context, _) in by_key.items()}, num_train=plans[0].num_train,
+        min_steps=space.min_steps)
+    scheduler = None
+    if space.scheduler is not None:
+        spec = space.scheduler
+        scheduler = PerCellASHA({key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                                    grace_period=min(spec.grace_period, plan.cell.epochs),
+                                                    reduction_factor=spec.reduction_factor)
+                                 for key, (_, plan) in by_key.items()})
+    callback = RecordAndReport({key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.trials,
+                                      plan.noise_multipliers, plan.num_train) for key, (context, plan) in by_key.items()})
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
+            num_samples=sum(math.ceil(plan.trials / units[plan.key]) for plan in plans),
+            max_concurrent_trials=space.resources.max_concurrent_trials,
+            reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
+        ),
+        run_config=tune.RunConfig(
+            name="search", storage_path=storage, callbacks=[callback], verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+        ),
+    )
     tuner.fit()
 
 
@@ -654,6 +363,33 @@ def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: in
         diagnostic_examples=training.diagnostic_examples,
         max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
     )
+
+
+def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, workload: Any) -> bool:
+    """Whether the fused runner trains the search's runs (``training.runner``), checked before compute.
+
+    ``auto``: fused where it applies (``dptune.fused.fused_refusal``) and no scheduler needs
+    per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. Every
+    feasible B must fit at least one configuration in the fused runner's memory budget.
+    """
+    runner = space.training.runner
+    if runner == "trial" or space.scheduler is not None:
+        return False
+    from dptune.fused import FUSED_MEMORY_BYTES, fused_refusal, max_fused_configurations
+
+    refusal = fused_refusal(base)
+    if refusal is not None:
+        if runner == "fused":
+            raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; use runner 'auto' or 'trial'")
+        return False
+    feature_dim = int(workload.train[0][0].shape[-1])
+    for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
+        if max_fused_configurations(replace(base, batch_size=batch_size), len(workload.train), feature_dim,
+                                    workload.num_classes) < 1:
+            raise SearchError(f"batch size {batch_size}: one configuration does not fit the fused runner's memory "
+                              f"budget of {FUSED_MEMORY_BYTES / 2**30:.1f} GiB; use training.runner 'trial' or "
+                              "smaller batch sizes")
+    return True
 
 
 def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str,
@@ -892,7 +628,9 @@ def run_search(options: SearchOptions) -> str:
     plans = plan_cells(space, len(workload.train))
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes
-    check_trial_can_run(base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples))
+    base = base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples)
+    check_trial_can_run(base)
+    fused = check_runner(space, plans, base, workload)
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root
@@ -906,8 +644,11 @@ def run_search(options: SearchOptions) -> str:
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
         results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
         coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
-        reproducible_seed=space.seed if space.reproducible else None) for plan in plans]
-    print(f"running {sum(plan.trials for plan in plans)} trials in {len(plans)} cell runs side by side", flush=True)
+        reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused)
+        for plan in plans]
+    runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
+    print(f"running {sum(plan.trials for plan in plans)} configurations{runs} in {len(plans)} cell runs side by side "
+          f"({'fused runner' if fused else 'one trial per run'})", flush=True)
     run_cells(space, plans, contexts, options.resume)
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s", flush=True)
     ran = plans_that_ran(results_root, search_id, plans)

@@ -217,6 +217,9 @@ class ResourcesSpec(_Strict):
     gpu: float = Field(0.0, ge=0)
     max_concurrent_trials: int | None = Field(None, ge=1)
     max_physical_batch_size: int = Field(256, ge=1)
+    configurations_per_trial: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_TRIALS_PER_CELL)] = Field(
+        "auto", description="configurations one Ray Tune trial carries (× replicates): auto = the cell's budget "
+        "spread over the trial slots when the fused runner trains them, else 1")
 
     @field_validator("gpu")
     @classmethod
@@ -234,6 +237,9 @@ class TrainingSpec(_Strict):
     engine: Literal["auto", "film", "opacus"] = Field(
         "auto", description="per-example gradients: dptune's FiLM engine for film/head where it supports "
         "every trainable module (auto), or Opacus hooks")
+    runner: Literal["auto", "fused", "trial"] = Field(
+        "auto", description="how runs are trained: fused (many configurations as one vectorised computation: a "
+        "head on cached features) where it applies, else one trial per run (trial)")
     compare_auto_s: bool = Field(False, description="also run AUTO-S trials per cell (paper Fig. 5)")
     diagnostics: bool = True
     diagnostic_examples: int = Field(256, ge=8, le=512)
@@ -258,6 +264,8 @@ class SearchSpace(_Strict):
     resources: ResourcesSpec = ResourcesSpec()
     seed: int = Field(0, ge=0, le=MAX_SEED, description="public: the data split, subset caps and the sampler's "
                       "proposals; never the trials' noise or batches (unless reproducible)")
+    replicates: int = Field(1, ge=1, le=100, description="runs per configuration, each with fresh coins; "
+                            "samplers and the analysis rank configurations by their mean validation accuracy")
     reproducible: bool = Field(
         False, description="derive every trial's noise, Poisson batches and initialisation from seed and the "
         "trial's id (research, tests). Off: fresh OS entropy per trial, never stored. On: the DP guarantees "
@@ -287,7 +295,21 @@ class SearchSpace(_Strict):
             raise ValueError("epochs must be distinct")
         if self.privacy.private_selection is not None:
             self._check_private_selection()
+        if self.scheduler is not None:
+            self._check_scheduler()
         return self
+
+    def _check_scheduler(self) -> None:
+        """ASHA stops a Ray Tune trial as a whole, on its per-epoch reports: one run per trial."""
+        problems = [f"{key} {why}" for key, bad, why in (
+            ("replicates", self.replicates > 1, "must be 1"),
+            ("resources.configurations_per_trial", self.resources.configurations_per_trial not in ("auto", 1),
+             "must be 1 or auto"),
+            ("training.runner", self.training.runner == "fused", "must be auto or trial (fused runs report no epochs)"),
+        ) if bad]
+        if problems:
+            raise ValueError("scheduler (ASHA stops a whole Ray Tune trial on its per-epoch reports, so each trial "
+                             "carries one run): " + "; ".join(problems))
 
     def _check_private_selection(self) -> None:
         """Refuse what voids the private-selection bound (Papernot & Steinke 2022), before any compute."""
@@ -303,6 +325,7 @@ class SearchSpace(_Strict):
             "epochs": (len(self.epochs) != 1, "must hold one epoch budget: one selection per search"),
             "sampler.trials_per_cell": ((self.sampler.trials_per_cell or 0) < 2,
                                         "must be ≥ 2: the mean of the random trial count"),
+            "replicates": (self.replicates != 1, "must be 1: the bound counts each run as one candidate"),
         }
         problems = [f"{key} {why}" for key, (bad, why) in voids.items() if bad]
         if problems:

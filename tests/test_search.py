@@ -19,7 +19,7 @@ import ray
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
-from dptune import privacy, search
+from dptune import execution, privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import read_table
 from dptune.space import load_space
@@ -202,17 +202,17 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
     loaded = load_space(TINY, {"reproducible": True})
     plan = search.plan_cells(loaded.space, TINY_TRAIN_EXAMPLES, progress=False)[0]
 
-    def context(reproducible_seed: int | None) -> search.TrialContext:
-        return search.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
-                                   search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling="sqrt",
-                                   reference_batch_size=64, reproducible_seed=reproducible_seed)
+    def context(reproducible_seed: int | None) -> execution.TrialContext:
+        return execution.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
+                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling="sqrt",
+                                      reference_batch_size=64, reproducible_seed=reproducible_seed)
 
     first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}
     second = {**first, "clip_bound": 1.0}
     seeded = context(0)
-    assert search.trial_config(seeded, first).seed == search.trial_config(seeded, first).seed  # repeats
-    assert search.trial_config(seeded, first).seed != search.trial_config(seeded, second).seed  # never shared
-    assert search.trial_config(context(None), first).seed is None  # the default: fresh OS entropy
+    assert execution.trial_config(seeded, first).seed == execution.trial_config(seeded, first).seed  # repeats
+    assert execution.trial_config(seeded, first).seed != execution.trial_config(seeded, second).seed  # never shared
+    assert execution.trial_config(context(None), first).seed is None  # the default: fresh OS entropy
     assert "REPRODUCIBLE from seed 0" in search.format_plan(loaded, [plan])
 
 
@@ -322,11 +322,12 @@ def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, 
         "        raise RuntimeError('injected fault: GPU fell off the bus')\n"
         "    return _real(config, report)\n"
         "t.run_trial = run_trial\n"
-        "import dptune.search as s\n"
-        "s.run_trial = run_trial\n")
+        "import dptune.execution as e\n"
+        "e.run_trial = run_trial\n")
     env = {**search_env, "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}"}
     completed = run_cli(env, "--space", str(TINY), "--storage", str(tmp_path), "--no-report",
-                        "--set", "privacy.epsilons=[4]", "--set", "training.compare_auto_s=false")
+                        "--set", "privacy.epsilons=[4]", "--set", "training.compare_auto_s=false",
+                        "--set", "training.runner=trial")
     assert completed.returncode == 0, completed.stderr[-3000:]
     ran = _ran(tmp_path / "tiny")
     assert len(ran) == 4

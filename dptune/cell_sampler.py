@@ -1,0 +1,178 @@
+"""One cell's sampler: an Optuna study driven through its public ask/tell, with min-step pruning.
+
+Ray-free (Optuna only): :mod:`dptune.tune_adapters` wraps one :class:`CellSampler` per cell for
+Ray Tune, and benchmarks drive it directly. A proposal whose batch size B gives fewer than T_min
+steps is never returned: it is handed to ``on_pruned`` (the search records it, no compute) and
+told to Optuna as pruned, which TPE ranks below every completed trial, so it stops proposing it.
+
+Its state is plain data (:meth:`CellSampler.state`, JSON): the specification and every
+configuration told so far with its value. :meth:`CellSampler.from_state` rebuilds the study from
+it (``study.add_trial``), so a resumed search continues every cell without unpickling code.
+Configurations asked but not told at a checkpoint stay pending: Ray Tune re-runs their unit on
+resume and the result is told then (:meth:`tell` accepts a configuration the live study does not
+know); a grid does not offer them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
+from optuna.trial import TrialState
+
+SamplerName = Literal["tpe", "random", "grid"]
+#: Proposals in a row that may all be pruned before the sampler gives up (a space whose feasible
+#: batch sizes the sampler never proposes).
+MAX_PRUNED_PROPOSALS = 1000
+
+
+class SamplerExhausted(RuntimeError):
+    """The sampler proposed only pruned batch sizes ``MAX_PRUNED_PROPOSALS`` times in a row."""
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """What a cell's sampler searches, as plain data.
+
+    ``ranges`` maps a hyperparameter to ``{"values": [...]}`` (categorical) or ``{"low", "high",
+    "log"}`` (continuous); ``batch_sizes`` are the B values offered (feasible and, except for a
+    grid, pruned ones, so the pruning is learned), ``feasible_batch_sizes`` those with T ≥ T_min.
+    ``seed`` is public (the space's seed and the cell's key): it drives proposals, never noise.
+    """
+
+    sampler: SamplerName
+    seed: int
+    batch_sizes: tuple[int, ...]
+    feasible_batch_sizes: tuple[int, ...]
+    ranges: dict[str, dict[str, Any]]
+    startup_trials: int = 8
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Optuna's distributions of the cell's hyperparameters."""
+        distributions: dict[str, BaseDistribution] = {"batch_size": CategoricalDistribution(list(self.batch_sizes))}
+        for name, spec in self.ranges.items():
+            if "values" in spec:
+                distributions[name] = CategoricalDistribution(list(spec["values"]))
+            else:
+                distributions[name] = FloatDistribution(spec["low"], spec["high"], log=spec["log"])
+        return distributions
+
+    def grid(self) -> dict[str, list]:
+        """The grid of a ``grid`` sampler (every hyperparameter categorical)."""
+        return {"batch_size": list(self.batch_sizes), **{name: list(spec["values"]) for name, spec in self.ranges.items()}}
+
+
+def _key(params: dict[str, Any]) -> str:
+    return json.dumps({name: float(value) for name, value in sorted(params.items())})
+
+
+#: How a told configuration ended, as stored in the sampler's state.
+_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
+
+
+@dataclass
+class CellSampler:
+    """Asks a cell's Optuna study for configurations, in batches, and tells it their values.
+
+    ``told`` holds (configuration, value, state) for every configuration finished so far, state
+    one of ``complete``/``pruned``/``fail``; ``pending`` the configurations asked and not told.
+    A grid is enqueued point by point (``study.enqueue_trial``) in an order drawn from the seed,
+    skipping points told or pending, so it runs every point exactly once, also across a resume.
+    """
+
+    spec: CellSpec
+    told: list[tuple[dict[str, Any], float | None, str]] = field(default_factory=list)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    study: optuna.Study = field(init=False, repr=False)
+    _numbers: dict[str, list[int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(direction="maximize", sampler=self._sampler(len(self.told)))
+        self._numbers = {}
+        distributions = self.spec.distributions()
+        for params, value, state in self.told:
+            self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
+                                                           state=_STATES[state]))
+        if self.spec.sampler == "grid":
+            done = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
+            points = [dict(zip(self.spec.grid(), values, strict=True))
+                      for values in itertools.product(*self.spec.grid().values())]
+            for index in np.random.default_rng(self.spec.seed).permutation(len(points)):
+                if _key(points[index]) not in done:
+                    self.study.enqueue_trial(points[index])
+            self._grid_left = len(self.study.get_trials(states=(TrialState.WAITING,)))
+
+    def _sampler(self, told: int) -> optuna.samplers.BaseSampler:
+        # Re-seeded from the public seed and the number of configurations told, so a restored
+        # sampler continues deterministically without pickling its generator. A grid is enqueued,
+        # so its sampler never proposes.
+        seed = self.spec.seed + told
+        if self.spec.sampler == "tpe":
+            # constant_liar: configurations asked together in one batch are spread out, not repeated
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.spec.startup_trials, constant_liar=True)
+        return optuna.samplers.RandomSampler(seed=seed)
+
+    def ask(self, count: int, on_pruned: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+        """Up to ``count`` configurations with a feasible B (fewer when a grid runs out).
+
+        Each infeasible proposal is passed to ``on_pruned`` and told to the study as pruned.
+        """
+        distributions = self.spec.distributions()
+        asked: list[dict[str, Any]] = []
+        pruned_in_a_row = 0
+        while len(asked) < count:
+            if self.spec.sampler == "grid":
+                if not self._grid_left:
+                    break
+                self._grid_left -= 1
+            trial = self.study.ask(distributions)
+            params = dict(trial.params)
+            if int(params["batch_size"]) not in self.spec.feasible_batch_sizes:
+                self.study.tell(trial, state=TrialState.PRUNED)
+                self.told.append((params, None, "pruned"))
+                on_pruned(params)
+                pruned_in_a_row += 1
+                if pruned_in_a_row >= MAX_PRUNED_PROPOSALS:
+                    raise SamplerExhausted(f"the sampler proposed only pruned batch sizes {pruned_in_a_row} times")
+                continue
+            pruned_in_a_row = 0
+            self._numbers.setdefault(_key(params), []).append(trial.number)
+            self.pending.append(params)
+            asked.append(params)
+        return asked
+
+    def tell(self, params: dict[str, Any], value: float | None) -> None:
+        """Tell the study a configuration's value (``None``: it failed) — also one asked before a
+        resume, which the live study does not know."""
+        key = _key(params)
+        state = "complete" if value is not None else "fail"
+        numbers = self._numbers.get(key)
+        if numbers:
+            self.study.tell(numbers.pop(0), value, state=_STATES[state])
+        else:
+            self.study.add_trial(optuna.trial.create_trial(
+                params=params, distributions=self.spec.distributions(), value=value, state=_STATES[state]))
+        waiting = [_key(p) for p in self.pending]
+        if key in waiting:
+            del self.pending[waiting.index(key)]
+        self.told.append((params, value, state))
+
+    def state(self) -> dict[str, Any]:
+        """Plain data (JSON-serialisable) from which :meth:`from_state` rebuilds this sampler."""
+        return {"spec": {**asdict(self.spec), "batch_sizes": list(self.spec.batch_sizes),
+                         "feasible_batch_sizes": list(self.spec.feasible_batch_sizes)},
+                "told": [list(entry) for entry in self.told], "pending": list(self.pending)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> CellSampler:
+        spec = dict(state["spec"])
+        spec["batch_sizes"] = tuple(spec["batch_sizes"])
+        spec["feasible_batch_sizes"] = tuple(spec["feasible_batch_sizes"])
+        return cls(CellSpec(**spec), [(p, v, s) for p, v, s in state["told"]], list(state["pending"]))

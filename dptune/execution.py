@@ -1,0 +1,217 @@
+"""Running the configurations one scheduled unit of work carries, each exactly once. Ray-free.
+
+A search hands a unit (a Ray Tune trial, or a test calling :func:`run_configurations` directly) a
+list of sampled configurations (C, B, η₀) of one cell. Each configuration runs ``replicates``
+times, every run with its own fresh coins; a run is a *trial* (one row in the ``trials`` table,
+id ``<configuration id>-r<replicate>``: ``records.replicate_trial_id``). Runs already recorded (a
+crash, a kill, a resume) are not run again: what finished is never lost and nothing runs twice.
+
+Two runners, one mechanism. ``fused`` (:mod:`dptune.fused`) trains every pending run of the unit
+as one vectorised computation, each run keeping its own Poisson batches, noise, clipping and
+optimizer state; ``trial`` calls :func:`dptune.trial.run_trial` once per run (any model; it can
+report each epoch, which ASHA needs). Rows are written atomically as each fused group, or each
+trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Literal, get_args
+
+import pandas as pd
+
+from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
+from dptune.trial import EpochMetrics, Reporter, TrialConfig, TrialFailed, TrialResult, run_trial
+
+RunnerName = Literal["auto", "fused", "trial"]
+#: How a unit's runs are trained: ``fused`` where it applies under ``auto``, else one trial each.
+RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
+_VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What every run of one cell shares.
+
+    ``base`` holds the dataset, budgets and rules (C, B, η and the seed are filled per run);
+    ``replicates`` is R, the runs per configuration; ``fused`` says whether the fused runner trains
+    the runs (the driver decides once per cell: :func:`dptune.fused.fused_refusal`).
+    ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
+    """
+
+    base: TrialConfig
+    results_root: str
+    search_id: str
+    cell_id: str
+    cell_key: str
+    coupling: str
+    reference_batch_size: int
+    reproducible_seed: int | None = None
+    replicates: int = 1
+    fused: bool = False
+
+
+def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
+    """A configuration's id: its cell and a digest of its sampled (C, B, η₀).
+
+    Content-based, so a configuration proposed again after a crash or a resume (Tune's own state
+    may lag the results by a few seconds) maps onto the same rows instead of new ones.
+    """
+    canonical = {name: float(params[name]) for name in sorted(params)}
+    return f"{cell_key}-{hashlib.sha1(json.dumps(canonical).encode()).hexdigest()[:12]}"
+
+
+def trial_config(context: TrialContext, params: dict[str, Any], replicate: int = 0) -> TrialConfig:
+    """The full config of one run from the sampled (C, B, η₀), with √B coupling applied.
+
+    Its coins: ``seed=None`` (fresh OS entropy in the run) unless the space is reproducible; then
+    a seed from the space's seed and the run's id, so that runs still never share coins.
+    """
+    batch_size = int(params["batch_size"])
+    base_lr = float(params["base_learning_rate"])
+    lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size) if context.coupling == "sqrt" else base_lr
+    clip_bound = float(params.get("clip_bound", context.base.clip_bound))
+    seed = None
+    if context.reproducible_seed is not None:
+        trial = replicate_trial_id(configuration_id(context.cell_key, params), replicate)
+        digest = hashlib.sha256(f"{context.reproducible_seed}:{trial}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "big") >> 11  # 53 bits: exact in the float64 a pandas null column uses
+    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr,
+                   learning_rate=lr, seed=seed)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a result depends on (recorded with every trial)."""
+    versions = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def write_result(context: TrialContext, params: dict[str, Any], replicate: int, result: TrialResult) -> None:
+    """Record one run (atomic; writing the same run again replaces it)."""
+    configuration = configuration_id(context.cell_key, params)
+    trial = replicate_trial_id(configuration, replicate)
+    rows = trial_rows(result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
+                      configuration_id=configuration, replicate=replicate,
+                      reference_batch_size=context.reference_batch_size, versions=package_versions(),
+                      finished_at=pd.Timestamp.now(tz="UTC"))
+    ResultsStore(context.results_root).write_trial(rows, trial)
+
+
+def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int, min_steps: int) -> None:
+    """Record a configuration the min-step rule removed: one row, status ``pruned_min_steps``, no compute."""
+    config = trial_config(context, params)
+    steps = total_steps(num_train, config.batch_size, config.epochs)
+    result = TrialResult(config=config, status="pruned_min_steps", reason=f"T = {steps} steps < min_steps = {min_steps}",
+                         sample_rate=sample_rate(num_train, config.batch_size), steps=steps, steps_taken=0,
+                         num_train=num_train, epsilon_spent=0.0)
+    write_result(context, params, 0, result)
+
+
+def failed_result(config: TrialConfig, reason: str, *, steps: int = 0, steps_taken: int = 0,
+                  epsilon_spent: float = 0.0, noise_multiplier: float = math.nan,
+                  sample_rate: float = math.nan) -> TrialResult:
+    """The record of a run that raised: status ``error`` with what it spent (nothing before its first step)."""
+    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
+                       sample_rate=sample_rate, steps=steps, steps_taken=steps_taken, epsilon_spent=epsilon_spent)
+
+
+def selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy_val_accuracy: float) -> float:
+    """What the sampler is told for one run: validation accuracy (the noisy one when the run has a
+    DP score), 0 for a run that diverged or failed."""
+    value = noisy_val_accuracy if config.score_noise_multiplier is not None else val_accuracy
+    return value if status == "ok" and math.isfinite(value) else 0.0
+
+
+@dataclass(frozen=True)
+class UnitOutcome:
+    """What a unit tells its sampler: per configuration (in the order given) the mean selection
+    value over its replicates and the status of its runs (``"ok"`` when every run finished)."""
+
+    scores: list[float]
+    statuses: list[str]
+    ran: int  # runs trained by this call (recorded runs skipped)
+
+
+def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, config: TrialConfig,
+             report: Reporter | None) -> TrialResult:
+    """One ``run_trial`` call, recorded whatever happens (errors with the steps they spent)."""
+    try:
+        result = run_trial(config, report)
+    except TrialFailed as failure:  # training had begun: record what it spent
+        result = failed_result(config, str(failure), steps=failure.steps, steps_taken=failure.steps_taken,
+                               epsilon_spent=failure.epsilon_spent, noise_multiplier=failure.noise_multiplier,
+                               sample_rate=failure.sample_rate)
+    except Exception as error:  # raised before the first step: nothing spent
+        result = failed_result(config, f"{type(error).__name__}: {error}")
+    write_result(context, params, replicate, result)
+    return result
+
+
+def run_configurations(context: TrialContext, configurations: Sequence[dict[str, Any]],
+                       report: Callable[[EpochMetrics], None] | None = None) -> UnitOutcome:
+    """Run every (configuration, replicate) of ``configurations`` that is not recorded yet.
+
+    ``report`` (trial runner, one configuration and one replicate only) is called after every epoch
+    but the last, which the caller reports itself once the result is written. Returns what the
+    cell's sampler is told; recorded runs count with their recorded values.
+    """
+    store = ResultsStore(context.results_root)
+    recorded = store.completed_trial_ids()
+    pending = [(index, replicate, trial_config(context, params, replicate))
+               for index, params in enumerate(configurations) for replicate in range(context.replicates)
+               if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded]
+    results: dict[tuple[int, int], TrialResult] = {}
+    if context.fused and pending:
+        from dptune.fused import FusedTrialsFailed, run_fused
+
+        def record(positions: list[int], finished: list[TrialResult]) -> None:
+            for position, result in zip(positions, finished, strict=True):
+                index, replicate, _ = pending[position]
+                write_result(context, configurations[index], replicate, result)
+                results[index, replicate] = result
+
+        try:
+            run_fused([config for _, _, config in pending], on_done=record)
+        except FusedTrialsFailed as failure:  # the failed group's runs record what they spent
+            unrecorded = [p for p, (i, r, _) in enumerate(pending) if (i, r) not in results]
+            record(unrecorded, [failure.results[p] for p in unrecorded])
+    else:
+        for index, replicate, config in pending:
+            per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
+            results[index, replicate] = _run_one(context, configurations[index], replicate, config, per_epoch)
+    return _outcome(context, configurations, results, len(pending))
+
+
+def _outcome(context: TrialContext, configurations: Sequence[dict[str, Any]],
+             results: dict[tuple[int, int], TrialResult], ran: int) -> UnitOutcome:
+    """Mean selection value and joint status per configuration, from this call's results and the
+    records of runs that finished before it."""
+    rows = None
+    scores, statuses = [], []
+    for index, params in enumerate(configurations):
+        values, states = [], []
+        for replicate in range(context.replicates):
+            result = results.get((index, replicate))
+            if result is None:
+                if rows is None:
+                    rows = read_table(context.results_root, "trials").set_index("trial_id")
+                row = rows.loc[replicate_trial_id(configuration_id(context.cell_key, params), replicate)]
+                status, val, noisy = str(row["status"]), float(row["val_accuracy"]), float(row["noisy_val_accuracy"])
+            else:
+                status, val, noisy = result.status, result.val_accuracy, result.noisy_val_accuracy
+            values.append(selection_value(context.base, status, val, noisy))
+            states.append(status)
+        scores.append(sum(values) / len(values))
+        statuses.append("ok" if all(s == "ok" for s in states) else next(s for s in states if s != "ok"))
+    return UnitOutcome(scores=scores, statuses=statuses, ran=ran)

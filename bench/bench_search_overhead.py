@@ -60,7 +60,7 @@ def main() -> None:
         }
         space = load_space(ROOT / "search_spaces/default.yaml", overrides).space
         plan = search.plan_cells(space, num_train, progress=False)[0]
-        plan = search.replace(plan, trials=points)
+        plan = search.replace(plan, configurations=points)
         context = search.TrialContext(
             base=search.base_trial_config(space, plan, args.max_train_examples, None), results_root=storage,
             search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,

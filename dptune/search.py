@@ -63,7 +63,7 @@ class CellPlan:
     feasible_batch_sizes: tuple[int, ...]
     pruned_batch_sizes: tuple[int, ...]
     noise_multipliers: dict[int, float]  # σ per feasible B
-    trials: int  # trials the sampler will schedule
+    configurations: int  # configurations the sampler will propose (each runs `replicates` times)
 
     @property
     def key(self) -> str:
@@ -109,7 +109,7 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
                 total_steps(num_train, batch_size, cell.epochs))
         for clipping in variants:
             plan = CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, 0)
-            plans.append(replace(plan, trials=_trial_count(space, plan)))
+            plans.append(replace(plan, configurations=_trial_count(space, plan)))
     return plans
 
 
@@ -129,7 +129,7 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
         raise SearchError(f"privacy.private_selection: {error}") from None
     plan = CellPlan(Cell(epsilon=found.epsilon_per_trial, epochs=epochs), space.training.clipping, num_train,
                     feasible, pruned, dict(zip(feasible, found.noise_multipliers, strict=True)), 0)
-    return replace(plan, trials=_trial_count(space, plan))
+    return replace(plan, configurations=_trial_count(space, plan))
 
 
 def _trial_count(space: SearchSpace, plan: CellPlan) -> int:
@@ -176,8 +176,9 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
         lines.append(f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
                      f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
                      f"{space.sampler.trials_per_cell}), noisy validation score σ_s = {selection.score_noise_multiplier:g}")
+    runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
     for plan in plans:
-        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.trials} trials")
+        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.configurations} configurations{runs}")
         lines.append("      B      T   σ        σ√T")
         for b in plan.feasible_batch_sizes:
             steps = total_steps(plan.num_train, b, plan.cell.epochs)
@@ -187,7 +188,9 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
         if oversized := space.batch_size.oversized(plan.num_train):
             lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
-    lines.append(f"total: {sum(p.trials for p in plans)} trials in {len(plans)} cell runs")
+    configurations = sum(p.configurations for p in plans)
+    lines.append(f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
+                 f"{len(plans)} cell runs")
     return "\n".join(lines)
 
 
@@ -209,7 +212,7 @@ def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
                         else {"low": spec.low, "high": spec.high, "log": spec.log})
     return CellSpec(sampler=space.sampler.name, seed=_cell_seed(space, plan), batch_sizes=offered,
                     feasible_batch_sizes=plan.feasible_batch_sizes, ranges=ranges,
-                    startup_trials=min(8, max(2, plan.trials // 3)))
+                    startup_trials=min(8, max(2, plan.configurations // 3)))
 
 
 def _sampled_ranges(space: SearchSpace, plan: CellPlan) -> dict[str, Any]:
@@ -235,10 +238,10 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
     ``MAX_UNIT_CONFIGURATIONS``), else one. The fused runner splits a unit to fit memory itself."""
     asked = space.resources.configurations_per_trial
     if asked != "auto":
-        return min(int(asked), max(1, plan.trials))
+        return min(int(asked), max(1, plan.configurations))
     if not fused:
         return 1
-    return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.trials / max(1, slots))))
+    return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.configurations / max(1, slots))))
 
 
 # --------------------------------------------------------------------------- the whole search
@@ -316,7 +319,7 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
             record_pruned_grid(space, plan, context)
     searcher = CellMultiplexer(
         samplers={key: CellSampler(cell_spec(space, plan)) for key, (_, plan) in by_key.items()},
-        budgets={key: plan.trials for key, (_, plan) in by_key.items()}, unit_sizes=units,
+        budgets={key: plan.configurations for key, (_, plan) in by_key.items()}, unit_sizes=units,
         contexts={key: context for key, (context, _) in by_key.items()}, num_train=plans[0].num_train,
         min_steps=space.min_steps)
     scheduler = None
@@ -326,13 +329,13 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
                                                     grace_period=min(spec.grace_period, plan.cell.epochs),
                                                     reduction_factor=spec.reduction_factor)
                                  for key, (_, plan) in by_key.items()})
-    callback = RecordAndReport({key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.trials,
+    callback = RecordAndReport({key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations,
                                       plan.noise_multipliers, plan.num_train) for key, (context, plan) in by_key.items()})
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
-            num_samples=sum(math.ceil(plan.trials / units[plan.key]) for plan in plans),
+            num_samples=sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
@@ -421,7 +424,7 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str,
             "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id, "clipping": plan.clipping,
             "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": delta,
             "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
-            "num_train": plan.num_train, "trials_planned": plan.trials,
+            "num_train": plan.num_train, "trials_planned": plan.configurations * space.replicates,
             "configurations_pruned": len(plan.pruned_batch_sizes),
             "epsilon_per_trial": plan.cell.epsilon, "trials_with_steps": cell.trials_with_steps,
             "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
@@ -647,8 +650,8 @@ def run_search(options: SearchOptions) -> str:
         reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused)
         for plan in plans]
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
-    print(f"running {sum(plan.trials for plan in plans)} configurations{runs} in {len(plans)} cell runs side by side "
-          f"({'fused runner' if fused else 'one trial per run'})", flush=True)
+    print(f"running {sum(plan.configurations for plan in plans)} configurations{runs} in {len(plans)} cell runs "
+          f"side by side ({'fused runner' if fused else 'one trial per run'})", flush=True)
     run_cells(space, plans, contexts, options.resume)
     print(f"\nsearch finished in {time.monotonic() - started:.0f} s", flush=True)
     ran = plans_that_ran(results_root, search_id, plans)

@@ -86,7 +86,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(search_env: dict[str, str], tm
     out = completed.stdout
     assert f"N_train = {TINY_TRAIN_EXAMPLES}" in out
     assert "pruned by min-step rule (T < 10): B = [256]" in out
-    assert "total: 12 trials in 4 cell runs" in out
+    assert "total: 12 configurations = 12 trials in 4 cell runs" in out
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     privacy.clear_memory_cache()
     steps = total_steps(TINY_TRAIN_EXAMPLES, 32, 3)

@@ -405,6 +405,18 @@ class _Cell:
                    square_norms=features.square().sum(1), labels=labels, probe=probe)
 
 
+@dataclass(frozen=True)
+class Draws:
+    """A group's coins for S steps. ``index[t, k, r]`` (S, K, width; on the device) is the r-th
+    training row in configuration k's Poisson batch at step t, in increasing order, padded with N
+    (the zero row); ``counts[t, k]`` (numpy) its batch size; ``noise[t, k]`` (S, K, d; on the
+    device) the standard normal vector of its Gaussian noise."""
+
+    index: torch.Tensor
+    counts: np.ndarray
+    noise: torch.Tensor
+
+
 class _Group:
     """K configurations with one batch size B, trained in lock-step (see the module docstring)."""
 
@@ -482,32 +494,34 @@ class _Group:
             record.wall_time_s = time.perf_counter() - start
             self.results[k].diagnostics.append(record)
 
-    def _train_chunk(self, steps: int, examples: np.ndarray, losses: torch.Tensor) -> None:
-        """``steps`` fused steps; adds each configuration's batch sizes to ``examples`` (steps, K) and
-        its step losses to ``losses`` (K,) while it has not diverged."""
-        cell, k = self.cell, len(self.configs)
-        num_train = self.num_train
+    def draw(self, steps: int) -> Draws:
+        """The coins of the next ``steps`` steps, each configuration's from its own generators."""
+        k, num_train = len(self.configs), self.num_train
         draws = [sampler.draw(steps) for sampler in self.samplers]
         noise = torch.stack([
-            torch.randn(steps, self.parameters, generator=generator, device=cell.device)
+            torch.randn(steps, self.parameters, generator=generator, device=self.cell.device)
             for generator in self.noise_generators
-        ], dim=1)  # (steps, K, parameters)
-        counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)  # (steps, K)
-        examples += counts
-        # index[t, k, r] = r-th example of configuration k at step t; num_train (the zero row) pads
-        width = max(1, int(counts.max()))
-        index = torch.full((steps, k, width), num_train, dtype=torch.int64)
+        ], dim=1)
+        counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
+        index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
         for column, (step, example) in enumerate(draws):
             starts = np.concatenate([[0], np.cumsum(counts[:, column])[:-1]])
             rank = torch.arange(len(step)) - torch.from_numpy(starts)[step]
             index[step, column, rank] = example
-        index = index.to(cell.device)
+        return Draws(index=index.to(self.cell.device), counts=counts, noise=noise)
+
+    def _train_chunk(self, steps: int, examples: np.ndarray, losses: torch.Tensor) -> None:
+        """``steps`` fused steps; adds each configuration's batch sizes to ``examples`` (steps, K) and
+        its step losses to ``losses`` (K,) while it has not diverged."""
+        cell, num_train = self.cell, self.num_train
+        draws = self.draw(steps)
+        examples += draws.counts
         check_loss = not self.private_score
         for t in range(steps):
-            rows = index[t, :, : max(1, int(counts[t].max()))]
+            rows = draws.index[t, :, : max(1, int(draws.counts[t].max()))]
             gradients = head_noisy_gradients(
                 self.weight, self.bias, cell.features[rows], cell.labels[rows], rows < num_train,
-                self.clip_bounds, self.rule, noise[t], self.noise_stds, self.scales, cell.square_norms[rows])
+                self.clip_bounds, self.rule, draws.noise[t], self.noise_stds, self.scales, cell.square_norms[rows])
             self.steps_done += 1
             self.last_step.add_(self.active.long())  # the step counts for every configuration that ran it
             if check_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps

@@ -18,6 +18,15 @@ Conventions (the report states them too):
 - Selection is on validation accuracy, never test: the best trial of a group has the highest
   ``val_accuracy``; ties go to the lower final ``train_loss``, then to the smaller trial id.
   Reported accuracies are the selected trial's test accuracy.
+- A *configuration* is one (C, B, η₀) of a cell, run R ≥ 1 times with fresh coins (replicates,
+  records schema 3; older trials are each their own configuration). Views that pick a best
+  setting (heatmaps, Fig. 2, AUTO-S, the batch-size rule, the guideline table, difficulty)
+  rank configurations by mean validation accuracy over replicates (``rank_configurations``) and
+  report their mean accuracies; with R = 1 this is the best-trial rule above. Views of one
+  trial's probe (diagnostics, gradient norms, strata reference) keep the best trial.
+  Uncertainty (intervals, the set within noise of the best, bootstrap intervals of the optimal
+  C and B) is defined in ``rank_configurations``, ``best_configurations`` and
+  ``optimal_setting_intervals``.
 - Accuracies are fractions in [0, 1]; ``near_optimal`` and losses are in the same units
   (0.01 = one percentage point).
 - Class accuracy of a stratum is the unweighted mean of its classes' test accuracies.
@@ -285,12 +294,13 @@ def privacy_statements(results: Results) -> list[str]:
 def task_difficulty(results: Results) -> pd.DataFrame:
     """Tasks ranked from easiest (rank 1) to hardest by best validation accuracy.
 
-    Difficulty is measured by the mean over cells of the best (tuned-C) validation accuracy,
+    Difficulty is measured by the mean over cells of the best (tuned-C) mean validation accuracy
+    of a configuration over its replicates,
     over the (ε, E) pairs every task has when there are such shared pairs, else over each
     task's own cells. ``median_grad_norm`` is the median probe ‖g_i‖ of the best diagnosed
     trials (last diagnostic epoch), the quantity difficulty moves (paper §4).
     """
-    best = select_best(results.tuned, CELL)
+    best = best_configurations(results.tuned)
     if best.empty:
         return pd.DataFrame(columns=["rank", "task", "cells", "mean_best_val_accuracy", "median_grad_norm"])
     budgets = best.groupby("task")[["epsilon", "epochs"]].apply(lambda f: set(map(tuple, f.to_numpy())))
@@ -388,19 +398,24 @@ def with_strata(trials: pd.DataFrame, accuracy: pd.DataFrame) -> pd.DataFrame:
 # Section 1 and 2: accuracy over (C, B), optimal C and B
 # ---------------------------------------------------------------------------------------------
 
-def accuracy_grid(results: Results) -> pd.DataFrame:
-    """Paper Fig. 1: per cell and (C, B) bin, the best trial over η (and any other option).
+def accuracy_grid(results: Results, accuracy: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Paper Fig. 1: per cell and (C, B) bin, the best configuration over η (and any other option).
 
-    One row per (task, ε, E, clip_bin, batch_bin) with the selected trial's ``val_accuracy``,
-    ``test_accuracy``, ``train_loss``, ``learning_rate``, ``trial_id`` and ``trials`` (finished
-    trials in the bin).
+    One row per (task, ε, E, clip_bin, batch_bin) with the selected configuration's (best mean
+    validation accuracy over its replicates, ``rank_configurations``) mean ``val_accuracy``,
+    ``test_accuracy``, ``train_loss``, its ``learning_rate``, ``replicates``, ``search_id``/``trial_id``
+    of its first replicate and ``trials`` (finished trials in the bin). With ``accuracy``
+    (``stratum_accuracy``), also the mean ``easy``/``hard`` class accuracies over its replicates.
     """
     tuned = results.tuned
     keys = [*CELL, "clip_bin", "batch_bin"]
-    best = select_best(tuned, keys)
+    means = list(STRATA) if accuracy is not None else []
+    best = rank_configurations(with_strata(tuned, accuracy) if means else tuned, keys, means=means)
+    best = best[best["rank"] == 1]
     counts = tuned.groupby(keys).size().rename("trials").reset_index()
     return best.merge(counts, on=keys)[[*keys, "val_accuracy", "test_accuracy", "train_loss", "learning_rate",
-                                        "base_learning_rate", "search_id", "trial_id", "trials"]]
+                                        "base_learning_rate", "replicates", *means, "search_id", "trial_id",
+                                        "trials"]].reset_index(drop=True)
 
 
 def unfinished_bins(results: Results) -> pd.DataFrame:
@@ -532,12 +547,13 @@ def retention_curves(results: Results, strata: pd.DataFrame,
 
 
 def stratum_accuracy_by_clip(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
-    """Class accuracy per stratum against C: per (cell, clip_bin) the best trial over B and η.
+    """Class accuracy per stratum against C: per (cell, clip_bin) the best configuration over B and η.
 
-    Columns: task, ε, E, clip_bin, trial_id, test_accuracy, easy, hard.
+    Columns: task, ε, E, clip_bin, trial_id (its first replicate), test_accuracy, easy, hard
+    (means over its replicates).
     """
-    best = select_best(results.tuned, [*CELL, "clip_bin"])
-    table = with_strata(best, stratum_accuracy(results, strata))
+    trials = with_strata(results.tuned, stratum_accuracy(results, strata))
+    table = best_configurations(trials, [*CELL, "clip_bin"], means=STRATA)
     return table[[*CELL, "clip_bin", "trial_id", "test_accuracy", *STRATA]]
 
 
@@ -546,16 +562,17 @@ def stratum_accuracy_by_clip(results: Results, strata: pd.DataFrame) -> pd.DataF
 # ---------------------------------------------------------------------------------------------
 
 def auto_s_comparison(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
-    """Paper Fig. 5: per cell with AUTO-S trials, the best tuned-C and the best AUTO-S trial.
+    """Paper Fig. 5: per cell with AUTO-S trials, the best tuned-C and the best AUTO-S configuration.
 
-    Columns ``tuned_*`` and ``auto_s_*`` for test accuracy, easy and hard class accuracy;
+    Columns ``tuned_*`` and ``auto_s_*`` for test accuracy, easy and hard class accuracy (means
+    over the configuration's replicates) and ``trial_id`` (its first replicate);
     ``gap`` = tuned − AUTO-S test accuracy (positive: tuning C helps).
     """
     accuracy = stratum_accuracy(results, strata)
     measures = ["test_accuracy", *STRATA, "trial_id"]
     parts = []
     for name, trials in (("tuned", results.tuned), ("auto_s", results.auto_s)):
-        best = with_strata(select_best(trials, CELL), accuracy)
+        best = best_configurations(with_strata(trials, accuracy), CELL, means=STRATA)
         parts.append(best[[*CELL, *measures]].rename(columns={m: f"{name}_{m}" for m in measures}))
     table = parts[0].merge(parts[1], on=CELL, how="inner")
     table["gap"] = table["tuned_test_accuracy"] - table["auto_s_test_accuracy"]
@@ -573,8 +590,8 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     (cell, B) shares them; configurations pruned by the min-step rule carry T but no σ);
     ``cumulative_noise`` = σ√T (the paper's quantity), ``per_step_noise`` = σ/B (the old per-step
     rule's noise std of the mean gradient, in units of C). ``test_accuracy``/``val_accuracy``
-    are those of the best tuned trial at that B (over C and η, selected on validation);
-    ``measured_best`` marks the B of the cell's best trial. ``largest_feasible_batch_size`` is the
+    are the means of the best tuned configuration at that B (over C and η, selected on mean
+    validation accuracy); ``measured_best`` marks the B of the cell's best configuration. ``largest_feasible_batch_size`` is the
     largest B of the cell with T ≥ T_min (``min_steps``), and ``recommended_batch_size`` the B
     that ``dptune.plan.recommended_batch_size`` picks from these σ√T with ``PLATEAU_TOLERANCE``:
     among the B the search evaluated, with recorded σ (NaN where T_min is unknown).
@@ -595,9 +612,9 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     table["pruned"] = table.pop("pruned_trials").fillna(0) > 0
     table["cumulative_noise"] = table["noise_multiplier"] * np.sqrt(table["steps"])
     table["per_step_noise"] = table["noise_multiplier"] / table["batch_size"]
-    best = select_best(results.tuned, keys)[[*keys, "val_accuracy", "test_accuracy", "trial_id"]]
+    best = best_configurations(results.tuned, keys)[[*keys, "val_accuracy", "test_accuracy", "trial_id"]]
     table = table.merge(best, on=keys, how="left")
-    winner = select_best(results.tuned, CELL)[[*CELL, "batch_size"]].rename(columns={"batch_size": "best_b"})
+    winner = best_configurations(results.tuned)[[*CELL, "batch_size"]].rename(columns={"batch_size": "best_b"})
     table = table.merge(winner, on=CELL, how="left")
     table["measured_best"] = table.pop("best_b") == table["batch_size"]
     bounds = min_steps(results)
@@ -726,26 +743,29 @@ def fixed_setting(grid: pd.DataFrame) -> FixedSetting | None:
 def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFrame, FixedSetting | None]:
     """Paper Table 1 from these results: per cell the best (C, B, η) and the cost of a fixed (C, B).
 
-    Per cell (task, ε, E): the best tuned trial on validation — ``clip_bound``, ``batch_size``,
-    ``learning_rate`` (η used), ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``,
-    ``val_accuracy``, ``test_accuracy``, ``easy``/``hard`` class accuracy — then the trial at
-    the ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the
-    losses ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class
-    accuracy (NaN without a fixed setting).
+    Per cell (task, ε, E): the best tuned configuration on mean validation accuracy
+    (``best_configurations``) — ``clip_bound``, ``batch_size``, ``learning_rate`` (η used),
+    ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``, ``replicates``, mean ``val_accuracy``
+    and ``test_accuracy`` with ``test_low``/``test_high`` (its interval), ``within_noise`` of
+    ``configurations``, mean ``easy``/``hard`` class accuracy — then the configuration at the
+    ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the losses
+    ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class accuracy (NaN
+    without a fixed setting). With one replicate per configuration these are the best trials.
     """
     accuracy = stratum_accuracy(results, strata)
-    best = with_strata(select_best(results.tuned, CELL), accuracy)
+    best = best_configurations(with_strata(results.tuned, accuracy), CELL, means=STRATA)
     columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping",
-               "optimizer", "val_accuracy", "test_accuracy", *STRATA, "search_id", "trial_id"]
+               "optimizer", "replicates", "val_accuracy", "test_accuracy", "test_low", "test_high", "within_noise",
+               "configurations", *STRATA, "search_id", "trial_id"]
     table = best[columns].copy()
-    grid = accuracy_grid(results)
+    grid = accuracy_grid(results, accuracy)
     setting = fixed_setting(grid)
     if setting is None:
         for name in ("fixed_test_accuracy", "fixed_hard", "loss", "hard_loss"):
             table[name] = np.nan
         return table, None
     fixed = grid[(grid["clip_bin"] == setting.clip_bin) & (grid["batch_bin"] == setting.batch_bin)]
-    fixed = with_strata(fixed, accuracy)[[*CELL, "test_accuracy", HARD]]
+    fixed = fixed[[*CELL, "test_accuracy", HARD]]
     table = table.merge(fixed.rename(columns={"test_accuracy": "fixed_test_accuracy", HARD: "fixed_hard"}),
                         on=CELL, how="left")
     table["loss"] = table["test_accuracy"] - table["fixed_test_accuracy"]
@@ -839,8 +859,8 @@ def _check_confidence(confidence: float) -> None:
         raise AnalysisError(f"confidence must lie strictly between 0 and 1 (e.g. 0.95), got {confidence}")
 
 
-def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
-                        confidence: float = CONFIDENCE) -> pd.DataFrame:
+def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
+                        means: Sequence[str] = ()) -> pd.DataFrame:
     """One row per configuration of finished ``trials``, ranked within each group of ``by``.
 
     A configuration is ``[*by, "configuration_id"]``: the replicates (fresh-coin runs) of one
@@ -853,7 +873,8 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
     ``clip_bin``/``batch_bin`` where present, ``search_id``/``trial_id`` of replicate 0 or the
     lowest recorded), ``replicates`` R; ``val_accuracy``, ``test_accuracy``, ``train_loss``: means
     over the replicates; ``val_std``/``test_std``: sample standard deviations (ddof 1, NaN at
-    R = 1); ``val_se``/``test_se`` = std/√R; ``num_val``/``num_test``: split sizes (rows).
+    R = 1); ``val_se``/``test_se`` = std/√R; ``num_val``/``num_test``: split sizes (rows); each
+    column of ``means`` (e.g. the ``easy``/``hard`` class accuracies): its mean over the replicates.
 
     Ranking (``rank``, 1 = best in its group): mean validation accuracy, ties to the lower mean
     train loss, then the smaller ``configuration_id``. Never test accuracy.
@@ -880,10 +901,10 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
                           "clip_bin", "batch_bin", "epsilon", "epochs", "task", "cell_id", "search_id", "trial_id")
               if c in trials and c not in key]
     columns = [*key, *params, "replicates", "val_accuracy", "val_std", "val_se", "test_accuracy", "test_std",
-               "test_se", "train_loss", "num_val", "num_test", "noise_se", "rank", "gap", "noise_threshold",
+               "test_se", "train_loss", "num_val", "num_test", *means, "noise_se", "rank", "gap", "noise_threshold",
                "within_noise"]
     if trials.empty:
-        return pd.DataFrame(columns=columns)
+        return _empty_with(trials[[*key, *params]], columns)
     ordered = trials.sort_values(["replicate", "search_id", "trial_id"], kind="mergesort")
     groups = ordered.groupby(key, sort=False, dropna=False)
     table = groups[params].first()
@@ -893,7 +914,8 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
         table[measure] = groups[measure].mean()
         table[f"{prefix}_std"] = groups[measure].std(ddof=1)
         table[f"{prefix}_se"] = table[f"{prefix}_std"] / np.sqrt(table["replicates"])
-    table["train_loss"] = groups["train_loss"].mean()
+    for column in ("train_loss", *means):
+        table[column] = groups[column].mean()
     table["num_val"] = groups["num_val"].median()
     table["num_test"] = groups["num_test"].median()
     table = table.reset_index()
@@ -909,6 +931,15 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
     return table.reset_index(drop=True)[columns]
 
 
+def _empty_with(frame: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """No rows; ``frame``'s columns keep their dtypes (so merges on them work), the others are float."""
+    empty = frame.iloc[0:0].copy()
+    for column in columns:
+        if column not in empty:
+            empty[column] = pd.Series(dtype=float)
+    return empty[list(columns)]
+
+
 def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series,
                    confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(low, high, half-width) of the interval of a mean accuracy (see ``best_configurations``)."""
@@ -922,8 +953,8 @@ def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows:
     return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0), half
 
 
-def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
-                        confidence: float = CONFIDENCE) -> pd.DataFrame:
+def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
+                        means: Sequence[str] = ()) -> pd.DataFrame:
     """The best configuration of each group of ``by`` (``rank_configurations``'s rank 1), with intervals.
 
     Columns of ``rank_configurations`` for the best, plus ``val_low``/``val_high`` and
@@ -937,12 +968,12 @@ def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL),
     many the group ranked; ``within_noise``: how many are within noise of the best (≥ 1);
     ``clip_low``/``clip_high``, ``batch_low``/``batch_high``: the extreme C and B of that set.
     """
-    ranked = rank_configurations(trials, by, confidence)
+    ranked = rank_configurations(trials, by, confidence, means)
     by = list(by)
     extra = ["val_low", "val_high", "test_low", "test_high", "interval_source", "configurations", "within_noise",
              "clip_low", "clip_high", "batch_low", "batch_high"]
     if ranked.empty:
-        return pd.DataFrame(columns=[*[c for c in ranked.columns if c != "within_noise"], *extra])
+        return _empty_with(ranked.drop(columns="within_noise"), [*ranked.columns.drop("within_noise"), *extra])
     near = ranked[ranked["within_noise"]]
     spread = near.groupby(by).agg(within_noise=("configuration_id", "size"), clip_low=("clip_bound", "min"),
                                   clip_high=("clip_bound", "max"), batch_low=("batch_size", "min"),

@@ -16,7 +16,7 @@ import pytest
 import expected
 from dptune import analysis as an
 from dptune import report
-from tiny_results import copy_results
+from tiny_results import Replicated, copy_results, write_replicated_search
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -209,3 +209,51 @@ def test_figure_index_is_in_the_reports_readme(capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr().out.strip()
     assert printed == report.figure_index()
     assert report.figure_index() in (REPO / "reports" / "README.md").read_text(encoding="utf-8")
+
+
+def _grid(best: tuple[float, int], accuracy: float, spread: float) -> list[Replicated]:
+    """A 3 × 2 (C, B) grid of R = 3 configurations: ``best`` scores ``accuracy`` on average, the rest 5 points
+    less; replicates lie ``spread`` either side of the mean (validation), test is 1 point under validation."""
+    return [Replicated(c, b, 1e-3, tuple(mean + d for d in (-spread, 0.0, spread)), (mean - 0.01,) * 3)
+            for c in (0.1, 1.0, 10.0) for b in (64, 1024)
+            for mean in [accuracy if (c, b) == best else accuracy - 0.05]]
+
+
+def test_replicated_results_show_intervals_and_where_the_paper_holds(tmp_path: Path) -> None:
+    cells = {(1.0, 10): _grid((10.0, 64), 0.70, 0.005), (8.0, 10): _grid((0.1, 1024), 0.80, 0.005),  # as the paper
+             (1.0, 3): _grid((10.0, 64), 0.60, 0.10), (8.0, 3): _grid((0.1, 1024), 0.65, 0.10),  # replicates disagree
+             (1.0, 20): _grid((0.1, 64), 0.70, 0.005), (8.0, 20): _grid((10.0, 64), 0.80, 0.005)}  # against it
+    page = report.build_report([write_replicated_search(tmp_path, "rep", cells)], tmp_path / "out").read_text(
+        encoding="utf-8")
+    best = html_table(page, "Best configuration per cell").set_index(["ε", "E"])
+    half = 4.302653 * 0.005 / 3 ** 0.5  # Student t (2 df) · std/√R, by hand
+    sure = best.loc[("1", "10")]
+    assert (sure["best C"], sure["best B"], sure["R"]) == ("10", "64", "3")
+    assert sure["val % [interval]"] == f"70.0 [{100 * (0.70 - half):.1f}, {100 * (0.70 + half):.1f}]"
+    assert sure["within noise"] == "1 of 6" and sure["optimal C [bootstrap]"] == "[10, 10]"
+    assert sure["bootstrap picks best %"] == "100.0"
+    wide = best.loc[("1", "3")]  # gap .05 < 1.96·√(2·.1²/3) ≈ .16: every configuration is within noise
+    assert wide["within noise"] == "6 of 6" and wide["optimal C [bootstrap]"] == "[0.1, 10]"
+    checks = html_table(page, "The paper finds the optimal C larger").set_index(["E", "quantity"])
+    said = checks["what the data says"]
+    assert said[("10", "C")].startswith("moves as the paper says") and said[("10", "B")] == said[("10", "C")]
+    assert said[("3", "C")] == said[("3", "B")] == "the intervals overlap: too wide to conclude"
+    assert said[("20", "C")].startswith("DISAGREES with the paper: it moves the other way")
+    assert said[("20", "B")].startswith("DISAGREES with the paper: every bootstrap round selected the same value")
+    assert checks.loc[("20", "C"), "optimal at smallest ε"] == "ε = 1: 0.1 [0.1, 0.1]"
+    text = html.unescape(page)
+    assert ("Of 6 comparisons: 2 agree with the paper beyond the noise, 2 disagree with it, and 2 are too wide to "
+            "conclude anything") in text
+    assert "Disagrees with the paper: 20newsgroups · minilm · head, E = 20: optimal C 0.1 at ε = 1 against 10 at ε = 8" \
+        in text
+    assert "Each configuration ran R = 3 times with fresh coins" in text
+    guideline = html_table(page, "Per cell: the best (C, B, η)").set_index(["ε", "E"])
+    assert guideline.loc[("8", "10"), "R"] == "3" and guideline.loc[("8", "10"), "within noise"] == "1 of 6"
+    assert guideline.loc[("8", "10"), "test %"] == "79.0"  # the mean over the best configuration's replicates
+
+
+def test_single_replicate_results_say_no_replicate_spread_exists(built: tuple[Path, str]) -> None:
+    _, page = built
+    assert "Each configuration ran once (R = 1): no replicate spread exists." in html.unescape(page)
+    best = html_table(page, "Best configuration per cell")
+    assert (best["R"] == "1").all() and best["within noise"].str.fullmatch(r"\d+ of \d+").all()

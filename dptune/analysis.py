@@ -849,7 +849,7 @@ def min_steps(results: Results) -> dict[str, int]:
 # Configurations, replicates and uncertainty
 # ---------------------------------------------------------------------------------------------
 
-def _z_quantile(confidence: float) -> float:
+def normal_quantile(confidence: float) -> float:
     """The two-sided standard normal quantile of ``confidence`` (1.96 at 0.95)."""
     return float(stats.norm.ppf(0.5 + confidence / 2))
 
@@ -926,7 +926,7 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
     table["rank"] = table.groupby(by, sort=False).cumcount() + 1
     best = table.groupby(by, sort=False)[["val_accuracy", "noise_se"]].transform("first")
     table["gap"] = best["val_accuracy"] - table["val_accuracy"]
-    table["noise_threshold"] = _z_quantile(confidence) * np.sqrt(best["noise_se"] ** 2 + table["noise_se"] ** 2)
+    table["noise_threshold"] = normal_quantile(confidence) * np.sqrt(best["noise_se"] ** 2 + table["noise_se"] ** 2)
     table["within_noise"] = table["gap"] <= table["noise_threshold"] + 1e-12
     return table.reset_index(drop=True)[columns]
 
@@ -948,7 +948,7 @@ def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows:
     with np.errstate(invalid="ignore", divide="ignore"):
         t = stats.t.ppf(0.5 + confidence / 2, np.maximum(r - 1, 1))
         replicated = t * std.to_numpy(dtype=float) / np.sqrt(r)
-        binomial = _z_quantile(confidence) * np.sqrt(p * (1 - p) / rows.to_numpy(dtype=float))
+        binomial = normal_quantile(confidence) * np.sqrt(p * (1 - p) / rows.to_numpy(dtype=float))
     half = np.where(r >= 2, replicated, binomial)
     return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0), half
 
@@ -1053,40 +1053,139 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
     return pd.DataFrame(rows, columns=columns)
 
 
-#: The paper's direction of the optimal C and B under tighter privacy (smaller ε): larger C, smaller B.
-PAPER_UNDER_TIGHTER_PRIVACY = {"C": "larger", "B": "smaller"}
+@dataclass(frozen=True)
+class PaperTrend:
+    """A direction the paper reports for the optimal C and B when one factor makes the problem harder."""
+
+    condition: str  # e.g. "tighter privacy"
+    factor: str  # the column that varies: its smallest value is the harder problem
+    within: tuple[str, ...]  # the columns held equal
+    moves: dict[str, str]  # quantity ("C" or "B") → "larger" or "smaller" on the harder side
+
+
+#: The paper's findings (Rehn et al., ICLR 2026; see BRIEF.md): tighter privacy → larger C and
+#: smaller B; fewer epochs → avoid large B.
+PAPER_TRENDS: tuple[PaperTrend, ...] = (
+    PaperTrend("tighter privacy", "epsilon", ("task", "epochs"), {"C": "larger", "B": "smaller"}),
+    PaperTrend("fewer epochs", "epochs", ("task", "epsilon"), {"B": "smaller"}),
+)
+_SETTING = {"epsilon": "ε", "epochs": "E"}
+_QUANTITIES = {"C": ("clip_bound", "clip"), "B": ("batch_size", "batch")}
 
 
 def paper_trend_checks(intervals: pd.DataFrame) -> pd.DataFrame:
-    """Per (task, E) with two or more ε in ``optimal_setting_intervals``: does the optimal C and B move
-    with tighter privacy the way the paper says (C larger, B smaller), beyond the noise?
+    """Does the optimal C and B of ``optimal_setting_intervals`` move the way the paper says, beyond the noise?
 
-    Compares the smallest against the largest ε. ``observed`` is the point estimates' direction
-    (larger/smaller/same at the smaller ε); ``verdict``: ``agrees`` or ``disagrees`` with ``paper``
-    when the two bootstrap intervals are disjoint; ``no change`` when both intervals are the one
-    same value (every round selected it at both ε: the data says it does not move, against the
-    paper, at the resolution of the values searched); else ``inconclusive`` (the intervals
-    overlap: the data cannot order them).
+    For each ``PAPER_TRENDS`` condition and each group of its ``within`` columns with two or more
+    values of its factor: the smallest value (``harder``, e.g. ε = 1) against the largest
+    (``easier``). ``observed`` is the point estimates' direction on the harder side
+    (larger/smaller/same); ``verdict``: ``agrees`` or ``disagrees`` with ``paper`` when the two
+    bootstrap intervals are disjoint; ``no change`` when both intervals are the one same value
+    (every round selected it on both sides: the data says it does not move, against the paper, at
+    the resolution of the values searched); else ``inconclusive`` (the intervals overlap: the
+    data cannot order them). ``group`` names the equal columns, e.g. ``E = 10``.
     """
-    columns = ["task", "epochs", "quantity", "tight_epsilon", "loose_epsilon", "tight_value", "loose_value",
-               "tight_low", "tight_high", "loose_low", "loose_high", "paper", "observed", "verdict"]
+    columns = ["condition", "task", "group", "quantity", "harder", "easier", "harder_value", "harder_low",
+               "harder_high", "easier_value", "easier_low", "easier_high", "paper", "observed", "verdict"]
     rows = []
-    for (task, n_epochs), group in intervals.groupby(["task", "epochs"], sort=True):
-        if group["epsilon"].nunique() < 2:
-            continue
-        ordered = group.sort_values("epsilon")
-        tight, loose = ordered.iloc[0], ordered.iloc[-1]
-        for quantity, value, prefix in (("C", "clip_bound", "clip"), ("B", "batch_size", "batch")):
-            overlap = tight[f"{prefix}_low"] <= loose[f"{prefix}_high"] and loose[f"{prefix}_low"] <= tight[f"{prefix}_high"]
-            observed = _direction(float(tight[value]), float(loose[value]))
-            paper = PAPER_UNDER_TIGHTER_PRIVACY[quantity]
-            fixed = len({tight[f"{prefix}_low"], tight[f"{prefix}_high"], loose[f"{prefix}_low"],
-                         loose[f"{prefix}_high"]}) == 1
-            verdict = ("no change" if fixed else "inconclusive" if overlap
-                       else "agrees" if observed == paper else "disagrees")
-            rows.append({"task": task, "epochs": n_epochs, "quantity": quantity, "tight_epsilon": tight["epsilon"],
-                         "loose_epsilon": loose["epsilon"], "tight_value": tight[value], "loose_value": loose[value],
-                         "tight_low": tight[f"{prefix}_low"], "tight_high": tight[f"{prefix}_high"],
-                         "loose_low": loose[f"{prefix}_low"], "loose_high": loose[f"{prefix}_high"],
-                         "paper": paper, "observed": observed, "verdict": verdict})
+    for trend in PAPER_TRENDS:
+        for key, group in intervals.groupby(list(trend.within), sort=True):
+            if group[trend.factor].nunique() < 2:
+                continue
+            ordered = group.sort_values(trend.factor)
+            harder, easier = ordered.iloc[0], ordered.iloc[-1]
+            held = ", ".join(f"{_SETTING[name]} = {value:g}" for name, value in zip(trend.within, key) if name != "task")
+            for quantity, paper in trend.moves.items():
+                value, prefix = _QUANTITIES[quantity]
+                ends = [harder[f"{prefix}_low"], harder[f"{prefix}_high"], easier[f"{prefix}_low"], easier[f"{prefix}_high"]]
+                overlap = ends[0] <= ends[3] and ends[2] <= ends[1]
+                observed = _direction(float(harder[value]), float(easier[value]))
+                verdict = ("no change" if len(set(ends)) == 1 else "inconclusive" if overlap
+                           else "agrees" if observed == paper else "disagrees")
+                rows.append({"condition": trend.condition, "task": harder["task"], "group": held, "quantity": quantity,
+                             "harder": f"{_SETTING[trend.factor]} = {harder[trend.factor]:g}",
+                             "easier": f"{_SETTING[trend.factor]} = {easier[trend.factor]:g}",
+                             "harder_value": harder[value], "harder_low": ends[0], "harder_high": ends[1],
+                             "easier_value": easier[value], "easier_low": ends[2], "easier_high": ends[3],
+                             "paper": paper, "observed": observed, "verdict": verdict})
     return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search efficiency against a replicated full grid
+# ---------------------------------------------------------------------------------------------
+
+def replicated_grid_cells(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL)) -> pd.DataFrame:
+    """The groups of ``by`` whose finished ``trials`` form a replicated full grid: every combination
+    of their distinct C, B and η₀ is a configuration, and every configuration has R ≥ 2 replicates.
+
+    Columns: ``by``, ``configurations`` and ``replicates`` (the smallest R of the cell).
+    """
+    by = list(by)
+    ranked = rank_configurations(trials, by)
+    rows = []
+    for key, cell in ranked.groupby(by, sort=True):
+        size = int(np.prod([cell[c].nunique() for c in ("clip_bound", "batch_size", "base_learning_rate")]))
+        if len(cell) == size >= 2 and (cell["replicates"] >= 2).all():
+            rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "configurations": len(cell),
+                         "replicates": int(cell["replicates"].min())})
+    return pd.DataFrame(rows, columns=[*by, "configurations", "replicates"])
+
+
+def search_efficiency(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), tolerance: float = NEAR_OPTIMAL,
+                      draw_orders: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """How many trials a random search needs to come within ``tolerance`` of a replicated full grid's best.
+
+    Per cell of ``replicated_grid_cells``: the grid's best is its best configuration on mean
+    validation accuracy (``rank_configurations``); the target is that configuration's mean test
+    accuracy over its replicates. A random search of k trials draws k distinct configurations
+    in a random order, sees one replicate of each (a random one: a single-seed run) and selects
+    the best validation score seen; it *comes within* the tolerance when the selected
+    configuration's mean test accuracy is ≥ target − ``tolerance`` (accuracy units). Over
+    ``draw_orders`` bootstrap draw orders (``seed`` fixes them), one row per (cell, k = 1..K):
+    ``within_share`` (the fraction of draw orders within the tolerance after k trials),
+    ``target_test_accuracy``, ``configurations`` K and ``replicates``.
+    """
+    if tolerance < 0:
+        raise AnalysisError(f"tolerance must be ≥ 0 (accuracy units), got {tolerance}")
+    if draw_orders < 1:
+        raise AnalysisError(f"draw_orders must be ≥ 1, got {draw_orders}")
+    by = list(by)
+    columns = [*by, "trials", "within_share", "target_test_accuracy", "configurations", "replicates"]
+    cells = replicated_grid_cells(trials, by)
+    rng = np.random.default_rng(seed)
+    ranked = rank_configurations(trials, by)
+    rows = []
+    for cell in cells.itertuples(index=False):
+        key = dict(zip(by, cell))
+        mine = ranked[(ranked[by] == pd.Series(key)).all(axis=1)].reset_index(drop=True)
+        runs = trials[(trials[by] == pd.Series(key)).all(axis=1)]
+        scores = runs.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))
+        replicate_scores = [scores[c] for c in mine["configuration_id"]]
+        quality = mine["test_accuracy"].to_numpy(dtype=float)
+        target = quality[0]  # rank 1: the grid's best on validation
+        count = len(mine)
+        order = np.argsort(rng.random((draw_orders, count)), axis=1)
+        seen = np.column_stack([s[rng.integers(0, s.size, size=draw_orders)] for s in replicate_scores])
+        seen = np.take_along_axis(seen, order, axis=1)
+        best_seen = np.full(draw_orders, -np.inf)
+        chosen = np.zeros(draw_orders, dtype=int)
+        for k in range(count):
+            better = seen[:, k] > best_seen  # ties keep the earlier draw
+            best_seen = np.where(better, seen[:, k], best_seen)
+            chosen = np.where(better, order[:, k], chosen)
+            rows.append({**key, "trials": k + 1,
+                         "within_share": float(np.mean(quality[chosen] >= target - tolerance - 1e-12)),
+                         "target_test_accuracy": target, "configurations": count, "replicates": cell.replicates})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def trials_needed(efficiency: pd.DataFrame, share: float, by: Sequence[str] = tuple(CELL)) -> pd.DataFrame:
+    """Per cell of ``search_efficiency``: the fewest trials k whose ``within_share`` reaches ``share``
+    (``trials_needed``; NaN when even the whole grid, K trials of one replicate each, does not reach
+    it: single-seed scores then mislead the selection too often)."""
+    by = list(by)
+    reached = efficiency[efficiency["within_share"] >= share - 1e-12]
+    first = reached.groupby(by)["trials"].min().rename("trials_needed")
+    cells = efficiency.groupby(by)[["configurations", "target_test_accuracy"]].first()
+    return cells.join(first).reset_index()

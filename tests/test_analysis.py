@@ -454,22 +454,28 @@ def test_single_replicate_bootstrap_resamples_the_validation_split(tmp_path: Pat
 
 
 def test_paper_trend_checks_need_disjoint_intervals() -> None:
-    def cell(epsilon: float, clip: tuple[float, float, float], batch: tuple[float, float, float]) -> dict:
-        return {"task": "t", "epochs": 10, "epsilon": epsilon, "clip_bound": clip[1], "clip_low": clip[0],
+    def cell(epsilon: float, epochs: int, clip: tuple[float, float, float], batch: tuple[int, int, int]) -> dict:
+        return {"task": "t", "epochs": epochs, "epsilon": epsilon, "clip_bound": clip[1], "clip_low": clip[0],
                 "clip_high": clip[2], "batch_size": batch[1], "batch_low": batch[0], "batch_high": batch[2]}
 
-    frame = pd.DataFrame([cell(1.0, (1.0, 2.0, 4.0), (64, 64, 64)), cell(8.0, (0.1, 0.2, 0.5), (64, 64, 64)),
-                          cell(4.0, (0.1, 0.1, 8.0), (16, 16, 16))])
-    checks = an.paper_trend_checks(frame).set_index("quantity")
-    assert checks.loc["C", "observed"] == "larger" and checks.loc["C", "verdict"] == "agrees"
-    assert checks.loc["B", "verdict"] == "no change" and checks.loc["B", "observed"] == "same"
-    flipped = frame.assign(clip_bound=[0.2, 2.0, 1.0], clip_low=[0.1, 1.0, 1.0], clip_high=[0.5, 4.0, 1.0],
-                           batch_size=[256, 64, 64], batch_low=[64, 64, 64], batch_high=[512, 64, 64])
-    checks = an.paper_trend_checks(flipped).set_index("quantity")
-    assert checks.loc["C", "verdict"] == "disagrees" and checks.loc["C", "observed"] == "smaller"
-    assert checks.loc["B", "verdict"] == "inconclusive" and checks.loc["B", "observed"] == "larger"
-    assert (checks["tight_epsilon"] == 1.0).all() and (checks["loose_epsilon"] == 8.0).all()
-    assert an.paper_trend_checks(frame[frame["epsilon"] == 1.0]).empty
+    frame = pd.DataFrame([cell(1.0, 10, (1.0, 2.0, 4.0), (64, 64, 64)), cell(8.0, 10, (0.1, 0.2, 0.5), (64, 64, 64)),
+                          cell(4.0, 10, (0.1, 0.1, 8.0), (16, 16, 16)), cell(1.0, 2, (1.0, 1.0, 1.0), (256, 256, 512))])
+    checks = an.paper_trend_checks(frame)
+    privacy = checks[checks["condition"] == "tighter privacy"].set_index("quantity")
+    assert privacy.loc["C", "observed"] == "larger" and privacy.loc["C", "verdict"] == "agrees"
+    assert privacy.loc["B", "verdict"] == "no change" and privacy.loc["B", "observed"] == "same"
+    assert (privacy["harder"] == "ε = 1").all() and (privacy["easier"] == "ε = 8").all()
+    assert (privacy["group"] == "E = 10").all() and len(privacy) == 2  # E = 2 has one ε: no comparison
+    (epochs,) = checks[checks["condition"] == "fewer epochs"].itertuples(index=False)  # ε = 1: E = 2 against E = 10
+    assert (epochs.quantity, epochs.harder, epochs.easier, epochs.group) == ("B", "E = 2", "E = 10", "ε = 1")
+    assert (epochs.observed, epochs.paper, epochs.verdict) == ("larger", "smaller", "disagrees")  # [256, 512] vs [64]
+    flipped = frame.assign(clip_bound=[0.2, 2.0, 1.0, 1.0], clip_low=[0.1, 1.0, 1.0, 1.0],
+                           clip_high=[0.5, 4.0, 1.0, 1.0], batch_size=[256, 64, 64, 64], batch_low=[64, 64, 64, 64],
+                           batch_high=[512, 64, 64, 64])
+    privacy = an.paper_trend_checks(flipped).set_index(["condition", "quantity"]).loc["tighter privacy"]
+    assert privacy.loc["C", "verdict"] == "disagrees" and privacy.loc["C", "observed"] == "smaller"
+    assert privacy.loc["B", "verdict"] == "inconclusive" and privacy.loc["B", "observed"] == "larger"
+    assert an.paper_trend_checks(frame[frame["epsilon"] == 4.0]).empty
 
 
 def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> None:
@@ -482,3 +488,28 @@ def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> N
     assert table.loc["eps=8|epochs=10", ["replicates", "within_noise", "configurations"]].tolist() == [2, 2, 2]
     assert table.loc["eps=1|epochs=10", "configurations"] == 1
     assert {"epsilon", "epochs", "learning_rate", "base_learning_rate", "test_low", "test_high"} <= set(table.columns)
+
+
+def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: Path) -> None:
+    clear = [Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)), Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7))]
+    # one replicate of the best scores .60: a single-seed search then prefers the worse configuration
+    misleading = [Replicated(1.0, 64, 1e-3, (0.60, 1.00), (0.80, 0.80)),
+                  Replicated(10.0, 64, 1e-3, (0.75, 0.75), (0.70, 0.70))]
+    unreplicated = [Replicated(1.0, 64, 1e-3, (0.8,), (0.8,)), Replicated(10.0, 64, 1e-3, (0.7,), (0.7,))]
+    partial = [Replicated(1.0, 64, 1e-3, (0.8, 0.8), (0.8, 0.8)), Replicated(10.0, 1024, 1e-3, (0.7, 0.7), (0.7, 0.7))]
+    results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: misleading, (8.0, 3): unreplicated,
+                                     (1.0, 3): partial})  # the last two are no replicated full grid
+    cells = an.replicated_grid_cells(results.tuned)
+    assert sorted(zip(cells["epsilon"], cells["epochs"])) == [(1.0, 10), (8.0, 10)]
+    assert (cells["configurations"] == 2).all() and (cells["replicates"] == 2).all()
+    curves = an.search_efficiency(results.tuned, draw_orders=4000).set_index(["epsilon", "trials"])
+    assert curves.loc[(8.0, 1), "within_share"] == pytest.approx(0.5, abs=0.03)  # the best drawn first
+    assert curves.loc[(8.0, 2), "within_share"] == 1.0 and curves.loc[(8.0, 2), "target_test_accuracy"] == 0.8
+    # one draw: the best is chosen when drawn first (½); after both, only when its good replicate was seen (½)
+    assert curves.loc[(1.0, 1), "within_share"] == pytest.approx(0.5, abs=0.03)
+    assert curves.loc[(1.0, 2), "within_share"] == pytest.approx(0.5, abs=0.03)
+    needed = an.trials_needed(curves.reset_index(), 0.9).set_index("epsilon")
+    assert needed.loc[8.0, "trials_needed"] == 2 and np.isnan(needed.loc[1.0, "trials_needed"])
+    assert an.trials_needed(curves.reset_index(), 0.4).set_index("epsilon")["trials_needed"].tolist() == [1, 1]
+    with pytest.raises(an.AnalysisError, match="tolerance must be ≥ 0"):
+        an.search_efficiency(results.tuned, tolerance=-0.01)

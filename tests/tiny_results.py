@@ -15,7 +15,11 @@ privacy (paper Fig. 3); class accuracy follows the retention weight w_y(C) (Eq. 
 signal-to-noise term B·√T/(σ·C); σ comes from the small-q Gaussian approximation
 σ ≈ q·√(2T·ln(1.25/δ))/ε (fixture only: a real search records PRV-calibrated σ); configurations
 with T < min_steps are recorded as ``pruned_min_steps``; one trial diverged, one failed and
-one was stopped early.
+one was stopped early. Every configuration runs once (R = 1).
+
+``write_replicated_search`` writes a search with replicates (records schema 3: R trials per
+configuration sharing a ``configuration_id``) whose accuracies are given outright, for tests
+that check the replicate statistics against hand computations.
 """
 
 from __future__ import annotations

@@ -18,6 +18,15 @@ Conventions (the report states them too):
 - Selection is on validation accuracy, never test: the best trial of a group has the highest
   ``val_accuracy``; ties go to the lower final ``train_loss``, then to the smaller trial id.
   Reported accuracies are the selected trial's test accuracy.
+- A *configuration* is one (C, B, η₀) of a cell, run R ≥ 1 times with fresh coins (replicates,
+  records schema 3; older trials are each their own configuration). Views that pick a best
+  setting (heatmaps, Fig. 2, AUTO-S, the batch-size rule, the guideline table, difficulty)
+  rank configurations by mean validation accuracy over replicates (``rank_configurations``) and
+  report their mean accuracies; with R = 1 this is the best-trial rule above. Views of one
+  trial's probe (diagnostics, gradient norms, strata reference) keep the best trial.
+  Uncertainty (intervals, the set within noise of the best, bootstrap intervals of the optimal
+  C and B) is defined in ``rank_configurations``, ``best_configurations`` and
+  ``optimal_setting_intervals``.
 - Accuracies are fractions in [0, 1]; ``near_optimal`` and losses are in the same units
   (0.01 = one percentage point).
 - Class accuracy of a stratum is the unweighted mean of its classes' test accuracies.
@@ -39,6 +48,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.fs as pafs
 import yaml
+from scipy import stats
 
 from dptune.errors import DptuneError
 from dptune.plan import DEFAULT_MIN_STEPS, DEFAULT_TOLERANCE, recommended_batch_size
@@ -61,6 +71,8 @@ BINS_PER_DECADE = 4
 PLATEAU_TOLERANCE = DEFAULT_TOLERANCE
 #: Default tolerance of "near-optimal" (accuracy units: 0.01 = one percentage point).
 NEAR_OPTIMAL = 0.01
+#: Two-sided confidence of the intervals and of the within-noise rule of configurations.
+CONFIDENCE = 0.95
 
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
@@ -282,12 +294,13 @@ def privacy_statements(results: Results) -> list[str]:
 def task_difficulty(results: Results) -> pd.DataFrame:
     """Tasks ranked from easiest (rank 1) to hardest by best validation accuracy.
 
-    Difficulty is measured by the mean over cells of the best (tuned-C) validation accuracy,
+    Difficulty is measured by the mean over cells of the best (tuned-C) mean validation accuracy
+    of a configuration over its replicates,
     over the (ε, E) pairs every task has when there are such shared pairs, else over each
     task's own cells. ``median_grad_norm`` is the median probe ‖g_i‖ of the best diagnosed
     trials (last diagnostic epoch), the quantity difficulty moves (paper §4).
     """
-    best = select_best(results.tuned, CELL)
+    best = best_configurations(results.tuned)
     if best.empty:
         return pd.DataFrame(columns=["rank", "task", "cells", "mean_best_val_accuracy", "median_grad_norm"])
     budgets = best.groupby("task")[["epsilon", "epochs"]].apply(lambda f: set(map(tuple, f.to_numpy())))
@@ -385,19 +398,24 @@ def with_strata(trials: pd.DataFrame, accuracy: pd.DataFrame) -> pd.DataFrame:
 # Section 1 and 2: accuracy over (C, B), optimal C and B
 # ---------------------------------------------------------------------------------------------
 
-def accuracy_grid(results: Results) -> pd.DataFrame:
-    """Paper Fig. 1: per cell and (C, B) bin, the best trial over η (and any other option).
+def accuracy_grid(results: Results, accuracy: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Paper Fig. 1: per cell and (C, B) bin, the best configuration over η (and any other option).
 
-    One row per (task, ε, E, clip_bin, batch_bin) with the selected trial's ``val_accuracy``,
-    ``test_accuracy``, ``train_loss``, ``learning_rate``, ``trial_id`` and ``trials`` (finished
-    trials in the bin).
+    One row per (task, ε, E, clip_bin, batch_bin) with the selected configuration's (best mean
+    validation accuracy over its replicates, ``rank_configurations``) mean ``val_accuracy``,
+    ``test_accuracy``, ``train_loss``, its ``learning_rate``, ``replicates``, ``search_id``/``trial_id``
+    of its first replicate and ``trials`` (finished trials in the bin). With ``accuracy``
+    (``stratum_accuracy``), also the mean ``easy``/``hard`` class accuracies over its replicates.
     """
     tuned = results.tuned
     keys = [*CELL, "clip_bin", "batch_bin"]
-    best = select_best(tuned, keys)
+    means = list(STRATA) if accuracy is not None else []
+    best = rank_configurations(with_strata(tuned, accuracy) if means else tuned, keys, means=means)
+    best = best[best["rank"] == 1]
     counts = tuned.groupby(keys).size().rename("trials").reset_index()
     return best.merge(counts, on=keys)[[*keys, "val_accuracy", "test_accuracy", "train_loss", "learning_rate",
-                                        "base_learning_rate", "search_id", "trial_id", "trials"]]
+                                        "base_learning_rate", "replicates", *means, "search_id", "trial_id",
+                                        "trials"]].reset_index(drop=True)
 
 
 def unfinished_bins(results: Results) -> pd.DataFrame:
@@ -529,12 +547,13 @@ def retention_curves(results: Results, strata: pd.DataFrame,
 
 
 def stratum_accuracy_by_clip(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
-    """Class accuracy per stratum against C: per (cell, clip_bin) the best trial over B and η.
+    """Class accuracy per stratum against C: per (cell, clip_bin) the best configuration over B and η.
 
-    Columns: task, ε, E, clip_bin, trial_id, test_accuracy, easy, hard.
+    Columns: task, ε, E, clip_bin, trial_id (its first replicate), test_accuracy, easy, hard
+    (means over its replicates).
     """
-    best = select_best(results.tuned, [*CELL, "clip_bin"])
-    table = with_strata(best, stratum_accuracy(results, strata))
+    trials = with_strata(results.tuned, stratum_accuracy(results, strata))
+    table = best_configurations(trials, [*CELL, "clip_bin"], means=STRATA)
     return table[[*CELL, "clip_bin", "trial_id", "test_accuracy", *STRATA]]
 
 
@@ -543,16 +562,17 @@ def stratum_accuracy_by_clip(results: Results, strata: pd.DataFrame) -> pd.DataF
 # ---------------------------------------------------------------------------------------------
 
 def auto_s_comparison(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
-    """Paper Fig. 5: per cell with AUTO-S trials, the best tuned-C and the best AUTO-S trial.
+    """Paper Fig. 5: per cell with AUTO-S trials, the best tuned-C and the best AUTO-S configuration.
 
-    Columns ``tuned_*`` and ``auto_s_*`` for test accuracy, easy and hard class accuracy;
+    Columns ``tuned_*`` and ``auto_s_*`` for test accuracy, easy and hard class accuracy (means
+    over the configuration's replicates) and ``trial_id`` (its first replicate);
     ``gap`` = tuned − AUTO-S test accuracy (positive: tuning C helps).
     """
     accuracy = stratum_accuracy(results, strata)
     measures = ["test_accuracy", *STRATA, "trial_id"]
     parts = []
     for name, trials in (("tuned", results.tuned), ("auto_s", results.auto_s)):
-        best = with_strata(select_best(trials, CELL), accuracy)
+        best = best_configurations(with_strata(trials, accuracy), CELL, means=STRATA)
         parts.append(best[[*CELL, *measures]].rename(columns={m: f"{name}_{m}" for m in measures}))
     table = parts[0].merge(parts[1], on=CELL, how="inner")
     table["gap"] = table["tuned_test_accuracy"] - table["auto_s_test_accuracy"]
@@ -570,8 +590,8 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     (cell, B) shares them; configurations pruned by the min-step rule carry T but no σ);
     ``cumulative_noise`` = σ√T (the paper's quantity), ``per_step_noise`` = σ/B (the old per-step
     rule's noise std of the mean gradient, in units of C). ``test_accuracy``/``val_accuracy``
-    are those of the best tuned trial at that B (over C and η, selected on validation);
-    ``measured_best`` marks the B of the cell's best trial. ``largest_feasible_batch_size`` is the
+    are the means of the best tuned configuration at that B (over C and η, selected on mean
+    validation accuracy); ``measured_best`` marks the B of the cell's best configuration. ``largest_feasible_batch_size`` is the
     largest B of the cell with T ≥ T_min (``min_steps``), and ``recommended_batch_size`` the B
     that ``dptune.plan.recommended_batch_size`` picks from these σ√T with ``PLATEAU_TOLERANCE``:
     among the B the search evaluated, with recorded σ (NaN where T_min is unknown).
@@ -592,9 +612,9 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     table["pruned"] = table.pop("pruned_trials").fillna(0) > 0
     table["cumulative_noise"] = table["noise_multiplier"] * np.sqrt(table["steps"])
     table["per_step_noise"] = table["noise_multiplier"] / table["batch_size"]
-    best = select_best(results.tuned, keys)[[*keys, "val_accuracy", "test_accuracy", "trial_id"]]
+    best = best_configurations(results.tuned, keys)[[*keys, "val_accuracy", "test_accuracy", "trial_id"]]
     table = table.merge(best, on=keys, how="left")
-    winner = select_best(results.tuned, CELL)[[*CELL, "batch_size"]].rename(columns={"batch_size": "best_b"})
+    winner = best_configurations(results.tuned)[[*CELL, "batch_size"]].rename(columns={"batch_size": "best_b"})
     table = table.merge(winner, on=CELL, how="left")
     table["measured_best"] = table.pop("best_b") == table["batch_size"]
     bounds = min_steps(results)
@@ -723,26 +743,29 @@ def fixed_setting(grid: pd.DataFrame) -> FixedSetting | None:
 def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFrame, FixedSetting | None]:
     """Paper Table 1 from these results: per cell the best (C, B, η) and the cost of a fixed (C, B).
 
-    Per cell (task, ε, E): the best tuned trial on validation — ``clip_bound``, ``batch_size``,
-    ``learning_rate`` (η used), ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``,
-    ``val_accuracy``, ``test_accuracy``, ``easy``/``hard`` class accuracy — then the trial at
-    the ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the
-    losses ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class
-    accuracy (NaN without a fixed setting).
+    Per cell (task, ε, E): the best tuned configuration on mean validation accuracy
+    (``best_configurations``) — ``clip_bound``, ``batch_size``, ``learning_rate`` (η used),
+    ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``, ``replicates``, mean ``val_accuracy``
+    and ``test_accuracy`` with ``test_low``/``test_high`` (its interval), ``within_noise`` of
+    ``configurations``, mean ``easy``/``hard`` class accuracy — then the configuration at the
+    ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the losses
+    ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class accuracy (NaN
+    without a fixed setting). With one replicate per configuration these are the best trials.
     """
     accuracy = stratum_accuracy(results, strata)
-    best = with_strata(select_best(results.tuned, CELL), accuracy)
+    best = best_configurations(with_strata(results.tuned, accuracy), CELL, means=STRATA)
     columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping",
-               "optimizer", "val_accuracy", "test_accuracy", *STRATA, "search_id", "trial_id"]
+               "optimizer", "replicates", "val_accuracy", "test_accuracy", "test_low", "test_high", "within_noise",
+               "configurations", *STRATA, "search_id", "trial_id"]
     table = best[columns].copy()
-    grid = accuracy_grid(results)
+    grid = accuracy_grid(results, accuracy)
     setting = fixed_setting(grid)
     if setting is None:
         for name in ("fixed_test_accuracy", "fixed_hard", "loss", "hard_loss"):
             table[name] = np.nan
         return table, None
     fixed = grid[(grid["clip_bin"] == setting.clip_bin) & (grid["batch_bin"] == setting.batch_bin)]
-    fixed = with_strata(fixed, accuracy)[[*CELL, "test_accuracy", HARD]]
+    fixed = fixed[[*CELL, "test_accuracy", HARD]]
     table = table.merge(fixed.rename(columns={"test_accuracy": "fixed_test_accuracy", HARD: "fixed_hard"}),
                         on=CELL, how="left")
     table["loss"] = table["test_accuracy"] - table["fixed_test_accuracy"]
@@ -820,3 +843,349 @@ def min_steps(results: Results) -> dict[str, int]:
         for task in results.trials.loc[results.trials["search_id"] == search_id, "task"].unique():
             bounds[task] = min(bounds.get(task, bound), bound)
     return bounds
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations, replicates and uncertainty
+# ---------------------------------------------------------------------------------------------
+
+def normal_quantile(confidence: float) -> float:
+    """The two-sided standard normal quantile of ``confidence`` (1.96 at 0.95)."""
+    return float(stats.norm.ppf(0.5 + confidence / 2))
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise AnalysisError(f"confidence must lie strictly between 0 and 1 (e.g. 0.95), got {confidence}")
+
+
+def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
+                        means: Sequence[str] = ()) -> pd.DataFrame:
+    """One row per configuration of finished ``trials``, ranked within each group of ``by``.
+
+    A configuration is ``[*by, "configuration_id"]``: the replicates (fresh-coin runs) of one
+    sampled (C, B, η₀) of a cell. ``configuration_id`` is content-based (cell key and a digest of
+    the parameters), so replicates recorded by a resumed or repeated search pool into one
+    configuration; trials of datasets before schema 3 are each their own configuration (R = 1).
+
+    Columns: ``by``, ``configuration_id``, the parameters of its first replicate (``clip_bound``,
+    ``batch_size``, ``learning_rate``, ``base_learning_rate``, ``clipping``, ``optimizer``,
+    ``clip_bin``/``batch_bin`` where present, ``search_id``/``trial_id`` of replicate 0 or the
+    lowest recorded), ``replicates`` R; ``val_accuracy``, ``test_accuracy``, ``train_loss``: means
+    over the replicates; ``val_std``/``test_std``: sample standard deviations (ddof 1, NaN at
+    R = 1); ``val_se``/``test_se`` = std/√R; ``num_val``/``num_test``: split sizes (rows); each
+    column of ``means`` (e.g. the ``easy``/``hard`` class accuracies): its mean over the replicates.
+
+    Ranking (``rank``, 1 = best in its group): mean validation accuracy, ties to the lower mean
+    train loss, then the smaller ``configuration_id``. Never test accuracy.
+
+    Within noise of the best (``within_noise``): configuration k is indistinguishable from the
+    group's best b when val_b − val_k ≤ z·√(se_b² + se_k²) (z = 1.96 at ``confidence`` 0.95;
+    ``gap`` and ``noise_threshold`` hold both sides), where ``noise_se`` is
+    - with R ≥ 2 replicates: the replicate standard error val_std/√R — the spread of the
+      training coins, the noise that selection can average away. The validation split's own
+      sampling noise is left out: every configuration is scored on the same rows, so it moves
+      all of them together and mostly cancels in a comparison;
+    - with R = 1 (no replicate spread exists): the binomial standard error of one score on the
+      validation split, √(p(1 − p)/n_val), as a floor — the only noise scale a single run has, the
+      selection noise of a finite split (1.2 points at n_val = 1,129, p = 0.75); 0 when n_val is
+      not recorded (then only exact ties are within noise).
+    The best is within noise of itself.
+    """
+    _check_confidence(confidence)
+    by = list(by)
+    key = [*by, "configuration_id"]
+    if "configuration_id" not in trials:  # a frame built without the schema-3 keys: trials are configurations
+        trials = trials.assign(configuration_id=trials["trial_id"], replicate=0)
+    params = [c for c in ("clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "optimizer",
+                          "clip_bin", "batch_bin", "epsilon", "epochs", "task", "cell_id", "search_id", "trial_id")
+              if c in trials and c not in key]
+    columns = [*key, *params, "replicates", "val_accuracy", "val_std", "val_se", "test_accuracy", "test_std",
+               "test_se", "train_loss", "num_val", "num_test", *means, "noise_se", "rank", "gap", "noise_threshold",
+               "within_noise"]
+    if trials.empty:
+        return _empty_with(trials[[*key, *params]], columns)
+    ordered = trials.sort_values(["replicate", "search_id", "trial_id"], kind="mergesort")
+    groups = ordered.groupby(key, sort=False, dropna=False)
+    table = groups[params].first()
+    table["replicates"] = groups.size()
+    for measure in ("val_accuracy", "test_accuracy"):
+        prefix = measure.split("_")[0]
+        table[measure] = groups[measure].mean()
+        table[f"{prefix}_std"] = groups[measure].std(ddof=1)
+        table[f"{prefix}_se"] = table[f"{prefix}_std"] / np.sqrt(table["replicates"])
+    for column in ("train_loss", *means):
+        table[column] = groups[column].mean()
+    table["num_val"] = groups["num_val"].median()
+    table["num_test"] = groups["num_test"].median()
+    table = table.reset_index()
+    binomial = np.sqrt(table["val_accuracy"] * (1 - table["val_accuracy"]) / table["num_val"]).fillna(0.0)
+    table["noise_se"] = np.where(table["replicates"] >= 2, table["val_se"], binomial)
+    table = table.sort_values([*by, "val_accuracy", "train_loss", "configuration_id"],
+                              ascending=[True] * len(by) + [False, True, True], na_position="last", kind="mergesort")
+    table["rank"] = table.groupby(by, sort=False).cumcount() + 1
+    best = table.groupby(by, sort=False)[["val_accuracy", "noise_se"]].transform("first")
+    table["gap"] = best["val_accuracy"] - table["val_accuracy"]
+    table["noise_threshold"] = normal_quantile(confidence) * np.sqrt(best["noise_se"] ** 2 + table["noise_se"] ** 2)
+    table["within_noise"] = table["gap"] <= table["noise_threshold"] + 1e-12
+    return table.reset_index(drop=True)[columns]
+
+
+def _empty_with(frame: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """No rows; ``frame``'s columns keep their dtypes (so merges on them work), the others are float."""
+    empty = frame.iloc[0:0].copy()
+    for column in columns:
+        if column not in empty:
+            empty[column] = pd.Series(dtype=float)
+    return empty[list(columns)]
+
+
+def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series,
+                   confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(low, high, half-width) of the interval of a mean accuracy (see ``best_configurations``)."""
+    r = replicates.to_numpy(dtype=float)
+    p = mean.to_numpy(dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t = stats.t.ppf(0.5 + confidence / 2, np.maximum(r - 1, 1))
+        replicated = t * std.to_numpy(dtype=float) / np.sqrt(r)
+        binomial = normal_quantile(confidence) * np.sqrt(p * (1 - p) / rows.to_numpy(dtype=float))
+    half = np.where(r >= 2, replicated, binomial)
+    return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0), half
+
+
+def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
+                        means: Sequence[str] = ()) -> pd.DataFrame:
+    """The best configuration of each group of ``by`` (``rank_configurations``'s rank 1), with intervals.
+
+    Columns of ``rank_configurations`` for the best, plus ``val_low``/``val_high`` and
+    ``test_low``/``test_high``: the ``confidence`` interval of its mean accuracy, and
+    ``interval_source``:
+    - ``"replicates"`` (R ≥ 2): Student t over the replicates, mean ± t_{R−1}·std/√R — what a
+      rerun of the configuration with fresh coins scores on the same splits;
+    - ``"binomial"`` (R = 1, no replicate spread exists): mean ± z·√(p(1 − p)/n), the sampling
+      noise of one score on the n-row split; the training coins' spread is not measured.
+    Both are clipped to [0, 1] (NaN where a split size is unrecorded). ``configurations``: how
+    many the group ranked; ``within_noise``: how many are within noise of the best (≥ 1);
+    ``clip_low``/``clip_high``, ``batch_low``/``batch_high``: the extreme C and B of that set.
+    """
+    ranked = rank_configurations(trials, by, confidence, means)
+    by = list(by)
+    extra = ["val_low", "val_high", "test_low", "test_high", "interval_source", "configurations", "within_noise",
+             "clip_low", "clip_high", "batch_low", "batch_high"]
+    if ranked.empty:
+        return _empty_with(ranked.drop(columns="within_noise"), [*ranked.columns.drop("within_noise"), *extra])
+    near = ranked[ranked["within_noise"]]
+    spread = near.groupby(by).agg(within_noise=("configuration_id", "size"), clip_low=("clip_bound", "min"),
+                                  clip_high=("clip_bound", "max"), batch_low=("batch_size", "min"),
+                                  batch_high=("batch_size", "max"))
+    spread["configurations"] = ranked.groupby(by).size()
+    best = ranked[ranked["rank"] == 1].drop(columns="within_noise").merge(spread.reset_index(), on=by)
+    for measure, rows in (("val", "num_val"), ("test", "num_test")):
+        best[f"{measure}_low"], best[f"{measure}_high"], _ = _mean_interval(
+            best[f"{measure}_accuracy"], best[f"{measure}_std"], best["replicates"], best[rows], confidence)
+    best["interval_source"] = np.where(best["replicates"] >= 2, "replicates", "binomial")
+    return best.sort_values(by).reset_index(drop=True)[[*[c for c in ranked.columns if c != "within_noise"], *extra]]
+
+
+def _resampled_scores(group: pd.DataFrame, ranked: pd.DataFrame, resamples: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """(resamples, K) bootstrap mean validation accuracies of the K configurations of ``ranked``."""
+    columns = []
+    values = group.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))
+    for row in ranked.itertuples(index=False):
+        own = values[row.configuration_id]
+        if own.size >= 2:
+            columns.append(own[rng.integers(0, own.size, size=(resamples, own.size))].mean(axis=1))
+        elif np.isfinite(row.num_val) and row.num_val > 0:
+            columns.append(rng.binomial(int(row.num_val), float(np.clip(own[0], 0, 1)), size=resamples) / row.num_val)
+        else:
+            columns.append(np.full(resamples, own[0]))
+    return np.column_stack(columns)
+
+
+def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), resamples: int = 1000,
+                              confidence: float = CONFIDENCE, seed: int = 0) -> pd.DataFrame:
+    """Paper Fig. 2 with uncertainty: bootstrap intervals of the optimal C and B of each group of ``by``.
+
+    Each of ``resamples`` rounds redraws every configuration's validation score and selects the
+    best on validation again (never test): a configuration with R ≥ 2 replicates gets the mean of
+    R replicates drawn with replacement; one with R = 1 a binomial draw Bin(n_val, p)/n_val of its
+    validation split's sampling noise (a constant when n_val is unrecorded). Ties go to the
+    better-ranked configuration (``rank_configurations``). ``clip_low``/``clip_high`` and
+    ``batch_low``/``batch_high`` are the percentile interval at ``confidence`` of the selected C and
+    B (inverted-CDF percentiles: the ends are values some round selected; percentiles commute with
+    the logarithm, so this is also the percentile interval on a log axis); ``clip_bound``/``batch_size`` are the point estimate (the
+    best configuration); ``selected_share`` is the fraction of rounds that selected it and
+    ``clip_share``/``batch_share`` those that selected its C / its B. ``source`` says which noise
+    was resampled: ``replicates``, ``binomial`` or ``mixed``. ``seed`` fixes the bootstrap draws.
+    """
+    _check_confidence(confidence)
+    if resamples < 1:
+        raise AnalysisError(f"resamples must be ≥ 1, got {resamples}")
+    by = list(by)
+    columns = [*by, "clip_bound", "batch_size", "configurations", "replicates", "clip_low", "clip_high",
+               "batch_low", "batch_high", "selected_share", "clip_share", "batch_share", "resamples", "source"]
+    ranked = rank_configurations(trials, by, confidence)
+    if ranked.empty:
+        return pd.DataFrame(columns=columns)
+    rng = np.random.default_rng(seed)
+    tail = (1 - confidence) / 2
+    rows = []
+    for key, cell in ranked.groupby(by, sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        mask = np.ones(len(trials), dtype=bool)
+        for name, value in zip(by, key):
+            mask &= (trials[name] == value).to_numpy()
+        chosen = _resampled_scores(trials[mask], cell, resamples, rng).argmax(axis=1)
+        clips, batches = cell["clip_bound"].to_numpy(dtype=float), cell["batch_size"].to_numpy(dtype=float)
+        best = cell.iloc[0]
+        replicated = cell["replicates"] >= 2
+        interval = {}
+        for name, picked in (("clip", clips[chosen]), ("batch", batches[chosen])):
+            low, high = np.quantile(picked, [tail, 1 - tail], method="inverted_cdf")
+            interval[f"{name}_low"], interval[f"{name}_high"] = float(low), float(high)
+        rows.append({**dict(zip(by, key)), "clip_bound": best["clip_bound"], "batch_size": best["batch_size"],
+                     "configurations": len(cell), "replicates": int(best["replicates"]), **interval,
+                     "selected_share": float(np.mean(chosen == 0)),
+                     "clip_share": float(np.mean(clips[chosen] == best["clip_bound"])),
+                     "batch_share": float(np.mean(batches[chosen] == best["batch_size"])), "resamples": resamples,
+                     "source": "replicates" if replicated.all() else "binomial" if not replicated.any() else "mixed"})
+    return pd.DataFrame(rows, columns=columns)
+
+
+@dataclass(frozen=True)
+class PaperTrend:
+    """A direction the paper reports for the optimal C and B when one factor makes the problem harder."""
+
+    condition: str  # e.g. "tighter privacy"
+    factor: str  # the column that varies: its smallest value is the harder problem
+    within: tuple[str, ...]  # the columns held equal
+    moves: dict[str, str]  # quantity ("C" or "B") → "larger" or "smaller" on the harder side
+
+
+#: The paper's findings (Rehn et al., ICLR 2026; see BRIEF.md): tighter privacy → larger C and
+#: smaller B; fewer epochs → avoid large B.
+PAPER_TRENDS: tuple[PaperTrend, ...] = (
+    PaperTrend("tighter privacy", "epsilon", ("task", "epochs"), {"C": "larger", "B": "smaller"}),
+    PaperTrend("fewer epochs", "epochs", ("task", "epsilon"), {"B": "smaller"}),
+)
+_SETTING = {"epsilon": "ε", "epochs": "E"}
+_QUANTITIES = {"C": ("clip_bound", "clip"), "B": ("batch_size", "batch")}
+
+
+def paper_trend_checks(intervals: pd.DataFrame) -> pd.DataFrame:
+    """Does the optimal C and B of ``optimal_setting_intervals`` move the way the paper says, beyond the noise?
+
+    For each ``PAPER_TRENDS`` condition and each group of its ``within`` columns with two or more
+    values of its factor: the smallest value (``harder``, e.g. ε = 1) against the largest
+    (``easier``). ``observed`` is the point estimates' direction on the harder side
+    (larger/smaller/same); ``verdict``: ``agrees`` or ``disagrees`` with ``paper`` when the two
+    bootstrap intervals are disjoint; ``no change`` when both intervals are the one same value
+    (every round selected it on both sides: the data says it does not move, against the paper, at
+    the resolution of the values searched); else ``inconclusive`` (the intervals overlap: the
+    data cannot order them). ``group`` names the equal columns, e.g. ``E = 10``.
+    """
+    columns = ["condition", "task", "group", "quantity", "harder", "easier", "harder_value", "harder_low",
+               "harder_high", "easier_value", "easier_low", "easier_high", "paper", "observed", "verdict"]
+    rows = []
+    for trend in PAPER_TRENDS:
+        for key, group in intervals.groupby(list(trend.within), sort=True):
+            if group[trend.factor].nunique() < 2:
+                continue
+            ordered = group.sort_values(trend.factor)
+            harder, easier = ordered.iloc[0], ordered.iloc[-1]
+            held = ", ".join(f"{_SETTING[name]} = {value:g}" for name, value in zip(trend.within, key) if name != "task")
+            for quantity, paper in trend.moves.items():
+                value, prefix = _QUANTITIES[quantity]
+                ends = [harder[f"{prefix}_low"], harder[f"{prefix}_high"], easier[f"{prefix}_low"], easier[f"{prefix}_high"]]
+                overlap = ends[0] <= ends[3] and ends[2] <= ends[1]
+                observed = _direction(float(harder[value]), float(easier[value]))
+                verdict = ("no change" if len(set(ends)) == 1 else "inconclusive" if overlap
+                           else "agrees" if observed == paper else "disagrees")
+                rows.append({"condition": trend.condition, "task": harder["task"], "group": held, "quantity": quantity,
+                             "harder": f"{_SETTING[trend.factor]} = {harder[trend.factor]:g}",
+                             "easier": f"{_SETTING[trend.factor]} = {easier[trend.factor]:g}",
+                             "harder_value": harder[value], "harder_low": ends[0], "harder_high": ends[1],
+                             "easier_value": easier[value], "easier_low": ends[2], "easier_high": ends[3],
+                             "paper": paper, "observed": observed, "verdict": verdict})
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search efficiency against a replicated full grid
+# ---------------------------------------------------------------------------------------------
+
+def replicated_grid_cells(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL)) -> pd.DataFrame:
+    """The groups of ``by`` whose finished ``trials`` form a replicated full grid: every combination
+    of their distinct C, B and η₀ is a configuration, and every configuration has R ≥ 2 replicates.
+
+    Columns: ``by``, ``configurations`` and ``replicates`` (the smallest R of the cell).
+    """
+    by = list(by)
+    ranked = rank_configurations(trials, by)
+    rows = []
+    for key, cell in ranked.groupby(by, sort=True):
+        size = int(np.prod([cell[c].nunique() for c in ("clip_bound", "batch_size", "base_learning_rate")]))
+        if len(cell) == size >= 2 and (cell["replicates"] >= 2).all():
+            rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "configurations": len(cell),
+                         "replicates": int(cell["replicates"].min())})
+    return pd.DataFrame(rows, columns=[*by, "configurations", "replicates"])
+
+
+def search_efficiency(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), tolerance: float = NEAR_OPTIMAL,
+                      draw_orders: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """How many trials a random search needs to come within ``tolerance`` of a replicated full grid's best.
+
+    Per cell of ``replicated_grid_cells``: the grid's best is its best configuration on mean
+    validation accuracy (``rank_configurations``); the target is that configuration's mean test
+    accuracy over its replicates. A random search of k trials draws k distinct configurations
+    in a random order, sees one replicate of each (a random one: a single-seed run) and selects
+    the best validation score seen; it *comes within* the tolerance when the selected
+    configuration's mean test accuracy is ≥ target − ``tolerance`` (accuracy units). Over
+    ``draw_orders`` bootstrap draw orders (``seed`` fixes them), one row per (cell, k = 1..K):
+    ``within_share`` (the fraction of draw orders within the tolerance after k trials),
+    ``target_test_accuracy``, ``configurations`` K and ``replicates``.
+    """
+    if tolerance < 0:
+        raise AnalysisError(f"tolerance must be ≥ 0 (accuracy units), got {tolerance}")
+    if draw_orders < 1:
+        raise AnalysisError(f"draw_orders must be ≥ 1, got {draw_orders}")
+    by = list(by)
+    columns = [*by, "trials", "within_share", "target_test_accuracy", "configurations", "replicates"]
+    cells = replicated_grid_cells(trials, by)
+    rng = np.random.default_rng(seed)
+    ranked = rank_configurations(trials, by)
+    rows = []
+    for cell in cells.itertuples(index=False):
+        key = dict(zip(by, cell))
+        mine = ranked[(ranked[by] == pd.Series(key)).all(axis=1)].reset_index(drop=True)
+        runs = trials[(trials[by] == pd.Series(key)).all(axis=1)]
+        scores = runs.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))
+        replicate_scores = [scores[c] for c in mine["configuration_id"]]
+        quality = mine["test_accuracy"].to_numpy(dtype=float)
+        target = quality[0]  # rank 1: the grid's best on validation
+        count = len(mine)
+        order = np.argsort(rng.random((draw_orders, count)), axis=1)
+        seen = np.column_stack([s[rng.integers(0, s.size, size=draw_orders)] for s in replicate_scores])
+        seen = np.take_along_axis(seen, order, axis=1)
+        best_seen = np.full(draw_orders, -np.inf)
+        chosen = np.zeros(draw_orders, dtype=int)
+        for k in range(count):
+            better = seen[:, k] > best_seen  # ties keep the earlier draw
+            best_seen = np.where(better, seen[:, k], best_seen)
+            chosen = np.where(better, order[:, k], chosen)
+            rows.append({**key, "trials": k + 1,
+                         "within_share": float(np.mean(quality[chosen] >= target - tolerance - 1e-12)),
+                         "target_test_accuracy": target, "configurations": count, "replicates": cell.replicates})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def trials_needed(efficiency: pd.DataFrame, share: float, by: Sequence[str] = tuple(CELL)) -> pd.DataFrame:
+    """Per cell of ``search_efficiency``: the fewest trials k whose ``within_share`` reaches ``share``
+    (``trials_needed``; NaN when even the whole grid, K trials of one replicate each, does not reach
+    it: single-seed scores then mislead the selection too often)."""
+    by = list(by)
+    reached = efficiency[efficiency["within_share"] >= share - 1e-12]
+    first = reached.groupby(by)["trials"].min().rename("trials_needed")
+    cells = efficiency.groupby(by)[["configurations", "target_test_accuracy"]].first()
+    return cells.join(first).reset_index()

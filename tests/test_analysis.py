@@ -12,7 +12,8 @@ import pytest
 import expected
 from dptune import analysis as an
 from dptune.plan import DEFAULT_TOLERANCE
-from tiny_results import copy_results
+from dptune.records import read_table
+from tiny_results import Replicated, copy_results, write_replicated_search
 
 
 @pytest.fixture(scope="module")
@@ -348,3 +349,167 @@ def test_partial_results_are_described_not_failed(result_datasets: list[str], tm
     assert an.class_strata(no_classes).empty
     with pytest.raises(an.AnalysisError, match="no per-class accuracies"):
         an.class_strata(no_classes, hard_classes=["0"])
+
+
+# --------------------------------------------------------------------------- replicates and uncertainty
+
+EPS_LOOSE, EPS_TIGHT = (8.0, 10), (1.0, 10)
+
+
+def _replicated(tmp_path: Path, cells: dict, **kwargs: object) -> an.Results:
+    return an.load_results([write_replicated_search(tmp_path, "rep", cells, **kwargs)])
+
+
+def test_configurations_rank_by_mean_over_replicates_with_se(tmp_path: Path) -> None:
+    # A: lucky single replicate would lose to B's best replicate (.75), but A's mean is higher.
+    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72, 0.74), (0.60, 0.62, 0.67)),
+               Replicated(0.1, 64, 1e-3, (0.60, 0.75, 0.75), (0.65, 0.65, 0.65)),
+               Replicated(10.0, 1024, 1e-3, (0.60, 0.61, 0.62), (0.50, 0.50, 0.50))]
+    results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=1000)
+    assert len(results.trials) == 9 and set(results.trials["replicate"]) == {0, 1, 2}
+    ranked = an.rank_configurations(results.tuned).set_index("clip_bound")
+    assert ranked["rank"].to_dict() == {1.0: 1, 0.1: 2, 10.0: 3} and (ranked["replicates"] == 3).all()
+    a, b, c = ranked.loc[1.0], ranked.loc[0.1], ranked.loc[10.0]
+    assert a["val_accuracy"] == pytest.approx(0.72) and a["val_std"] == pytest.approx(0.02)
+    assert a["val_se"] == pytest.approx(0.02 / math.sqrt(3)) and a["noise_se"] == a["val_se"]
+    assert b["val_accuracy"] == pytest.approx(0.70) and b["val_std"] == pytest.approx(math.sqrt(0.0075))
+    assert a["test_accuracy"] == pytest.approx(0.63) and a["trial_id"].endswith("-r0")
+    # B: gap .02 ≤ 1.96·√(se_A² + se_B²) = 1.96·√(.02²/3 + .0075/3) ≈ .103: within noise; C: gap .11 > .026
+    assert b["noise_threshold"] == pytest.approx(1.959964 * math.sqrt(0.02**2 / 3 + 0.0075 / 3), rel=1e-5)
+    assert b["within_noise"] and not c["within_noise"] and a["within_noise"]
+    assert c["noise_threshold"] == pytest.approx(1.959964 * math.sqrt(0.02**2 / 3 + 0.01**2 / 3), rel=1e-5)
+    best = an.best_configurations(results.tuned).iloc[0]
+    assert (best["clip_bound"], best["batch_size"], best["within_noise"], best["configurations"]) == (1.0, 256, 2, 3)
+    assert (best["clip_low"], best["clip_high"], best["batch_low"], best["batch_high"]) == (0.1, 1.0, 64, 256)
+    t = 4.302653  # Student t, 2 degrees of freedom, 97.5 %
+    assert best["interval_source"] == "replicates"
+    assert (best["val_low"], best["val_high"]) == pytest.approx((0.72 - t * 0.02 / math.sqrt(3),
+                                                                 0.72 + t * 0.02 / math.sqrt(3)), rel=1e-5)
+    test_std = np.std([0.60, 0.62, 0.67], ddof=1)
+    assert best["test_high"] == pytest.approx(0.63 + t * test_std / math.sqrt(3), rel=1e-5)
+
+
+def test_single_replicate_noise_is_the_validation_splits_binomial_noise(tmp_path: Path) -> None:
+    configs = [Replicated(1.0, 256, 1e-3, (0.75,), (0.74,)), Replicated(0.1, 256, 1e-3, (0.73,), (0.70,)),
+               Replicated(10.0, 256, 1e-3, (0.70,), (0.69,))]
+    results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=1129, num_test=2000)
+    ranked = an.rank_configurations(results.tuned).set_index("clip_bound")
+    se = {c: math.sqrt(p * (1 - p) / 1129) for c, p in ((1.0, 0.75), (0.1, 0.73), (10.0, 0.70))}
+    assert ranked["noise_se"].to_dict() == pytest.approx(se)
+    assert se[1.0] == pytest.approx(0.0129, abs=1e-4)  # the 1.2 points of selection noise
+    assert np.isnan(ranked.loc[1.0, "val_std"])
+    assert ranked.loc[0.1, "within_noise"]  # .02 ≤ 1.96·√(.0129² + .0132²) ≈ .036
+    assert not ranked.loc[10.0, "within_noise"]  # .05 > 1.96·√(.0129² + .0136²) ≈ .037
+    best = an.best_configurations(results.tuned).iloc[0]
+    assert best["interval_source"] == "binomial" and best["within_noise"] == 2
+    half = 1.959964 * math.sqrt(0.74 * 0.26 / 2000)
+    assert (best["test_low"], best["test_high"]) == pytest.approx((0.74 - half, 0.74 + half), rel=1e-5)
+
+
+def test_single_replicate_results_select_exactly_as_trials_did(results: an.Results) -> None:
+    best = an.best_configurations(results.tuned)
+    trials = an.select_best(results.tuned, an.CELL)
+    assert best["trial_id"].tolist() == trials["trial_id"].tolist() and (best["replicates"] == 1).all()
+    assert np.allclose(best["val_accuracy"], trials["val_accuracy"])
+    assert (best["interval_source"] == "binomial").all() and (best["within_noise"] >= 1).all()
+    assert ((best["val_low"] <= best["val_accuracy"]) & (best["val_accuracy"] <= best["val_high"])).all()
+
+
+def test_bootstrap_interval_holds_a_clear_optimum_and_widens_when_replicates_disagree(tmp_path: Path) -> None:
+    clear = [Replicated(1.0, 256, 1e-3, (0.80, 0.81, 0.82), (0.8,) * 3),  # the true optimum, far ahead
+             *[Replicated(c, b, 1e-3, (0.66, 0.70, 0.68), (0.7,) * 3) for c in (0.1, 10.0) for b in (64, 1024)]]
+    # the two best disagree replicate by replicate: means .767 (C = .1, B = 64) and .733 (C = 10, B = 1024)
+    noisy = [Replicated(0.1, 64, 1e-3, (0.60, 0.80, 0.90), (0.7,) * 3),
+             Replicated(10.0, 1024, 1e-3, (0.95, 0.55, 0.70), (0.7,) * 3),
+             Replicated(1.0, 256, 1e-3, (0.50, 0.51, 0.52), (0.5,) * 3)]
+    results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: noisy})
+    table = an.optimal_setting_intervals(results.tuned, resamples=2000, seed=1).set_index("epsilon")
+    sure = table.loc[8.0]
+    assert (sure["clip_low"], sure["clip_bound"], sure["clip_high"]) == (1.0, 1.0, 1.0)
+    assert (sure["batch_low"], sure["batch_size"], sure["batch_high"]) == (256, 256, 256)
+    assert sure["selected_share"] == 1.0 and sure["source"] == "replicates" and sure["configurations"] == 5
+    wide = table.loc[1.0]
+    assert (wide["clip_bound"], wide["batch_size"]) == (0.1, 64)
+    assert (wide["clip_low"], wide["clip_high"]) == (0.1, 10.0) and (wide["batch_low"], wide["batch_high"]) == (64, 1024)
+    # the two are picked about equally often (exact share: P(mean of 3 draws from A > from B)); the third never
+    assert 0.3 < wide["selected_share"] < 0.8 and wide["clip_share"] == wide["selected_share"]
+    again = an.optimal_setting_intervals(results.tuned, resamples=2000, seed=1).set_index("epsilon")
+    assert again.equals(table)
+    with pytest.raises(an.AnalysisError, match="resamples must be ≥ 1"):
+        an.optimal_setting_intervals(results.tuned, resamples=0)
+    with pytest.raises(an.AnalysisError, match="confidence must lie strictly between 0 and 1"):
+        an.optimal_setting_intervals(results.tuned, confidence=1.0)
+
+
+@pytest.mark.parametrize("num_val, wide", [(100, True), (100_000, False)])
+def test_single_replicate_bootstrap_resamples_the_validation_split(tmp_path: Path, num_val: int, wide: bool) -> None:
+    configs = [Replicated(1.0, 256, 1e-3, (0.75,), (0.75,)), Replicated(10.0, 64, 1e-3, (0.73,), (0.73,))]
+    results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=num_val)
+    row = an.optimal_setting_intervals(results.tuned, resamples=2000).iloc[0]
+    assert row["source"] == "binomial" and (row["clip_bound"], row["batch_size"]) == (1.0, 256)
+    # gap .02 against a binomial se of .043 (n = 100): a coin flip; of .0014 (n = 100,000): never reversed
+    assert ((row["clip_low"], row["clip_high"]) == (1.0, 10.0)) == wide
+    assert ((row["batch_low"], row["batch_high"]) == (64, 256)) == wide
+    assert (row["selected_share"] < 0.8) == wide and (row["selected_share"] == 1.0) == (not wide)
+
+
+def test_paper_trend_checks_need_disjoint_intervals() -> None:
+    def cell(epsilon: float, epochs: int, clip: tuple[float, float, float], batch: tuple[int, int, int]) -> dict:
+        return {"task": "t", "epochs": epochs, "epsilon": epsilon, "clip_bound": clip[1], "clip_low": clip[0],
+                "clip_high": clip[2], "batch_size": batch[1], "batch_low": batch[0], "batch_high": batch[2]}
+
+    frame = pd.DataFrame([cell(1.0, 10, (1.0, 2.0, 4.0), (64, 64, 64)), cell(8.0, 10, (0.1, 0.2, 0.5), (64, 64, 64)),
+                          cell(4.0, 10, (0.1, 0.1, 8.0), (16, 16, 16)), cell(1.0, 2, (1.0, 1.0, 1.0), (256, 256, 512))])
+    checks = an.paper_trend_checks(frame)
+    privacy = checks[checks["condition"] == "tighter privacy"].set_index("quantity")
+    assert privacy.loc["C", "observed"] == "larger" and privacy.loc["C", "verdict"] == "agrees"
+    assert privacy.loc["B", "verdict"] == "no change" and privacy.loc["B", "observed"] == "same"
+    assert (privacy["harder"] == "ε = 1").all() and (privacy["easier"] == "ε = 8").all()
+    assert (privacy["group"] == "E = 10").all() and len(privacy) == 2  # E = 2 has one ε: no comparison
+    (epochs,) = checks[checks["condition"] == "fewer epochs"].itertuples(index=False)  # ε = 1: E = 2 against E = 10
+    assert (epochs.quantity, epochs.harder, epochs.easier, epochs.group) == ("B", "E = 2", "E = 10", "ε = 1")
+    assert (epochs.observed, epochs.paper, epochs.verdict) == ("larger", "smaller", "disagrees")  # [256, 512] vs [64]
+    flipped = frame.assign(clip_bound=[0.2, 2.0, 1.0, 1.0], clip_low=[0.1, 1.0, 1.0, 1.0],
+                           clip_high=[0.5, 4.0, 1.0, 1.0], batch_size=[256, 64, 64, 64], batch_low=[64, 64, 64, 64],
+                           batch_high=[512, 64, 64, 64])
+    privacy = an.paper_trend_checks(flipped).set_index(["condition", "quantity"]).loc["tighter privacy"]
+    assert privacy.loc["C", "verdict"] == "disagrees" and privacy.loc["C", "observed"] == "smaller"
+    assert privacy.loc["B", "verdict"] == "inconclusive" and privacy.loc["B", "observed"] == "larger"
+    assert an.paper_trend_checks(frame[frame["epsilon"] == 4.0]).empty
+
+
+def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> None:
+    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72), (0.6, 0.6)), Replicated(0.1, 64, 1e-3, (0.74, 0.60), (0.7, 0.7))]
+    root = write_replicated_search(tmp_path, "rep", {EPS_LOOSE: configs, EPS_TIGHT: configs[:1]})
+    trials = read_table(root, "trials")
+    table = an.best_configurations(an.finished_trials(trials), by=["cell_id", "clipping"]).set_index("cell_id")
+    assert table.loc["eps=8|epochs=10", "configuration_id"] == "eps8-E10-000"
+    assert table.loc["eps=8|epochs=10", "val_accuracy"] == pytest.approx(0.71)
+    assert table.loc["eps=8|epochs=10", ["replicates", "within_noise", "configurations"]].tolist() == [2, 2, 2]
+    assert table.loc["eps=1|epochs=10", "configurations"] == 1
+    assert {"epsilon", "epochs", "learning_rate", "base_learning_rate", "test_low", "test_high"} <= set(table.columns)
+
+
+def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: Path) -> None:
+    clear = [Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)), Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7))]
+    # one replicate of the best scores .60: a single-seed search then prefers the worse configuration
+    misleading = [Replicated(1.0, 64, 1e-3, (0.60, 1.00), (0.80, 0.80)),
+                  Replicated(10.0, 64, 1e-3, (0.75, 0.75), (0.70, 0.70))]
+    unreplicated = [Replicated(1.0, 64, 1e-3, (0.8,), (0.8,)), Replicated(10.0, 64, 1e-3, (0.7,), (0.7,))]
+    partial = [Replicated(1.0, 64, 1e-3, (0.8, 0.8), (0.8, 0.8)), Replicated(10.0, 1024, 1e-3, (0.7, 0.7), (0.7, 0.7))]
+    results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: misleading, (8.0, 3): unreplicated,
+                                     (1.0, 3): partial})  # the last two are no replicated full grid
+    cells = an.replicated_grid_cells(results.tuned)
+    assert sorted(zip(cells["epsilon"], cells["epochs"])) == [(1.0, 10), (8.0, 10)]
+    assert (cells["configurations"] == 2).all() and (cells["replicates"] == 2).all()
+    curves = an.search_efficiency(results.tuned, draw_orders=4000).set_index(["epsilon", "trials"])
+    assert curves.loc[(8.0, 1), "within_share"] == pytest.approx(0.5, abs=0.03)  # the best drawn first
+    assert curves.loc[(8.0, 2), "within_share"] == 1.0 and curves.loc[(8.0, 2), "target_test_accuracy"] == 0.8
+    # one draw: the best is chosen when drawn first (½); after both, only when its good replicate was seen (½)
+    assert curves.loc[(1.0, 1), "within_share"] == pytest.approx(0.5, abs=0.03)
+    assert curves.loc[(1.0, 2), "within_share"] == pytest.approx(0.5, abs=0.03)
+    needed = an.trials_needed(curves.reset_index(), 0.9).set_index("epsilon")
+    assert needed.loc[8.0, "trials_needed"] == 2 and np.isnan(needed.loc[1.0, "trials_needed"])
+    assert an.trials_needed(curves.reset_index(), 0.4).set_index("epsilon")["trials_needed"].tolist() == [1, 1]
+    with pytest.raises(an.AnalysisError, match="tolerance must be ≥ 0"):
+        an.search_efficiency(results.tuned, tolerance=-0.01)

@@ -10,13 +10,14 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 import expected
 from dptune import analysis as an
 from dptune import report
-from tiny_results import copy_results
+from tiny_results import Replicated, copy_results, write_replicated_search
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,12 +71,13 @@ def test_report_is_self_contained_with_every_figure(built: tuple[Path, str], res
     index, page = built
     pngs = sorted(index.parent.glob("*.png"))
     tasks = expected.read(result_datasets, "trials")[["dataset", "fraction", "backbone", "peft"]].drop_duplicates()
-    expected_count = sum(len(tasks) if info.per_task else 1 for info in report.FIGURES)
+    always = [info for info in report.FIGURES if info.needs is None]  # the datasets hold no replicated grid
+    expected_count = sum(len(tasks) if info.per_task else 1 for info in always)
     assert len(pngs) == expected_count
     embedded = re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert sorted(base64.b64decode(e) for e in embedded) == sorted(p.read_bytes() for p in pngs)
     assert all(p.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
-    for info in report.FIGURES:
+    for info in always:
         assert any(p.name.startswith(info.key) for p in pngs), info.key
     references = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert references and all(r.startswith(("data:image/png;base64,", "#s")) for r in references)
@@ -201,7 +203,8 @@ def test_cli_builds_into_a_new_folder_without_torch_or_ray(result_datasets: list
     assert done.returncode == 0, done.stderr
     assert f"report written to {out / 'index.html'}" in done.stdout
     assert "heavy: []" in done.stdout
-    assert (out / "index.html").is_file() and len(list(out.glob("fig*.png"))) >= len(report.FIGURES)
+    always = [info for info in report.FIGURES if info.needs is None]
+    assert (out / "index.html").is_file() and len(list(out.glob("fig*.png"))) >= len(always)
 
 
 def test_figure_index_is_in_the_reports_readme(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,3 +212,67 @@ def test_figure_index_is_in_the_reports_readme(capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr().out.strip()
     assert printed == report.figure_index()
     assert report.figure_index() in (REPO / "reports" / "README.md").read_text(encoding="utf-8")
+
+
+def _grid(best: tuple[float, int], accuracy: float, spread: float) -> list[Replicated]:
+    """A 3 × 2 (C, B) grid of R = 3 configurations: ``best`` scores ``accuracy`` on average, the rest 5 points
+    less; replicates lie ``spread`` either side of the mean (validation), test is 1 point under validation."""
+    return [Replicated(c, b, 1e-3, tuple(mean + d for d in (-spread, 0.0, spread)), (mean - 0.01,) * 3)
+            for c in (0.1, 1.0, 10.0) for b in (64, 1024)
+            for mean in [accuracy if (c, b) == best else accuracy - 0.05]]
+
+
+def test_replicated_results_show_intervals_and_where_the_paper_holds(tmp_path: Path) -> None:
+    cells = {(1.0, 10): _grid((10.0, 64), 0.70, 0.005), (8.0, 10): _grid((0.1, 1024), 0.80, 0.005),  # as the paper
+             (1.0, 3): _grid((10.0, 64), 0.60, 0.10), (8.0, 3): _grid((0.1, 1024), 0.65, 0.10),  # replicates disagree
+             (1.0, 20): _grid((0.1, 64), 0.70, 0.005), (8.0, 20): _grid((10.0, 64), 0.80, 0.005)}  # against it
+    page = report.build_report([write_replicated_search(tmp_path, "rep", cells)], tmp_path / "out").read_text(
+        encoding="utf-8")
+    best = html_table(page, "Best configuration per cell").set_index(["ε", "E"])
+    half = 4.302653 * 0.005 / 3 ** 0.5  # Student t (2 df) · std/√R, by hand
+    sure = best.loc[("1", "10")]
+    assert (sure["best C"], sure["best B"], sure["R"]) == ("10", "64", "3")
+    assert sure["val % [interval]"] == f"70.0 [{100 * (0.70 - half):.1f}, {100 * (0.70 + half):.1f}]"
+    assert sure["within noise"] == "1 of 6" and sure["optimal C [bootstrap]"] == "[10, 10]"
+    assert sure["bootstrap picks best %"] == "100.0"
+    wide = best.loc[("1", "3")]  # gap .05 < 1.96·√(2·.1²/3) ≈ .16: every configuration is within noise
+    assert wide["within noise"] == "6 of 6" and wide["optimal C [bootstrap]"] == "[0.1, 10]"
+    checks = html_table(page, "The paper finds the optimal C larger")
+    privacy = checks[checks["condition"] == "tighter privacy"].set_index(["held", "quantity"])
+    said = privacy["what the data says"]
+    assert said[("E = 10", "C")].startswith("moves as the paper says") and said[("E = 10", "B")] == said[("E = 10", "C")]
+    assert said[("E = 3", "C")] == said[("E = 3", "B")] == "the intervals overlap: too wide to conclude"
+    assert said[("E = 20", "C")].startswith("DISAGREES with the paper: it moves the other way")
+    assert said[("E = 20", "B")].startswith("DISAGREES with the paper: every bootstrap round selected the same value")
+    assert privacy.loc[("E = 20", "C"), "optimal, harder side"] == "ε = 1: 0.1 [0.1, 0.1]"
+    epochs = checks[checks["condition"] == "fewer epochs"].set_index("held")  # B only: E = 3 against E = 20
+    assert epochs.loc["ε = 1", "optimal, harder side"] == "E = 3: 64 [64, 1024]"
+    assert set(epochs["what the data says"]) == {"the intervals overlap: too wide to conclude"}
+    text = html.unescape(page)
+    assert ("Of 8 comparisons: 2 agree with the paper beyond the noise, 2 disagree with it, and 4 are too wide to "
+            "conclude anything") in text
+    assert ("Disagrees with the paper (tighter privacy): 20newsgroups · minilm · head, E = 20: optimal C 0.1 at ε = 1 "
+            "against 10 at ε = 8") in text
+    assert "Each configuration ran R = 3 times with fresh coins" in text
+    guideline = html_table(page, "Per cell: the best (C, B, η)").set_index(["ε", "E"])
+    assert guideline.loc[("8", "10"), "R"] == "3" and guideline.loc[("8", "10"), "within noise"] == "1 of 6"
+    assert guideline.loc[("8", "10"), "test %"] == "79.0"  # the mean over the best configuration's replicates
+    # every cell is a replicated full grid: section 9 draws the search-efficiency figure
+    assert (tmp_path / "out" / "fig9-search-efficiency.png").read_bytes().startswith(b"\x89PNG")
+    needed = html_table(page, "Trials a random search needs").set_index(["ε", "E"])
+    assert len(needed) == 6 and needed.loc[("1", "10"), "configurations"] == "6"
+    assert needed.loc[("1", "10"), "grid's best test %"] == "69.0"
+    # 6 configurations, the best 5 points ahead whatever replicate is seen: within after k trials w.p. k/6
+    curve = an.search_efficiency(an.load_results([str(tmp_path / "rep")]).tuned)
+    curve = curve[(curve["epsilon"] == 1.0) & (curve["epochs"] == 10)]
+    assert np.allclose(curve["within_share"], curve["trials"] / 6, atol=0.05)
+    assert needed.loc[("1", "10"), "trials for 50% of orders"] in ("3", "4")  # 3/6 = 50 %: either side of it
+    assert needed.loc[("1", "10"), "trials for 90% of orders"] == "6"  # 5/6 < 90 % ≤ 6/6
+
+
+def test_single_replicate_results_say_no_replicate_spread_exists(built: tuple[Path, str]) -> None:
+    _, page = built
+    assert "Each configuration ran once (R = 1): no replicate spread exists." in html.unescape(page)
+    assert "Missing: no cell holds a replicated full grid" in page
+    best = html_table(page, "Best configuration per cell")
+    assert (best["R"] == "1").all() and best["within noise"].str.fullmatch(r"\d+ of \d+").all()

@@ -15,7 +15,11 @@ privacy (paper Fig. 3); class accuracy follows the retention weight w_y(C) (Eq. 
 signal-to-noise term B·√T/(σ·C); σ comes from the small-q Gaussian approximation
 σ ≈ q·√(2T·ln(1.25/δ))/ε (fixture only: a real search records PRV-calibrated σ); configurations
 with T < min_steps are recorded as ``pruned_min_steps``; one trial diverged, one failed and
-one was stopped early.
+one was stopped early. Every configuration runs once (R = 1).
+
+``write_replicated_search`` writes a search with replicates (records schema 3: R trials per
+configuration sharing a ``configuration_id``) whose accuracies are given outright, for tests
+that check the replicate statistics against hand computations.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from dptune.records import SCHEMA_VERSION, ResultsStore, trial_rows
+from dptune.records import SCHEMA_VERSION, ResultsStore, replicate_trial_id, trial_rows
 from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 
 MIN_STEPS = 20
@@ -276,3 +280,68 @@ def copy_results(paths: Sequence[str], root: Path, keep: Callable[[pd.DataFrame]
                     shutil.copy2(part, target / table / part.name)
         copies.append(str(target))
     return copies
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """One configuration of a replicated synthetic search: its (C, B, η₀) and the validation and
+    test accuracies (fractions) of each of its R replicates, in replicate order."""
+
+    clip_bound: float
+    batch_size: int
+    base_learning_rate: float
+    val: tuple[float, ...]
+    test: tuple[float, ...]
+
+
+def _scored_result(task: SyntheticTask, epsilon: float, epochs: int, config: Replicated, replicate: int,
+                   num_val: int, num_test: int) -> TrialResult:
+    """A finished trial whose accuracies are given, not modelled (train loss 1 − val accuracy)."""
+    lr = config.base_learning_rate * math.sqrt(config.batch_size / REFERENCE_BATCH_SIZE)
+    trial = TrialConfig(dataset=task.dataset, backbone=task.backbone, peft="head", epsilon=epsilon, delta=DELTA,
+                        epochs=epochs, clip_bound=config.clip_bound, batch_size=config.batch_size, learning_rate=lr,
+                        base_learning_rate=config.base_learning_rate, clipping="normalized")
+    rate = config.batch_size / task.num_train
+    steps = _steps(task, config.batch_size, epochs)
+    val, test = config.val[replicate], config.test[replicate]
+    return TrialResult(config=trial, status="ok", noise_multiplier=_noise_multiplier(rate, steps, epsilon),
+                       sample_rate=rate, steps=steps, epsilon_spent=epsilon * 0.999, num_train=task.num_train,
+                       num_val=num_val, num_test=num_test, num_classes=len(task.class_names), val_accuracy=val,
+                       test_accuracy=test, train_loss=1.0 - val, device="cpu", engine="film")
+
+
+def write_replicated_search(root: Path, name: str, cells: dict[tuple[float, int], Sequence[Replicated]],
+                            num_val: int = 300, num_test: int = 600, task: SyntheticTask = TASKS[1]) -> str:
+    """Write a search of ``task`` whose cells (ε, E) hold the given configurations, every replicate a
+    trial (schema 3: ``configuration_id`` shared, ``replicate`` 0-based), under ``root/<name>``."""
+    location = str(root / name)
+    store = ResultsStore(location)
+    search_id = f"{name}-replicated"
+    replicates = max(len(c.val) for configs in cells.values() for c in configs)
+    spec = {"name": name, "task": {"dataset": task.dataset, "backbone": task.backbone, "peft": "head"},
+            "privacy": {"epsilons": sorted({e for e, _ in cells}), "delta": DELTA},
+            "epochs": sorted({n for _, n in cells}),
+            "clip_bound": {"values": sorted({c.clip_bound for configs in cells.values() for c in configs})},
+            "batch_size": {"values": sorted({c.batch_size for configs in cells.values() for c in configs})},
+            "min_steps": 1, "replicates": replicates, "sampler": {"name": "grid"}}
+    rows = []
+    for (epsilon, epochs), configs in cells.items():
+        cell_id = f"eps={epsilon:g}|epochs={epochs}"
+        for index, config in enumerate(configs):
+            configuration_id = f"eps{epsilon:g}-E{epochs}-{index:03d}"
+            for replicate in range(len(config.val)):
+                trial_id = replicate_trial_id(configuration_id, replicate)
+                result = _scored_result(task, epsilon, epochs, config, replicate, num_val, num_test)
+                store.write_trial(trial_rows(result, search_id=search_id, trial_id=trial_id, cell_id=cell_id,
+                                             reference_batch_size=REFERENCE_BATCH_SIZE, versions={"dptune": "0.1.0"},
+                                             finished_at=NOW, configuration_id=configuration_id,
+                                             replicate=replicate), trial_id)
+        planned = sum(len(c.val) for c in configs)
+        rows.append({"search_id": search_id, "name": name, "cell_id": cell_id, "clipping": "normalized",
+                     "epsilon": epsilon, "epochs": epochs, "delta": DELTA, "dataset": task.dataset,
+                     "backbone": task.backbone, "peft": "head", "num_train": task.num_train,
+                     "trials_planned": planned, "configurations_pruned": 0, "spec_yaml": yaml.safe_dump(spec),
+                     "spec_hash": "synthetic", "schema_version": SCHEMA_VERSION, "dptune_version": "0.1.0",
+                     "created_at": NOW})
+    store.write_part("search", search_id, rows)
+    return location

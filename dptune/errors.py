@@ -7,7 +7,9 @@ one line shaped ``error: <where>: <what> (<what is allowed>)`` with exit status 
 is a bug and keeps its traceback. ``DptuneError`` subclasses ``ValueError`` so that callers that
 already catch ``ValueError`` keep working.
 
-This module imports nothing else from dptune, so every module can import it.
+The trial's errors live here too (:class:`TrialConfigError`, :class:`TrialFailed`): ``dptune.trial`` and
+its implementation ``dptune.dp.trainer`` both raise them. This module imports nothing else from
+dptune, so every module can import it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,27 @@ USER_ERROR_EXIT = 2
 
 class DptuneError(ValueError):
     """Input a user can fix: the message names where (flag, file, key), what is wrong and what is allowed."""
+
+
+class TrialConfigError(DptuneError):
+    """A trial's ``dptune.contract.TrialConfig`` cannot run; raised before training, naming the allowed values."""
+
+
+class TrialFailed(RuntimeError):
+    """A trial failed after training began; carries what it spent, so the search can account it.
+
+    ``steps_taken`` Poisson steps at (``noise_multiplier``, ``sample_rate``) ran before the error
+    (the ``__cause__``); ``epsilon_spent`` is their ε at the trial's δ.
+    """
+
+    def __init__(self, message: str, *, noise_multiplier: float, sample_rate: float, steps: int, steps_taken: int,
+                 epsilon_spent: float) -> None:
+        super().__init__(message)
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.steps_taken = steps_taken
+        self.epsilon_spent = epsilon_spent
 
 
 def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:

@@ -22,10 +22,13 @@ from collections.abc import Callable, Sequence
 import torch
 from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _generate_noise, _mark_as_processed
 
+from dptune.contract import OPTIMIZER_NAMES, check_registry
 from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
 
-#: Base optimizers by name: DP-Adam and DP-SGD are these stepping on a released DP gradient.
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+#: Base optimizers by name (the implementations of ``dptune.contract.OPTIMIZER_NAMES``): DP-Adam and
+#: DP-SGD are these stepping on a released DP gradient.
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = check_registry(
+    "optimizer", OPTIMIZER_NAMES, {"adam": torch.optim.Adam, "sgd": torch.optim.SGD})
 
 
 def check_optimizer(name: str) -> str:

@@ -65,7 +65,7 @@ NEAR_OPTIMAL = 0.01
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
 
-class AnalysisError(DptuneError):
+class AnalysisError(DptuneError, ValueError):
     """Results or options that cannot be analysed; the message names the problem and the choices."""
 
 

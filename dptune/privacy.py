@@ -106,7 +106,7 @@ _MAX_COARSE_EVALUATIONS = 12
 _LOG2 = math.log(2.0)
 
 
-class PrivacyParameterError(DptuneError):
+class PrivacyParameterError(DptuneError, ValueError):
     """A privacy parameter is out of range, or the target cannot be met; raised before any work."""
 
 

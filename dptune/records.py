@@ -211,7 +211,7 @@ TABLES: tuple[str, ...] = tuple(SCHEMAS)
 QUARANTINE = "quarantine"
 
 
-class RecordsError(DptuneError):
+class RecordsError(DptuneError, ValueError):
     """A results path or table that cannot be read or written."""
 
 

@@ -41,7 +41,7 @@ _PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in (
     "map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp"))
 
 
-class SpaceError(DptuneError):
+class SpaceError(DptuneError, ValueError):
     """A search-space file that cannot be used; the message names the file, the key and the rule."""
 
 

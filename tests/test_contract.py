@@ -84,3 +84,26 @@ def test_the_space_refuses_a_name_outside_the_registry_naming_every_allowed_one(
     line = next(line for line in str(info.value).splitlines() if line.strip().startswith(f"- {key}:"))
     assert "not allowed; expected" in line and "(got 'nonesuch')" in line
     assert all(f"'{name}'" in line for name in names)
+
+
+def error_classes() -> list[tuple[str, str]]:
+    """(module, class) of every class dptune defines whose name ends in Error or Failed."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found += [(module, node.name) for node in ast.parse(path.read_text()).body
+                  if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Failed"))]
+    return found
+
+
+def test_every_dptune_error_derives_from_the_one_root() -> None:
+    import importlib
+
+    from dptune.errors import DptuneError, TrialFailed
+
+    classes = {name: getattr(importlib.import_module(module), name) for module, name in error_classes()}
+    assert {"DptuneError", "SpaceError", "TrialConfigError", "TrialFailed", "RecordsError"} <= set(classes)
+    assert [name for name, cls in classes.items() if not issubclass(cls, DptuneError)] == []
+    # a ValueError means "refused before anything was spent"; a trial that failed later is not one
+    assert issubclass(TrialFailed, RuntimeError) and not issubclass(TrialFailed, ValueError)
+    assert DptuneError.__bases__ == (Exception,)

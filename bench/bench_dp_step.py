@@ -59,7 +59,8 @@ from torch import nn
 
 from dptune.dp.engine import DPStepSpec, EngineFactory, summed_cross_entropy
 from dptune.dp.film import FilmEngine
-from dptune.dp.opacus_engine import OpacusEngine, autocast
+from dptune.dp.opacus_engine import OpacusEngine
+from dptune.dp.precision import autocast
 from dptune.models import build_model, trainable_parameter_count
 
 PLAIN = "plain"

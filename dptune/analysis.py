@@ -77,7 +77,7 @@ CONFIDENCE = 0.95
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
 
-class AnalysisError(DptuneError):
+class AnalysisError(DptuneError, ValueError):
     """Results or options that cannot be analysed; the message names the problem and the choices."""
 
 

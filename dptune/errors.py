@@ -1,13 +1,17 @@
-"""The one root of dptune's user errors, and how a command line reports them.
+"""The one root of dptune's errors, and how a command line reports them.
 
-Every error a user can cause (a bad flag, spec, path, address or results folder) is a
-``DptuneError``; each module subclasses it (``SpaceError``, ``SearchError``, ``RecordsError``,
-``PrivacyParameterError``...). A command's ``main()`` catches ``DptuneError`` only and prints
-one line shaped ``error: <where>: <what> (<what is allowed>)`` with exit status 2; anything else
-is a bug and keeps its traceback. ``DptuneError`` subclasses ``ValueError`` so that callers that
-already catch ``ValueError`` keep working.
+Every error class dptune defines derives from ``DptuneError``. Those a user can cause (a bad flag,
+spec, path, address, config or results folder) are ``ValueError``s too, one per module
+(``SpaceError``, ``SearchError``, ``RecordsError``, ``PrivacyParameterError``...), so callers that
+catch ``ValueError`` keep working. :class:`TrialFailed` (a trial that failed after training began)
+is a ``RuntimeError`` and never a ``ValueError``: the trial's contract is that a ``ValueError``
+means nothing was spent. A command's ``main()`` catches ``DptuneError`` only and prints one line
+shaped ``error: <where>: <what> (<what is allowed>)`` with exit status 2; anything else is a bug
+and keeps its traceback.
 
-This module imports nothing else from dptune, so every module can import it.
+The trial's errors live here too (:class:`TrialConfigError`, :class:`TrialFailed`): ``dptune.trial`` and
+its implementation ``dptune.dp.trainer`` both raise them. This module imports nothing else from
+dptune, so every module can import it.
 """
 
 from __future__ import annotations
@@ -24,8 +28,30 @@ MAX_SHOWN_CHARS = 80
 USER_ERROR_EXIT = 2
 
 
-class DptuneError(ValueError):
-    """Input a user can fix: the message names where (flag, file, key), what is wrong and what is allowed."""
+class DptuneError(Exception):
+    """The root of dptune's errors. For input a user can fix, the message names where (flag, file,
+    key), what is wrong and what is allowed."""
+
+
+class TrialConfigError(DptuneError, ValueError):
+    """A trial's ``dptune.contract.TrialConfig`` cannot run; raised before training, naming the allowed values."""
+
+
+class TrialFailed(DptuneError, RuntimeError):
+    """A trial failed after training began; carries what it spent, so the search can account it.
+
+    ``steps_taken`` Poisson steps at (``noise_multiplier``, ``sample_rate``) ran before the error
+    (the ``__cause__``); ``epsilon_spent`` is their ε at the trial's δ.
+    """
+
+    def __init__(self, message: str, *, noise_multiplier: float, sample_rate: float, steps: int, steps_taken: int,
+                 epsilon_spent: float) -> None:
+        super().__init__(message)
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.steps_taken = steps_taken
+        self.epsilon_spent = epsilon_spent
 
 
 def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:

@@ -35,7 +35,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 MAX_NAME_CHARS = 100
 
 
-class LocationError(DptuneError):
+class LocationError(DptuneError, ValueError):
     """A location that cannot be used: empty, an unknown URI scheme, not a folder or not writable."""
 
 

@@ -164,7 +164,7 @@ def recommended_batch_size(batch_sizes: Sequence[int], cumulative_noise: Sequenc
     return min(b for b, noise in eligible if noise <= (1 + tolerance) * floor)
 
 
-class PlanError(DptuneError):
+class PlanError(DptuneError, ValueError):
     """A planning input out of range; the message names the parameter, its flag and what is allowed."""
 
 

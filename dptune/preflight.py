@@ -41,7 +41,7 @@ TUNE_EXPERIMENT = "_tune/search"
 _ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
 
 
-class PreflightError(DptuneError):
+class PreflightError(DptuneError, ValueError):
     """A search refused before any compute: the message names the flag or key and what is allowed."""
 
 

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dptune._thirdparty import rdp_of_event, rdp_repeat_and_select
 from dptune.errors import DptuneError
 from dptune.paths import cache_dir
 
@@ -106,7 +107,7 @@ _MAX_COARSE_EVALUATIONS = 12
 _LOG2 = math.log(2.0)
 
 
-class PrivacyParameterError(DptuneError):
+class PrivacyParameterError(DptuneError, ValueError):
     """A privacy parameter is out of range, or the target cannot be met; raised before any work."""
 
 
@@ -685,10 +686,9 @@ def _trial_rdp(orders: np.ndarray, candidates: Sequence[TrialMechanism],
     quasi-convex); the score adds λ/(2σ_s²) (the Gaussian mechanism's RDP).
     """
     from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
-    from dp_accounting.rdp import RdpAccountant
 
-    curves = [RdpAccountant(orders).compose(SelfComposedDpEvent(
-        PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps))._rdp for m in candidates]
+    curves = [rdp_of_event(orders, SelfComposedDpEvent(
+        PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps)) for m in candidates]
     rdp = np.max(curves, axis=0)
     if score_noise_multiplier is not None:
         rdp = rdp + orders / (2 * score_noise_multiplier**2)
@@ -703,7 +703,7 @@ def selection_epsilon(candidates: Sequence[TrialMechanism], mean_trials: float, 
     arXiv 2110.03620), Thm 2: if each run Q is (λ, ε_λ)-RDP for all λ and K is truncated negative
     binomial with shape η (``shape``, 1 = geometric) and mean k, releasing the best run is RDP with
     ε'_λ = ε_λ + (1 + η)·(1 − 1/λ̂)·ε_λ̂ + (1 + η)·log(1/γ)/λ̂ + log(k)/(λ − 1) for any λ̂
-    (dp_accounting's ``_compute_rdp_repeat_and_select`` minimises over λ̂); converted to (ε, δ) at
+    (dp_accounting minimises over λ̂: ``_thirdparty.rdp_repeat_and_select``); converted to (ε, δ) at
     ``delta``. Q is the trial's training (``_trial_rdp`` over ``candidates``) and, with
     ``score_noise_multiplier``, its noisy validation score, so the score used to pick the best is
     part of Q's DP output.
@@ -713,8 +713,7 @@ def selection_epsilon(candidates: Sequence[TrialMechanism], mean_trials: float, 
     search; no TPE, no ASHA), the selection score computed under DP, only the selected run
     released, and every run's coins fresh and secret.
     """
-    from dp_accounting.rdp.rdp_privacy_accountant import (DEFAULT_RDP_ORDERS, _compute_rdp_repeat_and_select,
-                                                          compute_epsilon)
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 
     delta = _check_delta(delta)
     _require(len(candidates) > 0, "candidates", candidates, "a non-empty list of trial mechanisms")
@@ -730,7 +729,7 @@ def selection_epsilon(candidates: Sequence[TrialMechanism], mean_trials: float, 
     absl_logger.setLevel(logging.ERROR)
     try:
         rdp = _trial_rdp(orders, checked, score_noise_multiplier)
-        selected = _compute_rdp_repeat_and_select(orders, rdp, float(mean_trials), float(shape))
+        selected = rdp_repeat_and_select(orders, rdp, float(mean_trials), float(shape))
         epsilon, _ = compute_epsilon(orders, selected, delta)
     finally:
         absl_logger.setLevel(level)

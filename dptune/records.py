@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from dptune.errors import DptuneError
 from dptune.paths import filesystem
-from dptune.trial import TrialResult
+from dptune.contract import TrialResult
 
 #: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
 #: (seed is null for secret coins); search gains the whole-search cost and the guarantee; release.
@@ -222,7 +222,7 @@ TABLES: tuple[str, ...] = tuple(SCHEMAS)
 QUARANTINE = "quarantine"
 
 
-class RecordsError(DptuneError):
+class RecordsError(DptuneError, ValueError):
     """A results path or table that cannot be read or written."""
 
 

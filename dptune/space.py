@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dptune.dp.clipping import ClippingRule
+from dptune.contract import ClippingRule, EngineName, OptimizerName, PeftName
 from dptune.errors import DptuneError, shown
 from dptune.paths import MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
@@ -41,7 +41,7 @@ _PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in (
     "map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp"))
 
 
-class SpaceError(DptuneError):
+class SpaceError(DptuneError, ValueError):
     """A search-space file that cannot be used; the message names the file, the key and the rule."""
 
 
@@ -57,7 +57,7 @@ class TaskSpec(_Strict):
 
     dataset: str
     backbone: str
-    peft: Literal["head", "film", "lora", "full"]
+    peft: PeftName
     fraction: float = Field(1.0, gt=0, le=1, description="share of the training set kept (difficulty knob)")
     examples_per_class: int | None = Field(None, ge=1)
     classes: tuple[int, ...] | None = Field(None, min_length=2)
@@ -232,9 +232,9 @@ class ResourcesSpec(_Strict):
 class TrainingSpec(_Strict):
     """The DP optimizer: DP-Adam or DP-SGD, and the clipping rule (see ``dptune.dp.clipping``)."""
 
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: OptimizerName = "adam"
     clipping: ClippingRule = "normalized"
-    engine: Literal["auto", "film", "opacus"] = Field(
+    engine: EngineName = Field(
         "auto", description="per-example gradients: dptune's FiLM engine for film/head where it supports "
         "every trainable module (auto), or Opacus hooks")
     runner: Literal["auto", "fused", "trial"] = Field(

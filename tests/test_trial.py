@@ -257,7 +257,7 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
 
 #: Modules that must stay importable without torch and Ray (readers of results, the report, the
 #: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
-TORCH_FREE_MODULES = ("dptune.trial", "dptune.records", "dptune.analysis", "dptune.report", "dptune.space")
+TORCH_FREE_MODULES = ("dptune.contract", "dptune.trial", "dptune.records", "dptune.analysis", "dptune.report", "dptune.space")
 
 
 def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dptune._thirdparty import sun397_listing
 from dptune.data.spec import WorkloadError
 
 DATA_DIR_ENV = "DPTUNE_DATA_DIR"
@@ -276,7 +277,7 @@ def load_sun397(root: Path | None = None, image_size: int | None = None) -> RawD
             "on a machine with network run torchvision.datasets.SUN397(root, download=True) and "
             "copy the SUN397 folder there",
         ) from error
-    return _image_files_dataset("sun397", dataset.classes, dataset._image_files, dataset._labels, image_size)
+    return _image_files_dataset("sun397", dataset.classes, *sun397_listing(dataset), image_size)
 
 
 def load_cassava(root: Path | None = None, image_size: int | None = None) -> RawDataset:

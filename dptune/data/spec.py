@@ -13,7 +13,7 @@ from dptune.errors import DptuneError
 Modality = Literal["text", "image", "features"]
 
 
-class WorkloadError(DptuneError):
+class WorkloadError(DptuneError, ValueError):
     """A workload cannot be built from the spec: bad value, unknown name, missing data or weights.
 
     The message names the offending value and the valid choices (or how to provide what is

@@ -8,6 +8,7 @@
   and its per-example γ/β gradients;
 - :mod:`~dptune.dp.optimizers`: Opacus ``DPOptimizer`` with the rules (DP-SGD, DP-Adam);
 - :mod:`~dptune.dp.sampling`: Poisson sampling and physical batches;
+- :mod:`~dptune.dp.precision`: the forward pass's autocast, shared by the engines and evaluation;
 - :mod:`~dptune.dp.diagnostics`: the paper's gradient-norm, w_y(C), MSE and C* diagnostics;
 - :mod:`~dptune.dp.trainer`: the implementation of :func:`dptune.trial.run_trial`.
 """

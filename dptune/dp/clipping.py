@@ -25,13 +25,12 @@ summand has norm ≤ the sensitivity (C, C or 1), which is what the accountant a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch-free at import: dptune.space (and so the report) uses the rule names
+from dptune.contract import CLIPPING_RULES, ClippingRule
+
+if TYPE_CHECKING:  # torch-free at import, like the rule names in dptune.contract
     import torch
-
-ClippingRule = Literal["standard", "normalized", "auto_s"]
-CLIPPING_RULES: tuple[str, ...] = get_args(ClippingRule)
 
 #: Stability constant γ of AUTO-S (Bu et al. 2023 use 0.01).
 AUTO_S_STABILITY = 0.01

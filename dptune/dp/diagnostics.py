@@ -38,10 +38,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from dptune.contract import ClassDiagnostics, Diagnostics
 from dptune.dp.clipping import clip_factors
 from dptune.dp.engine import PhysicalBatch, summed_cross_entropy
-from dptune.dp.opacus_engine import autocast, grad_sample_hooks
-from dptune.trial import ClassDiagnostics, Diagnostics
+from dptune.dp.opacus_engine import grad_sample_hooks
+from dptune.dp.precision import autocast
 
 #: Per-class gradient-norm quantiles recorded, by key of ``ClassDiagnostics.grad_norm_quantiles``.
 QUANTILES: dict[str, float] = {"q05": 0.05, "q25": 0.25, "q50": 0.50, "q75": 0.75, "q95": 0.95}

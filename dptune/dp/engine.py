@@ -21,20 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.dp.clipping import ClippingRule, check_rule
+from dptune.contract import ENGINE_NAMES, ClippingRule, EngineName
+from dptune.dp.clipping import check_rule
 
 #: One physical batch: ``(*inputs, labels)`` already on the engine's device; ``model(*inputs)``
 #: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
 PhysicalBatch = tuple[torch.Tensor, ...]
 
-EngineName = Literal["auto", "opacus", "film"]
-ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 #: PEFTs whose trainable modules the FiLM engine is designed for (issue 7).
 FILM_ENGINE_PEFTS: tuple[str, ...] = ("film", "head")
 

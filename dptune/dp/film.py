@@ -66,7 +66,7 @@ from torch import nn
 from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal, frozen_batch_norm_terms
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
-from dptune.dp.opacus_engine import autocast
+from dptune.dp.precision import autocast
 
 _LAYER_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, TimmLayerNorm)
 _GROUP_NORMS: tuple[type[nn.Module], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)

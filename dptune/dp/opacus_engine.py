@@ -22,6 +22,7 @@ from torch import nn
 from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.optimizers import RuleDPOptimizer
+from dptune.dp.precision import autocast
 
 #: Hooks kept attached (disabled between uses) by an engine, by model. Both sides are weak: the
 #: hooks live as long as the model does (its modules hold them), and a finished trial's model and
@@ -110,13 +111,6 @@ def grad_sample_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
         hooks.set_grad_sample_to_none()
         if kept is None:
             hooks.cleanup()
-
-
-def autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
-    """``torch.autocast`` to ``dtype`` on ``device_type``, or no autocast when ``dtype`` is None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 class OpacusEngine:

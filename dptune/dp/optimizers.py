@@ -20,12 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _generate_noise, _mark_as_processed
+from opacus.optimizers.optimizer import DPOptimizer
 
+from dptune._thirdparty import check_processed_flag, generate_noise, mark_as_processed
+from dptune.contract import OPTIMIZER_NAMES, check_registry
 from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
 
-#: Base optimizers by name: DP-Adam and DP-SGD are these stepping on a released DP gradient.
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+#: Base optimizers by name (the implementations of ``dptune.contract.OPTIMIZER_NAMES``): DP-Adam and
+#: DP-SGD are these stepping on a released DP gradient.
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = check_registry(
+    "optimizer", OPTIMIZER_NAMES, {"adam": torch.optim.Adam, "sgd": torch.optim.SGD})
 
 
 def check_optimizer(name: str) -> str:
@@ -87,10 +91,10 @@ class RuleDPOptimizer(DPOptimizer):
         grad_samples = self.grad_samples
         factors = clip_factors(per_example_norms(grad_samples), self.max_grad_norm, self.rule, self.stability)
         for p, grad_sample in zip(self.params, grad_samples, strict=True):
-            _check_processed_flag(p.grad_sample)
+            check_processed_flag(p.grad_sample)
             grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample.to(p.dtype))
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
-            _mark_as_processed(p.grad_sample)
+            mark_as_processed(p.grad_sample)
 
     def add_noise(self) -> None:
         """p.grad = p.summed_grad + N(0, s² I), s = ``noise_std(σ, C, rule)``.
@@ -101,10 +105,10 @@ class RuleDPOptimizer(DPOptimizer):
         std = noise_std(self.noise_multiplier, self.max_grad_norm, self.rule)
         for p in self.params:
             summed = torch.zeros_like(p) if p.summed_grad is None else p.summed_grad
-            _check_processed_flag(summed)
-            noise = _generate_noise(std=std, reference=summed, generator=self.generator, secure_mode=self.secure_mode)
+            check_processed_flag(summed)
+            noise = generate_noise(std=std, reference=summed, generator=self.generator, secure_mode=self.secure_mode)
             p.grad = (summed + noise).view_as(p)
-            _mark_as_processed(summed)
+            mark_as_processed(summed)
 
     def scale_grad(self) -> None:
         """p.grad *= ``update_scale(C, rule, B)`` (1/B; 1/(C·B) for ``normalized``)."""

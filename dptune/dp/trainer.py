@@ -38,18 +38,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.data import DATASETS, Workload, WorkloadSpec, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.diagnostics import diagnose, probe_gradients
 from dptune.dp.engine import DPEngine, DPStepSpec, check_engine, select_engine, summed_cross_entropy
-from dptune.dp.opacus_engine import autocast
 from dptune.dp.optimizers import build_optimizer, check_optimizer
+from dptune.dp.precision import autocast
 from dptune.dp.sampling import physical_batches, poisson_loader
+from dptune.errors import TrialConfigError, TrialFailed
 from dptune.models import BACKBONES, PEFTS, build_model, check_dp_compatible, trainable_parameter_count
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, check_delta, epsilon_spent
-from dptune.trial import (Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialConfigError, TrialFailed,
-                          TrialResult)
 
 #: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32; the
 #: summary needs about as much again): the probe shrinks below ``diagnostic_examples`` when n·d·4

@@ -17,7 +17,7 @@ WEIGHTS_ENV = "DPTUNE_WEIGHTS_DIR"
 for timm backbones, ``<dir>/<backbone>/`` (a ``save_pretrained`` folder) for Hugging Face ones."""
 
 
-class ModelError(DptuneError):
+class ModelError(DptuneError, ValueError):
     """A model cannot be built or used as asked: unknown backbone/PEFT, a PEFT the backbone does
     not support, weights that cannot be had, or a module that DP-SGD cannot train. The message
     names the problem and the valid choices or the way to provide what is missing."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from dptune.contract import PEFT_NAMES, check_registry
 from dptune.models.base import BackboneInfo, ModelError
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, _NormBase)
@@ -79,9 +80,10 @@ def lora_unsupported(backbone: str) -> str:
     )
 
 
-PEFTS: dict[str, Callable[[nn.Module, BackboneInfo], None]] = {
+#: PEFT methods by name: the implementations of ``dptune.contract.PEFT_NAMES``, in its order.
+PEFTS: dict[str, Callable[[nn.Module, BackboneInfo], None]] = check_registry("PEFT", PEFT_NAMES, {
     "head": head_only,
     "film": film,
     "lora": lora,
     "full": full,
-}
+})

@@ -1,0 +1,193 @@
+"""The trial's contract: the plain-data types every part of dptune exchanges, and the names they take.
+
+A :class:`TrialConfig` goes in, :class:`EpochMetrics` are reported per epoch, a :class:`TrialResult`
+(with :class:`Diagnostics` per diagnosed epoch) comes out. :mod:`dptune.trial` runs one, the
+search sends them through Ray Tune, :mod:`dptune.records` writes them to Parquet.
+
+The name registries live here as ``Literal`` types with their tuples (``PEFT_NAMES``,
+``OPTIMIZER_NAMES``, ``ENGINE_NAMES``, ``CLIPPING_RULES``): the one list of each that the search
+space (:mod:`dptune.space`), the trial checks and the implementations read. Each implementation
+table (``dptune.models.PEFTS``, ``dptune.dp.optimizers.OPTIMIZERS``) is keyed by one of them and
+checked against it with :func:`check_registry` when it is built; adding a name means adding it
+here and its implementation there.
+
+This module imports nothing from dptune, torch or Ray, so any module (and the torch-free
+readers: space, records, analysis) can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar, get_args
+
+#: Parameter-efficient fine-tuning methods (implementations: ``dptune.models.PEFTS``).
+PeftName = Literal["head", "film", "lora", "full"]
+PEFT_NAMES: tuple[str, ...] = get_args(PeftName)
+#: Base optimizers a DP gradient steps (implementations: ``dptune.dp.optimizers.OPTIMIZERS``).
+OptimizerName = Literal["adam", "sgd"]
+OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
+#: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine.select_engine``).
+EngineName = Literal["auto", "opacus", "film"]
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+#: Clipping rules (the rule table: ``dptune.dp.clipping``).
+ClippingRule = Literal["standard", "normalized", "auto_s"]
+CLIPPING_RULES: tuple[str, ...] = get_args(ClippingRule)
+
+TrialStatus = Literal["ok", "diverged", "error", "pruned_min_steps", "stopped_early"]
+
+Table = TypeVar("Table", bound=Mapping[str, object])
+
+
+def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
+    """Return ``table`` if its keys are exactly ``names`` (in order), else raise ``TypeError``.
+
+    Run where an implementation table is built, so a name without an implementation (or the
+    reverse) fails at import rather than at a trial.
+    """
+    if tuple(table) != names:
+        raise TypeError(f"the {kind} implementations {tuple(table)} do not match the names {names} of dptune.contract")
+    return table
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """Everything that defines a trial. Plain data: it round-trips through a dict (Tune config).
+
+    Units: ``epsilon`` and ``delta`` of (ε, δ)-DP under add/remove adjacency; ``epochs`` is the
+    compute budget E (passes over the training set in expectation); ``clip_bound`` is C in
+    gradient-norm units; ``batch_size`` is the *expected* logical batch B = q·N under Poisson
+    sampling; ``learning_rate`` is the η the optimizer uses, ``base_learning_rate`` the η₀ it was
+    coupled from (η = η₀·√(B/B_ref), or η = η₀ when coupling is off).
+
+    Randomness: ``split_seed`` is public and fixes the data split, subset caps and diagnostics probe.
+    ``seed`` roots the trial's *coins* (model initialisation, Poisson sampling, gradient noise,
+    score noise): ``None`` (the default) draws them from fresh OS entropy, so
+    no two trials share noise or batches and nothing stored regenerates them — what the (ε, δ)
+    guarantee and any composition across trials assume. An integer makes the trial reproducible
+    (research and tests), and then the guarantee does not hold for its released results.
+    ``score_noise_multiplier`` (σ_s, a count's std) asks for a DP selection score: the number of
+    correct validation predictions plus N(0, σ_s²) (sensitivity 1 under add/remove of a row).
+    """
+
+    dataset: str
+    backbone: str
+    peft: PeftName
+    epsilon: float
+    delta: float
+    epochs: int
+    clip_bound: float
+    batch_size: int
+    learning_rate: float
+    base_learning_rate: float
+    optimizer: OptimizerName = "adam"
+    clipping: ClippingRule = "normalized"
+    seed: int | None = None
+    split_seed: int = 0
+    score_noise_multiplier: float | None = None
+    # difficulty knobs and data sizing
+    fraction: float = 1.0
+    examples_per_class: int | None = None
+    classes: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    validation_fraction: float = 0.1
+    max_train_examples: int | None = None  # caps for quick runs and tests (seeded, stratified)
+    max_eval_examples: int | None = None
+    # execution
+    device: str = "auto"
+    max_physical_batch_size: int = 256
+    threads: int | None = None
+    engine: EngineName = "auto"
+    # diagnostics: a fixed probe of ≤ diagnostic_examples training examples at a few epochs
+    diagnostics: bool = True
+    diagnostic_examples: int = 256
+
+
+@dataclass
+class EpochMetrics:
+    """Metrics after epoch ``epoch`` (1-based). ``test_accuracy`` is only set after the last one."""
+
+    epoch: int
+    steps: int  # optimizer steps done so far (cumulative)
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    wall_time_s: float  # seconds spent in this epoch (training + evaluation)
+    examples_per_s: float  # training examples processed per second in this epoch
+    test_accuracy: float | None = None
+
+
+@dataclass
+class ClassDiagnostics:
+    """Per-class clipping diagnostics on the probe at one epoch (paper §4–5)."""
+
+    label: int
+    examples: int
+    grad_norm_quantiles: dict[str, float]  # keys "q05","q25","q50","q75","q95"
+    clipped_fraction: float  # share of probe examples of this class with ‖g_i‖ > C
+    retention_weight: float  # w_y(C) = mean over class y of min(1, C/‖g_i‖)
+
+
+@dataclass
+class Diagnostics:
+    """The paper's diagnostics on the probe subset at one epoch (0 = before training).
+
+    ``optimal_clip_bound`` is C* of Theorem 5.2 for the trial's σ and d; ``mse_bias`` and
+    ``mse_variance`` split the per-step MSE of the clipped-noised mean gradient at the trial's C
+    for a step of ``expected_batch_size`` examples (normalisation: see ``dptune.dp.diagnostics``).
+    ``wall_time_s`` is what computing this record cost.
+
+    Not private: the record is computed from the probe examples' exact gradients and released
+    without noise, so it is outside the trial's (ε, δ) guarantee (a research diagnostic, as in the
+    paper). A deployment whose results leave the data owner's trust boundary sets
+    ``TrialConfig.diagnostics = False``.
+    """
+
+    epoch: int
+    clip_bound: float
+    noise_multiplier: float
+    dimension: int  # d, number of trainable parameters
+    grad_norms: list[float]  # ‖g_i‖ of each probe example (≤ diagnostic_examples values)
+    labels: list[int]  # label of each probe example, aligned with grad_norms
+    mse_bias: float
+    mse_variance: float
+    optimal_clip_bound: float
+    classes: list[ClassDiagnostics] = field(default_factory=list)
+    expected_batch_size: float = float("nan")  # B = q·N of the step the MSE refers to
+    wall_time_s: float = 0.0
+
+
+@dataclass
+class TrialResult:
+    """What a trial produced. ``status`` other than ``ok`` carries a human ``reason``."""
+
+    config: TrialConfig
+    status: TrialStatus
+    reason: str = ""
+    noise_multiplier: float = float("nan")  # σ
+    sample_rate: float = float("nan")  # q = B/N
+    steps: int = 0  # T planned = plan.total_steps(N, B, E), what σ is calibrated for
+    steps_taken: int = 0  # steps actually run (< steps when stopped or failed); what ε spent counts
+    epsilon_spent: float = float("nan")  # ε of steps_taken steps at (σ, q, δ); ≤ epsilon
+    num_train: int = 0
+    num_val: int = 0
+    num_test: int = 0
+    num_classes: int = 0
+    trainable_parameters: int = 0
+    val_accuracy: float = float("nan")  # after the last epoch (selection metric; exact, not private)
+    noisy_val_accuracy: float = float("nan")  # (correct + N(0, σ_s²)) / num_val with score noise; else NaN
+    test_accuracy: float = float("nan")  # after the last epoch (never used for selection)
+    train_loss: float = float("nan")
+    wall_time_s: float = 0.0  # training + evaluation + diagnostics (data loading and σ excluded)
+    examples_per_s: float = 0.0
+    diagnostics_wall_time_s: float = 0.0  # part of wall_time_s spent on diagnostics
+    device: str = "cpu"
+    engine: str = ""
+    epochs: list[EpochMetrics] = field(default_factory=list)
+    class_accuracy: dict[int, float] = field(default_factory=dict)  # test accuracy per class
+    class_val_accuracy: dict[int, float] = field(default_factory=dict)  # validation accuracy per class
+    class_names: dict[int, str] = field(default_factory=dict)
+    diagnostics: list[Diagnostics] = field(default_factory=list)
+
+
+Reporter = Callable[[EpochMetrics], None]

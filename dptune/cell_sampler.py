@@ -19,20 +19,22 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-SamplerName = Literal["tpe", "random", "grid"]
+from dptune.contract import SamplerName
+from dptune.errors import DptuneError
+
 #: Proposals in a row that may all be pruned before the sampler gives up (a space whose feasible
 #: batch sizes the sampler never proposes).
 MAX_PRUNED_PROPOSALS = 1000
 
 
-class SamplerExhausted(RuntimeError):
+class SamplerExhausted(DptuneError, RuntimeError):
     """The sampler proposed only pruned batch sizes ``MAX_PRUNED_PROPOSALS`` times in a row."""
 
 

@@ -5,7 +5,7 @@ A :class:`TrialConfig` goes in, :class:`EpochMetrics` are reported per epoch, a 
 search sends them through Ray Tune, :mod:`dptune.records` writes them to Parquet.
 
 The name registries live here as ``Literal`` types with their tuples (``PEFT_NAMES``,
-``OPTIMIZER_NAMES``, ``ENGINE_NAMES``, ``CLIPPING_RULES``): the one list of each that the search
+``OPTIMIZER_NAMES``, ``ENGINE_NAMES``, ``RUNNER_NAMES``, ``CLIPPING_RULES``): the one list of each that the search
 space (:mod:`dptune.space`), the trial checks and the implementations read. Each implementation
 table (``dptune.models.PEFTS``, ``dptune.dp.optimizers.OPTIMIZERS``) is keyed by one of them and
 checked against it with :func:`check_registry` when it is built; adding a name means adding it
@@ -30,6 +30,13 @@ OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 #: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine.select_engine``).
 EngineName = Literal["auto", "opacus", "film"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+#: How a search trains its runs (``dptune.execution``): ``fused`` (many configurations as one
+#: vectorised computation, ``dptune.fused``) where it applies under ``auto``, else ``trial``.
+RunnerName = Literal["auto", "fused", "trial"]
+RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
+#: A cell's Optuna sampler (``dptune.cell_sampler``).
+SamplerName = Literal["tpe", "random", "grid"]
+SAMPLER_NAMES: tuple[str, ...] = get_args(SamplerName)
 #: Clipping rules (the rule table: ``dptune.dp.clipping``).
 ClippingRule = Literal["standard", "normalized", "auto_s"]
 CLIPPING_RULES: tuple[str, ...] = get_args(ClippingRule)

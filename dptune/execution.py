@@ -21,17 +21,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Literal, get_args
+from typing import Any
 
 import pandas as pd
 
+from dptune.contract import EpochMetrics, Reporter, TrialConfig, TrialResult
+from dptune.errors import TrialFailed
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
-from dptune.trial import EpochMetrics, Reporter, TrialConfig, TrialFailed, TrialResult, run_trial
+from dptune.trial import run_trial
 
-RunnerName = Literal["auto", "fused", "trial"]
-#: How a unit's runs are trained: ``fused`` where it applies under ``auto``, else one trial each.
-RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
 

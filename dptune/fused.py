@@ -61,7 +61,8 @@ from dptune.dp.trainer import (Evaluation, _process_workload, check_config, chec
 from dptune.models import build_model
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.trial import Diagnostics, EpochMetrics, TrialConfig, TrialConfigError, TrialResult
+from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
+from dptune.errors import DptuneError, TrialConfigError
 
 #: Working-set budget of one fused group on its device (bytes): :func:`max_fused_configurations`.
 FUSED_MEMORY_BYTES: int = 2 << 30
@@ -83,7 +84,7 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPSILON = 1e-8
 
 
-class FusedTrialsFailed(RuntimeError):
+class FusedTrialsFailed(DptuneError, RuntimeError):
     """A fused group failed after training began. ``results`` holds one :class:`TrialResult` per
     configuration given to :func:`run_fused`, in order: groups that finished keep their results,
     the failed group's configurations have status ``error`` with the steps they took and the ε

@@ -30,8 +30,9 @@ import pandas as pd
 from tqdm import tqdm
 
 from dptune import __version__, preflight
-from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
 from dptune.cell_sampler import CellSampler, CellSpec
+from dptune.contract import TrialConfig
+from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
 from dptune.execution import TrialContext, record_pruned
 from dptune.paths import check_name, filesystem, probe_writable
 from dptune.plan import sample_rate, total_steps
@@ -40,7 +41,7 @@ from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noi
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
 from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
-from dptune.trial import TrialConfig, check_trial_can_run
+from dptune.trial import check_trial_can_run
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
 MAX_UNIT_CONFIGURATIONS = 256

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dptune.contract import ClippingRule, EngineName, OptimizerName, PeftName
+from dptune.contract import ClippingRule, EngineName, OptimizerName, PeftName, RunnerName, SamplerName
 from dptune.errors import DptuneError, shown
 from dptune.paths import MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
@@ -186,7 +186,7 @@ class CouplingSpec(_Strict):
 class SamplerSpec(_Strict):
     """Optuna sampler per cell: ``tpe``, ``random`` or ``grid`` (the paper's exhaustive grids)."""
 
-    name: Literal["tpe", "random", "grid"] = "tpe"
+    name: SamplerName = "tpe"
     trials_per_cell: int | None = Field(None, ge=1, le=MAX_TRIALS_PER_CELL,
                                         description="required for tpe/random; grid runs every point")
     random_trial_count: bool = Field(
@@ -237,7 +237,7 @@ class TrainingSpec(_Strict):
     engine: EngineName = Field(
         "auto", description="per-example gradients: dptune's FiLM engine for film/head where it supports "
         "every trainable module (auto), or Opacus hooks")
-    runner: Literal["auto", "fused", "trial"] = Field(
+    runner: RunnerName = Field(
         "auto", description="how runs are trained: fused (many configurations as one vectorised computation: a "
         "head on cached features) where it applies, else one trial per run (trial)")
     compare_auto_s: bool = Field(False, description="also run AUTO-S trials per cell (paper Fig. 5)")

@@ -888,7 +888,7 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
       all of them together and mostly cancels in a comparison;
     - with R = 1 (no replicate spread exists): the binomial standard error of one score on the
       validation split, √(p(1 − p)/n_val), as a floor — the only noise scale a single run has, the
-      selection noise of a finite split (1.2 points at n_val = 1,129, p = 0.75); 0 when n_val is
+      selection noise of a finite split (1.2 points at n_val = 1,129 and p = 0.8); 0 when n_val is
       not recorded (then only exact ties are within noise).
     The best is within noise of itself.
     """
@@ -941,8 +941,8 @@ def _empty_with(frame: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
 
 
 def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series,
-                   confidence: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(low, high, half-width) of the interval of a mean accuracy (see ``best_configurations``)."""
+                   confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) of the interval of a mean accuracy, clipped to [0, 1] (see ``best_configurations``)."""
     r = replicates.to_numpy(dtype=float)
     p = mean.to_numpy(dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -950,7 +950,7 @@ def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows:
         replicated = t * std.to_numpy(dtype=float) / np.sqrt(r)
         binomial = normal_quantile(confidence) * np.sqrt(p * (1 - p) / rows.to_numpy(dtype=float))
     half = np.where(r >= 2, replicated, binomial)
-    return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0), half
+    return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0)
 
 
 def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
@@ -981,7 +981,7 @@ def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
     spread["configurations"] = ranked.groupby(by).size()
     best = ranked[ranked["rank"] == 1].drop(columns="within_noise").merge(spread.reset_index(), on=by)
     for measure, rows in (("val", "num_val"), ("test", "num_test")):
-        best[f"{measure}_low"], best[f"{measure}_high"], _ = _mean_interval(
+        best[f"{measure}_low"], best[f"{measure}_high"] = _mean_interval(
             best[f"{measure}_accuracy"], best[f"{measure}_std"], best["replicates"], best[rows], confidence)
     best["interval_source"] = np.where(best["replicates"] >= 2, "replicates", "binomial")
     return best.sort_values(by).reset_index(drop=True)[[*[c for c in ranked.columns if c != "within_noise"], *extra]]
@@ -1018,6 +1018,9 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
     best configuration); ``selected_share`` is the fraction of rounds that selected it and
     ``clip_share``/``batch_share`` those that selected its C / its B. ``source`` says which noise
     was resampled: ``replicates``, ``binomial`` or ``mixed``. ``seed`` fixes the bootstrap draws.
+    With few replicates the intervals are narrow-biased: resampling R values keeps (R − 1)/R of
+    their variance and never leaves their range (the within-noise set of ``rank_configurations``
+    is the more cautious measure).
     """
     _check_confidence(confidence)
     if resamples < 1:

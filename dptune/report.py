@@ -489,7 +489,10 @@ def _uncertainty_rule(best: pd.DataFrame, resamples: int | None = None) -> list[
     if resamples:
         lines.append(f"Bars of the figure: {level} percentile intervals of the selected C and B over {resamples:,} "
                      "bootstrap rounds; each round resamples the replicates within every configuration (R = 1: "
-                     "draws its validation score from Bin(n_val, p)/n_val) and selects the best on validation again.")
+                     "draws its validation score from Bin(n_val, p)/n_val) and selects the best on validation again."
+                     + (" With few replicates these bars understate the spread (resampling R values keeps (R − 1)/R "
+                        "of their variance and never leaves their range): the within-noise set is the more cautious "
+                        "of the two." if replicates.max() >= 2 else ""))
     return lines
 
 

@@ -396,7 +396,7 @@ def test_single_replicate_noise_is_the_validation_splits_binomial_noise(tmp_path
     ranked = an.rank_configurations(results.tuned).set_index("clip_bound")
     se = {c: math.sqrt(p * (1 - p) / 1129) for c, p in ((1.0, 0.75), (0.1, 0.73), (10.0, 0.70))}
     assert ranked["noise_se"].to_dict() == pytest.approx(se)
-    assert se[1.0] == pytest.approx(0.0129, abs=1e-4)  # the 1.2 points of selection noise
+    assert se[1.0] == pytest.approx(0.0129, abs=1e-4)  # 1.3 points: the scale of selection noise
     assert np.isnan(ranked.loc[1.0, "val_std"])
     assert ranked.loc[0.1, "within_noise"]  # .02 ≤ 1.96·√(.0129² + .0132²) ≈ .036
     assert not ranked.loc[10.0, "within_noise"]  # .05 > 1.96·√(.0129² + .0136²) ≈ .037

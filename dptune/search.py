@@ -468,12 +468,14 @@ def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[d
 
 
 def summary_table(results_root: str) -> pd.DataFrame:
-    """Best trial per cell (and clipping variant), by the report's rule (``analysis.select_best``
-    over ``analysis.finished_trials``): only trials that trained to the end are ranked."""
-    from dptune.analysis import finished_trials, select_best
+    """Best configuration per cell (and clipping variant), by the report's rule
+    (``analysis.best_configurations`` over ``analysis.finished_trials``): configurations ranked by
+    mean validation accuracy over their replicates, with intervals and the set within noise of the
+    best; only runs that trained to the end are ranked."""
+    from dptune.analysis import best_configurations, finished_trials
 
     trials = read_table(results_root, "trials")
-    best = select_best(finished_trials(trials), ["cell_id", "clipping"])
+    best = best_configurations(finished_trials(trials), by=["cell_id", "clipping"])
     if best.empty:
         return best
     counts = trials.groupby(["cell_id", "clipping"])["status"].value_counts().unstack(fill_value=0)
@@ -482,15 +484,26 @@ def summary_table(results_root: str) -> pd.DataFrame:
 
 
 def format_summary(best: pd.DataFrame) -> str:
+    """The summary table: per cell the best configuration, its mean accuracies over R replicates
+    with the test accuracy's interval, and how many configurations are within noise of it."""
     if best.empty:
         return "no finished trials yet"
     columns = {"cell_id": "cell", "clipping": "clipping", "clip_bound": "C", "batch_size": "B",
-               "base_learning_rate": "η₀", "learning_rate": "η", "val_accuracy": "val acc", "test_accuracy": "test acc"}
+               "base_learning_rate": "η₀", "learning_rate": "η", "replicates": "R", "val_accuracy": "val acc",
+               "test_accuracy": "test acc"}
     table = best[list(columns)].rename(columns=columns)
+    table["test interval"] = [f"[{low:.3f}, {high:.3f}]" for low, high in zip(best["test_low"], best["test_high"],
+                                                                             strict=True)]
+    table["within noise"] = [f"{k}/{n}" for k, n in zip(best["within_noise"], best["configurations"], strict=True)]
     extra = [c for c in ("ok", "pruned_min_steps", "diverged", "error", "stopped_early") if c in best]
     table = pd.concat([table, best[extra]], axis=1)
     return table.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
+
+#: The line above the summary table.
+SUMMARY_HEADER = ("best configuration per cell (mean over its replicates, selected on exact validation accuracy: not "
+                  "a DP release; test interval: t over replicates, or binomial with one; within noise: configurations "
+                  "not distinguishable from the best):")
 
 #: Trial statuses that mean a trial ran (or tried to) and produced no usable model.
 FAILED_STATUSES = ("error", "diverged")
@@ -677,7 +690,7 @@ def conclude(results_root: str, report: str | None, *, private: bool) -> None:
     (unless ``None``)."""
     print(f"results: {results_root}")
     if not private:
-        print("best configuration per cell (selected on exact validation accuracy: not a DP release):")
+        print(SUMMARY_HEADER)
         print(format_outcome(results_root))
     print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release")))
     if report is not None:

@@ -75,8 +75,7 @@ def test_a_search_whose_trials_all_fail_says_why_in_its_summary(search_env: dict
                              "--set", "min_steps=2", "--trials-per-cell", "2")
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    header = "best configuration per cell (selected on exact validation accuracy: not a DP release):\n"
-    summary = done.stdout.split(header)[1]
+    summary = done.stdout.split(search.SUMMARY_HEADER + "\n")[1]
     assert summary.startswith(
         "cell eps=8|epochs=2 [normalized]: every trial that ran failed (2 error); most common reason (2 of 2): "
         "RuntimeError: injected fault: the disk is full\n")

@@ -11,15 +11,21 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 import ray
 
 from conftest import REPO_ROOT, SearchRun, search_command
 from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
 from dptune.records import ResultsStore, read_table, trial_rows
-from dptune.search import (CellPlan, TrialContext, base_trial_config, configuration_id, format_summary,
-                           summary_table, trial_config)
+from dptune.search import (
+    CellPlan,
+    TrialContext,
+    base_trial_config,
+    configuration_id,
+    format_summary,
+    summary_table,
+    trial_config,
+)
 from dptune.space import Cell, load_space
 from dptune.trial import EpochMetrics, TrialResult
 

@@ -10,8 +10,16 @@ import pytest
 
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
-from dptune.search import (CellPlan, TrialContext, _trial_count, base_trial_config, configuration_id, format_summary,
-                           summary_table, trial_config)
+from dptune.search import (
+    CellPlan,
+    TrialContext,
+    _trial_count,
+    base_trial_config,
+    configuration_id,
+    format_summary,
+    summary_table,
+    trial_config,
+)
 from dptune.space import Cell, SpaceError, parse_space
 from dptune.trial import TrialResult
 
@@ -19,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
 
 
-def plan_for(space, clipping: str = "normalized") -> CellPlan:  # noqa: ANN001
+def plan_for(space, clipping: str = "normalized") -> CellPlan:
     return CellPlan(Cell(1.0, 5), clipping, 1000, (32, 64), (512,), {32: 1.0, 64: 1.5}, 0)
 
 
@@ -57,7 +65,7 @@ def test_configuration_id_is_content_based() -> None:
     assert configuration_id("eps2-E5", {"clip_bound": 0.5, "batch_size": 64, "base_learning_rate": 1e-3}) != a
 
 
-def context_for(space, plan: CellPlan, root: str = "/nowhere") -> TrialContext:  # noqa: ANN001
+def context_for(space, plan: CellPlan, root: str = "/nowhere") -> TrialContext:
     return TrialContext(base=base_trial_config(space, plan, None, None), results_root=root, search_id="s",
                         cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,
                         reference_batch_size=space.coupling.reference_batch_size)

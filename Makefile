@@ -20,7 +20,7 @@ endif
 # The wheels installed without their declared dependencies ([tool.dptune] no-deps in pyproject.toml).
 NO_DEPS = $$($(PY) -c "import tomllib;print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['dptune']['no-deps']))")
 
-.PHONY: venv run test plan bench clean-venv
+.PHONY: venv run lint test plan bench clean-venv
 
 venv: $(STAMP)
 
@@ -37,7 +37,11 @@ $(STAMP): pyproject.toml
 run: venv
 	$(PY) -m dptune.search --space search_spaces/default.yaml --resume
 
-test: venv
+# ruff (pinned in the test extra, configured in pyproject.toml): import order, pyflakes, pycodestyle, bugbear, pyupgrade.
+lint: venv
+	$(PY) -m ruff check dptune tests bench
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: venv

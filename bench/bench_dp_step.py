@@ -197,7 +197,7 @@ def run_case(case: Case, methods: list[str], args: argparse.Namespace,
             warm_step_s = (time.perf_counter() - started) / max(args.warmup, 1)
             per_round = args.case_cap_s / args.repeats
             timings[method].steps_timed = max(1, min(args.steps, int(per_round / max(warm_step_s, 1e-6))))
-        except Exception as error:  # noqa: BLE001 - an OOM or failure is recorded, the run goes on
+        except Exception as error:  # an OOM or failure is recorded, the run goes on
             timings[method].error = f"{type(error).__name__}: {str(error)[:300]}"
             steps.pop(method, None)
             if device.type == "cuda":
@@ -270,6 +270,14 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, obj
     }
 
 
+def timing_cell(method: str, timing: dict[str, object]) -> str:
+    """One method's table cell: examples/s (and its ratio to the plain step), or the error."""
+    if timing["error"]:
+        return f"error: {str(timing['error'])[:60]}"
+    text = f"{timing['examples_per_s']:.0f}"
+    return text if method == PLAIN else f"{text} ({timing['ratio_to_plain']:.2f}x)"
+
+
 def markdown(env: dict[str, object], methods: list[str], results: list[dict[str, object]]) -> str:
     """The results as a markdown table headed by how they were measured."""
     names = {PLAIN: "plain", "film": "FiLM engine", "opacus": "Opacus hooks"}
@@ -291,19 +299,13 @@ def markdown(env: dict[str, object], methods: list[str], results: list[dict[str,
             continue
         timings = {t["method"]: t for t in result["timings"]}
 
-        def cell(method: str) -> str:
-            t = timings[method]
-            if t["error"]:
-                return f"error: {t['error'][:60]}"
-            text = f"{t['examples_per_s']:.0f}"
-            return text if method == PLAIN else f"{text} ({t['ratio_to_plain']:.2f}x)"
-
         memory = " / ".join(
             "–" if timings[m]["peak_memory_gib"] is None else f"{timings[m]['peak_memory_gib']:.1f}" for m in methods
         )
         agreement = result["film_vs_opacus_relative_difference"]
-        lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | {result['trainable_parameters']} | "
-                     f"{' | '.join(cell(m) for m in methods)} | {memory} | "
+        lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | "
+                     f"{result['trainable_parameters']} | "
+                     f"{' | '.join(timing_cell(m, timings[m]) for m in methods)} | {memory} | "
                      f"{'–' if agreement is None else f'{agreement:.1e}'} |")
     return "\n".join(lines) + "\n"
 
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None, cases: Callable[[str], list[Case]] = cas
             case_start = time.perf_counter()
             try:
                 timings, agreement, dimension = run_case(case, methods, args, device)
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory building the model: next case
+            except Exception as error:  # e.g. out of memory building the model: next case
                 failed = True
                 results.append({"case": asdict(case), "skipped": f"failed: {type(error).__name__}: {str(error)[:200]}"})
                 if device.type == "cuda":

@@ -115,8 +115,9 @@ def compare(rows: list[dict]) -> dict:
             for p, pick in picks.items()}
     return {
         "best_per_cell": best,
-        "max_abs_test_gap_points": float(100 * (paired["test_accuracy"]["bf16"] - paired["test_accuracy"]["fp32"]).abs().max()),
-        "max_abs_val_gap_points": float(100 * (paired["val_accuracy"]["bf16"] - paired["val_accuracy"]["fp32"]).abs().max()),
+        **{f"max_abs_{split}_gap_points": float(100 * (paired[f"{split}_accuracy"]["bf16"]
+                                                        - paired[f"{split}_accuracy"]["fp32"]).abs().max())
+           for split in ("test", "val")},
         "configurations": len(paired),
     }
 
@@ -134,7 +135,8 @@ def main() -> None:
     flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16"})
     figures: dict = {"cpu_bf16_flags": flags, "speed": encoding_speed(args.docs, args.max_tokens, args.seed)}
     speed = figures["speed"]
-    print(f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, {args.max_tokens} tokens")
+    print(f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, "
+          f"{args.max_tokens} tokens")
     print("| precision | docs/s (wall) | docs/s (process CPU) |\n|---|---|---|")
     for precision in PRECISIONS:
         print(f"| {precision} | {speed[precision]['docs_per_s']:.1f} | {speed[precision]['docs_per_cpu_s']:.1f} |")
@@ -145,11 +147,12 @@ def main() -> None:
                                                        args.seed))
         print("\n| cell | fp32 val / test | bf16 val / test |\n|---|---|---|")
         for cell, picks in figures["accuracy"]["best_per_cell"].items():
-            print(f"| {cell} | " + " | ".join(
-                f"{100 * picks[p]['val_accuracy']:.2f} / {100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS) + " |")
+            print(f"| {cell} | " + " | ".join(f"{100 * picks[p]['val_accuracy']:.2f} / "
+                                               f"{100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS) + " |")
         accuracy = figures["accuracy"]
         print(f"largest |bf16 − fp32| over {accuracy['configurations']} configurations: "
-              f"test {accuracy['max_abs_test_gap_points']:.2f} points, val {accuracy['max_abs_val_gap_points']:.2f} points")
+              f"test {accuracy['max_abs_test_gap_points']:.2f} points, "
+              f"val {accuracy['max_abs_val_gap_points']:.2f} points")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1))

@@ -1,4 +1,4 @@
-"""Does a DP search give the same accuracies with the FiLM engine as with Opacus? (issue 7)
+"""Does a DP search give the same accuracies with the FiLM engine as with Opacus?
 
 Runs the same grid search on the embedded task three times through ``python -m dptune.search``:
 engine ``film`` (seed 0), engine ``opacus`` (seed 0) and engine ``opacus`` (seed 1). Both

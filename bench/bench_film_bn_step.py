@@ -11,7 +11,8 @@ shifts, a 1280 x 100 head). Random weights (the speed does not depend on them), 
 Cases. ``--device cpu``: 64 px (the embedded MNIST-5k space's size), B = 64, float32.
 ``--device cuda``: 224 px, B = 128 and 256, bf16 autocast and float32 (TF32 on).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_film_bn_step.py --device cpu --threads 1 --out build/bench/film_bn_step_cpu
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_film_bn_step.py --device cpu --threads 1 \
+        --out build/bench/film_bn_step_cpu
     # GPU machine (Opacus copied to build/device/ as for bench_dp_step.py):
     PYTHONPATH=.:bench:build/device python3 bench/bench_film_bn_step.py --device cuda --out "$OUT/film_bn_step_h200"
 """

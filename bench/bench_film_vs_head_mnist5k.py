@@ -48,13 +48,15 @@ def best_per_epsilon(rows: list[dict]) -> dict[float, dict]:
     """The best ``ok`` trial of each ε on validation accuracy."""
     best: dict[float, dict] = {}
     for row in rows:
-        if row["status"] == "ok" and (row["epsilon"] not in best or row["val_accuracy"] > best[row["epsilon"]]["val_accuracy"]):
+        incumbent = best.get(row["epsilon"])
+        if row["status"] == "ok" and (incumbent is None or row["val_accuracy"] > incumbent["val_accuracy"]):
             best[row["epsilon"]] = row
     return best
 
 
 def markdown(results: dict) -> str:
-    lines = ["| ε | method | best val acc | its test acc | its (C, B, η₀) | trials ok | max ε spent | search wall time |",
+    lines = ["| ε | method | best val acc | its test acc | its (C, B, η₀) | trials ok | max ε spent "
+             "| search wall time |",
              "|---|---|---|---|---|---|---|---|"]
     for epsilon in sorted({row["epsilon"] for row in results["film"]["trials"]}):
         for method in ("film", "head"):
@@ -62,7 +64,8 @@ def markdown(results: dict) -> str:
             best = best_per_epsilon(rows).get(epsilon)
             ok = sum(row["status"] == "ok" for row in rows)
             spent = max(row["epsilon_spent"] for row in rows)
-            setting = "—" if best is None else f"({best['clip_bound']:.3g}, {best['batch_size']}, {best['base_learning_rate']:.3g})"
+            setting = ("—" if best is None
+                       else f"({best['clip_bound']:.3g}, {best['batch_size']}, {best['base_learning_rate']:.3g})")
             val, test = ("—", "—") if best is None else (f"{best['val_accuracy']:.4f}", f"{best['test_accuracy']:.4f}")
             lines.append(f"| {epsilon:g} | {method} | {val} | {test} | {setting} | {ok}/{len(rows)} | {spent:.4f} | "
                          f"{results[method]['wall_s']:.0f} s |")
@@ -77,7 +80,8 @@ def main() -> None:
     parser.add_argument("--max-train-examples", type=int, help="cap the training set (a quick check)")
     args = parser.parse_args()
     storage = Path(args.storage)
-    extra = ["--max-train-examples", str(args.max_train_examples), "--set", "min_steps=5"] if args.max_train_examples else []
+    extra = (["--max-train-examples", str(args.max_train_examples), "--set", "min_steps=5"]
+             if args.max_train_examples else [])
     results: dict = {}
     for peft in ("film", "head"):
         wall_s, trials = search(storage, peft, extra)

@@ -53,7 +53,8 @@ def version_problem(distribution: str, installed: str) -> str | None:
     if match is not None and low <= (int(match[1]), int(match[2])) < high:
         return None
     return (f"{distribution} {installed} is installed; dptune calls its private API ({PRIVATE_NAMES[distribution]}), "
-            f"tested with versions >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}: install the version pyproject.toml pins")
+            f"tested with versions >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}: "
+            "install the version pyproject.toml pins")
 
 
 @functools.cache

@@ -305,7 +305,7 @@ def task_difficulty(results: Results) -> pd.DataFrame:
         return pd.DataFrame(columns=["rank", "task", "cells", "mean_best_val_accuracy", "median_grad_norm"])
     budgets = best.groupby("task")[["epsilon", "epochs"]].apply(lambda f: set(map(tuple, f.to_numpy())))
     shared = set.intersection(*budgets) if len(budgets) else set()
-    in_shared = [(e, n) in shared for e, n in zip(best["epsilon"], best["epochs"])]
+    in_shared = [(e, n) in shared for e, n in zip(best["epsilon"], best["epochs"], strict=True)]
     used = best[in_shared] if shared else best
     table = used.groupby("task").agg(cells=("val_accuracy", "size"),
                                      mean_best_val_accuracy=("val_accuracy", "mean")).reset_index()
@@ -654,7 +654,7 @@ def batch_size_rule_check(noise: pd.DataFrame) -> pd.DataFrame:
         rec_b = int(recommended.iloc[0]) if len(recommended) else None
         best_acc = float(best["test_accuracy"].iloc[0]) if len(best) else np.nan
         rec_acc = float(chosen["test_accuracy"].iloc[0]) if len(chosen) else np.nan
-        rows.append({**dict(zip(CELL, key)), "recommended_batch_size": rec_b, "best_batch_size": best_b,
+        rows.append({**dict(zip(CELL, key, strict=True)), "recommended_batch_size": rec_b, "best_batch_size": best_b,
                      "match": None if rec_b is None or best_b is None else rec_b == best_b,
                      "recommended_accuracy": rec_acc, "best_accuracy": best_acc, "accuracy_gap": best_acc - rec_acc,
                      "per_step_rule_batch_size": int(old.iloc[0]) if len(old) else None})
@@ -796,7 +796,7 @@ def trends(guideline: pd.DataFrame, difficulty: pd.DataFrame) -> pd.DataFrame:
                 continue
             ordered = group.sort_values(factor)
             label = ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{value}"
-                              for name, value in zip(within, key))
+                              for name, value in zip(within, key, strict=True))
             comparisons.append((condition, label, ordered.iloc[0], ordered.iloc[-1]))
     ranked = list(difficulty["task"]) if len(difficulty) else []
     if len(ranked) >= 2:

@@ -270,8 +270,8 @@ def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_
             f"{row.learning_rate:.3g}", RECOMMENDED_MARK if row.recommended else "",
         ) for row in block]
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-        lines = ["  ".join(cell.rjust(width) for cell, width in zip(line[:-1], widths[:-1])) + "  " + line[-1]
-                 for line in table]
+        lines = ["  ".join(cell.rjust(width) for cell, width in zip(line[:-1], widths[:-1], strict=True))
+                 + "  " + line[-1] for line in table]
         blocks.append("\n".join([title, *(line.rstrip() for line in lines)]))
     legend = textwrap.fill(
         "T = round(E·N/B): steps; passes = T·q: expected passes over the data (E up to rounding). "

@@ -80,7 +80,8 @@ def check_address(address: str, where: str = "--address", timeout_s: float = ADD
 
 
 def _connect(host: str, port: int, timeout_s: float) -> str | None:
-    """Open and close a TCP connection: the problem in words, or None; bounded by ``timeout_s``, name lookup included."""
+    """Open and close a TCP connection: the problem in words, or None; bounded by ``timeout_s``, name lookup
+    included."""
     outcome: list[str | None] = []
 
     def attempt() -> None:
@@ -177,7 +178,7 @@ def check_tune_state(results_root: str) -> None:
     try:
         with fs.open_input_file(tuner) as file:
             pickle.loads(file.readall())  # what Tune's restore does with it
-    except Exception as exc:  # noqa: BLE001 - any failure to load it is the problem reported
+    except Exception as exc:  # any failure to load it is the problem reported
         raise PreflightError(f"{tuner}: Tune's state cannot be loaded ({type(exc).__name__}: "
                              f"{shown(str(exc))}) {fix}") from None
     states = sorted(info.path for info in fs.get_file_info(pafs.FileSelector(experiment))

@@ -775,8 +775,9 @@ def plan_private_selection(epsilon_total: float, delta: float, mean_trials: floa
              "non-empty and of equal length")
 
     def plan(epsilon_per_trial: float) -> PrivateSelectionPlan:
-        sigmas = tuple(calibrate_noise_multiplier(epsilon_per_trial, delta, q, t) for q, t in zip(sample_rates, steps))
-        candidates = [TrialMechanism(s, q, t) for s, q, t in zip(sigmas, sample_rates, steps)]
+        sigmas = tuple(calibrate_noise_multiplier(epsilon_per_trial, delta, q, t)
+                       for q, t in zip(sample_rates, steps, strict=True))
+        candidates = [TrialMechanism(s, q, t) for s, q, t in zip(sigmas, sample_rates, steps, strict=True)]
         bound = selection_epsilon(candidates, mean_trials, delta, shape=shape,
                                   score_noise_multiplier=score_noise_multiplier)
         return PrivateSelectionPlan(epsilon_total, delta, epsilon_per_trial, sigmas, bound)

@@ -45,9 +45,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from dptune.contract import TrialResult
 from dptune.errors import DptuneError
 from dptune.paths import filesystem
-from dptune.contract import TrialResult
 
 #: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
 #: (seed is null for secret coins); search gains the whole-search cost and the guarantee; release.

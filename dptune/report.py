@@ -311,7 +311,7 @@ def _figure_legend(figure: Figure, axes: np.ndarray, columns: int) -> None:
     """One legend below the panels with every labelled artist of ``axes`` (first of each label)."""
     entries: dict[str, object] = {}
     for ax in axes.ravel():
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(label, handle)
     if entries:
         figure.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=columns, fontsize=8)
@@ -388,7 +388,7 @@ def _overview(ctx: Context) -> Section:
                 rows.append({"task": task, "stratum": stratum, "classes": len(members),
                              "members (reference accuracy %)": ", ".join(
                                  f"{n} ({_percent(a)})" for n, a in zip(members["class_name"],
-                                                                       members["reference_accuracy"])),
+                                                                       members["reference_accuracy"], strict=True)),
                              "reference trial": members["reference_trial"].iloc[0] if len(members) else "–"})
         section.table(pd.DataFrame(rows), caption="Easy and hard classes per task.")
     return section
@@ -673,7 +673,7 @@ def _stratum_lines(ctx: Context, section: Section, frame: pd.DataFrame, x: str, 
                    ylabel: str, key: str) -> None:
     """Panels per (task, E): one line per (ε, stratum) of ``y`` against log ``x``."""
     epsilons = sorted(frame["epsilon"].unique())
-    colors = dict(zip(epsilons, _series_colors(len(epsilons))))
+    colors = dict(zip(epsilons, _series_colors(len(epsilons)), strict=True))
     figure, _, panels = _task_epoch_panels(ctx, frame)
     for ax, task, n_epochs, part in panels:
         for epsilon in epsilons:
@@ -742,7 +742,7 @@ def _batch_noise(ctx: Context) -> Section:
         if task not in bounds:
             section.note(f"{task}: the search spec states no min_steps; the min-step bound is not drawn.")
         epsilons, epochs = _budgets(part, task)
-        colors = dict(zip(epsilons, _series_colors(len(epsilons))))
+        colors = dict(zip(epsilons, _series_colors(len(epsilons)), strict=True))
         figure, axes = _new_figure(2, len(epochs), width=4.2, height=3.0)
         for column, n_epochs in enumerate(epochs):
             top, bottom = axes[0, column], axes[1, column]

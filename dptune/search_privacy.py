@@ -44,7 +44,8 @@ class CompositionCost:
 def trial_mechanisms(trials: pd.DataFrame) -> list[TrialMechanism]:
     """The trials as the accountant sees them: (σ, q, steps taken); pass only trials that took a step."""
     return [TrialMechanism(float(sigma), float(rate), int(steps))
-            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], trials["steps_taken"])]
+            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], trials["steps_taken"],
+                                          strict=True)]
 
 
 def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:

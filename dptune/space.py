@@ -257,7 +257,8 @@ class SearchSpace(_Strict):
     batch_size: BatchSizeSpec
     base_learning_rate: RangeSpec
     coupling: CouplingSpec = CouplingSpec()
-    min_steps: int = Field(DEFAULT_MIN_STEPS, ge=1, description="T_min: configurations with E·N/B steps below it never run")
+    min_steps: int = Field(DEFAULT_MIN_STEPS, ge=1,
+                           description="T_min: configurations with E·N/B steps below it never run")
     training: TrainingSpec = TrainingSpec()
     sampler: SamplerSpec = SamplerSpec()
     scheduler: SchedulerSpec | None = None
@@ -383,7 +384,8 @@ def _merge(base: dict, override: dict) -> dict:
     """Deep-merge ``override`` into a copy of ``base`` (mappings merge, everything else replaces)."""
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        both_mappings = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if both_mappings else value
     return merged
 
 

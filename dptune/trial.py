@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from dptune.contract import (ClassDiagnostics, Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult,
-                             TrialStatus)
+from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult, TrialStatus
 from dptune.errors import TrialConfigError, TrialFailed
 
 #: The contract types are re-exported here for callers that import them with ``run_trial``.

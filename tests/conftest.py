@@ -276,10 +276,12 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
     processes = []
     try:
         with (temp_dir / "head.log").open("wb") as log:
-            processes.append(subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+            processes.append(subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log,
+                                              stderr=subprocess.STDOUT))
         deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
         while not (temp_dir / "ray_current_cluster").is_file():
-            assert processes[0].poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[-3000:]
+            assert processes[0].poll() is None and time.monotonic() < deadline, \
+                (temp_dir / "head.log").read_text()[-3000:]
             time.sleep(0.5)
         # The worker node starts in a folder that is deleted once it is up, as happens when a
         # node is started from a temporary folder: its worker processes inherit a working
@@ -287,7 +289,8 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
         worker_cwd = temp_dir / "worker-cwd"
         worker_cwd.mkdir()
         with (temp_dir / "worker.log").open("wb") as log:
-            processes.append(subprocess.Popen(worker_cmd, cwd=worker_cwd, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+            processes.append(subprocess.Popen(worker_cmd, cwd=worker_cwd, env=node_env, stdout=log,
+                                              stderr=subprocess.STDOUT))
         probe = [sys.executable, "-c", f"import ray, time; ray.init(address='{address}', log_to_driver=False)\n"
                  "while ray.cluster_resources().get('CPU', 0) < 2: time.sleep(0.5)"]
         subprocess.run(probe, env=env, check=True, timeout=_HEAD_START_TIMEOUT_S, capture_output=True)

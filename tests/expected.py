@@ -62,7 +62,7 @@ def hard_accuracy(paths: Sequence[str], trials: pd.DataFrame, hard: dict[tuple[s
     is_hard = [label in hard[(dataset, backbone)] for dataset, backbone, label in
                classes[["dataset", "backbone", "label"]].itertuples(index=False)]
     means = classes[is_hard].groupby(["search_id", "trial_id"])["test_accuracy"].mean()
-    return pd.Series([means.get((s, t), np.nan) for s, t in zip(trials["search_id"], trials["trial_id"])],
+    return pd.Series([means.get((s, t), np.nan) for s, t in zip(trials["search_id"], trials["trial_id"], strict=True)],
                      index=trials.index, dtype=float)
 
 
@@ -130,5 +130,6 @@ def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> flo
     from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
     from dp_accounting.pld import PLDAccountant
 
-    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials])
+    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t)
+                             for s, q, t in trials])
     return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)

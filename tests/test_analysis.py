@@ -189,12 +189,14 @@ def test_retention_weights_from_probe_norms_match_the_recorded_ones(result_datas
 
 def test_retention_curves_and_grad_norms_use_each_cells_best_diagnosed_trial(
         result_datasets: list[str], results: an.Results, strata: pd.DataFrame) -> None:
-    diagnosed = set(zip(*expected.read(result_datasets, "diagnostics")[["search_id", "trial_id"]].to_numpy().T))
+    def keys(frame: pd.DataFrame) -> list[tuple[str, str]]:
+        return list(zip(frame["search_id"], frame["trial_id"], strict=True))
+
+    diagnosed = set(keys(expected.read(result_datasets, "diagnostics")))
     trials = expected.tuned(result_datasets)
-    best = expected.best(trials[[key in diagnosed for key in zip(trials["search_id"], trials["trial_id"])]],
-                         expected.CELL)
+    best = expected.best(trials[[key in diagnosed for key in keys(trials)]], expected.CELL)
     samples = an.grad_norm_samples(results, strata)
-    assert set(zip(samples["search_id"], samples["trial_id"])) == set(zip(best["search_id"], best["trial_id"]))
+    assert set(keys(samples)) == set(keys(best))
     diagnostics = expected.read(result_datasets, "diagnostics")
     for row in best.itertuples(index=False):
         own = diagnostics[(diagnostics["trial_id"] == row.trial_id) & (diagnostics["search_id"] == row.search_id)]

@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 import timm
 import torch
-from test_film import assert_relative, perturb_film_parameters, trainable
 from torch import nn
 
 from dptune.data.sources import load_mnist5k
@@ -20,9 +19,9 @@ from dptune.dp import trainer
 from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine, unsupported_modules
 from dptune.dp.opacus_engine import OpacusEngine, grad_sample_hooks
-from dptune.dp.optimizers import per_example_norms
 from dptune.models import ModelError, build_model, check_dp_compatible
 from dptune.trial import TrialConfig, TrialConfigError, check_trial_can_run, run_trial
+from test_film import assert_relative, perturb_film_parameters, trainable
 
 torch.set_num_threads(1)
 
@@ -115,7 +114,8 @@ def test_frozen_statistics_do_not_mix_examples_and_batch_statistics_do(film_mode
 
 
 def running_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: buffer.clone() for name, buffer in model.named_buffers() if "running" in name or "num_batches" in name}
+    return {name: buffer.clone() for name, buffer in model.named_buffers()
+            if "running" in name or "num_batches" in name}
 
 
 @pytest.mark.parametrize(("peft", "engine"), [("film", "auto"), ("film", "opacus")])

@@ -670,14 +670,14 @@ def test_crd_checks_are_skipped_with_a_reason_outside_ci_and_fail_in_ci(tmp_path
 
 
 def test_ci_entry_point_refuses_to_run_without_the_crds(tmp_path: Path) -> None:
-    # PATH holds only `dirname` (bash is called by its path): were the check to let CI through, `make` would not be found
-    # (exit 127) instead of running the whole suite inside this test.
+    # PATH holds only `dirname` (bash is called by its path): were the check to let CI through, `make`
+    # would not be found (exit 127) instead of running the whole suite inside this test.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
     missing = tmp_path / "nowhere"
-    completed = subprocess.run([shutil.which("bash"), str(REPO_ROOT / ".ci" / "run")], capture_output=True, text=True, timeout=60,
-                               env={"PATH": str(bin_dir), "CI": "true", CRD_ENV: str(missing)})
+    completed = subprocess.run([shutil.which("bash"), str(REPO_ROOT / ".ci" / "run")], capture_output=True, text=True,
+                               timeout=60, env={"PATH": str(bin_dir), "CI": "true", CRD_ENV: str(missing)})
     assert completed.returncode == 1, completed.stdout + completed.stderr
     assert f"KubeRay CRD {missing}/ray.io_rayclusters.yaml is missing" in completed.stderr
     assert completed.stdout == ""

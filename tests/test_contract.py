@@ -76,7 +76,8 @@ def test_a_table_that_misses_or_adds_a_name_fails_when_built() -> None:
 
 @pytest.mark.parametrize(("key", "names"), [("task.peft", PEFT_NAMES), ("training.optimizer", OPTIMIZER_NAMES),
                                             ("training.engine", ENGINE_NAMES), ("training.clipping", CLIPPING_RULES)])
-def test_the_space_refuses_a_name_outside_the_registry_naming_every_allowed_one(key: str, names: tuple[str, ...]) -> None:
+def test_the_space_refuses_a_name_outside_the_registry_naming_every_allowed_one(key: str,
+                                                                               names: tuple[str, ...]) -> None:
     from dptune.space import SpaceError, load_space
 
     with pytest.raises(SpaceError) as info:

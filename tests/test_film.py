@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
-from timm.layers import LayerNorm2d
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
+from timm.layers import LayerNorm2d
 from torch import nn
 
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
@@ -45,13 +45,15 @@ def perturb_film_parameters(model: nn.Module, seed: int) -> None:
 
 
 def spec_for(rule: str, clip_bound: float, noise_multiplier: float = 0.0, **kwargs: object) -> DPStepSpec:
-    return DPStepSpec(noise_multiplier=noise_multiplier, clip_bound=clip_bound, rule=rule, expected_batch_size=7.5, **kwargs)
+    return DPStepSpec(noise_multiplier=noise_multiplier, clip_bound=clip_bound, rule=rule, expected_batch_size=7.5,
+                      **kwargs)
 
 
 Batch = tuple[torch.Tensor, ...]
 
 
-def film_step(model: nn.Module, batches: list[Batch], spec: DPStepSpec, seed: int = 0) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+def film_step(model: nn.Module, batches: list[Batch], spec: DPStepSpec,
+              seed: int = 0) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
     """(loss, ‖g_i‖, p.grad of every trainable p) from the FiLM engine."""
     engine = FilmEngine(model, spec, torch.Generator().manual_seed(seed))
     torch.manual_seed(1234)  # identical dropout masks in every engine's forward

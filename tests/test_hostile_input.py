@@ -17,7 +17,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 import ray
 
 from conftest import REPO_ROOT, _free_ports, ray_processes_below, search_command
@@ -25,7 +24,7 @@ from dptune import plan, preflight, report, search
 from dptune.errors import MAX_SHOWN_CHARS
 from dptune.paths import probe_writable
 from dptune.records import SCHEMAS, ResultsStore, read_table
-from dptune.space import Cell, MAX_TRIALS_PER_CELL, SpaceError, load_space, parse_space
+from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 #: A "billion laughs": nine levels of ten aliases, about 10⁹ strings once expanded (under 1 kB of text).

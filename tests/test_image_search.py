@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 import ray
 
 from conftest import REPO_ROOT, fault_injection_env, ray_processes_below, search_command
@@ -30,7 +29,8 @@ IMAGE_SPACE = REPO_ROOT / "search_spaces/mnist5k_efficientnet_film.yaml"
     [
         (["training.engine=film", "task.peft=full"],
          "engine 'film' cannot run this model: peft 'full' is not one of film, head; use engine 'opacus' or 'auto'"),
-        (["task.peft=lora"], "peft 'lora' adapts attention projections and backbone 'efficientnet_lite0' has no attention"),
+        (["task.peft=lora"],
+         "peft 'lora' adapts attention projections and backbone 'efficientnet_lite0' has no attention"),
         (["task.dataset=cifar100", "task.backbone=wrn16_4", "task.peft=full"], "dataset 'cifar100' not found under"),
     ],
 )

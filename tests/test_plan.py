@@ -13,7 +13,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dptune import __version__, plan as plan_module, privacy
+from dptune import __version__, privacy
+from dptune import plan as plan_module
 from dptune.plan import (
     RECOMMENDED_MARK,
     PlanRow,

@@ -24,7 +24,6 @@ from scipy.special import gammaln
 from scipy.stats import norm
 
 from dptune import privacy
-from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 from dptune.privacy import (
     EPSILON_ERROR,
     NOISE_MULTIPLIER_RTOL,
@@ -33,6 +32,7 @@ from dptune.privacy import (
     check_delta,
     epsilon_spent,
 )
+from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
 pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
 
@@ -512,17 +512,18 @@ def test_private_selection_plan_meets_the_total_and_is_nearly_the_largest() -> N
     plan = privacy.plan_private_selection(4.0, DELTA, 8, rates, steps, score_noise_multiplier=5.0)
     assert plan.epsilon_selection <= 4.0
     assert plan.noise_multipliers == tuple(calibrate_noise_multiplier(plan.epsilon_per_trial, DELTA, q, t)
-                                           for q, t in zip(rates, steps))
+                                           for q, t in zip(rates, steps, strict=True))
     # independent check of the bound with Opacus' RDP of each candidate's σ, by hand
     from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
-    worst = np.max([opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps)], axis=0)
+    worst = np.max([opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps, strict=True)],
+                   axis=0)
     assert papernot_steinke_geometric(worst + orders / (2 * 5.0**2), orders, 8, DELTA) <= 4.0 + 1e-9
     # a per-trial ε one tolerance step larger breaks the total
     bigger = plan.epsilon_per_trial * (1 + 2 * privacy.SELECTION_EPSILON_RTOL)
     candidates = [privacy.TrialMechanism(calibrate_noise_multiplier(bigger, DELTA, q, t), q, t)
-                  for q, t in zip(rates, steps)]
+                  for q, t in zip(rates, steps, strict=True)]
     assert privacy.selection_epsilon(candidates, 8, DELTA, score_noise_multiplier=5.0) > 4.0
 
 

@@ -22,8 +22,10 @@ def make_result(val_accuracy: float = 0.5, epochs: int = 2) -> TrialResult:
     diag = Diagnostics(epoch=epochs, clip_bound=0.5, noise_multiplier=1.1, dimension=7700,
                        grad_norms=[0.2, 0.9, 1.4], labels=[0, 1, 1], mse_bias=0.1, mse_variance=0.2,
                        optimal_clip_bound=0.8,
-                       classes=[ClassDiagnostics(0, 1, {"q05": 0.2, "q25": 0.2, "q50": 0.2, "q75": 0.2, "q95": 0.2}, 0.0, 1.0),
-                                ClassDiagnostics(1, 2, {"q05": 0.9, "q25": 1.0, "q50": 1.15, "q75": 1.3, "q95": 1.4}, 1.0, 0.45)])
+                       classes=[ClassDiagnostics(0, 1, {"q05": 0.2, "q25": 0.2, "q50": 0.2, "q75": 0.2, "q95": 0.2},
+                                                 0.0, 1.0),
+                                ClassDiagnostics(1, 2, {"q05": 0.9, "q25": 1.0, "q50": 1.15, "q75": 1.3, "q95": 1.4},
+                                                 1.0, 0.45)])
     return TrialResult(
         config=config, status="ok", noise_multiplier=1.1, sample_rate=0.01, steps=200, epsilon_spent=0.99,
         num_train=6400, num_val=700, num_test=800, num_classes=2, val_accuracy=val_accuracy, test_accuracy=0.45,
@@ -43,7 +45,8 @@ def test_round_trip_values(tmp_path: Path) -> None:
     trials = read_table(str(tmp_path), "trials")
     assert list(trials.columns) == SCHEMAS["trials"].names
     row = trials.iloc[0]
-    assert (row.trial_id, row.clip_bound, row.batch_size, row.learning_rate, row.reference_batch_size) == ("t1", 0.5, 64, 2e-3, 256)
+    assert ((row.trial_id, row.clip_bound, row.batch_size, row.learning_rate, row.reference_batch_size)
+            == ("t1", 0.5, 64, 2e-3, 256))
     assert row.epsilon_spent <= row.epsilon
     epochs = read_table(str(tmp_path), "epochs")
     assert epochs["epoch"].tolist() == [1, 2] and epochs["steps"].tolist() == [100, 200]
@@ -63,12 +66,13 @@ def test_rewriting_a_trial_replaces_it(tmp_path: Path) -> None:
     assert read_table(str(tmp_path), "epochs")["epoch"].tolist() == [1, 2, 3]
 
 
-def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     store = ResultsStore(str(tmp_path))
     write(store, "t1", make_result())
     real_write = pq.write_table
 
-    def crash_on_trials(table, where, **kwargs):  # noqa: ANN001, ANN003
+    def crash_on_trials(table, where, **kwargs):
         if "/trials/" in str(where):
             Path(where).write_bytes(b"PAR1 half a file")  # what a killed writer leaves behind
             raise KeyboardInterrupt("killed while writing")

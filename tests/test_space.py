@@ -85,7 +85,8 @@ def test_batch_size_candidates_drop_values_above_n() -> None:
 
 def test_extends_deep_merges_the_base(tmp_path: Path) -> None:
     (tmp_path / "base.yaml").write_text(DEFAULT)
-    (tmp_path / "child.yaml").write_text("extends: base.yaml\nname: child\ntask: {fraction: 0.5}\nprivacy: {epsilons: [2]}\n")
+    (tmp_path / "child.yaml").write_text(
+        "extends: base.yaml\nname: child\ntask: {fraction: 0.5}\nprivacy: {epsilons: [2]}\n")
     loaded = load_space(tmp_path / "child.yaml")
     assert loaded.space.name == "child"
     assert (loaded.space.task.fraction, loaded.space.task.dataset) == (0.5, "20newsgroups")  # merged, not replaced

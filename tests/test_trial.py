@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dptune.dp.trainer as trainer
-from dptune.dp.trainer import workload_spec
 from dptune.data import load_workload
+from dptune.dp.trainer import workload_spec
 from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
@@ -71,7 +71,8 @@ def test_trial_runs_the_planned_poisson_steps_at_the_calibrated_noise(
     assert result.status == "ok", result.reason
     assert result.sample_rate == pytest.approx(sample_rate(n, BASE.batch_size))
     assert result.steps == total_steps(n, BASE.batch_size, BASE.epochs)
-    assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate, result.steps)
+    assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate,
+                                                                 result.steps)
     assert [m.steps for m in result.epochs] == list(itertools.accumulate(epoch_steps(n, BASE.batch_size, BASE.epochs)))
     assert result.epochs[-1].steps == result.steps  # exactly the T steps σ was calibrated for
     assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, result.steps, BASE.delta)
@@ -257,7 +258,8 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
 
 #: Modules that must stay importable without torch and Ray (readers of results, the report, the
 #: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
-TORCH_FREE_MODULES = ("dptune.contract", "dptune.trial", "dptune.records", "dptune.analysis", "dptune.report", "dptune.space")
+TORCH_FREE_MODULES = ("dptune.contract", "dptune.trial", "dptune.records", "dptune.analysis", "dptune.report",
+                      "dptune.space")
 
 
 def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:

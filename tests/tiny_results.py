@@ -105,7 +105,7 @@ def _probe(task: SyntheticTask, epsilon: float, epoch: int, key: object) -> tupl
 def _retention(norms: np.ndarray, labels: np.ndarray, clip_bound: float) -> dict[int, float]:
     """w_y(C) with plain Python (an implementation independent of dptune.analysis)."""
     weights: dict[int, list[float]] = {}
-    for norm, label in zip(norms.tolist(), labels.tolist()):
+    for norm, label in zip(norms.tolist(), labels.tolist(), strict=True):
         weights.setdefault(label, []).append(min(1.0, clip_bound / norm))
     return {label: sum(values) / len(values) for label, values in weights.items()}
 
@@ -136,7 +136,7 @@ def _diagnostics(task: SyntheticTask, config: TrialConfig, sigma: float, key: ob
         norms, labels = _probe(task, config.epsilon, epoch, key)
         clip = config.clip_bound
 
-        def split(bound: float) -> tuple[float, float]:
+        def split(bound: float, norms: np.ndarray = norms) -> tuple[float, float]:
             bias = 0.5 * float(np.mean(np.maximum(norms - bound, 0.0))) ** 2
             variance = sigma**2 * bound**2 * dimension / config.batch_size**2
             return bias, variance
@@ -149,7 +149,7 @@ def _diagnostics(task: SyntheticTask, config: TrialConfig, sigma: float, key: ob
         for label in range(classes):
             own = norms[labels == label]
             quantiles = dict(zip(("q05", "q25", "q50", "q75", "q95"),
-                                 np.quantile(own, [0.05, 0.25, 0.5, 0.75, 0.95]).tolist()))
+                                 np.quantile(own, [0.05, 0.25, 0.5, 0.75, 0.95]).tolist(), strict=True))
             per_class.append(ClassDiagnostics(label, int(own.size), quantiles, float(np.mean(own > clip)),
                                               weights[label]))
         records.append(Diagnostics(epoch=epoch, clip_bound=clip, noise_multiplier=sigma, dimension=dimension,
@@ -189,8 +189,9 @@ def _result(task: SyntheticTask, epsilon: float, epochs: int, clip_bound: float,
         num_classes=len(task.class_names), trainable_parameters=task.feature_dimension * len(task.class_names),
         val_accuracy=val, test_accuracy=test, train_loss=per_epoch[-1].train_loss, wall_time_s=0.8 * epochs,
         examples_per_s=task.num_train / 0.8, device="cpu", engine="film", epochs=per_epoch, class_accuracy=classes,
-        class_val_accuracy={label: float(np.clip(accuracy + _rng(task.name, epsilon, epochs, key, label).normal(0.0, 0.02),
-                                                 0.0, 1.0)) for label, accuracy in classes.items()},
+        class_val_accuracy={label: float(np.clip(
+            accuracy + _rng(task.name, epsilon, epochs, key, label).normal(0.0, 0.02), 0.0, 1.0))
+            for label, accuracy in classes.items()},
         class_names=dict(enumerate(task.class_names)),
         diagnostics=_diagnostics(task, config, sigma, key))
 

@@ -34,7 +34,8 @@ from dptune.dp.clipping import check_rule
 #: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
 PhysicalBatch = tuple[torch.Tensor, ...]
 
-#: PEFTs whose trainable modules the FiLM engine is designed for (issue 7).
+#: PEFTs whose trainable modules (norm-layer scale and shift, the linear head) have the closed-form
+#: per-example gradients the FiLM engine computes.
 FILM_ENGINE_PEFTS: tuple[str, ...] = ("film", "head")
 
 

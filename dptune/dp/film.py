@@ -1,4 +1,4 @@
-"""The fast DP engine for FiLM and head-only fine-tuning (issue 7).
+"""The fast DP engine for FiLM and head-only fine-tuning.
 
 FiLM trains only the scale γ and shift β of the normalisation layers and the classifier head, so
 the per-example gradients DP-SGD needs are closed-form functions of tensors the forward and
@@ -228,7 +228,8 @@ class _LinearSlot(_Slot):
                 if a.shape[1] == 1:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖²
                     squared = squared + delta.square().sum((1, 2)) * a.square().sum((1, 2))
                 else:  # Σ_{t,s} (δ_t·δ_s)(a_t·a_s)
-                    squared = squared + (torch.bmm(delta, delta.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))).sum((1, 2))
+                    gram = torch.bmm(delta, delta.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))
+                    squared = squared + gram.sum((1, 2))
             else:
                 self.per_example_weight = sum(torch.einsum("nto,nti->noi", delta, a) for a, delta in self.calls)
                 squared = squared + self.per_example_weight.square().sum((1, 2))
@@ -280,7 +281,8 @@ class FilmEngine:
         if refused:
             raise ValueError(
                 f"the FiLM engine cannot compute per-example gradients of: {', '.join(refused)}; "
-                f"supported trainable modules are {', '.join(t.__module__ + '.' + t.__name__ for t in SUPPORTED_MODULE_TYPES)}"
+                "supported trainable modules are "
+                f"{', '.join(t.__module__ + '.' + t.__name__ for t in SUPPORTED_MODULE_TYPES)}"
             )
         self.model = model
         self.spec = spec
@@ -308,7 +310,8 @@ class FilmEngine:
         first = self._slots[0].params[0]
         self._device = first.device
         if generator.device.type != self._device.type:
-            raise ValueError(f"the noise generator is on {generator.device}, the model on {self._device}; they must match")
+            raise ValueError(
+                f"the noise generator is on {generator.device}, the model on {self._device}; they must match")
         self._anchor = torch.zeros((), device=self._device, requires_grad=True)
         self.last_grad_norms = torch.zeros(0, device=self._device)
 
@@ -320,7 +323,8 @@ class FilmEngine:
         def hook_for(slot: _Slot) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor]:
             def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
                 if not args:
-                    raise ValueError(f"module {slot.name} was called without a positional input; the FiLM engine needs one")
+                    raise ValueError(
+                        f"module {slot.name} was called without a positional input; the FiLM engine needs one")
                 return _Tap.apply(output, args[0], anchor, slot)
 
             return hook

@@ -38,6 +38,8 @@ FiLM or LoRA for ViTs under DP.
 Registries ``BACKBONES`` and ``PEFTS`` are the one place to add a backbone or a PEFT method.
 """
 
+from dptune.models.backbones import BACKBONES, list_backbones
+from dptune.models.base import BackboneInfo, ModelError
 from dptune.models.build import (
     Classifier,
     build_feature_extractor,
@@ -48,8 +50,6 @@ from dptune.models.build import (
     trainable_parameter_count,
 )
 from dptune.models.opacus_support import register_opacus_grad_samplers
-from dptune.models.backbones import BACKBONES, list_backbones
-from dptune.models.base import BackboneInfo, ModelError
 from dptune.models.peft import PEFTS
 
 register_opacus_grad_samplers()

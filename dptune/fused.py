@@ -156,20 +156,21 @@ def max_fused_configurations(config: TrialConfig, num_train: int, feature_dim: i
                              memory_bytes: int = FUSED_MEMORY_BYTES) -> int:
     """How many configurations at ``config.batch_size`` fit one fused group in ``memory_bytes`` (≥ 0).
 
-    The model (bytes, float32 unless said): shared by the group, the training features with their
-    squared norms and labels, (N + 1)·(dim + 3)·4, and the probe's per-example gradients and their
-    running sums, 4·n_probe·d·4 (d = (dim + 1)·classes); per configuration, with n = B + 6√B + 16
-    and S = :func:`chunk_steps` steps per draw: the gathered batch and its logits, δ and factors,
-    4·n·(dim + 1 + 6·classes), the drawn batch indices, 16·S·n, the head, its optimizer state,
-    gradient and S steps of noise, 4·d·(5 + S), and its share of an evaluation block,
-    12·``EVALUATION_ROWS``·classes.
+    The model (bytes, float32 unless said): shared by the group, the augmented training features
+    with their squared norms and labels, 4·(N + 1)·(dim + 4), an evaluation block of augmented
+    features, 4·``EVALUATION_ROWS``·(dim + 1), and the probe's per-example gradients with their
+    running sums, 16·n_probe·d (d = (dim + 1)·classes); per configuration, with n = B + 6√B + 16
+    and S = :func:`chunk_steps` steps per draw: the gathered batch, its logits, δ, factors and
+    norms, 4·n·(dim + 2 + 6·classes), the drawn batch indices, 16·S·n, the head, its optimizer
+    state, gradient and S steps of noise, 4·d·(5 + S), and its share of the evaluation block's
+    logits, 12·``EVALUATION_ROWS``·classes.
     """
     parameters = (feature_dim + 1) * num_classes
     steps = chunk_steps(parameters)
     padded = _padded_batch_size(config.batch_size)
     probe = min(config.diagnostic_examples, num_train) if config.diagnostics else 0
-    shared = 4 * (num_train + 1) * (feature_dim + 3) + 16 * probe * parameters
-    per_config = (4 * padded * (feature_dim + 1 + 6 * num_classes) + 16 * steps * padded
+    shared = 4 * (num_train + 1) * (feature_dim + 4) + 4 * EVALUATION_ROWS * (feature_dim + 1) + 16 * probe * parameters
+    per_config = (4 * padded * (feature_dim + 2 + 6 * num_classes) + 16 * steps * padded
                   + 4 * parameters * (5 + steps) + 12 * EVALUATION_ROWS * num_classes)
     return max(0, (memory_bytes - shared) // per_config)
 

@@ -356,7 +356,7 @@ def test_a_group_that_cannot_fit_is_refused_before_compute(no_training: None) ->
 
 def test_groups_are_chunked_to_the_configurations_that_fit() -> None:
     configs = [replace(BASE, epochs=1, seed=s) for s in range(5)]
-    budget = 1 << 23
+    budget = 1 << 24
     fits = max_fused_configurations(BASE, 200, 384, 20, budget)
     assert 1 <= fits < 5
     done: list[list[int]] = []

@@ -22,8 +22,8 @@ from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine
 from dptune.dp.opacus_engine import OpacusEngine
 from dptune.dp.trainer import _process_workload, workload_spec
-from dptune.fused import (FusedTrialsFailed, PoissonSteps, StackedOptimizer, fused_refusal, head_noisy_gradients,
-                          max_fused_configurations, run_fused)
+from dptune.fused import (FusedTrialsFailed, PoissonSteps, StackedOptimizer, augment, fused_refusal,
+                          head_noisy_gradients, max_fused_configurations, run_fused, stack_heads)
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
@@ -91,12 +91,16 @@ def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
     bias = 0.5 * torch.randn(k, classes, generator=generator)
     rows = torch.stack([torch.randperm(len(labels), generator=generator)[:40] for _ in range(k)])
     mask = torch.arange(40) < torch.tensor(sizes)[:, None]
-    noise = torch.randn(k, classes * dim + classes, generator=generator)
+    noise = torch.randn(k, classes, dim + 1, generator=generator)  # one draw per parameter: [W | b]
     stds = [noise_std(sigma, c, rule) for c in clip_bounds]
     scales = [update_scale(c, rule, batch_size) for c in clip_bounds]
-    released = head_noisy_gradients(weight, bias, features[rows], labels[rows], mask, torch.tensor(clip_bounds), rule,
-                                    noise, torch.tensor(stds), torch.tensor(scales))
-    flat = torch.cat([released.weight.flatten(1), released.bias], dim=1)
+    released = head_noisy_gradients(stack_heads(weight, bias), augment(features[rows]), labels[rows], mask,
+                                    torch.tensor(clip_bounds), rule, noise, torch.tensor(stds), torch.tensor(scales))
+
+    def linear_layout(heads: torch.Tensor) -> torch.Tensor:  # [W | b] → nn.Linear's flat (weight, then bias)
+        return torch.cat([heads[:, :, :dim].flatten(1), heads[:, :, dim]], dim=1)
+
+    flat, noise = linear_layout(released.heads), linear_layout(noise)
     for i in range(k):
         batch = rows[i, : sizes[i]]
         for engine in (FilmEngine, OpacusEngine):
@@ -352,7 +356,7 @@ def test_a_group_that_cannot_fit_is_refused_before_compute(no_training: None) ->
 
 def test_groups_are_chunked_to_the_configurations_that_fit() -> None:
     configs = [replace(BASE, epochs=1, seed=s) for s in range(5)]
-    budget = 1 << 23
+    budget = 1 << 24
     fits = max_fused_configurations(BASE, 200, 384, 20, budget)
     assert 1 <= fits < 5
     done: list[list[int]] = []

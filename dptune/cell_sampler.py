@@ -67,7 +67,8 @@ class CellSpec:
 
     def grid(self) -> dict[str, list]:
         """The grid of a ``grid`` sampler (every hyperparameter categorical)."""
-        return {"batch_size": list(self.batch_sizes), **{name: list(spec["values"]) for name, spec in self.ranges.items()}}
+        listed = {name: list(spec["values"]) for name, spec in self.ranges.items()}
+        return {"batch_size": list(self.batch_sizes), **listed}
 
 
 def _key(params: dict[str, Any]) -> str:

@@ -74,7 +74,9 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
     """
     batch_size = int(params["batch_size"])
     base_lr = float(params["base_learning_rate"])
-    lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size) if context.coupling == "sqrt" else base_lr
+    lr = base_lr
+    if context.coupling == "sqrt":
+        lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size)
     clip_bound = float(params.get("clip_bound", context.base.clip_bound))
     seed = None
     if context.reproducible_seed is not None:
@@ -111,7 +113,8 @@ def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int,
     """Record a configuration the min-step rule removed: one row, status ``pruned_min_steps``, no compute."""
     config = trial_config(context, params)
     steps = total_steps(num_train, config.batch_size, config.epochs)
-    result = TrialResult(config=config, status="pruned_min_steps", reason=f"T = {steps} steps < min_steps = {min_steps}",
+    result = TrialResult(config=config, status="pruned_min_steps",
+                         reason=f"T = {steps} steps < min_steps = {min_steps}",
                          sample_rate=sample_rate(num_train, config.batch_size), steps=steps, steps_taken=0,
                          num_train=num_train, epsilon_spent=0.0)
     write_result(context, params, 0, result)

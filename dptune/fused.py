@@ -54,16 +54,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.dp.clipping import ClippingRule, clip_factors, noise_std, update_scale
 from dptune.dp.diagnostics import ProbeGradients, diagnose
-from dptune.dp.trainer import (Evaluation, _process_workload, check_config, check_fits_workload, diagnostic_epochs,
-                               noisy_score, probe_indices, torch_threads, trial_coins, workload_spec)
+from dptune.dp.trainer import (
+    Evaluation,
+    _process_workload,
+    check_config,
+    check_fits_workload,
+    diagnostic_epochs,
+    noisy_score,
+    probe_indices,
+    torch_threads,
+    trial_coins,
+    workload_spec,
+)
+from dptune.errors import DptuneError, TrialConfigError
 from dptune.models import build_model
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
-from dptune.errors import DptuneError, TrialConfigError
 
 #: Working-set budget of one fused group on its device (bytes): :func:`max_fused_configurations`.
 FUSED_MEMORY_BYTES: int = 2 << 30

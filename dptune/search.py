@@ -36,8 +36,14 @@ from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
 from dptune.execution import TrialContext, record_pruned
 from dptune.paths import check_name, filesystem, probe_writable
 from dptune.plan import sample_rate, total_steps
-from dptune.privacy import (PrivacyParameterError, TrialMechanism, calibrate_noise_multiplier, draw_trial_count,
-                            plan_private_selection, selection_epsilon)
+from dptune.privacy import (
+    PrivacyParameterError,
+    TrialMechanism,
+    calibrate_noise_multiplier,
+    draw_trial_count,
+    plan_private_selection,
+    selection_epsilon,
+)
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
 from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
@@ -176,7 +182,8 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
     if selection is not None:
         lines.append(f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
                      f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
-                     f"{space.sampler.trials_per_cell}), noisy validation score σ_s = {selection.score_noise_multiplier:g}")
+                     f"{space.sampler.trials_per_cell}), noisy validation score "
+                     f"σ_s = {selection.score_noise_multiplier:g}")
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
     for plan in plans:
         lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.configurations} configurations{runs}")
@@ -206,7 +213,9 @@ def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
     them; the cell sampler records and skips each such proposal.
     """
     is_grid = space.sampler.name == "grid"
-    offered = plan.feasible_batch_sizes if is_grid else tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
+    offered = plan.feasible_batch_sizes
+    if not is_grid:
+        offered = tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
     ranges: dict[str, dict[str, Any]] = {}
     for name, spec in _sampled_ranges(space, plan).items():
         ranges[name] = ({"values": sorted(spec.values)} if spec.values is not None
@@ -330,8 +339,9 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
                                                     grace_period=min(spec.grace_period, plan.cell.epochs),
                                                     reduction_factor=spec.reduction_factor)
                                  for key, (_, plan) in by_key.items()})
-    callback = RecordAndReport({key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations,
-                                      plan.noise_multipliers, plan.num_train) for key, (context, plan) in by_key.items()})
+    callback = RecordAndReport({
+        key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations, plan.noise_multipliers,
+              plan.num_train) for key, (context, plan) in by_key.items()})
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
@@ -384,7 +394,8 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     refusal = fused_refusal(base)
     if refusal is not None:
         if runner == "fused":
-            raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; use runner 'auto' or 'trial'")
+            raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; "
+                              "use runner 'auto' or 'trial'")
         return False
     feature_dim = int(workload.train[0][0].shape[-1])
     for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
@@ -752,12 +763,14 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
                     "per (ε, epochs) cell, on Ray Tune.",
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
-    parser.add_argument("--space", default="search_spaces/default.yaml", help="search-space YAML (default: %(default)s)")
+    parser.add_argument("--space", default="search_spaces/default.yaml",
+                        help="search-space YAML (default: %(default)s)")
     parser.add_argument("--storage", default="results", help="results folder or URI (default: %(default)s)")
     parser.add_argument("--name", help="search name, a folder under --storage (default: the space's name)")
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (cells, trials, pruning, σ per B) and stop")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan (cells, configurations, pruning, σ per B) and stop")
     parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
     parser.add_argument("--report-dir", metavar="DIR",
                         help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)")

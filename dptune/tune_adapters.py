@@ -27,8 +27,14 @@ from ray.tune.search import Searcher
 
 from dptune.cell_sampler import CellSampler
 from dptune.contract import EpochMetrics, TrialResult
-from dptune.execution import (TrialContext, configuration_id, record_pruned, run_configurations, trial_config,
-                              write_result)
+from dptune.execution import (
+    TrialContext,
+    configuration_id,
+    record_pruned,
+    run_configurations,
+    trial_config,
+    write_result,
+)
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import ResultsStore, replicate_trial_id

@@ -22,8 +22,17 @@ from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine
 from dptune.dp.opacus_engine import OpacusEngine
 from dptune.dp.trainer import _process_workload, workload_spec
-from dptune.fused import (FusedTrialsFailed, PoissonSteps, StackedOptimizer, augment, fused_refusal,
-                          head_noisy_gradients, max_fused_configurations, run_fused, stack_heads)
+from dptune.fused import (
+    FusedTrialsFailed,
+    PoissonSteps,
+    StackedOptimizer,
+    augment,
+    fused_refusal,
+    head_noisy_gradients,
+    max_fused_configurations,
+    run_fused,
+    stack_heads,
+)
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.trial import TrialConfig, TrialConfigError, TrialResult, run_trial

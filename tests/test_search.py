@@ -13,16 +13,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import ray
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
-import ray
-
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
-from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 from dptune import execution, privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import read_table
 from dptune.space import load_space
+from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
@@ -133,7 +132,8 @@ def test_trials_use_calibrated_sigma_coupled_lr_and_stay_within_budget(
     for row in ran.itertuples():
         q, steps = sample_rate(row.num_train, row.batch_size), total_steps(row.num_train, row.batch_size, row.epochs)
         assert (row.sample_rate, row.steps) == (q, steps)
-        assert row.noise_multiplier == pytest.approx(privacy.calibrate_noise_multiplier(row.epsilon, row.delta, q, steps))
+        sigma = privacy.calibrate_noise_multiplier(row.epsilon, row.delta, q, steps)
+        assert row.noise_multiplier == pytest.approx(sigma)
         assert row.epsilon_spent <= row.epsilon
         assert row.learning_rate == pytest.approx(coupled_learning_rate(row.base_learning_rate, row.batch_size, 64))
         assert 0 <= row.val_accuracy <= 1 and 0 <= row.test_accuracy <= 1
@@ -158,8 +158,8 @@ def test_per_trial_tables_are_complete(tiny_search: SearchRun) -> None:
 def _pld_epsilon(trials: pd.DataFrame, delta: float) -> float:
     """PLD over the recorded (σ, q, steps taken) of the trials that took a step."""
     took = trials[trials["steps_taken"] > 0]
-    return pld_epsilon(list(zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"].astype(int))),
-                       delta)
+    return pld_epsilon(list(zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"].astype(int),
+                                strict=True)), delta)
 
 
 def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch,

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
-from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.search import CellPlan, _trial_count, base_trial_config, format_summary, summary_table
 from dptune.space import Cell, SpaceError, parse_space
 from dptune.trial import TrialResult

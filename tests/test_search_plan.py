@@ -27,19 +27,19 @@ def test_random_trial_count_is_geometric_with_the_planned_mean() -> None:
     counts = []
     for seed in range(400):
         space = parse_space(DEFAULT, "d.yaml", {"sampler.name": "random", "sampler.random_trial_count": True,
-                                                "seed": seed}).space
+                                                "sampler.trials_per_cell": 8, "seed": seed}).space
         counts.append(_trial_count(space, plan_for(space)))
     counts = np.array(counts)
     assert counts.min() >= 1
     assert counts.mean() == pytest.approx(8, rel=0.15)  # mean trials_per_cell; sd of the mean ≈ 0.37
     assert (counts == 1).mean() == pytest.approx(1 / 8, abs=0.05)  # P(K = 1) = γ
     fixed = parse_space(DEFAULT, "d.yaml").space
-    assert _trial_count(fixed, plan_for(fixed)) == 8
+    assert _trial_count(fixed, plan_for(fixed)) == fixed.sampler.trials_per_cell == 48
 
 
 def test_random_trial_count_needs_the_random_sampler() -> None:
     with pytest.raises(SpaceError, match="random_trial_count needs sampler 'random'"):
-        parse_space(DEFAULT, "d.yaml", {"sampler.random_trial_count": True})
+        parse_space(DEFAULT, "d.yaml", {"sampler.name": "tpe", "sampler.random_trial_count": True})
 
 
 def test_grid_trial_count_covers_feasible_points_only() -> None:

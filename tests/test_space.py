@@ -33,8 +33,8 @@ def test_default_cells_are_the_product_of_budgets() -> None:
         (("peft: head", "peft: prefix"), "task.peft: not allowed; expected 'head', 'film', 'lora' or 'full'"),
         (("epsilons: [1, 8]", "epsilons: [0, 8]"), "privacy.epsilons.0"),
         (("delta: 1.0e-5", "delta: 1.5"), "privacy.delta"),
-        (("name: tpe", "name: cmaes"), "sampler.name: not allowed"),
-        (("trials_per_cell: 8", "trials_per_cell: zero"), "sampler.trials_per_cell"),
+        (("name: random", "name: cmaes"), "sampler.name: not allowed"),
+        (("trials_per_cell: 48", "trials_per_cell: zero"), "sampler.trials_per_cell"),
         (("high: 10.0", "high: 0.001"), "must not exceed high"),
         (("epochs: [5, 20]", "epochs: []"), "epochs"),
         (("clipping: normalized", "clipping: per_layer"), "training.clipping"),
@@ -51,7 +51,7 @@ def test_bad_spec_names_file_key_and_rule(edit: tuple[str, str], expected: str) 
 
 
 def test_grid_sampler_needs_value_lists() -> None:
-    text = DEFAULT.replace("name: tpe", "name: grid")
+    text = DEFAULT.replace("name: random", "name: grid")
     with pytest.raises(SpaceError, match="sampler 'grid' needs clip_bound.values"):
         parse_space(text, "grid.yaml")
 

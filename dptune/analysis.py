@@ -591,12 +591,13 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     ``cumulative_noise`` = σ√T (the paper's quantity), ``per_step_noise`` = σ/B (the old per-step
     rule's noise std of the mean gradient, in units of C). ``test_accuracy``/``val_accuracy``
     are the means of the best tuned configuration at that B (over C and η, selected on mean
-    validation accuracy); ``measured_best`` marks the B of the cell's best configuration. ``largest_feasible_batch_size`` is the
-    largest B of the cell with T ≥ T_min (``min_steps``), and ``recommended_batch_size`` the B
-    that ``dptune.plan.recommended_batch_size`` picks from these σ√T with ``PLATEAU_TOLERANCE``:
-    among the B the search evaluated, with recorded σ (NaN where T_min is unknown).
-    ``per_step_rule_batch_size`` is what the old per-step rule picks with the same function applied
-    to σ/B and no step bound: the smallest B within the tolerance of the least per-step noise.
+    validation accuracy); ``measured_best`` marks the B of the cell's best configuration.
+    ``largest_feasible_batch_size`` is the largest B of the cell with T ≥ T_min (``min_steps``), and
+    ``recommended_batch_size`` the B that ``dptune.plan.recommended_batch_size`` picks from these
+    σ√T with ``PLATEAU_TOLERANCE``: among the B the search evaluated, with recorded σ (NaN where
+    T_min is unknown). ``per_step_rule_batch_size`` is what the old per-step rule picks with the
+    same function applied to σ/B and no step bound: the smallest B within the tolerance of the
+    least per-step noise.
     """
     columns = [*CELL, "batch_size", "num_train", "noise_multiplier", "steps", "cumulative_noise", "per_step_noise",
                "pruned", "val_accuracy", "test_accuracy", "trial_id", "measured_best",
@@ -1014,10 +1015,11 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
     better-ranked configuration (``rank_configurations``). ``clip_low``/``clip_high`` and
     ``batch_low``/``batch_high`` are the percentile interval at ``confidence`` of the selected C and
     B (inverted-CDF percentiles: the ends are values some round selected; percentiles commute with
-    the logarithm, so this is also the percentile interval on a log axis); ``clip_bound``/``batch_size`` are the point estimate (the
-    best configuration); ``selected_share`` is the fraction of rounds that selected it and
-    ``clip_share``/``batch_share`` those that selected its C / its B. ``source`` says which noise
-    was resampled: ``replicates``, ``binomial`` or ``mixed``. ``seed`` fixes the bootstrap draws.
+    the logarithm, so this is also the percentile interval on a log axis);
+    ``clip_bound``/``batch_size`` are the point estimate (the best configuration); ``selected_share``
+    is the fraction of rounds that selected it and ``clip_share``/``batch_share`` those that selected
+    its C / its B. ``source`` says which noise was resampled: ``replicates``, ``binomial`` or
+    ``mixed``. ``seed`` fixes the bootstrap draws.
     With few replicates the intervals are narrow-biased: resampling R values keeps (R − 1)/R of
     their variance and never leaves their range (the within-noise set of ``rank_configurations``
     is the more cautious measure).
@@ -1037,7 +1039,7 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
     for key, cell in ranked.groupby(by, sort=True):
         key = key if isinstance(key, tuple) else (key,)
         mask = np.ones(len(trials), dtype=bool)
-        for name, value in zip(by, key):
+        for name, value in zip(by, key, strict=True):
             mask &= (trials[name] == value).to_numpy()
         chosen = _resampled_scores(trials[mask], cell, resamples, rng).argmax(axis=1)
         clips, batches = cell["clip_bound"].to_numpy(dtype=float), cell["batch_size"].to_numpy(dtype=float)
@@ -1047,7 +1049,8 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
         for name, picked in (("clip", clips[chosen]), ("batch", batches[chosen])):
             low, high = np.quantile(picked, [tail, 1 - tail], method="inverted_cdf")
             interval[f"{name}_low"], interval[f"{name}_high"] = float(low), float(high)
-        rows.append({**dict(zip(by, key)), "clip_bound": best["clip_bound"], "batch_size": best["batch_size"],
+        rows.append({**dict(zip(by, key, strict=True)),
+                     "clip_bound": best["clip_bound"], "batch_size": best["batch_size"],
                      "configurations": len(cell), "replicates": int(best["replicates"]), **interval,
                      "selected_share": float(np.mean(chosen == 0)),
                      "clip_share": float(np.mean(clips[chosen] == best["clip_bound"])),
@@ -1097,10 +1100,12 @@ def paper_trend_checks(intervals: pd.DataFrame) -> pd.DataFrame:
                 continue
             ordered = group.sort_values(trend.factor)
             harder, easier = ordered.iloc[0], ordered.iloc[-1]
-            held = ", ".join(f"{_SETTING[name]} = {value:g}" for name, value in zip(trend.within, key) if name != "task")
+            held = ", ".join(f"{_SETTING[name]} = {value:g}"
+                             for name, value in zip(trend.within, key, strict=True) if name != "task")
             for quantity, paper in trend.moves.items():
                 value, prefix = _QUANTITIES[quantity]
-                ends = [harder[f"{prefix}_low"], harder[f"{prefix}_high"], easier[f"{prefix}_low"], easier[f"{prefix}_high"]]
+                ends = [harder[f"{prefix}_low"], harder[f"{prefix}_high"],
+                        easier[f"{prefix}_low"], easier[f"{prefix}_high"]]
                 overlap = ends[0] <= ends[3] and ends[2] <= ends[1]
                 observed = _direction(float(harder[value]), float(easier[value]))
                 verdict = ("no change" if len(set(ends)) == 1 else "inconclusive" if overlap
@@ -1130,7 +1135,8 @@ def replicated_grid_cells(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL))
     for key, cell in ranked.groupby(by, sort=True):
         size = int(np.prod([cell[c].nunique() for c in ("clip_bound", "batch_size", "base_learning_rate")]))
         if len(cell) == size >= 2 and (cell["replicates"] >= 2).all():
-            rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "configurations": len(cell),
+            rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
+                         "configurations": len(cell),
                          "replicates": int(cell["replicates"].min())})
     return pd.DataFrame(rows, columns=[*by, "configurations", "replicates"])
 
@@ -1160,7 +1166,8 @@ def search_efficiency(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), tol
     ranked = rank_configurations(trials, by)
     rows = []
     for cell in cells.itertuples(index=False):
-        key = dict(zip(by, cell))
+        # a row of ``cells`` is (*by, configurations, replicates): zip keeps only its ``by`` values
+        key = dict(zip(by, cell, strict=False))
         mine = ranked[(ranked[by] == pd.Series(key)).all(axis=1)].reset_index(drop=True)
         runs = trials[(trials[by] == pd.Series(key)).all(axis=1)]
         scores = runs.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))

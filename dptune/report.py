@@ -62,9 +62,9 @@ class FigureInfo:
 FIGURES: tuple[FigureInfo, ...] = (
     FigureInfo("fig1-accuracy-heatmaps", 1, "Accuracy over (C, B) (paper Fig. 1)",
                "Per task, one panel per (E, ε): test accuracy (%) at each clip bound C × batch size B of the "
-               "configuration whose η (and other options) is best on validation there (means over its replicates). Blank: not evaluated; "
-               "'pruned': T < T_min; 'failed': diverged or error. The cell chosen on validation is outlined. C is "
-               "log-binned when the sampler was continuous.",
+               "configuration whose η (and other options) is best on validation there (means over its replicates). "
+               "Blank: not evaluated; 'pruned': T < T_min; 'failed': diverged or error. The cell chosen on "
+               "validation is outlined. C is log-binned when the sampler was continuous.",
                per_task=True),
     FigureInfo("fig2-optimal-c-b", 2, "Optimal C and B against ε (paper Fig. 2)",
                "Optimal C (left) and B (right) per cell against ε, one line per task and E: the configuration "
@@ -547,7 +547,8 @@ def _optimal(ctx: Context) -> Section:
     for line in _uncertainty_rule(best, BOOTSTRAP_RESAMPLES):
         section.text(line)
     figure, axes = _new_figure(1, 2, width=4.6, height=3.6)
-    series = [(task, n) for task in ctx.tasks for n in sorted(intervals.loc[intervals["task"] == task, "epochs"].unique())]
+    series = [(task, n) for task in ctx.tasks
+              for n in sorted(intervals.loc[intervals["task"] == task, "epochs"].unique())]
     colors = _series_colors(len(series))
     for k, (task, n_epochs) in enumerate(series):
         part = intervals[(intervals["task"] == task) & (intervals["epochs"] == n_epochs)].sort_values("epsilon")
@@ -903,8 +904,9 @@ def _guidelines(ctx: Context) -> Section:
             + (f"{_points(hard)} points on the hard classes." if np.isfinite(hard) else
                "an unknown amount on the hard classes (no strata)."))
     shown = table.assign(
-        test_interval=[f"[{_percent(low)}, {_percent(high)}]" for low, high in zip(table["test_low"], table["test_high"])],
-        noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"])])
+        test_interval=[f"[{_percent(low)}, {_percent(high)}]"
+                       for low, high in zip(table["test_low"], table["test_high"], strict=True)],
+        noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"], strict=True)])
     columns = [*an.CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "replicates",
                "val_accuracy", "test_accuracy", "test_interval", "noise_set", an.EASY, an.HARD, "fixed_test_accuracy",
                "loss", "hard_loss"]
@@ -943,9 +945,10 @@ def _efficiency(ctx: Context) -> Section:
     figure, axes, panels = _task_epoch_panels(ctx, curves)
     for ax, task, n_epochs, part in panels:
         epsilons = sorted(part["epsilon"].unique())
-        for color, epsilon in zip(_series_colors(len(epsilons)), epsilons):
+        for color, epsilon in zip(_series_colors(len(epsilons)), epsilons, strict=True):
             line = part[part["epsilon"] == epsilon]
-            ax.plot(line["trials"], line["within_share"], color=color, marker="o", markersize=3, label=f"ε = {epsilon:g}")
+            ax.plot(line["trials"], line["within_share"], color=color, marker="o", markersize=3,
+                    label=f"ε = {epsilon:g}")
         ax.axhline(0.9, color="grey", linestyle=":", label="90 % of draw orders")
         ax.set_ylim(0, 1.02)
         _label_panel(ax, f"{task}\nE = {n_epochs}", "trials of the random search (k)",

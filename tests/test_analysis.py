@@ -432,7 +432,8 @@ def test_bootstrap_interval_holds_a_clear_optimum_and_widens_when_replicates_dis
     assert sure["selected_share"] == 1.0 and sure["source"] == "replicates" and sure["configurations"] == 5
     wide = table.loc[1.0]
     assert (wide["clip_bound"], wide["batch_size"]) == (0.1, 64)
-    assert (wide["clip_low"], wide["clip_high"]) == (0.1, 10.0) and (wide["batch_low"], wide["batch_high"]) == (64, 1024)
+    assert (wide["clip_low"], wide["clip_high"]) == (0.1, 10.0)
+    assert (wide["batch_low"], wide["batch_high"]) == (64, 1024)
     # the two are picked about equally often (exact share: P(mean of 3 draws from A > from B)); the third never
     assert 0.3 < wide["selected_share"] < 0.8 and wide["clip_share"] == wide["selected_share"]
     again = an.optimal_setting_intervals(results.tuned, resamples=2000, seed=1).set_index("epsilon")
@@ -481,7 +482,8 @@ def test_paper_trend_checks_need_disjoint_intervals() -> None:
 
 
 def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> None:
-    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72), (0.6, 0.6)), Replicated(0.1, 64, 1e-3, (0.74, 0.60), (0.7, 0.7))]
+    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72), (0.6, 0.6)),
+               Replicated(0.1, 64, 1e-3, (0.74, 0.60), (0.7, 0.7))]
     root = write_replicated_search(tmp_path, "rep", {EPS_LOOSE: configs, EPS_TIGHT: configs[:1]})
     trials = read_table(root, "trials")
     table = an.best_configurations(an.finished_trials(trials), by=["cell_id", "clipping"]).set_index("cell_id")
@@ -493,7 +495,8 @@ def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> N
 
 
 def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: Path) -> None:
-    clear = [Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)), Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7))]
+    clear = [Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)),
+             Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7))]
     # one replicate of the best scores .60: a single-seed search then prefers the worse configuration
     misleading = [Replicated(1.0, 64, 1e-3, (0.60, 1.00), (0.80, 0.80)),
                   Replicated(10.0, 64, 1e-3, (0.75, 0.75), (0.70, 0.70))]
@@ -502,7 +505,7 @@ def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: 
     results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: misleading, (8.0, 3): unreplicated,
                                      (1.0, 3): partial})  # the last two are no replicated full grid
     cells = an.replicated_grid_cells(results.tuned)
-    assert sorted(zip(cells["epsilon"], cells["epochs"])) == [(1.0, 10), (8.0, 10)]
+    assert sorted(zip(cells["epsilon"], cells["epochs"], strict=True)) == [(1.0, 10), (8.0, 10)]
     assert (cells["configurations"] == 2).all() and (cells["replicates"] == 2).all()
     curves = an.search_efficiency(results.tuned, draw_orders=4000).set_index(["epsilon", "trials"])
     assert curves.loc[(8.0, 1), "within_share"] == pytest.approx(0.5, abs=0.03)  # the best drawn first

@@ -305,7 +305,10 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
 
     from dptune.tune_adapters import METRIC, CellMultiplexer, PerCellASHA, RecordAndReport, tune_trainable
 
-    by_key = {plan.key: (context, plan) for plan, context in zip(plans, contexts, strict=True)}
+    # The longest units first (most epochs), so the last ones to finish are short: cells take turns
+    # in this order.
+    by_key = {plan.key: (context, plan) for plan, context in sorted(
+        zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)}
     trainable = tune.with_resources(
         tune.with_parameters(tune_trainable, contexts={key: context for key, (context, _) in by_key.items()}),
         {"cpu": space.resources.cpus, "gpu": space.resources.gpu},

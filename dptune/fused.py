@@ -57,8 +57,18 @@ import torch.nn.functional as F
 from dptune.data import Workload
 from dptune.dp.clipping import ClippingRule, clip_factors, noise_std, update_scale
 from dptune.dp.diagnostics import ProbeGradients, diagnose
-from dptune.dp.trainer import (Evaluation, _process_workload, check_config, check_fits_workload, diagnostic_epochs,
-                               noisy_score, probe_indices, torch_threads, trial_coins, workload_spec)
+from dptune.dp.trainer import (
+    Evaluation,
+    _process_workload,
+    check_config,
+    check_fits_workload,
+    diagnostic_epochs,
+    noisy_score,
+    probe_indices,
+    torch_threads,
+    trial_coins,
+    workload_spec,
+)
 from dptune.models import build_model
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
@@ -73,6 +83,8 @@ FUSABLE_FIELDS: tuple[str, ...] = ("clip_bound", "batch_size", "learning_rate", 
 #: Engines a fused configuration may ask for: the fused runner computes the head's per-example
 #: gradients in closed form, as the FiLM engine does.
 FUSABLE_ENGINES: tuple[str, ...] = ("auto", "film")
+#: Optimizers :class:`StackedOptimizer` steps (a subset of ``dptune.dp.optimizers.OPTIMIZERS``).
+FUSABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 #: Noise drawn per configuration per call: as many steps as fit this many bytes (float32).
 NOISE_CHUNK_BYTES = 1 << 20
 #: Most steps whose noise and Poisson batches are drawn in one call.
@@ -102,14 +114,19 @@ def fused_refusal(config: TrialConfig) -> str | None:
     """Why the fused runner cannot run this config (None: it can).
 
     It runs peft ``head`` (a linear head on cached backbone features, the ``features`` workload),
-    any clipping rule, optimizer adam or sgd, engine ``auto`` or ``film``.
+    any clipping rule, optimizer adam or sgd, engine ``auto`` or ``film``. A config with unknown
+    names or bad values is for :func:`~dptune.dp.trainer.check_config` to refuse.
     """
     if config.peft != "head":
         return (f"peft {config.peft!r} trains backbone parameters; the fused runner trains a linear head on "
                 f"cached features (peft 'head')")
     if config.engine not in FUSABLE_ENGINES:
+        allowed = " or ".join(map(repr, FUSABLE_ENGINES))
         return (f"engine {config.engine!r} asks for another per-example gradient engine; the fused runner "
-                f"computes the head's per-example gradients in closed form (engine {' or '.join(map(repr, FUSABLE_ENGINES))})")
+                f"computes the head's per-example gradients in closed form (engine {allowed})")
+    if config.optimizer not in FUSABLE_OPTIMIZERS:
+        return (f"optimizer {config.optimizer!r} has no stacked form here; the fused runner steps "
+                f"{' or '.join(map(repr, FUSABLE_OPTIMIZERS))}")
     return None
 
 
@@ -315,8 +332,8 @@ class StackedOptimizer:
     """
 
     def __init__(self, name: str, params: Sequence[torch.Tensor], learning_rates: torch.Tensor) -> None:
-        if name not in ("adam", "sgd"):
-            raise ValueError(f"optimizer {name!r} is not one of adam, sgd")
+        if name not in FUSABLE_OPTIMIZERS:
+            raise ValueError(f"optimizer {name!r} is not one of {', '.join(FUSABLE_OPTIMIZERS)}")
         self.name = name
         self.params = list(params)
         self.learning_rates = learning_rates
@@ -383,7 +400,6 @@ def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: tor
 class _Cell:
     """What every group of one ``run_fused`` call shares: the workload on the device."""
 
-    config: TrialConfig  # the first configuration (every shared field)
     workload: Workload
     device: torch.device
     features: torch.Tensor  # (N + 1, dim + 1) augmented training features x̃ on the device; row N is zeros (padding)
@@ -401,7 +417,7 @@ class _Cell:
         if config.diagnostics:
             rows = probe_indices(config, len(workload.train), features.shape[1] * workload.num_classes).to(device)
             probe = (features[rows], labels[rows])
-        return cls(config=config, workload=workload, device=device, features=features,
+        return cls(workload=workload, device=device, features=features,
                    square_norms=features.square().sum(1), labels=labels, probe=probe)
 
 
@@ -444,7 +460,8 @@ class _Group:
                 head = build_model(config.backbone, config.peft, workload.num_classes, feature_input=True)
             weights.append(head.weight.detach())
             biases.append(head.bias.detach())
-            self.samplers.append(PoissonSteps(num_train, self.sample_rate, torch.Generator().manual_seed(sampling_seed)))
+            sampling = torch.Generator().manual_seed(sampling_seed)
+            self.samplers.append(PoissonSteps(num_train, self.sample_rate, sampling))
             self.noise_generators.append(torch.Generator(device=device).manual_seed(noise_seed))
             self.score_generators.append(torch.Generator().manual_seed(score_seed))
         self.heads = stack_heads(weights, biases).to(device)  # (K, classes, dim + 1)
@@ -563,7 +580,8 @@ class _Group:
             for i in live:
                 examples_seen[i] += epoch_examples[i]
                 if taken[i] < self.steps_done:
-                    self._diverge(i, f"non-finite training loss ({divergent_losses[i]}) at step {taken[i]} (epoch {epoch})")
+                    loss = divergent_losses[i]
+                    self._diverge(i, f"non-finite training loss ({loss}) at step {taken[i]} (epoch {epoch})")
                 elif self.private_score and not self._parameters_finite(i):
                     self._diverge(i, f"non-finite parameters after epoch {epoch}")
                 finished[i] = self.results[i].status == "diverged"
@@ -670,8 +688,8 @@ def run_fused(configs: Sequence[TrialConfig],
                     f"not one configuration at batch_size {batch_size} fits the fused memory budget of {budget} bytes "
                     f"(N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                     f"smaller batch_size or a larger memory budget")
-            noise_multiplier = calibrate_noise_multiplier(
-                first.epsilon, first.delta, sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs))
+            rate, steps = sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs)
+            noise_multiplier = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
             chunks += [(members[i : i + fits], noise_multiplier) for i in range(0, len(members), fits)]
         cell = _Cell.build(first, workload, device)
         results: list[TrialResult | None] = [None] * len(configs)

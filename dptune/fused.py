@@ -647,9 +647,12 @@ class _Group:
 # --------------------------------------------------------------------------- the runner
 
 
-def _not_run(config: TrialConfig, reason: str) -> TrialResult:
-    return TrialResult(config=config, status="error", reason=reason, steps_taken=0, epsilon_spent=0.0,
-                       engine=FUSED_ENGINE)
+def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplier: float) -> TrialResult:
+    """The ``error`` record of a configuration whose group never took a step: nothing spent."""
+    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
+                       sample_rate=sample_rate(num_train, config.batch_size), num_train=num_train,
+                       steps=total_steps(num_train, config.batch_size, config.epochs), steps_taken=0,
+                       epsilon_spent=0.0, engine=FUSED_ENGINE)
 
 
 def run_fused(configs: Sequence[TrialConfig],
@@ -679,7 +682,8 @@ def run_fused(configs: Sequence[TrialConfig],
         groups: dict[int, list[int]] = {}
         for index, config in enumerate(configs):
             groups.setdefault(config.batch_size, []).append(index)
-        chunks: list[tuple[list[int], float]] = []
+        chunks: list[list[int]] = []
+        noise_multipliers: dict[int, float] = {}  # σ by batch size
         for batch_size, members in groups.items():
             fits = max_fused_configurations(configs[members[0]], num_train, workload.feature_dim,
                                             workload.num_classes, budget)
@@ -689,21 +693,26 @@ def run_fused(configs: Sequence[TrialConfig],
                     f"(N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                     f"smaller batch_size or a larger memory budget")
             rate, steps = sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs)
-            noise_multiplier = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
-            chunks += [(members[i : i + fits], noise_multiplier) for i in range(0, len(members), fits)]
+            noise_multipliers[batch_size] = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
+            chunks += [members[i : i + fits] for i in range(0, len(members), fits)]
         cell = _Cell.build(first, workload, device)
         results: list[TrialResult | None] = [None] * len(configs)
-        for members, noise_multiplier in chunks:
-            group = _Group(cell, [configs[i] for i in members], noise_multiplier)
+        for members in chunks:
+            batch_size = configs[members[0]].batch_size
+            group: _Group | None = None
             try:
+                group = _Group(cell, [configs[i] for i in members], noise_multipliers[batch_size])
                 group_results = group.run()
-            except Exception as error:  # training had begun: say what every configuration spent
-                for i, result in zip(members, group.failed(error), strict=True):
+            except Exception as error:  # say what every configuration spent, finished or not
+                failure = f"{type(error).__name__}: {error}"
+                failed = group.failed(error) if group is not None else [
+                    _unstarted(configs[i], failure, num_train, noise_multipliers[batch_size]) for i in members]
+                for i, result in zip(members, failed, strict=True):
                     results[i] = result
-                reason = f"not run: an earlier fused group failed ({type(error).__name__}: {error})"[:2000]
-                final = [r if r is not None else _not_run(c, reason) for r, c in zip(results, configs, strict=True)]
-                raise FusedTrialsFailed(f"fused group of batch_size {configs[members[0]].batch_size} failed: "
-                                        f"{type(error).__name__}: {error}", final) from error
+                final = [r if r is not None else _unstarted(c, f"not run: an earlier fused group failed ({failure})",
+                                                            num_train, noise_multipliers[c.batch_size])
+                         for r, c in zip(results, configs, strict=True)]
+                raise FusedTrialsFailed(f"fused group of batch_size {batch_size} failed: {failure}", final) from error
             for i, result in zip(members, group_results, strict=True):
                 results[i] = result
             if on_done is not None:

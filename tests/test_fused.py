@@ -303,7 +303,8 @@ def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:
 
 
 def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs = [replace(BASE, batch_size=100), replace(BASE, batch_size=20), replace(BASE, batch_size=20, seed=2)]
+    configs = [replace(BASE, batch_size=100), replace(BASE, batch_size=20), replace(BASE, batch_size=20, seed=2),
+               replace(BASE, batch_size=50)]
     real_step = StackedOptimizer.step
     calls = []
 
@@ -316,12 +317,14 @@ def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pyt
     monkeypatch.setattr(StackedOptimizer, "step", fail_in_second_group)
     with pytest.raises(FusedTrialsFailed, match="injected fault") as failure:
         run_fused(configs)
-    first, *failed = failure.value.results
+    first, *failed, unstarted = failure.value.results
     assert first.status == "ok" and first.steps_taken == first.steps
     for result in failed:
         assert result.status == "error" and "injected fault" in result.reason
         assert result.steps_taken == 5
         assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, 5, BASE.delta)
+    assert unstarted.status == "error" and unstarted.reason.startswith("not run") and "injected fault" in unstarted.reason
+    assert (unstarted.steps_taken, unstarted.epsilon_spent, unstarted.steps) == (0, 0.0, 12)  # T = 3·200/50
 
 
 # --------------------------------------------------------------------------- bad input

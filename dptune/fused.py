@@ -499,6 +499,7 @@ class _Group:
         return epsilon_spent(self.noise_multiplier, self.sample_rate, steps_taken, self.configs[0].delta)
 
     def _diagnose(self, live: list[int], epoch: int) -> None:
+        """Append the probe's diagnostics at ``epoch`` to the results of configurations ``live``."""
         assert self.cell.probe is not None
         features, labels = self.cell.probe
         for k in live:
@@ -550,6 +551,7 @@ class _Group:
             self.optimizer.step([gradients.heads], self.active)
 
     def run(self) -> list[TrialResult]:
+        """Train the group's T steps epoch by epoch, as a trial does; one result per configuration."""
         cell, configs = self.cell, self.configs
         k = len(configs)
         epochs = configs[0].epochs
@@ -630,6 +632,7 @@ class _Group:
         return bool(torch.isfinite(self.heads[index]).all())
 
     def _diverge(self, index: int, reason: str) -> None:
+        """Mark configuration ``index`` diverged: its head stops updating, its result says why."""
         self.results[index].status = "diverged"
         self.results[index].reason = reason
         self.active[index] = False

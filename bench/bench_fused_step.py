@@ -76,7 +76,8 @@ def main() -> None:
     num_train = len(workload.train)
     batch_sizes = sorted({c.batch_size for c in configs})
     for b in batch_sizes:  # σ calibrated and cached before anything is timed
-        calibrate_noise_multiplier(args.epsilon, 1e-5, sample_rate(num_train, b), total_steps(num_train, b, args.epochs))
+        steps = total_steps(num_train, b, args.epochs)
+        calibrate_noise_multiplier(args.epsilon, 1e-5, sample_rate(num_train, b), steps)
 
     start, start_cpu = time.perf_counter(), time.process_time()
     fused = run_fused(configs)

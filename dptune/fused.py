@@ -84,6 +84,8 @@ FUSABLE_FIELDS: tuple[str, ...] = ("clip_bound", "batch_size", "learning_rate", 
 #: Engines a fused configuration may ask for: the fused runner computes the head's per-example
 #: gradients in closed form, as the FiLM engine does.
 FUSABLE_ENGINES: tuple[str, ...] = ("auto", "film")
+#: Optimizers :class:`StackedOptimizer` steps (a subset of ``dptune.dp.optimizers.OPTIMIZERS``).
+FUSABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 #: Noise drawn per configuration per call: as many steps as fit this many bytes (float32).
 NOISE_CHUNK_BYTES = 1 << 20
 #: Most steps whose noise and Poisson batches are drawn in one call.
@@ -113,14 +115,19 @@ def fused_refusal(config: TrialConfig) -> str | None:
     """Why the fused runner cannot run this config (None: it can).
 
     It runs peft ``head`` (a linear head on cached backbone features, the ``features`` workload),
-    any clipping rule, optimizer adam or sgd, engine ``auto`` or ``film``.
+    any clipping rule, optimizer adam or sgd, engine ``auto`` or ``film``. A config with unknown
+    names or bad values is for :func:`~dptune.dp.trainer.check_config` to refuse.
     """
     if config.peft != "head":
         return (f"peft {config.peft!r} trains backbone parameters; the fused runner trains a linear head on "
                 f"cached features (peft 'head')")
     if config.engine not in FUSABLE_ENGINES:
+        allowed = " or ".join(map(repr, FUSABLE_ENGINES))
         return (f"engine {config.engine!r} asks for another per-example gradient engine; the fused runner "
-                f"computes the head's per-example gradients in closed form (engine {' or '.join(map(repr, FUSABLE_ENGINES))})")
+                f"computes the head's per-example gradients in closed form (engine {allowed})")
+    if config.optimizer not in FUSABLE_OPTIMIZERS:
+        return (f"optimizer {config.optimizer!r} has no stacked form here; the fused runner steps "
+                f"{' or '.join(map(repr, FUSABLE_OPTIMIZERS))}")
     return None
 
 
@@ -326,8 +333,8 @@ class StackedOptimizer:
     """
 
     def __init__(self, name: str, params: Sequence[torch.Tensor], learning_rates: torch.Tensor) -> None:
-        if name not in ("adam", "sgd"):
-            raise ValueError(f"optimizer {name!r} is not one of adam, sgd")
+        if name not in FUSABLE_OPTIMIZERS:
+            raise ValueError(f"optimizer {name!r} is not one of {', '.join(FUSABLE_OPTIMIZERS)}")
         self.name = name
         self.params = list(params)
         self.learning_rates = learning_rates
@@ -394,7 +401,6 @@ def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: tor
 class _Cell:
     """What every group of one ``run_fused`` call shares: the workload on the device."""
 
-    config: TrialConfig  # the first configuration (every shared field)
     workload: Workload
     device: torch.device
     features: torch.Tensor  # (N + 1, dim + 1) augmented training features x̃ on the device; row N is zeros (padding)
@@ -412,7 +418,7 @@ class _Cell:
         if config.diagnostics:
             rows = probe_indices(config, len(workload.train), features.shape[1] * workload.num_classes).to(device)
             probe = (features[rows], labels[rows])
-        return cls(config=config, workload=workload, device=device, features=features,
+        return cls(workload=workload, device=device, features=features,
                    square_norms=features.square().sum(1), labels=labels, probe=probe)
 
 
@@ -455,7 +461,8 @@ class _Group:
                 head = build_model(config.backbone, config.peft, workload.num_classes, feature_input=True)
             weights.append(head.weight.detach())
             biases.append(head.bias.detach())
-            self.samplers.append(PoissonSteps(num_train, self.sample_rate, torch.Generator().manual_seed(sampling_seed)))
+            sampling = torch.Generator().manual_seed(sampling_seed)
+            self.samplers.append(PoissonSteps(num_train, self.sample_rate, sampling))
             self.noise_generators.append(torch.Generator(device=device).manual_seed(noise_seed))
             self.score_generators.append(torch.Generator().manual_seed(score_seed))
         self.heads = stack_heads(weights, biases).to(device)  # (K, classes, dim + 1)
@@ -493,6 +500,7 @@ class _Group:
         return epsilon_spent(self.noise_multiplier, self.sample_rate, steps_taken, self.configs[0].delta)
 
     def _diagnose(self, live: list[int], epoch: int) -> None:
+        """Append the probe's diagnostics at ``epoch`` to the results of configurations ``live``."""
         assert self.cell.probe is not None
         features, labels = self.cell.probe
         for k in live:
@@ -544,6 +552,7 @@ class _Group:
             self.optimizer.step([gradients.heads], self.active)
 
     def run(self) -> list[TrialResult]:
+        """Train the group's T steps epoch by epoch, as a trial does; one result per configuration."""
         cell, configs = self.cell, self.configs
         k = len(configs)
         epochs = configs[0].epochs
@@ -574,7 +583,8 @@ class _Group:
             for i in live:
                 examples_seen[i] += epoch_examples[i]
                 if taken[i] < self.steps_done:
-                    self._diverge(i, f"non-finite training loss ({divergent_losses[i]}) at step {taken[i]} (epoch {epoch})")
+                    loss = divergent_losses[i]
+                    self._diverge(i, f"non-finite training loss ({loss}) at step {taken[i]} (epoch {epoch})")
                 elif self.private_score and not self._parameters_finite(i):
                     self._diverge(i, f"non-finite parameters after epoch {epoch}")
                 finished[i] = self.results[i].status == "diverged"
@@ -623,6 +633,7 @@ class _Group:
         return bool(torch.isfinite(self.heads[index]).all())
 
     def _diverge(self, index: int, reason: str) -> None:
+        """Mark configuration ``index`` diverged: its head stops updating, its result says why."""
         self.results[index].status = "diverged"
         self.results[index].reason = reason
         self.active[index] = False
@@ -640,9 +651,12 @@ class _Group:
 # --------------------------------------------------------------------------- the runner
 
 
-def _not_run(config: TrialConfig, reason: str) -> TrialResult:
-    return TrialResult(config=config, status="error", reason=reason, steps_taken=0, epsilon_spent=0.0,
-                       engine=FUSED_ENGINE)
+def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplier: float) -> TrialResult:
+    """The ``error`` record of a configuration whose group never took a step: nothing spent."""
+    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
+                       sample_rate=sample_rate(num_train, config.batch_size), num_train=num_train,
+                       steps=total_steps(num_train, config.batch_size, config.epochs), steps_taken=0,
+                       epsilon_spent=0.0, engine=FUSED_ENGINE)
 
 
 def run_fused(configs: Sequence[TrialConfig],
@@ -672,7 +686,8 @@ def run_fused(configs: Sequence[TrialConfig],
         groups: dict[int, list[int]] = {}
         for index, config in enumerate(configs):
             groups.setdefault(config.batch_size, []).append(index)
-        chunks: list[tuple[list[int], float]] = []
+        chunks: list[list[int]] = []
+        noise_multipliers: dict[int, float] = {}  # σ by batch size
         for batch_size, members in groups.items():
             fits = max_fused_configurations(configs[members[0]], num_train, workload.feature_dim,
                                             workload.num_classes, budget)
@@ -681,22 +696,27 @@ def run_fused(configs: Sequence[TrialConfig],
                     f"not one configuration at batch_size {batch_size} fits the fused memory budget of {budget} bytes "
                     f"(N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                     f"smaller batch_size or a larger memory budget")
-            noise_multiplier = calibrate_noise_multiplier(
-                first.epsilon, first.delta, sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs))
-            chunks += [(members[i : i + fits], noise_multiplier) for i in range(0, len(members), fits)]
+            rate, steps = sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs)
+            noise_multipliers[batch_size] = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
+            chunks += [members[i : i + fits] for i in range(0, len(members), fits)]
         cell = _Cell.build(first, workload, device)
         results: list[TrialResult | None] = [None] * len(configs)
-        for members, noise_multiplier in chunks:
-            group = _Group(cell, [configs[i] for i in members], noise_multiplier)
+        for members in chunks:
+            batch_size = configs[members[0]].batch_size
+            group: _Group | None = None
             try:
+                group = _Group(cell, [configs[i] for i in members], noise_multipliers[batch_size])
                 group_results = group.run()
-            except Exception as error:  # training had begun: say what every configuration spent
-                for i, result in zip(members, group.failed(error), strict=True):
+            except Exception as error:  # say what every configuration spent, finished or not
+                failure = f"{type(error).__name__}: {error}"
+                failed = group.failed(error) if group is not None else [
+                    _unstarted(configs[i], failure, num_train, noise_multipliers[batch_size]) for i in members]
+                for i, result in zip(members, failed, strict=True):
                     results[i] = result
-                reason = f"not run: an earlier fused group failed ({type(error).__name__}: {error})"[:2000]
-                final = [r if r is not None else _not_run(c, reason) for r, c in zip(results, configs, strict=True)]
-                raise FusedTrialsFailed(f"fused group of batch_size {configs[members[0]].batch_size} failed: "
-                                        f"{type(error).__name__}: {error}", final) from error
+                final = [r if r is not None else _unstarted(c, f"not run: an earlier fused group failed ({failure})",
+                                                            num_train, noise_multipliers[c.batch_size])
+                         for r, c in zip(results, configs, strict=True)]
+                raise FusedTrialsFailed(f"fused group of batch_size {batch_size} failed: {failure}", final) from error
             for i, result in zip(members, group_results, strict=True):
                 results[i] = result
             if on_done is not None:

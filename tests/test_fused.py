@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-import dptune.fused as fused
+from dptune import fused
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine
@@ -115,7 +115,8 @@ def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
         for engine in (FilmEngine, OpacusEngine):
             expected = _engine_gradient(engine, weight[i], bias[i], features[batch], labels[batch], clip_bounds[i],
                                         rule, batch_size) + scales[i] * stds[i] * noise[i]
-            torch.testing.assert_close(flat[i], expected, rtol=1e-5, atol=1e-5, msg=f"{engine.__name__}, C={clip_bounds[i]}")
+            torch.testing.assert_close(flat[i], expected, rtol=1e-5, atol=1e-5,
+                                       msg=f"{engine.__name__}, C={clip_bounds[i]}")
     inside = released.norms[1, mask[1]]
     assert inside.min() < clip_bounds[1] < inside.max() < clip_bounds[3]  # C = 2.5 clips some examples, not all
     assert torch.all(released.norms[~mask] == 0)
@@ -233,19 +234,20 @@ def trial_runs() -> list[TrialResult]:
 def test_fused_runs_plan_and_account_like_run_trial(fused_runs: list[TrialResult],
                                                     trial_runs: list[TrialResult]) -> None:
     for result, trial in zip(fused_runs, trial_runs, strict=True):
-        config = result.config
-        n = result.num_train
+        n, b = result.num_train, result.config.batch_size
         assert result.status == "ok" and result.engine == "fused" and result.device == "cpu"
-        assert (result.sample_rate, result.steps) == (sample_rate(n, config.batch_size), total_steps(n, config.batch_size, 3))
-        assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate, result.steps)
-        assert [m.steps for m in result.epochs] == list(np.cumsum(epoch_steps(n, config.batch_size, 3)))
+        assert (result.sample_rate, result.steps) == (sample_rate(n, b), total_steps(n, b, BASE.epochs))
+        sigma, q = result.noise_multiplier, result.sample_rate
+        assert sigma == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, q, result.steps)
+        assert [m.steps for m in result.epochs] == list(np.cumsum(epoch_steps(n, b, BASE.epochs)))
         assert result.steps_taken == result.steps
-        assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, result.steps, BASE.delta)
+        assert result.epsilon_spent == epsilon_spent(sigma, q, result.steps, BASE.delta)
         same = ("noise_multiplier", "sample_rate", "steps", "steps_taken", "epsilon_spent", "num_train", "num_val",
                 "num_test", "num_classes", "trainable_parameters", "class_names")
         assert {f: getattr(result, f) for f in same} == {f: getattr(trial, f) for f in same}
         assert set(result.class_accuracy) == set(trial.class_accuracy)
-        assert result.epochs[-1].test_accuracy == result.test_accuracy and result.epochs[-1].val_accuracy == result.val_accuracy
+        last = result.epochs[-1]
+        assert (last.test_accuracy, last.val_accuracy) == (result.test_accuracy, result.val_accuracy)
         assert all(m.wall_time_s > 0 and m.examples_per_s > 0 for m in result.epochs)
 
 
@@ -301,7 +303,8 @@ def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:
 
 
 def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs = [replace(BASE, batch_size=100), replace(BASE, batch_size=20), replace(BASE, batch_size=20, seed=2)]
+    configs = [replace(BASE, batch_size=100), replace(BASE, batch_size=20), replace(BASE, batch_size=20, seed=2),
+               replace(BASE, batch_size=50)]
     real_step = StackedOptimizer.step
     calls = []
 
@@ -314,12 +317,15 @@ def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pyt
     monkeypatch.setattr(StackedOptimizer, "step", fail_in_second_group)
     with pytest.raises(FusedTrialsFailed, match="injected fault") as failure:
         run_fused(configs)
-    first, *failed = failure.value.results
+    first, *failed, unstarted = failure.value.results
     assert first.status == "ok" and first.steps_taken == first.steps
     for result in failed:
         assert result.status == "error" and "injected fault" in result.reason
         assert result.steps_taken == 5
         assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, 5, BASE.delta)
+    assert unstarted.status == "error" and unstarted.reason.startswith("not run")
+    assert "injected fault" in unstarted.reason
+    assert (unstarted.steps_taken, unstarted.epsilon_spent, unstarted.steps) == (0, 0.0, 12)  # T = 3·200/50
 
 
 # --------------------------------------------------------------------------- bad input
@@ -340,12 +346,13 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     ("configs", "message"),
     [
         ([], "no configurations"),
-        ([BASE, replace(BASE, epsilon=2.0)], "configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
-                                             "batch_size, learning_rate, base_learning_rate, seed"),
+        ([BASE, replace(BASE, epsilon=2.0)], ("configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
+                                              "batch_size, learning_rate, base_learning_rate, seed")),
         ([BASE, replace(BASE, clipping="auto_s")], "differs from configuration 0 in clipping"),
         ([replace(BASE, peft="film")], "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
         ([BASE, replace(BASE, engine="opacus")], "configuration 1 cannot be fused: engine 'opacus'.*'auto' or 'film'"),
         ([replace(BASE, optimizer="lion")], "adam, sgd"),
+        ([BASE, replace(BASE, split_seed=1)], "differs from configuration 0 in split_seed"),
         ([BASE, replace(BASE, batch_size=1000)], "batch_size 1000 exceeds the 200 training examples"),
     ],
 )

@@ -571,6 +571,13 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
 #: Additive error of the PRV accountant for the whole-search ε: the figure is an upper bound; this
 #: coarser mesh keeps the composition of tens of trials × thousands of steps to seconds.
 SEARCH_EPSILON_ERROR = 0.1
+#: Most points of the PRV domain a whole-search composition discretises. Hundreds of trials at a large
+#: composed ε (a dense search) need a domain of ±hundreds at a mesh that shrinks with the total steps:
+#: millions of points and minutes of FFTs. Above this the composition uses dp_accounting's privacy-loss
+#: distribution accountant instead (Doroshenko et al. 2022, pessimistic connect-the-dots discretisation
+#: with interval ``SEARCH_PLD_INTERVAL``: an upper bound too), whose cost grows with ε, not with the steps.
+MAX_PRV_DOMAIN_POINTS = 1 << 21
+SEARCH_PLD_INTERVAL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -611,8 +618,10 @@ def composed_epsilon(mechanisms: Sequence[TrialMechanism], delta: float,
     convolved (prv_accountant's ``Heterogeneous`` composer); ε is read at δ with ``eps_error`` and
     delta_error = δ/1000. This is the whole-search cost when every trial's coins are fresh and
     independent: it holds for releasing *every* trial's model, and is far below basic
-    composition Σεᵢ. Raises ``PrivacyParameterError`` for an empty list or bad parameters. Memoised
-    and cached on disk like σ.
+    composition Σεᵢ. When that domain would exceed ``MAX_PRV_DOMAIN_POINTS`` (hundreds of trials
+    at a large composed ε), dp_accounting's PLD accountant composes them instead
+    (:func:`_pld_composed_epsilon`, also an upper bound). Raises ``PrivacyParameterError`` for an
+    empty list or bad parameters. Memoised and cached on disk like σ.
     """
     delta = _check_delta(delta)
     merged = _merged(mechanisms)
@@ -634,11 +643,25 @@ def _composed_epsilon(merged: list[TrialMechanism], delta: float, eps_error: flo
     steps = [m.steps for m in merged]
     half_width = compute_safe_domain_size(prvs, steps, eps_error=eps_error, delta_error=delta_error)
     domain = _fft_friendly_domain(half_width, sum(steps), eps_error, delta_error)
+    if len(domain) > MAX_PRV_DOMAIN_POINTS:
+        return _pld_composed_epsilon(merged, delta)
     discrete = [CellCentred().discretise(_truncated_prv(m.noise_multiplier, m.sample_rate, domain.t_min(),
                                                         domain.t_max()), domain) for m in merged]
     composed = Heterogeneous(discrete).compute_composition(steps)
     _, _, epsilon_upper = composed.compute_epsilon(delta, delta_error, eps_error)
     return float(epsilon_upper)
+
+
+def _pld_composed_epsilon(merged: list[TrialMechanism], delta: float) -> float:
+    """ε at δ of composing ``merged`` by dp_accounting's PLD accountant (add/remove adjacency,
+    pessimistic connect-the-dots discretisation, ``SEARCH_PLD_INTERVAL``): an upper bound."""
+    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    event = ComposedDpEvent([
+        SelfComposedDpEvent(PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps)
+        for m in merged])
+    return float(PLDAccountant(value_discretization_interval=SEARCH_PLD_INTERVAL).compose(event).get_epsilon(delta))
 
 
 # --------------------------------------------------------------------------- private selection

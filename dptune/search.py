@@ -686,7 +686,7 @@ def run_search(options: SearchOptions) -> str:
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
     if ran:
-        print("composing the privacy cost of every trial (PRV accountant)...", flush=True)
+        print("composing the privacy cost of every trial (PRV accountant; PLD for a very large ε)...", flush=True)
         trials = read_table(results_root, "trials")
         rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
                 for row in search_rows(loaded, ran, search_id, trials)]
@@ -724,9 +724,9 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
         "epsilon_cell": "ε cell (PRV)", "epsilon_composition": "Σε (basic)"}).to_string(
         index=False, float_format=lambda v: f"{v:.3g}"))
     first = search.iloc[0]
-    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PRV composition of "
-                 f"every trial that took a step); basic composition: ε = {first['epsilon_search_basic']:.3g}, "
-                 f"δ = {first['delta_search_basic']:.2g}")
+    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PRV or PLD "
+                 f"composition of every trial that took a step); basic composition: "
+                 f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}")
     if not release.empty:
         lines.append("released outcome (end-to-end private tuning):")
         columns = {"clip_bound": "C", "batch_size": "B", "base_learning_rate": "η₀", "learning_rate": "η",

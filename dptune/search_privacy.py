@@ -3,8 +3,8 @@
 Every trial records the ε it spent for the steps it actually took (``steps_taken``: a trial stopped
 early or failed counts what it ran; a pruned one, nothing). Trials of every cell and clipping
 variant train on the same private data, so what the search as a whole costs is their composition:
-``composition_cost`` composes every trial that took a step with the PRV accountant
-(``privacy.composed_epsilon``) over its own (σ, q, steps taken), at the space's δ, beside basic
+``composition_cost`` composes every trial that took a step with the PRV accountant (PLD for a very
+large composed ε; ``privacy.composed_epsilon``) over its own (σ, q, steps taken), at the space's δ, beside basic
 composition (Σ εᵢ, k·δ) as a cross-check. That figure holds for releasing every trial's model, and
 only because every trial draws fresh, independent, secret coins (``TrialConfig.seed = None``).
 
@@ -97,8 +97,8 @@ def guarantee(space: SearchSpace, cost: CompositionCost | None = None,
                 f"released and NOT covered: they hold {_OUTSIDE}.")
     whole = ("" if cost is None or not cost.trials_with_steps else
              f" Releasing every trial's model costs ε = {cost.epsilon:.3g} at δ = {cost.delta:g} for the whole "
-             f"search (PRV composition of the {cost.trials_with_steps} trials that took steps; basic composition "
-             f"gives ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g})).")
+             f"search (PRV composition, or PLD for a very large ε, of the {cost.trials_with_steps} trials that took "
+             f"steps; basic composition gives ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g})).")
     return (f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
             f"sampling, fresh secret coins per trial).{whole} NOT covered by (ε, δ): {_OUTSIDE}. Releasing the "
             "best trial's model with its validation score is therefore not (ε, δ)-DP; use "

@@ -472,6 +472,23 @@ def test_whole_search_epsilon_equals_an_independent_pld_composition() -> None:
     assert composed < basic  # tighter than Σ εᵢ, and at δ rather than k·δ
 
 
+def test_a_composition_too_large_for_the_prv_domain_is_composed_by_pld_and_agrees_with_prv(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense search (hundreds of trials at a large ε) would need a PRV domain of millions of
+    points; above ``MAX_PRV_DOMAIN_POINTS`` the PLD accountant composes. Forced here on a small
+    case, both accountants' upper bounds agree, and both sit below Opacus' independent RDP bound."""
+    mechanisms = [privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS]
+    merged = privacy._merged(mechanisms)
+    by_prv = privacy._composed_epsilon(merged, DELTA, privacy.SEARCH_EPSILON_ERROR)
+    monkeypatch.setattr(privacy, "MAX_PRV_DOMAIN_POINTS", 1024)
+    by_pld = privacy._composed_epsilon(merged, DELTA, privacy.SEARCH_EPSILON_ERROR)
+    assert by_pld != by_prv and abs(by_pld - by_prv) <= privacy.SEARCH_EPSILON_ERROR + 0.02
+    orders = np.linspace(1.1, 200, 400)
+    rdp = sum(opacus_rdp(orders, sigma, q, steps) for sigma, q, steps in SEARCH_TRIALS)
+    rdp_epsilon = float(np.min(rdp + np.log(1 / DELTA) / (orders - 1)))
+    assert by_pld < rdp_epsilon and by_prv < rdp_epsilon
+
+
 def test_one_trial_composed_is_that_trial_and_equal_trials_merge() -> None:
     sigma, q, steps = SEARCH_TRIALS[0]
     alone = privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, steps)], DELTA)

@@ -721,7 +721,7 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
                     "epsilon_composition"]]
     lines.append(table.rename(columns={
         "cell_id": "cell", "trials_with_steps": "trials with steps", "epsilon_per_trial": "ε per trial",
-        "epsilon_cell": "ε cell (PRV)", "epsilon_composition": "Σε (basic)"}).to_string(
+        "epsilon_cell": "ε cell (composed)", "epsilon_composition": "Σε (basic)"}).to_string(
         index=False, float_format=lambda v: f"{v:.3g}"))
     first = search.iloc[0]
     lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PRV or PLD "

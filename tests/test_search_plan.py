@@ -34,7 +34,7 @@ def test_random_trial_count_is_geometric_with_the_planned_mean() -> None:
     assert counts.mean() == pytest.approx(8, rel=0.15)  # mean trials_per_cell; sd of the mean ≈ 0.37
     assert (counts == 1).mean() == pytest.approx(1 / 8, abs=0.05)  # P(K = 1) = γ
     fixed = parse_space(DEFAULT, "d.yaml").space
-    assert _trial_count(fixed, plan_for(fixed)) == fixed.sampler.trials_per_cell == 48
+    assert _trial_count(fixed, plan_for(fixed)) == fixed.sampler.trials_per_cell == 40
 
 
 def test_random_trial_count_needs_the_random_sampler() -> None:

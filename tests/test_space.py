@@ -34,7 +34,7 @@ def test_default_cells_are_the_product_of_budgets() -> None:
         (("epsilons: [1, 8]", "epsilons: [0, 8]"), "privacy.epsilons.0"),
         (("delta: 1.0e-5", "delta: 1.5"), "privacy.delta"),
         (("name: random", "name: cmaes"), "sampler.name: not allowed"),
-        (("trials_per_cell: 48", "trials_per_cell: zero"), "sampler.trials_per_cell"),
+        (("trials_per_cell: 40", "trials_per_cell: zero"), "sampler.trials_per_cell"),
         (("high: 10.0", "high: 0.001"), "must not exceed high"),
         (("epochs: [5, 20]", "epochs: []"), "epochs"),
         (("clipping: normalized", "clipping: per_layer"), "training.clipping"),

@@ -706,6 +706,7 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     storage = tmp_path / "results"
     overrides = ["--space", "search_spaces/default.yaml", "--set", "task.max_tokens=64",
                  "--set", "privacy.epsilons=[8]", "--set", "epochs=[3]", "--trials-per-cell", "1",
+                 "--set", "replicates=1",
                  "--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES),
                  "--storage", str(storage), "--resume"]
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}

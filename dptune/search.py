@@ -392,21 +392,22 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     runner = space.training.runner
     if runner == "trial" or space.scheduler is not None:
         return False
-    from dptune.fused import FUSED_MEMORY_BYTES, fused_refusal, max_fused_configurations
+    from dptune import fused
 
-    refusal = fused_refusal(base)
+    refusal = fused.fused_refusal(base)
     if refusal is not None:
         if runner == "fused":
             raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; "
                               "use runner 'auto' or 'trial'")
         return False
     feature_dim = int(workload.train[0][0].shape[-1])
+    budget = fused.FUSED_MEMORY_BYTES
     for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
-        if max_fused_configurations(replace(base, batch_size=batch_size), len(workload.train), feature_dim,
-                                    workload.num_classes) < 1:
+        if fused.max_fused_configurations(replace(base, batch_size=batch_size), len(workload.train), feature_dim,
+                                          workload.num_classes, memory_bytes=budget) < 1:
             raise SearchError(f"batch size {batch_size}: one configuration does not fit the fused runner's memory "
-                              f"budget of {FUSED_MEMORY_BYTES / 2**30:.1f} GiB; use training.runner 'trial' or "
-                              "smaller batch sizes")
+                              f"budget of {budget / 2**30:.3g} GiB; use training.runner 'trial' or smaller batch "
+                              "sizes")
     return True
 
 

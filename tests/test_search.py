@@ -17,7 +17,7 @@ import ray
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
-from dptune import execution, privacy, search
+from dptune import execution, fused, privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import read_table
 from dptune.space import load_space
@@ -75,6 +75,24 @@ def test_unknown_dataset_and_infeasible_min_steps_fail_before_ray(
     assert "cifar1000" in unknown and "20newsgroups" in unknown
     infeasible = main_exit(capsys, "--space", str(TINY), "--storage", str(tmp_path), "--set", "min_steps=100000", *caps)
     assert "no batch size gives T ≥ min_steps = 100000" in infeasible
+    assert not ray.is_initialized()
+
+
+def test_bad_replicates_units_and_runners_fail_before_ray(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
+    caps = ("--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES))
+    tiny = ("--space", str(TINY), "--storage", str(tmp_path), *caps)
+    assert "replicates: Input should be greater than or equal to 1 (got 0)" in main_exit(
+        capsys, *tiny, "--set", "replicates=0")
+    assert "resources.configurations_per_trial" in main_exit(capsys, *tiny, "--set",
+                                                             "resources.configurations_per_trial=0")
+    asha = main_exit(capsys, *tiny, "--set", "replicates=2", "--set", "scheduler={name: asha}")
+    assert "replicates must be 1" in asha
+    # one configuration of the largest B does not fit a (here tiny) memory budget of the fused runner
+    monkeypatch.setattr(fused, "FUSED_MEMORY_BYTES", 1 << 20)
+    unfit = main_exit(capsys, *tiny, "--set", "training.runner=fused")
+    assert "does not fit the fused runner's memory budget" in unfit and "use training.runner 'trial'" in unfit
     assert not ray.is_initialized()
 
 
@@ -282,8 +300,10 @@ def _ran(root: Path) -> pd.DataFrame:
 
 
 def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str, str], tmp_path: Path) -> None:
+    # fused units (3 configurations × 2 replicates each): a kill between two fused groups' writes
     args = ("--space", str(TINY), "--storage", str(tmp_path), "--no-report", "--set", "privacy.epsilons=[2]",
-            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[0.1,0.3,1.0]")
+            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[0.1,0.3,1.0]",
+            "--set", "replicates=2")
     process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=search_env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     root = tmp_path / "tiny"
@@ -297,13 +317,14 @@ def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str,
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     before = _ran(root).set_index("trial_id")["finished_at"]
-    assert 2 <= len(before) < 6
+    assert 2 <= len(before) < 12
     resumed = run_cli(search_env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = _ran(root)
-    assert after["trial_id"].is_unique and len(after) == 6  # 3 C × 2 feasible B
-    assert sorted(map(tuple, after[["clip_bound", "batch_size"]].values.tolist())) == sorted(
-        (c, b) for c in (0.1, 0.3, 1.0) for b in (32, 64))
+    assert after["trial_id"].is_unique and len(after) == 12  # 3 C × 2 feasible B × 2 replicates
+    assert sorted(map(tuple, after[["clip_bound", "batch_size", "replicate"]].values.tolist())) == sorted(
+        (c, b, r) for c in (0.1, 0.3, 1.0) for b in (32, 64) for r in (0, 1))
+    assert set(after["engine"]) == {"fused"}
     # trials finished before the kill were not run again
     assert (after.set_index("trial_id").loc[before.index, "finished_at"] == before).all()
     assert not list(root.rglob(".tmp-*")), "a half-written part was left behind"

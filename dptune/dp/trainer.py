@@ -195,6 +195,38 @@ def workload_spec(config: TrialConfig) -> WorkloadSpec:
     )
 
 
+def trial_coins(seed: int | None) -> tuple[int, int, int, int]:
+    """The 64-bit seeds of a trial's four coin streams (initialisation, Poisson sampling, Gaussian
+    noise, score noise), from ``np.random.SeedSequence(seed)`` (``None``: 128 bits of OS entropy)."""
+    coins = np.random.SeedSequence(seed)
+    model_seed, sampling_seed, noise_seed, score_seed = coins.generate_state(4, dtype=np.uint64)
+    return int(model_seed), int(sampling_seed), int(noise_seed), int(score_seed)
+
+
+def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.Tensor:
+    """Training rows of the diagnostics probe: ≤ ``diagnostic_examples`` of them, fewer when their
+    flattened gradients (``dimension`` each, float32) would exceed ``PROBE_MEMORY_BYTES``.
+
+    The probe is no coin of the mechanism: every trial of a search diagnoses the same examples (the
+    public split seed picks them), so that their diagnostics compare.
+    """
+    (seed,) = np.random.SeedSequence([config.split_seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
+    fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
+    size = min(config.diagnostic_examples, num_train, fits)
+    return torch.randperm(num_train, generator=torch.Generator().manual_seed(int(seed)))[:size]
+
+
+def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: torch.Generator) -> float:
+    """The DP selection score: (correct validation predictions + N(0, σ_s²)) / num_val.
+
+    The count has sensitivity 1 under add/remove of one validation row, so this is the Gaussian
+    mechanism with noise multiplier σ_s = ``score_noise_multiplier`` (split sizes are treated
+    as public, as q = B/N already treats N). Its draw comes from the trial's own coins (``generator``).
+    """
+    noise = float(torch.normal(0.0, score_noise_multiplier, size=(), generator=generator))
+    return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
+
+
 def diagnostic_epochs(epochs: int) -> list[int]:
     """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
     return sorted({0, math.ceil(epochs / 2), epochs})
@@ -208,13 +240,9 @@ class _Trial:
         self.device = device
         self.workload = workload
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-        coins = np.random.SeedSequence(config.seed)  # seed None: 128 bits of OS entropy
-        model_seed, sampling_seed, noise_seed, score_seed = coins.generate_state(4, dtype=np.uint64)
-        # the diagnostics probe is no coin of the mechanism: every trial of a search diagnoses the same
-        # examples (the public split seed picks them), so that their diagnostics compare
-        (probe_seed,) = np.random.SeedSequence([config.split_seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
-        torch.manual_seed(int(model_seed))
-        self.score_generator = torch.Generator().manual_seed(int(score_seed))
+        model_seed, sampling_seed, noise_seed, score_seed = trial_coins(config.seed)
+        torch.manual_seed(model_seed)
+        self.score_generator = torch.Generator().manual_seed(score_seed)
         self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(
@@ -235,18 +263,16 @@ class _Trial:
             expected_batch_size=self.sample_rate * num_train,
             autocast_dtype=self.autocast_dtype,
         )
-        noise_generator = torch.Generator(device=device).manual_seed(int(noise_seed))
+        noise_generator = torch.Generator(device=device).manual_seed(noise_seed)
         self.engine: DPEngine = engine_factory(self.model, self.spec, noise_generator)
         self.loader = poisson_loader(
-            workload.train, self.sample_rate, self.steps, torch.Generator().manual_seed(int(sampling_seed))
+            workload.train, self.sample_rate, self.steps, torch.Generator().manual_seed(sampling_seed)
         )
-        self.probe = self._probe(int(probe_seed), trainable_parameter_count(self.model)) if config.diagnostics else ()
+        self.probe = self._probe(trainable_parameter_count(self.model)) if config.diagnostics else ()
 
-    def _probe(self, seed: int, dimension: int) -> tuple[torch.Tensor, ...]:
-        """A fixed (by seed) batch of ≤ ``diagnostic_examples`` training examples within memory."""
-        fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
-        size = min(self.config.diagnostic_examples, len(self.workload.train), fits)
-        indices = torch.randperm(len(self.workload.train), generator=torch.Generator().manual_seed(seed))[:size]
+    def _probe(self, dimension: int) -> tuple[torch.Tensor, ...]:
+        """The batch of :func:`probe_indices` training examples."""
+        indices = probe_indices(self.config, len(self.workload.train), dimension)
         return tuple(default_collate([self.workload.train[int(i)] for i in indices]))
 
     def new_result(self) -> TrialResult:
@@ -380,16 +406,20 @@ class _Trial:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
 
     def noisy_score(self, val: Evaluation) -> float:
-        """The DP selection score: (correct validation predictions + N(0, σ_s²)) / num_val.
-
-        The count has sensitivity 1 under add/remove of one validation row, so this is the Gaussian
-        mechanism with noise multiplier σ_s = ``score_noise_multiplier`` (split sizes are treated
-        as public, as q = B/N already treats N). Its draw comes from the trial's own coins.
-        """
+        """:func:`noisy_score` of ``val`` with the trial's σ_s and score coins."""
         sigma = self.config.score_noise_multiplier
         assert sigma is not None
-        noise = float(torch.normal(0.0, sigma, size=(), generator=self.score_generator))
-        return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
+        return noisy_score(val, sigma, self.score_generator)
+
+
+def check_fits_workload(config: TrialConfig, num_train: int) -> None:
+    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N."""
+    if config.batch_size > num_train:
+        raise TrialConfigError(
+            f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
+            f"{config.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
+        )
+    check_delta(config.delta, num_train)
 
 
 @functools.lru_cache(maxsize=2)
@@ -404,13 +434,7 @@ def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
     device = check_config(config)
     with torch_threads(config.threads):
         workload = _process_workload(workload_spec(config))
-        num_train = len(workload.train)
-        if config.batch_size > num_train:
-            raise TrialConfigError(
-                f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
-                f"{config.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
-            )
-        check_delta(config.delta, num_train)
+        check_fits_workload(config, len(workload.train))
         trial = _Trial(config, device, workload)
         try:
             return trial.run(report)

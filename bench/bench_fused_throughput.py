@@ -3,7 +3,7 @@
 Both on the embedded default task (20 Newsgroups, cached MiniLM features, linear head, seed-0
 split of ``search_spaces/default.yaml``), ε ∈ {1, 8}, E = 10, δ = 1e-5, measured back to back
 in one run on the same cores; each side is a subprocess timed from start to exit (imports,
-data loading and, for the service, Ray start included).
+data loading and, for the service, Ray start included), at this process's niceness.
 
 - Baseline (what a user would write; issue 11): one Optuna TPE study per ε over the default
   ranges (C log-uniform in [0.01, 10], B in {32, ..., 2048}, η₀ log-uniform in [1e-4, 1e-1],
@@ -19,7 +19,9 @@ data loading and, for the service, Ray start included).
   temporary folder. Figure: configurations recorded in ``trials`` ÷ minutes of the whole command.
 
 ``--legacy`` leaves out the space keys of fused trials (``replicates``,
-``resources.configurations_per_trial``) for a service that does not know them yet.
+``resources.configurations_per_trial``) for a service that does not know them yet. ``--repo DIR``
+measures the ``dptune`` of another checkout (its code, its default space; e.g. an export of a
+branch): both subprocesses then import it, this script only drives them.
 
     nice python bench/bench_fused_throughput.py [--baseline-trials 20] [--trials-per-cell 250]
         [--sampler tpe|random] [--replicates 1] [--legacy] [--out bench/results/fused_throughput.json]
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SPACE = ROOT / "search_spaces" / "default.yaml"
+SPACE_FILE = Path("search_spaces") / "default.yaml"  # relative to the measured checkout
 EPSILONS = (1.0, 8.0)
 EPOCHS = 10
 DELTA = 1e-5
@@ -92,7 +94,7 @@ def run_baseline(trials: int, seed: int) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")  # Opacus' secure-RNG and hook notices, once per trial
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    task = load_space(DEFAULT_SPACE).space.task
+    task = load_space(Path.cwd() / SPACE_FILE).space.task
     workload = load_workload(WorkloadSpec(
         dataset=task.dataset, backbone=task.backbone, peft=task.peft, seed=0, fraction=task.fraction,
         max_tokens=task.max_tokens, validation_fraction=task.validation_fraction))
@@ -111,10 +113,10 @@ def run_baseline(trials: int, seed: int) -> dict[str, Any]:
             "num_train": len(train_labels), "num_val": len(val_labels), "torch_threads": torch.get_num_threads()}
 
 
-def service_space(trials_per_cell: int, sampler: str, replicates: int, legacy: bool) -> str:
-    """The service's space YAML: the default space at ε ∈ {1, 8}, E = 10, without diagnostics."""
+def service_space(repo: Path, trials_per_cell: int, sampler: str, replicates: int, legacy: bool) -> str:
+    """The service's space YAML: ``repo``'s default space at ε ∈ {1, 8}, E = 10, without diagnostics."""
     lines = [
-        f"extends: {DEFAULT_SPACE}",
+        f"extends: {repo / SPACE_FILE}",
         f"name: {SEARCH_NAME}",
         "privacy:",
         f"  epsilons: [{', '.join(f'{e:g}' for e in EPSILONS)}]",
@@ -130,13 +132,13 @@ def service_space(trials_per_cell: int, sampler: str, replicates: int, legacy: b
     return "\n".join(lines) + "\n"
 
 
-def timed(command: list[str], log: Path) -> float:
-    """Run ``command`` (niced, this repository first on PYTHONPATH), its output to ``log``;
+def timed(command: list[str], repo: Path, log: Path) -> float:
+    """Run ``command`` in ``repo`` (``repo`` first on PYTHONPATH; the niceness of this process), its output to ``log``;
     return its wall time in seconds. Raises ``SystemExit`` naming the log if it fails."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     with log.open("w") as output:
-        done = subprocess.run(["nice", *command], cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT,
+        done = subprocess.run(command, cwd=repo, env=environment, stdout=output, stderr=subprocess.STDOUT,
                               check=False)
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
@@ -145,16 +147,17 @@ def timed(command: list[str], log: Path) -> float:
 
 
 def measure_service(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    """Run the service once on the written space; its whole-command time and what it recorded."""
-    from dptune.records import read_table
+    """Run the service once on the written space; its whole-command time and what it recorded
+    (read with pandas, not this checkout's ``dptune.records``: the measured one may differ)."""
+    import pandas as pd
 
     space = folder / "space.yaml"
-    space.write_text(service_space(args.trials_per_cell, args.sampler, args.replicates, args.legacy))
+    space.write_text(service_space(args.repo, args.trials_per_cell, args.sampler, args.replicates, args.legacy))
     storage = folder / "storage"
     log = folder / "service.log"
     command = [sys.executable, "-m", "dptune.search", "--space", str(space), "--storage", str(storage), "--no-report"]
-    wall_s = timed(command, log)
-    trials = read_table(str(storage / SEARCH_NAME), "trials")
+    wall_s = timed(command, args.repo, log)
+    trials = pd.read_parquet(storage / SEARCH_NAME / "trials")
     run = trials[trials["status"] != "pruned_min_steps"]
     configurations = run["configuration_id"].nunique() if "configuration_id" in run else len(run)
     search_s = re.search(r"search finished in (\d+) s", log.read_text())
@@ -178,9 +181,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="bench-fused-throughput-"))
     baseline_json = folder / "baseline.json"
     load_before = os.getloadavg()
-    baseline_wall_s = timed([sys.executable, __file__, "--role", "baseline", "--baseline-trials",
+    baseline_wall_s = timed([sys.executable, str(Path(__file__).resolve()), "--role", "baseline", "--baseline-trials",
                              str(args.baseline_trials), "--seed", str(args.seed), "--out", str(baseline_json)],
-                            folder / "baseline.log")
+                            args.repo, folder / "baseline.log")
     baseline = {**json.loads(baseline_json.read_text()), "wall_s": round(baseline_wall_s, 2)}
     load_between = os.getloadavg()
     service = measure_service(args, folder)
@@ -190,7 +193,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "machine": {"cpus": os.cpu_count(), "load_average_1_5_15": {"before": load_before, "between": load_between,
                                                                     "after": os.getloadavg()}},
-        "epsilons": list(EPSILONS), "epochs": EPOCHS, "legacy": args.legacy, "folder": str(folder),
+        "repo": str(args.repo), "epsilons": list(EPSILONS), "epochs": EPOCHS, "legacy": args.legacy,
+        "folder": str(folder),
         "baseline": {**baseline, "trials_per_min_trial_loop": round(baseline_loop_rate, 2),
                      "trials_per_min_whole_command": round(baseline_command_rate, 2)},
         "service": {**service, "configurations_per_min_whole_command": round(service_rate, 2)},
@@ -225,9 +229,11 @@ def main() -> None:
     parser.add_argument("--legacy", action="store_true",
                         help="leave out replicates and resources.configurations_per_trial (a service without fused trials)")
     parser.add_argument("--seed", type=int, default=0, help="the baseline's TPE seed")
+    parser.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose dptune is measured (default: this one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fused_throughput.json")
     parser.add_argument("--role", choices=["both", "baseline"], default="both", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.repo = args.repo.resolve()
     for name in ("baseline_trials", "trials_per_cell", "replicates"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")

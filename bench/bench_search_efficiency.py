@@ -16,12 +16,14 @@ as the service tells its sampler); a configuration's true value is its mean test
 the replicates; after n trials the sampler's choice is the configuration of its best validation
 query, and it succeeds when the choice's true value is within ``--tolerance`` (1 point) of the
 best true value of the whole grid (both readings). Samplers: Optuna's ``RandomSampler`` and
-``TPESampler`` (``n_startup_trials`` 8, the service's setting from 24 trials per cell) over
+``TPESampler`` (``n_startup_trials`` 8, as the service's cell sampler) over
 categorical distributions of the grid values, each with and without √B coupling and with and
 without the min-step rule (T ≥ T_min of the space). With the rule, a proposal whose B gives
 T < T_min is told to Optuna as pruned and does not count (the service records it, never runs
 it); without it, it runs and counts. Also: the same samplers telling the mean of all replicates
-(each configuration then costs R trials), the full grid with one replicate per configuration,
+(each configuration then costs R trials), TPE asked ``--asked-together`` configurations at a
+time before any is told (the service's batches, with ``constant_liar`` as the service sets it;
+√B coupling, min-step rule), the full grid with one replicate per configuration,
 and the full grid's best by mean validation accuracy over the replicates. Reported per sampler
 over ``--seeds`` sampler seeds: trials until the first success (median and IQR; ``inf`` =
 none within ``--max-trials``) and the success probability at 8, 16, 24 and 48 trials. Also the
@@ -29,7 +31,8 @@ validation split's selection noise: the binomial sd of an accuracy at the best c
 level on the validation split, and the replicate-to-replicate sd of validation accuracy.
 
     nice python bench/bench_search_efficiency.py [--epsilon 1] [--epochs 10] [--replicates 3]
-        [--seeds 20] [--max-trials 64] [--grid FILE.parquet] [--rebuild] [--out FILE.json]
+        [--seeds 20] [--max-trials 64] [--asked-together 8 32] [--grid FILE.parquet] [--rebuild]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -168,31 +171,35 @@ class Lookup:
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """One simulated sampler: Optuna sampler ``kind``, the grid reading, the min-step rule, and
-    how many replicates each query's told value averages (each costs one trial)."""
+    """One simulated sampler: Optuna sampler ``kind``, the grid reading, the min-step rule, how
+    many replicates each query's told value averages (each costs one trial), and how many
+    configurations are asked together before any is told (the service's batches; TPE then runs
+    with ``constant_liar``, as the service's)."""
 
     kind: str  # "random" | "tpe"
     coupling: str  # "sqrt" | "none"
     min_step_pruning: bool
     replicates_per_query: int = 1
+    asked_together: int = 1
 
     @property
     def name(self) -> str:
         pruning = "min-step pruning" if self.min_step_pruning else "no pruning"
         mean = f", mean of {self.replicates_per_query} replicates" if self.replicates_per_query > 1 else ""
-        return f"{self.kind}, {reading(self.coupling)}, {pruning}{mean}"
+        batch = f", asked {self.asked_together} at a time" if self.asked_together > 1 else ""
+        return f"{self.kind}, {reading(self.coupling)}, {pruning}{mean}{batch}"
 
 
 def simulate(spec: SamplerSpec, lookup: Lookup, seed: int, max_trials: int) -> np.ndarray:
-    """One run of a sampler: ``truth of its choice after n trials`` for n = 1..max_trials (NaN
-    before its first counted trial)."""
+    """One run of a sampler: ``truth of its choice after n trials`` for n = 1..max_trials."""
     import optuna
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     sampler = (optuna.samplers.RandomSampler(seed=seed) if spec.kind == "random"
-               else optuna.samplers.TPESampler(seed=seed, n_startup_trials=TPE_STARTUP_TRIALS))
+               else optuna.samplers.TPESampler(seed=seed, n_startup_trials=TPE_STARTUP_TRIALS,
+                                               constant_liar=spec.asked_together > 1))
     study = optuna.create_study(direction="maximize", sampler=sampler)
     distributions = {"clip_bound": CategoricalDistribution(list(range(len(lookup.clip_values)))),
                      "batch_size": CategoricalDistribution(list(range(len(lookup.batch_sizes)))),
@@ -201,22 +208,27 @@ def simulate(spec: SamplerSpec, lookup: Lookup, seed: int, max_trials: int) -> n
     choice_truth = np.full(max_trials, np.nan)
     best_val, best_truth, used, proposals = -np.inf, np.nan, 0, 0
     while used < max_trials:
-        proposals += 1
-        if proposals > 100 * max_trials:
-            raise SystemExit(f"{spec.name}: the sampler proposed only pruned batch sizes")
-        trial = study.ask(distributions)
-        c, b, l = (trial.params[name] for name in ("clip_bound", "batch_size", "base_learning_rate"))
-        if spec.min_step_pruning and lookup.batch_sizes[b] in lookup.pruned_batch_sizes:
-            study.tell(trial, state=TrialState.PRUNED)
-            continue
-        replicates = replicate_draws.choice(lookup.val.shape[3], size=spec.replicates_per_query, replace=False)
-        value = float(lookup.val[c, b, l, replicates].mean())
-        study.tell(trial, value)
-        if value > best_val:
-            best_val, best_truth = value, float(lookup.truth[c, b, l])
-        cost = min(spec.replicates_per_query, max_trials - used)
-        choice_truth[used:used + cost] = best_truth
-        used += cost
+        queries = min(spec.asked_together, math.ceil((max_trials - used) / spec.replicates_per_query))
+        asked = []
+        while len(asked) < queries:
+            proposals += 1
+            if proposals > 100 * max_trials:
+                raise SystemExit(f"{spec.name}: the sampler proposed only pruned batch sizes")
+            trial = study.ask(distributions)
+            if spec.min_step_pruning and lookup.batch_sizes[trial.params["batch_size"]] in lookup.pruned_batch_sizes:
+                study.tell(trial, state=TrialState.PRUNED)
+            else:
+                asked.append(trial)
+        for trial in asked:
+            c, b, l = (trial.params[name] for name in ("clip_bound", "batch_size", "base_learning_rate"))
+            replicates = replicate_draws.choice(lookup.val.shape[3], size=spec.replicates_per_query, replace=False)
+            value = float(lookup.val[c, b, l, replicates].mean())
+            study.tell(trial, value)
+            if value > best_val:
+                best_val, best_truth = value, float(lookup.truth[c, b, l])
+            cost = min(spec.replicates_per_query, max_trials - used)
+            choice_truth[used:used + cost] = best_truth
+            used += cost
     return choice_truth
 
 
@@ -289,6 +301,7 @@ def evaluate(grid: pd.DataFrame, args: argparse.Namespace) -> dict[str, Any]:
              for kind, coupling, pruning in itertools.product(("random", "tpe"), COUPLINGS, (True, False))]
     replicates = int(grid["replicate"].nunique())
     specs += [SamplerSpec(kind, "sqrt", True, replicates) for kind in ("random", "tpe")] if replicates > 1 else []
+    specs += [SamplerSpec("tpe", "sqrt", True, asked_together=n) for n in args.asked_together]
     pruned = sorted(lookups["sqrt"].pruned_batch_sizes)
     rows = []
     for spec in specs:
@@ -354,12 +367,16 @@ def main() -> None:
     parser.add_argument("--rebuild", action="store_true", help="recompute the grid even if the cache exists")
     parser.add_argument("--seeds", type=int, default=20, help="sampler seeds per sampler")
     parser.add_argument("--max-trials", type=int, default=64, help="trials per simulated search")
+    parser.add_argument("--asked-together", type=int, nargs="*", default=[8, 32],
+                        help="also TPE asked this many configurations at a time (the service's batches)")
     parser.add_argument("--tolerance", type=float, default=0.01, help="success: within this of the best (accuracy)")
     parser.add_argument("--out", type=Path, help="JSON figures (default: bench/results/search_efficiency_eps<ε>_E<E>.json)")
     args = parser.parse_args()
     for name in ("clip_values", "lr_values", "replicates", "seeds", "max_trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if any(n < 2 for n in args.asked_together):
+        parser.error(f"--asked-together: batches of at least 2, got {args.asked_together}")
     stem = f"eps{args.epsilon:g}_E{args.epochs}".replace(".", "p")
     args.grid = args.grid or RESULTS / f"search_efficiency_grid_{stem}.parquet"
     args.out = args.out or RESULTS / f"search_efficiency_{stem}.json"

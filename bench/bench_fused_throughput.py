@@ -185,7 +185,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="bench-fused-throughput-"))
     baseline_json = folder / "baseline.json"
     load_before = os.getloadavg()
-    baseline_wall_s, _ = timed([sys.executable, str(Path(__file__).resolve()), "--role", "baseline", "--baseline-trials",
+    baseline_wall_s, _ = timed([sys.executable, str(Path(__file__).resolve()), "--role", "baseline",
+                                "--baseline-trials",
                              str(args.baseline_trials), "--seed", str(args.seed), "--out", str(baseline_json)],
                             args.repo, folder / "baseline.log")
     baseline = {**json.loads(baseline_json.read_text()), "wall_s": round(baseline_wall_s, 2)}
@@ -214,7 +215,8 @@ def format_table(figures: dict[str, Any]) -> str:
         "| side | configurations | trial loop s | whole command s | per min (loop) | per min (whole command) |",
         "|---|---|---|---|---|---|",
         f"| baseline: Optuna TPE + Opacus, sequential | {baseline['trials']} | {baseline['trial_loop_s']} | "
-        f"{baseline['wall_s']} | {baseline['trials_per_min_trial_loop']} | {baseline['trials_per_min_whole_command']} |",
+        f"{baseline['wall_s']} | {baseline['trials_per_min_trial_loop']} | "
+        f"{baseline['trials_per_min_whole_command']} |",
         f"| service: python -m dptune.search | {service['configurations']} | {service['search_s']} | "
         f"{service['wall_s']} | – | {service['configurations_per_min_whole_command']} |",
         *([f"(the service exited {service['exit_status']}: its whole command ended in that failure)"]
@@ -233,9 +235,11 @@ def main() -> None:
     parser.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="service sampler (default: tpe)")
     parser.add_argument("--replicates", type=int, default=1, help="service replicates per configuration")
     parser.add_argument("--legacy", action="store_true",
-                        help="leave out replicates and resources.configurations_per_trial (a service without fused trials)")
+                        help="leave out replicates and resources.configurations_per_trial "
+                             "(a service without fused trials)")
     parser.add_argument("--seed", type=int, default=0, help="the baseline's TPE seed")
-    parser.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose dptune is measured (default: this one)")
+    parser.add_argument("--repo", type=Path, default=ROOT,
+                        help="the checkout whose dptune is measured (default: this one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fused_throughput.json")
     parser.add_argument("--role", choices=["both", "baseline"], default="both", help=argparse.SUPPRESS)
     args = parser.parse_args()

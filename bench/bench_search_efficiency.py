@@ -220,12 +220,12 @@ def simulate(spec: SamplerSpec, lookup: Lookup, seed: int, max_trials: int) -> n
             else:
                 asked.append(trial)
         for trial in asked:
-            c, b, l = (trial.params[name] for name in ("clip_bound", "batch_size", "base_learning_rate"))
+            c, b, lr = (trial.params[name] for name in ("clip_bound", "batch_size", "base_learning_rate"))
             replicates = replicate_draws.choice(lookup.val.shape[3], size=spec.replicates_per_query, replace=False)
-            value = float(lookup.val[c, b, l, replicates].mean())
+            value = float(lookup.val[c, b, lr, replicates].mean())
             study.tell(trial, value)
             if value > best_val:
-                best_val, best_truth = value, float(lookup.truth[c, b, l])
+                best_val, best_truth = value, float(lookup.truth[c, b, lr])
             cost = min(spec.replicates_per_query, max_trials - used)
             choice_truth[used:used + cost] = best_truth
             used += cost
@@ -370,7 +370,8 @@ def main() -> None:
     parser.add_argument("--asked-together", type=int, nargs="*", default=[8, 32],
                         help="also TPE asked this many configurations at a time (the service's batches)")
     parser.add_argument("--tolerance", type=float, default=0.01, help="success: within this of the best (accuracy)")
-    parser.add_argument("--out", type=Path, help="JSON figures (default: bench/results/search_efficiency_eps<ε>_E<E>.json)")
+    parser.add_argument("--out", type=Path,
+                        help="JSON figures (default: bench/results/search_efficiency_eps<ε>_E<E>.json)")
     args = parser.parse_args()
     for name in ("clip_values", "lr_values", "replicates", "seeds", "max_trials"):
         if getattr(args, name) < 1:

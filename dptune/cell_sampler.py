@@ -94,6 +94,7 @@ class CellSampler:
     pending: list[dict[str, Any]] = field(default_factory=list)
     study: optuna.Study = field(init=False, repr=False)
     _numbers: dict[str, list[int]] = field(init=False, repr=False)
+    _grid_left: int = field(init=False, repr=False, default=0)  # grid points enqueued and not yet asked
 
     def __post_init__(self) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)

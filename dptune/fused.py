@@ -387,11 +387,14 @@ def stacked_evaluations(heads: torch.Tensor, features: torch.Tensor, labels: tor
 
 
 def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: torch.Tensor) -> ProbeGradients:
-    """The probe's per-example gradients δ_i x̃_iᵀ of one head (classes, dim + 1) on augmented
-    ``features`` (n, dim + 1), flattened to (n, classes·(dim + 1)), summarised for the diagnostics
-    (which depend on the gradients only through norms and inner products, so on no coordinate order)."""
+    """The probe's per-example gradients g_i = δ_i x̃_iᵀ of one head (classes, dim + 1) on augmented
+    ``features`` (n, dim + 1), summarised for the diagnostics, which depend on them only through
+    inner products: g_iᵀg_j = (δ_iᵀδ_j)(x̃_iᵀx̃_j), an (n, n) Gram matrix in O(n²·(classes + dim))
+    instead of n gradients of classes·(dim + 1) entries."""
     deltas, _ = head_deltas(head.unsqueeze(0), features.unsqueeze(0), labels.unsqueeze(0))
-    return ProbeGradients.from_per_example((deltas[0].unsqueeze(2) * features.unsqueeze(1)).flatten(1), labels)
+    deltas, features = deltas[0].double(), features.double()
+    return ProbeGradients.from_gram((deltas @ deltas.T) * (features @ features.T), labels,
+                                    head.shape[0] * head.shape[1])
 
 
 # --------------------------------------------------------------------------- one fused group

@@ -417,6 +417,34 @@ def test_encoding_precision_follows_the_hardware_unless_forced(monkeypatch, tmp_
         features.encoding_precision(cpu)
 
 
+def test_a_cache_hit_builds_no_encoder_and_other_weight_files_make_a_new_entry(
+    monkeypatch, encoder_calls, temporary_cache, tmp_path
+):
+    import shutil
+
+    import dptune.models as models
+    from dptune.models.backbones import minilm_folder
+
+    raw = tiny_corpus()
+    first = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    (key_file,) = (temporary_cache / "features").glob("tiny20-minilm-*.json")
+    assert json.loads(key_file.read_text())["weights_sha256"] == features.folder_fingerprint(minilm_folder())
+
+    real_build, built = models.build_feature_extractor, []
+    monkeypatch.setattr(models, "build_feature_extractor", lambda *a, **k: built.append(a) or real_build(*a, **k))
+    again = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    assert built == [] and encoder_calls == [12]  # the key came from the weight files: no model was built
+    np.testing.assert_array_equal(again, first)
+
+    other = tmp_path / "minilm"
+    shutil.copytree(minilm_folder(), other)
+    (other / "README.md").write_text("changed")  # another folder: another identity, another entry
+    monkeypatch.setitem(models.BACKBONES, "minilm",
+                        dataclasses.replace(models.BACKBONES["minilm"], weight_source=lambda: other))
+    features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    assert encoder_calls == [12, 12] and len(list((temporary_cache / "features").glob("tiny20-minilm-*.json"))) == 2
+
+
 def test_bf16_features_agree_with_fp32_and_are_cached_apart(monkeypatch, encoder_calls, temporary_cache):
     raw = tiny_corpus()
     found = {}
@@ -431,4 +459,4 @@ def test_bf16_features_agree_with_fp32_and_are_cached_apart(monkeypatch, encoder
     bf16 = found["bf16"]
     cosine = (bf16 * reference).sum(1) / (np.linalg.norm(bf16, axis=1) * np.linalg.norm(reference, axis=1))
     assert bf16.dtype == np.float32 and cosine.min() > 0.9995
-    assert np.abs(bf16 - reference).max() > 1e-4, "bf16 autocast did not take effect"
+    assert np.abs(bf16 - reference).max() > 1e-4, "bf16 did not take effect"

@@ -175,3 +175,22 @@ def test_without_noise_nothing_should_be_clipped() -> None:
     vectors = random_vectors(seed=5)
     probe = probe_from_vectors(vectors)
     assert optimal_clip_bound(probe, 0.0, 10.0) == pytest.approx(np.linalg.norm(vectors, axis=1).max())
+
+
+def test_gram_summary_of_rank_one_gradients_equals_the_per_example_one() -> None:
+    """A linear head's g_i = δ_i x̃_iᵀ: the (n, n) Gram route gives the same norms, forms, MSE and C*."""
+    generator = torch.Generator().manual_seed(3)
+    deltas = torch.randn(64, 5, generator=generator, dtype=torch.float64)
+    features = torch.randn(64, 9, generator=generator, dtype=torch.float64)
+    deltas[7] = 0  # a zero gradient: its inverse norm is 0 on both routes
+    labels = torch.randint(0, 5, (64,), generator=generator)
+    per_example = (deltas.unsqueeze(2) * features.unsqueeze(1)).flatten(1)
+    dense = ProbeGradients.from_per_example(per_example, labels)
+    gram = ProbeGradients.from_gram((deltas @ deltas.T) * (features @ features.T), labels, 45)
+    assert gram.dimension == dense.dimension == 45 and gram.per_example is None
+    for field in ("norms", "sorted_norms", "nn", "ng", "gg"):
+        np.testing.assert_allclose(getattr(gram, field), getattr(dense, field), rtol=1e-10, atol=1e-10)
+    for clip_bound in (0.1, 1.0, 10.0):
+        np.testing.assert_allclose(clipping_mse(gram, clip_bound, 1.3, 32.0),
+                                   clipping_mse(dense, clip_bound, 1.3, 32.0), rtol=1e-10)
+    assert optimal_clip_bound(gram, 1.3, 32.0) == pytest.approx(optimal_clip_bound(dense, 1.3, 32.0), rel=1e-10)

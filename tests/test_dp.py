@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dptune.dp.clipping import AUTO_S_STABILITY
 from dptune.dp.engine import DPStepSpec, select_engine
 from dptune.dp.film import FilmEngine
-from dptune.dp.opacus_engine import OpacusEngine
-from dptune.dp.optimizers import RuleDPOptimizer, build_optimizer
+from dptune.dp.opacus_engine import OpacusEngine, RuleDPOptimizer
+from dptune.dp.optimizers import build_optimizer
 from dptune.dp.sampling import physical_batches, poisson_loader
 
 CPU = torch.device("cpu")

@@ -379,3 +379,28 @@ def test_groups_are_chunked_to_the_configurations_that_fit() -> None:
     results = run_fused(configs, on_done=lambda indices, group: done.append(indices), memory_bytes=budget)
     assert done == [list(range(i, min(i + fits, 5))) for i in range(0, 5, fits)]
     assert all(r.status == "ok" for r in results)
+
+
+def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
+        train: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A Ray worker that trains heads on cached features imports only what they need: Opacus, timm
+    (with torchvision) and transformers (a feature-cache hit builds no encoder) cost seconds per
+    process, more where bytecode is not cached."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from dataclasses import replace\n"
+        "import dptune.execution, dptune.tune_adapters\n"
+        "from dptune.contract import TrialConfig\n"
+        "from dptune.fused import run_fused\n"
+        f"BASE = {BASE!r}\n"
+        "done = []\n"
+        "configs = [replace(BASE, diagnostics=True, epochs=1, clip_bound=c) for c in (1.0, 0.1)]\n"
+        "run_fused(configs, on_done=lambda positions, results: done.extend(r.status for r in results))\n"
+        "print(done, sorted(m for m in ('opacus', 'timm', 'torchvision', 'transformers') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "['ok', 'ok'] []"

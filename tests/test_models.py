@@ -107,6 +107,10 @@ def test_film_vit_uses_opacus_hooks_for_timm_layernorm_and_matches_per_example_a
     from opacus import GradSampleModule
     from timm.layers import LayerNorm as TimmLayerNorm
 
+    from dptune.models import register_opacus_grad_samplers
+
+    register_opacus_grad_samplers()  # what importing dptune.dp.opacus_engine does
+
     torch.manual_seed(0)
     model = build_model(VIT_TI, "film", 4, pretrained=False, image_size=32)
     with torch.no_grad():  # a non-zero head so that gradients reach the norm layers

@@ -6,7 +6,8 @@
   (closed-form FiLM/head per-example gradients) implement it;
 - :mod:`~dptune.dp.batch_norm`: when BatchNorm is accepted under DP (frozen running statistics)
   and its per-example γ/β gradients;
-- :mod:`~dptune.dp.optimizers`: Opacus ``DPOptimizer`` with the rules (DP-SGD, DP-Adam);
+- :mod:`~dptune.dp.optimizers`: the base optimizers of DP-SGD and DP-Adam (Opacus' ``DPOptimizer``
+  with the rules is in :mod:`~dptune.dp.opacus_engine`);
 - :mod:`~dptune.dp.sampling`: Poisson sampling and physical batches;
 - :mod:`~dptune.dp.precision`: the forward pass's autocast, shared by the engines and evaluation;
 - :mod:`~dptune.dp.diagnostics`: the paper's gradient-norm, w_y(C), MSE and C* diagnostics;

@@ -19,23 +19,26 @@ so FiLM on it is as private as FiLM on LayerNorm. dptune accepts a BatchNorm und
 it normalises with running statistics (evaluation mode, ``track_running_stats`` with buffers
 present) — :class:`dptune.models.Classifier` holds every BatchNorm in evaluation mode for the
 whole trial, even under ``train()`` — and, when it is trained, its type is one of
-:data:`FROZEN_BATCH_NORM_TYPES` (matched exactly: a subclass may change the forward).
+:func:`frozen_batch_norm_types` (matched exactly: a subclass may change the forward).
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
-from timm.layers import BatchNormAct2d
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-#: BatchNorm types whose per-example γ/β gradients :func:`frozen_batch_norm_terms` computes.
-FROZEN_BATCH_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    BatchNormAct2d,
-)
+
+@cache
+def frozen_batch_norm_types() -> tuple[type[nn.Module], ...]:
+    """BatchNorm types whose per-example γ/β gradients :func:`frozen_batch_norm_terms` computes:
+    torch's ``BatchNorm1d/2d/3d`` and timm's ``BatchNormAct2d`` (timm is imported on the first
+    call, not with this module: a model without BatchNorm never needs it)."""
+    from timm.layers import BatchNormAct2d
+
+    return nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, BatchNormAct2d
 
 
 def uses_batch_statistics(module: _BatchNorm) -> bool:
@@ -57,8 +60,8 @@ def batch_norm_refusal(module: nn.Module) -> str | None:
     if module.running_mean is None or module.running_var is None:
         return "without running statistics (track_running_stats=False: batch statistics in every mode)"
     trained = any(p.requires_grad for p in module.parameters(recurse=False))
-    if trained and type(module) not in FROZEN_BATCH_NORM_TYPES:
-        supported = ", ".join(t.__name__ for t in FROZEN_BATCH_NORM_TYPES)
+    if trained and type(module) not in frozen_batch_norm_types():
+        supported = ", ".join(t.__name__ for t in frozen_batch_norm_types())
         return f"of type {type(module).__name__}, which has no per-example gradient rule (supported: {supported})"
     return None
 
@@ -91,7 +94,7 @@ def frozen_batch_norm_terms(
     inv_std = torch.rsqrt(module.running_var.float().view(shape) + module.eps)
     x_hat = (layer_input.float() - mean) * inv_std
     delta = grad_output.float()
-    if type(module) is BatchNormAct2d and not (
+    if type(module) is frozen_batch_norm_types()[-1] and not (  # timm's BatchNormAct2d
         isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity)
     ):
         weight = module.weight.float().view(shape) if module.weight is not None else 1.0
@@ -106,7 +109,7 @@ def frozen_batch_norm_terms(
 def compute_frozen_batch_norm_grad_sample(
     layer: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Opacus grad sampler for :data:`FROZEN_BATCH_NORM_TYPES` (summed loss, batch first)."""
+    """Opacus grad sampler for :func:`frozen_batch_norm_types` (summed loss, batch first)."""
     x_hat, delta = frozen_batch_norm_terms(layer, activations[0], backprops)
     grad_sample: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight is not None and layer.weight.requires_grad:

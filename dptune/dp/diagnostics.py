@@ -41,7 +41,6 @@ from torch import nn
 from dptune.contract import ClassDiagnostics, Diagnostics
 from dptune.dp.clipping import clip_factors
 from dptune.dp.engine import PhysicalBatch, summed_cross_entropy
-from dptune.dp.opacus_engine import grad_sample_hooks
 from dptune.dp.precision import autocast
 
 #: Per-class gradient-norm quantiles recorded, by key of ``ClassDiagnostics.grad_norm_quantiles``.
@@ -52,28 +51,35 @@ _BLOCK_COLUMNS = 1 << 14
 
 @dataclass(frozen=True)
 class ProbeGradients:
-    """A probe's per-example gradients g_i (rows of ``per_example``, i = 1..n, dimension d) and
-    what the C* search needs of them.
+    """A probe's per-example gradients g_i (i = 1..n, dimension d) as the diagnostics need them.
 
     With the examples sorted by norm (``sorted_norms`` ascending) and I_k the examples k..n-1 of
     that order (k = 0..n; I_n is empty), N_k = Σ_{i∈I_k} g_i/‖g_i‖ and G_k = Σ_{i∈I_k} g_i:
-    ``nn[k]`` = N_kᵀN_k, ``ng[k]`` = N_kᵀG_k, ``gg[k]`` = G_kᵀG_k (length n + 1, computed in
-    ``per_example``'s dtype). Every clipped set I_C = {i : ‖g_i‖ > C} is one of the I_k.
-    ``norms`` (float64) and ``labels`` keep the probe's order.
+    ``nn[k]`` = N_kᵀN_k, ``ng[k]`` = N_kᵀG_k, ``gg[k]`` = G_kᵀG_k (length n + 1). Every clipped
+    set I_C = {i : ‖g_i‖ > C} is one of the I_k. ``norms`` (float64) and ``labels`` keep the
+    probe's order. The gradients themselves are kept as one of: ``per_example``, the (n, d)
+    matrix (:meth:`from_per_example`), or ``gram``, the (n, n) float64 matrix of g_iᵀg_j
+    (:meth:`from_gram`, when d ≫ n and the inner products are cheap, as for a linear head).
     """
 
-    per_example: torch.Tensor
     labels: np.ndarray
     norms: np.ndarray
     sorted_norms: np.ndarray
     nn: np.ndarray
     ng: np.ndarray
     gg: np.ndarray
+    dimension: int  # d, the number of trainable parameters
+    per_example: torch.Tensor | None = None
+    gram: torch.Tensor | None = None
 
-    @property
-    def dimension(self) -> int:
-        """d, the number of trainable parameters."""
-        return self.per_example.shape[1]
+    def square_norm(self, weights: torch.Tensor) -> float:
+        """‖Σ_i w_i g_i‖² for float64 ``weights`` (n,) in the probe's order."""
+        if self.per_example is not None:
+            combined = weights.to(self.per_example) @ self.per_example
+            return float(torch.linalg.vector_norm(combined, dtype=torch.float64) ** 2)
+        assert self.gram is not None
+        weights = weights.to(self.gram)
+        return float(weights @ self.gram @ weights)
 
     @classmethod
     def from_per_example(cls, per_example: torch.Tensor, labels: torch.Tensor) -> ProbeGradients:
@@ -96,18 +102,39 @@ class ProbeGradients:
             n_sums = (rows * inverse).cumsum(0)
             for form, (a, b) in zip(forms, ((n_sums, n_sums), (n_sums, g_sums), (g_sums, g_sums)), strict=True):
                 form[:n] += torch.linalg.vecdot(a, b).double()
+        return cls._summary(forms, norms, descending, labels, per_example.shape[1], per_example=per_example)
+
+    @classmethod
+    def from_gram(cls, gram: torch.Tensor, labels: torch.Tensor, dimension: int) -> ProbeGradients:
+        """Summarise per-example gradients of dimension ``dimension`` given by their (n, n) Gram
+        matrix K_ij = g_iᵀg_j, in O(n²) float64.
+
+        In descending norm order with u_i = 1/‖g_i‖, the forms over the m largest are the sums over
+        the leading m×m block of u_a u_b K_ab, u_a K_ab and K_ab: the diagonal of the matrices'
+        two-dimensional running sums.
+        """
+        gram = gram.double()
+        n = len(gram)
+        norms = gram.diagonal().clamp_min(0).sqrt()
+        descending = torch.argsort(norms, descending=True, stable=True)
+        sorted_gram = gram[descending][:, descending]
+        inverse = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))[descending]
+        forms = torch.zeros(3, n + 1, dtype=torch.float64, device=gram.device)  # column n: I_n = ∅
+        for form, matrix in zip(forms, (inverse[:, None] * sorted_gram * inverse[None, :],
+                                        inverse[:, None] * sorted_gram, sorted_gram), strict=True):
+            form[:n] = matrix.cumsum(0).cumsum(1).diagonal()
+        return cls._summary(forms, norms, descending, labels, dimension, gram=gram)
+
+    @classmethod
+    def _summary(cls, forms: torch.Tensor, norms: torch.Tensor, descending: torch.Tensor, labels: torch.Tensor,
+                 dimension: int, **gradients: torch.Tensor) -> ProbeGradients:
+        """The record from running forms whose entry j covers the j + 1 largest norms."""
+        n = len(norms)
         forms[:, :n] = forms[:, :n].flip(1)  # entry k ↔ I_k, the examples from the k-th smallest up
         nn_form, ng_form, gg_form = forms.cpu().numpy()
         norms_np = norms.cpu().numpy()
-        return cls(
-            per_example=per_example,
-            labels=labels.cpu().numpy(),
-            norms=norms_np,
-            sorted_norms=norms_np[descending.flip(0).cpu().numpy()],
-            nn=nn_form,
-            ng=ng_form,
-            gg=gg_form,
-        )
+        return cls(labels=labels.cpu().numpy(), norms=norms_np, sorted_norms=norms_np[descending.flip(0).cpu().numpy()],
+                   nn=nn_form, ng=ng_form, gg=gg_form, dimension=dimension, **gradients)
 
 
 def per_example_gradients(
@@ -119,6 +146,8 @@ def per_example_gradients(
     ``model.parameters()`` order. ``model`` must be in training mode (Opacus captures
     activations only then); call it between optimizer steps (it leaves ``p.grad`` as None).
     """
+    from dptune.dp.opacus_engine import grad_sample_hooks  # imports Opacus: only the models that need it
+
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = params[0].device.type
     rows: list[torch.Tensor] = []
@@ -154,13 +183,13 @@ def clipping_mse(
 ) -> tuple[float, float]:
     """(bias, variance) of the per-step MSE at C (module docstring): ‖(CN_C − G_C)/n‖², σ²C²d/B².
 
-    The bias is formed as the vector (1/n) Σ_i (min(1, C/‖g_i‖) − 1)·g_i and then squared, which,
-    unlike expanding ‖CN − G‖², loses no precision when C·N_C is close to G_C.
+    The bias is the squared norm of the vector (1/n) Σ_i (min(1, C/‖g_i‖) − 1)·g_i (formed, or from
+    the Gram matrix as a quadratic form in float64), which, unlike expanding ‖CN − G‖², loses no
+    precision when C·N_C is close to G_C.
     """
     norms = torch.from_numpy(probe.norms)
     weights = torch.where(norms > clip_bound, clip_bound / norms - 1.0, torch.zeros_like(norms)) / len(norms)
-    residual = weights.to(probe.per_example) @ probe.per_example
-    bias = torch.linalg.vector_norm(residual, dtype=torch.float64) ** 2
+    bias = probe.square_norm(weights)
     variance = noise_multiplier**2 * clip_bound**2 * probe.dimension / expected_batch_size**2
     return float(bias), float(variance)
 

@@ -43,7 +43,7 @@ saved input in float32 and every sum is accumulated in float32, whatever dtype Î
 Only exact module types are supported (as Opacus matches its grad samplers): ``nn.LayerNorm``,
 ``nn.GroupNorm``, ``nn.Linear``, timm's ``LayerNorm``/``GroupNorm``/``GroupNorm1``
 subclasses, whose forward is the parent's, and the frozen-statistics BatchNorms of
-:data:`~dptune.dp.batch_norm.FROZEN_BATCH_NORM_TYPES`. A subclass with another layout (timm's
+:func:`~dptune.dp.batch_norm.frozen_batch_norm_types`. A subclass with another layout (timm's
 ``LayerNorm2d`` normalises channels first) is refused, as is a parameter shared by two modules;
 :func:`unsupported_modules` names them and the trial falls back to Opacus.
 """
@@ -63,7 +63,7 @@ from timm.layers import GroupNorm1 as TimmGroupNorm1
 from timm.layers import LayerNorm as TimmLayerNorm
 from torch import nn
 
-from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal, frozen_batch_norm_terms
+from dptune.dp.batch_norm import batch_norm_refusal, frozen_batch_norm_terms, frozen_batch_norm_types
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.precision import autocast
@@ -71,7 +71,7 @@ from dptune.dp.precision import autocast
 _LAYER_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, TimmLayerNorm)
 _GROUP_NORMS: tuple[type[nn.Module], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)
 _LINEARS: tuple[type[nn.Module], ...] = (nn.Linear,)
-_NORMS: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + FROZEN_BATCH_NORM_TYPES
+_NORMS: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + frozen_batch_norm_types()
 #: Module types the engine computes per-example gradients for (matched exactly, not by subclass).
 SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = _NORMS + _LINEARS
 
@@ -161,7 +161,7 @@ class _NormSlot(_Slot):
     def __init__(self, name: str, module: nn.Module, offset: int) -> None:
         super().__init__(name, module, offset)
         self.group_norm = isinstance(module, nn.GroupNorm)
-        self.batch_norm = isinstance(module, FROZEN_BATCH_NORM_TYPES)
+        self.batch_norm = isinstance(module, frozen_batch_norm_types())
         self.pieces: list[torch.Tensor] = []
 
     def reset(self) -> None:

@@ -5,6 +5,23 @@ third of a ViT-Ti step on a GPU), so :class:`OpacusEngine` attaches them once an
 *disabled* outside its step: the model then computes exactly as a plain module. The diagnostics
 enter the same hooks through :func:`grad_sample_hooks`, which attaches them for the duration
 only when no engine keeps them.
+
+:class:`RuleDPOptimizer` overrides the three stages of Opacus' pre-step with the rule's factors from
+:mod:`dptune.dp.clipping` — per-example factor f_i (``clip_and_accumulate``), noise std s
+(``add_noise``) and update scale (``scale_grad``) — so that after a step's backward passes
+
+    p.grad = update_scale(C, rule, B) · (Σ_i f_i g_i + N(0, s² I)).
+
+With rule ``standard`` this is exactly Opacus' DP-SGD step (flat clipping, std σC, divide by B);
+``normalized`` is the paper's Algorithm 1 (divide by C·B as well); ``auto_s`` is AUTO-S. Everything
+else (parameter bookkeeping, the processed-gradient checks, ``zero_grad``, ``step`` and Opacus'
+``BatchMemoryManager`` skip logic) is Opacus', so ``RuleDPOptimizer(Adam(...))`` is DP-Adam in
+Opacus' own training loop; the engine runs it through these three stages only, and the trial's
+base optimizer (:data:`dptune.dp.optimizers.OPTIMIZERS`) steps.
+
+Importing this module imports Opacus (seconds) and registers dptune's grad samplers with it
+(:func:`dptune.models.register_opacus_grad_samplers`); the modules a head-on-features trial uses
+import neither.
 """
 
 from __future__ import annotations
@@ -17,12 +34,18 @@ from weakref import WeakKeyDictionary
 
 import torch
 from opacus.grad_sample import GradSampleHooks
+from opacus.optimizers.optimizer import DPOptimizer
 from torch import nn
 
-from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, batch_norm_refusal
+from dptune._thirdparty import check_processed_flag, generate_noise, mark_as_processed
+from dptune.dp.batch_norm import batch_norm_refusal, frozen_batch_norm_types
+from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
-from dptune.dp.optimizers import RuleDPOptimizer
+from dptune.dp.optimizers import per_example_norms
 from dptune.dp.precision import autocast
+from dptune.models.opacus_support import register_opacus_grad_samplers
+
+register_opacus_grad_samplers()
 
 #: Hooks kept attached (disabled between uses) by an engine, by model. Both sides are weak: the
 #: hooks live as long as the model does (its modules hold them), and a finished trial's model and
@@ -42,7 +65,7 @@ class _FrozenBatchNormHooks(GradSampleHooks):
     def capture_activations_hook(
         self, module: nn.Module, forward_input: list[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
-        if type(module) not in FROZEN_BATCH_NORM_TYPES or batch_norm_refusal(module) is not None:
+        if type(module) not in frozen_batch_norm_types() or batch_norm_refusal(module) is not None:
             super().capture_activations_hook(module, forward_input, _forward_output)
             return
         module.training = True  # this module only, not its children
@@ -67,7 +90,7 @@ def _attach(model: nn.Module) -> GradSampleHooks:
         and any(p.requires_grad for p in module.parameters(recurse=False))
     ]
     strict = not all(
-        type(module) in FROZEN_BATCH_NORM_TYPES and batch_norm_refusal(module) is None for module in with_buffers
+        type(module) in frozen_batch_norm_types() and batch_norm_refusal(module) is None for module in with_buffers
     )
     hooks = _FrozenBatchNormHooks(model, batch_first=True, loss_reduction="sum", strict=strict)
     hooks.disable_hooks()
@@ -111,6 +134,67 @@ def grad_sample_hooks(model: nn.Module) -> Iterator[GradSampleHooks]:
         hooks.set_grad_sample_to_none()
         if kept is None:
             hooks.cleanup()
+
+
+class RuleDPOptimizer(DPOptimizer):
+    """Opacus ``DPOptimizer`` whose clip, noise and scale follow a :mod:`dptune.dp.clipping` rule.
+
+    ``max_grad_norm`` is the clip bound C; ``expected_batch_size`` is B = q·N (examples);
+    ``noise_multiplier`` is σ. Per-example gradients come from Opacus' grad-sample hooks with
+    ``loss_reduction="sum"`` (g_i is one example's gradient).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        noise_multiplier: float,
+        clip_bound: float,
+        expected_batch_size: float,
+        rule: ClippingRule,
+        stability: float = AUTO_S_STABILITY,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=clip_bound,
+            expected_batch_size=expected_batch_size,  # type: ignore[arg-type]  # B = q·N need not be an int
+            loss_reduction="mean",
+            generator=generator,
+        )
+        self.rule: ClippingRule = check_rule(rule)
+        self.stability = stability
+
+    def clip_and_accumulate(self) -> None:
+        """p.summed_grad += Σ_i f_i · g_i with the rule's per-example factors f_i (flat norms)."""
+        grad_samples = self.grad_samples
+        factors = clip_factors(per_example_norms(grad_samples), self.max_grad_norm, self.rule, self.stability)
+        for p, grad_sample in zip(self.params, grad_samples, strict=True):
+            check_processed_flag(p.grad_sample)
+            grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample.to(p.dtype))
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+            mark_as_processed(p.grad_sample)
+
+    def add_noise(self) -> None:
+        """p.grad = p.summed_grad + N(0, s² I), s = ``noise_std(σ, C, rule)``.
+
+        A parameter with no accumulated sum (an empty Poisson batch: no backward pass ran) gets
+        noise alone, as the mechanism requires.
+        """
+        std = noise_std(self.noise_multiplier, self.max_grad_norm, self.rule)
+        for p in self.params:
+            summed = torch.zeros_like(p) if p.summed_grad is None else p.summed_grad
+            check_processed_flag(summed)
+            noise = generate_noise(std=std, reference=summed, generator=self.generator, secure_mode=self.secure_mode)
+            p.grad = (summed + noise).view_as(p)
+            mark_as_processed(summed)
+
+    def scale_grad(self) -> None:
+        """p.grad *= ``update_scale(C, rule, B)`` (1/B; 1/(C·B) for ``normalized``)."""
+        scale = update_scale(self.max_grad_norm, self.rule, self.expected_batch_size)
+        for p in self.params:
+            p.grad *= scale
 
 
 class OpacusEngine:

@@ -11,12 +11,15 @@ Poisson batch as a stream of physical batches). Host memory holds one logical ba
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from opacus.data_loader import DPDataLoader
 from torch.utils.data import Dataset
 
 from dptune.dp.engine import PhysicalBatch
+
+if TYPE_CHECKING:
+    from opacus.data_loader import DPDataLoader
 
 
 def poisson_loader(dataset: Dataset, sample_rate: float, steps: int, generator: torch.Generator) -> DPDataLoader:
@@ -30,6 +33,8 @@ def poisson_loader(dataset: Dataset, sample_rate: float, steps: int, generator: 
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     if steps < 1:
         raise ValueError(f"steps must be ≥ 1, got {steps}")
+    from opacus.data_loader import DPDataLoader  # Opacus is imported only by the trials that use it
+
     loader = DPDataLoader(dataset, sample_rate=sample_rate, generator=generator)
     loader.batch_sampler.steps = steps  # Opacus' default is one "epoch" of int(1/q) batches
     return loader

@@ -52,8 +52,6 @@ from dptune.models.build import (
 from dptune.models.opacus_support import register_opacus_grad_samplers
 from dptune.models.peft import PEFTS
 
-register_opacus_grad_samplers()
-
 __all__ = [
     "BACKBONES",
     "PEFTS",

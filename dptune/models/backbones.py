@@ -52,16 +52,17 @@ class ImagePreprocess(nn.Module):
 
 class TextEncoder(nn.Module):
     """A transformer encoder followed by mean pooling of the last hidden state, weighted by the
-    attention mask (sentence-transformers' pooling): ``Σ_t m_t h_t / max(Σ_t m_t, 1e-9)``."""
+    attention mask (sentence-transformers' pooling): ``Σ_t m_t h_t / max(Σ_t m_t, 1e-9)``, summed
+    in float32 whatever the encoder's dtype."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
         self.transformer = transformer
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask)
-        mask = attention_mask.unsqueeze(-1).to(hidden.last_hidden_state.dtype)
-        summed = (hidden.last_hidden_state * mask).sum(dim=1)
+        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
+        mask = attention_mask.unsqueeze(-1).float()
+        summed = (hidden * mask).sum(dim=1)
         return summed / mask.sum(dim=1).clamp_min(1e-9)
 
 
@@ -209,6 +210,12 @@ def _hf_source(name: str, hub_id: str) -> tuple[str, bool]:
     return hub_id, False
 
 
+def _hf_local_folder(name: str, hub_id: str) -> Path | None:
+    """The local folder a Hugging Face backbone's pretrained weights load from (``None``: the hub or its cache)."""
+    source, local_only = _hf_source(name, hub_id)
+    return Path(source) if local_only and Path(source).is_dir() else None
+
+
 def _hf_text(name: str, hub_id: str, pretrained: bool, image_size: int | None) -> nn.Module:
     from transformers import AutoConfig, AutoModel, DistilBertConfig
 
@@ -277,6 +284,7 @@ def _text_info(
         max_tokens=128,
         tokenizer=partial(_hf_tokenizer, name, hub_id),
         lora_targets=lora_targets,
+        weight_source=partial(_hf_local_folder, name, hub_id),
     )
 
 

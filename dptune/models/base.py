@@ -35,7 +35,10 @@ class BackboneInfo:
     the attention mask. ``lora_targets`` are the module-name suffixes of the attention
     projections LoRA adapts (empty: no attention, LoRA refused). ``weights`` says where the
     pretrained weights come from and how to provide them offline; ``has_pretrained_weights`` is
-    False for backbones trained from scratch (``pretrained`` is then ignored).
+    False for backbones trained from scratch (``pretrained`` is then ignored). ``weight_source()``,
+    where given, returns the local folder the pretrained weights load from (``None`` when they
+    come from elsewhere): the feature cache then identifies the weights by its files, without
+    building the model.
     """
 
     name: str
@@ -48,6 +51,7 @@ class BackboneInfo:
     tokenizer: Callable[[], Any] | None = None
     lora_targets: tuple[str, ...] = ()
     has_pretrained_weights: bool = True
+    weight_source: Callable[[], Path | None] | None = None
 
 
 def offline() -> bool:

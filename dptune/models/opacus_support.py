@@ -11,16 +11,19 @@ BatchNorm sampler at all (it refuses BatchNorm); dptune registers the frozen-sta
 
 from __future__ import annotations
 
-from opacus.grad_sample import register_grad_sampler
-from opacus.grad_sample.layer_norm import compute_layer_norm_grad_sample
-
-from dptune.dp.batch_norm import FROZEN_BATCH_NORM_TYPES, compute_frozen_batch_norm_grad_sample
+from dptune.dp.batch_norm import compute_frozen_batch_norm_grad_sample, frozen_batch_norm_types
 
 
 def register_opacus_grad_samplers() -> None:
     """Register Opacus' LayerNorm grad sampler for timm's ``LayerNorm`` and dptune's frozen
-    BatchNorm sampler for :data:`~dptune.dp.batch_norm.FROZEN_BATCH_NORM_TYPES` (idempotent)."""
+    BatchNorm sampler for :func:`~dptune.dp.batch_norm.frozen_batch_norm_types` (idempotent).
+
+    :mod:`dptune.dp.opacus_engine` calls it when imported (Opacus and timm are imported here, not
+    with :mod:`dptune.models`); code that wraps a model in Opacus' ``GradSampleModule`` itself calls it first.
+    """
+    from opacus.grad_sample import register_grad_sampler
+    from opacus.grad_sample.layer_norm import compute_layer_norm_grad_sample
     from timm.layers import LayerNorm as TimmLayerNorm
 
     register_grad_sampler(TimmLayerNorm)(compute_layer_norm_grad_sample)
-    register_grad_sampler(list(FROZEN_BATCH_NORM_TYPES))(compute_frozen_batch_norm_grad_sample)
+    register_grad_sampler(list(frozen_batch_norm_types()))(compute_frozen_batch_norm_grad_sample)

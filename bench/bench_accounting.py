@@ -37,8 +37,18 @@ def main() -> None:
     parser.add_argument("--num-examples", type=int, default=10_164)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    os.environ["DPTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="dptune-bench-accounting-")
+    with tempfile.TemporaryDirectory(prefix="dptune-bench-accounting-") as cache:
+        os.environ["DPTUNE_CACHE_DIR"] = cache
+        result = measure(args.num_examples)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
 
+
+def measure(num_examples: int) -> dict[str, object]:
+    """Both phases in this process, against whatever ``DPTUNE_CACHE_DIR`` holds (empty: cold)."""
     from dptune import plan, privacy
 
     cells: dict[tuple[float, int], list[privacy.TrialMechanism]] = {}
@@ -48,8 +58,8 @@ def main() -> None:
         for epochs in EPOCHS:
             cells[epsilon, epochs] = []
             for batch_size, trials in zip(BATCH_SIZES, TRIALS_PER_BATCH_SIZE, strict=True):
-                rate = plan.sample_rate(args.num_examples, batch_size)
-                steps = plan.total_steps(args.num_examples, batch_size, epochs)
+                rate = plan.sample_rate(num_examples, batch_size)
+                steps = plan.total_steps(num_examples, batch_size, epochs)
                 began = time.perf_counter()
                 sigma = privacy.calibrate_noise_multiplier(epsilon, DELTA, rate, steps)
                 calibrations.append({"epsilon": epsilon, "epochs": epochs, "batch_size": batch_size,
@@ -67,15 +77,9 @@ def main() -> None:
                              "epsilon_composed": composed, "seconds": round(time.perf_counter() - began, 3)})
     composition_seconds = time.perf_counter() - start
 
-    result = {"num_examples": args.num_examples, "delta": DELTA, "cpu_count": os.cpu_count(),
-              "calibration_seconds": round(calibration_seconds, 2),
-              "composition_seconds": round(composition_seconds, 2),
-              "calibrations": calibrations, "compositions": compositions}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    return {"num_examples": num_examples, "delta": DELTA, "cpu_count": os.cpu_count(),
+            "calibration_seconds": round(calibration_seconds, 2), "composition_seconds": round(composition_seconds, 2),
+            "calibrations": calibrations, "compositions": compositions}
 
 
 if __name__ == "__main__":

@@ -171,10 +171,10 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("configurations_pruned", pa.int64()),
             ("epsilon_per_trial", pa.float64()),
             ("trials_with_steps", pa.int64()),  # trials of this cell that took ≥ 1 step
-            ("epsilon_cell", pa.float64()),  # PRV composition of this cell's trials, at delta
+            ("epsilon_cell", pa.float64()),  # PLD composition of this cell's trials, at delta
             ("epsilon_composition", pa.float64()),  # basic composition of this cell's trials: Σ ε spent
             ("delta_composition", pa.float64()),  # and Σ δ
-            ("epsilon_search", pa.float64()),  # PRV composition of every trial of the search, at delta
+            ("epsilon_search", pa.float64()),  # PLD composition of every trial of the search, at delta
             ("epsilon_search_basic", pa.float64()),  # Σ ε spent over the search
             ("delta_search_basic", pa.float64()),
             ("epsilon_selection", pa.float64()),  # private selection only: the total budget's bound

@@ -687,7 +687,7 @@ def run_search(options: SearchOptions) -> str:
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
     if ran:
-        print("composing the privacy cost of every trial (PRV accountant; PLD for a very large ε)...", flush=True)
+        print("composing the privacy cost of every trial (PLD accountant)...", flush=True)
         trials = read_table(results_root, "trials")
         rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
                 for row in search_rows(loaded, ran, search_id, trials)]
@@ -725,7 +725,7 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
         "epsilon_cell": "ε cell (composed)", "epsilon_composition": "Σε (basic)"}).to_string(
         index=False, float_format=lambda v: f"{v:.3g}"))
     first = search.iloc[0]
-    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PRV or PLD "
+    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
                  f"composition of every trial that took a step); basic composition: "
                  f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}")
     if not release.empty:

@@ -3,10 +3,11 @@
 Every trial records the ε it spent for the steps it actually took (``steps_taken``: a trial stopped
 early or failed counts what it ran; a pruned one, nothing). Trials of every cell and clipping
 variant train on the same private data, so what the search as a whole costs is their composition:
-``composition_cost`` composes every trial that took a step with the PRV accountant (PLD for a very
-large composed ε; ``privacy.composed_epsilon``) over its own (σ, q, steps taken), at the space's δ, beside basic
-composition (Σ εᵢ, k·δ) as a cross-check. That figure holds for releasing every trial's model, and
-only because every trial draws fresh, independent, secret coins (``TrialConfig.seed = None``).
+``composition_cost`` composes every trial that took a step with the privacy-loss-distribution (PLD)
+accountant (``privacy.composed_epsilon``, an upper bound) over its own (σ, q, steps taken), at the
+space's δ, beside basic composition (Σ εᵢ, k·δ) as a cross-check. That figure holds for releasing
+every trial's model, and only because every trial draws fresh, independent, secret coins
+(``TrialConfig.seed = None``).
 
 An end-to-end private search (``privacy.private_selection``) releases one trial, chosen by a DP
 score: ``select_release`` picks it, and its (ε_total, δ) is the Papernot–Steinke bound that the
@@ -30,7 +31,7 @@ from dptune.space import SearchSpace
 class CompositionCost:
     """(ε, δ) of releasing every trial of a set that took a step.
 
-    ``epsilon`` is the PRV composition at ``delta`` (an upper bound); ``epsilon_basic`` and
+    ``epsilon`` is the PLD composition at ``delta`` (an upper bound); ``epsilon_basic`` and
     ``delta_basic`` are basic composition (Σ εᵢ spent, k·δ), looser, kept as a cross-check.
     """
 
@@ -51,8 +52,8 @@ def trial_mechanisms(trials: pd.DataFrame) -> list[TrialMechanism]:
 def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
     """What releasing every trial in ``trials`` (rows of the ``trials`` table) costs, at ``delta``.
 
-    No trial with a step: zero. One trial: its own ε spent when that is the tighter bound (the
-    whole-search accountant runs on a coarser mesh, ``privacy.SEARCH_EPSILON_ERROR``).
+    No trial with a step: zero. One trial: its own ε spent (the PRV accountant's) when that is the
+    tighter of the two upper bounds.
     """
     took = trials[trials["steps_taken"].fillna(0) > 0]
     mechanisms = trial_mechanisms(took)
@@ -97,7 +98,7 @@ def guarantee(space: SearchSpace, cost: CompositionCost | None = None,
                 f"released and NOT covered: they hold {_OUTSIDE}.")
     whole = ("" if cost is None or not cost.trials_with_steps else
              f" Releasing every trial's model costs ε = {cost.epsilon:.3g} at δ = {cost.delta:g} for the whole "
-             f"search (PRV composition, or PLD for a very large ε, of the {cost.trials_with_steps} trials that took "
+             f"search (PLD composition of the {cost.trials_with_steps} trials that took "
              f"steps; basic composition gives ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g})).")
     return (f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
             f"sampling, fresh secret coins per trial).{whole} NOT covered by (ε, δ): {_OUTSIDE}. Releasing the "

@@ -126,7 +126,8 @@ def papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: floa
 
 def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> float:
     """ε at ``delta`` of composing ``trials`` (σ, q, steps), each T Poisson-subsampled Gaussian steps, by
-    dp_accounting's PLD accountant (pessimistic discretisation of 1e-3): independent of dptune's PRV path."""
+    dp_accounting's public ``PLDAccountant`` (pessimistic discretisation of 1e-3): what dptune's composition,
+    built from the same library's PLD parts, must reproduce."""
     from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
     from dp_accounting.pld import PLDAccountant
 

@@ -3,6 +3,7 @@ Papernot–Steinke by hand), its cache (speed, persistence, concurrent writers) 
 
 from __future__ import annotations
 
+import decimal
 import itertools
 import json
 import math
@@ -13,6 +14,7 @@ import textwrap
 import time
 import warnings
 from collections.abc import Callable
+from decimal import Decimal
 from importlib.metadata import version
 from pathlib import Path
 
@@ -225,6 +227,106 @@ def test_accounting_follows_prv_accountant_and_runs_where_it_refuses() -> None:
                       delta_error=delta_error, max_self_compositions=steps)
     assert privacy._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
         _opacus_epsilon(OpacusPRVAccountant, noise_multiplier, sample_rate, steps), rel=1e-3)
+
+
+# --------------------------------------------------------------------------- the library's formulas, recomputed fast
+
+# (σ, q): small σ and q (the CDF rises steeply just above log(1 − q)), the reported point, the
+# Gaussian mechanism (q = 1), large σ with small q.
+FORMULA_POINTS = [(0.3, 0.003), (0.735, 32 / 300), (0.2, 0.2), (1.0, 0.5), (0.7, 1.0), (5.0, 0.05), (20.0, 1e-4)]
+
+
+def _cdf_by_decimal(t: float, noise_multiplier: float, sample_rate: float) -> float:
+    """F(t) with z = log((e^t − (1 − q))/q) in 50-digit decimal arithmetic from the exact float inputs
+    (erfc in float64): a reference where float64 cancels e^t against 1 − q."""
+    with decimal.localcontext() as context:
+        context.prec = 50
+        z = float(((Decimal(t).exp() - (1 - Decimal(sample_rate))) / Decimal(sample_rate)).ln())
+    s, scale = noise_multiplier, 2 * math.sqrt(2) * noise_multiplier
+    return (sample_rate * math.erfc(-(2 * s * s * z - 1) / scale)
+            + (1 - sample_rate) * math.erfc(-(2 * s * s * z + 1) / scale)) / 2
+
+
+@pytest.mark.parametrize(("noise_multiplier", "sample_rate"), FORMULA_POINTS)
+def test_scalar_cdf_equals_the_library_cdf(noise_multiplier: float, sample_rate: float) -> None:
+    """The mean's integrand (``math`` on a float) is prv_accountant's truncated CDF to 1e-12 relative
+    (1e-15 absolute) over [t_min − 1, t_max + 1], at t_min and t_max, and from 1e-3 above the support's
+    end log(1 − q). Closer to that end both formulas cancel e^t against 1 − q (the library's by up to
+    4e-12 at 1e-4, σ = 20): there it is at least as close as the library's to a 50-digit
+    evaluation, and within 1e-6 of it from 1e-9 above the end."""
+    t_min, t_max = -25.0, 35.0
+    prv = privacy._truncated_prv(noise_multiplier, sample_rate, t_min, t_max)
+    end = prv.support_min if sample_rate < 1 else t_min
+    grid = [*np.linspace(t_min - 1, t_max + 1, 1001), t_min, t_max, np.nextafter(t_max, 0.0), np.nextafter(t_min, 0.0),
+            *(end + offset for offset in (1e-3, 1e-2, 0.1))]
+    for t in map(float, grid):
+        assert prv.cdf(t) == pytest.approx(float(prv.truncated.cdf(t)), rel=1e-12, abs=1e-15)
+    if sample_rate == 1:
+        return
+    # at the end itself 0, its limit (the library's formula there takes the log of a rounding residue: NaN or 0)
+    assert prv.cdf(end) == prv.cdf(end - 1e-3) == float(prv.truncated.cdf(end - 1e-3)) == 0.0
+    mass = float(prv.truncated.remaining_mass)
+    for offset in (1e-12, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4):
+        t = end + offset
+        reference, fast, library = _cdf_by_decimal(t, noise_multiplier, sample_rate) / mass, prv.cdf(t), float(
+            prv.truncated.cdf(t))
+        assert abs(fast - reference) <= abs(library - reference) + 1e-12 * reference
+        if offset >= 1e-9:
+            assert fast == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize(("noise_multiplier", "sample_rate", "steps"),
+                         [(0.735, 32 / 300, 27), (1.0, 0.2, 99), (5.0, 0.05, 200), (0.7, 1.0, 4)])
+def test_cell_probabilities_equal_the_library_ones(noise_multiplier: float, sample_rate: float, steps: int) -> None:
+    """The discretiser's cell masses on the accountant's own grid (float64; F below the median, 1 − F
+    above) are prv_accountant's (long double) to 1e-9 relative or 2.5e-16 absolute, the library's own
+    rounding: its erfc argument is float64 and its masses near F = 1 are multiples of 5.4e-20."""
+    domain = privacy._fft_friendly_domain(privacy._safe_half_width(noise_multiplier, sample_rate, steps, DELTA), steps,
+                                          EPSILON_ERROR, DELTA * privacy.DELTA_ERROR_FRACTION)
+    prv = privacy._truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
+    centres = domain.ts()
+    lower, upper = centres - domain.dt() / 2, centres + domain.dt() / 2
+    fast, library = prv.probability(lower, upper), prv.truncated.probability(lower, upper)
+    assert fast.dtype == library.dtype == np.longdouble
+    assert np.all(np.abs(fast - library) <= 1e-9 * library + 2.5e-16)
+    assert float(fast.sum()) == pytest.approx(float(library.sum()), abs=1e-13)
+
+
+@pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), [(8.0, 32 / 300, 28), (2.0, 0.05, 200), (8.0, 1.0, 1)])
+def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(monkeypatch: pytest.MonkeyPatch, epsilon: float,
+                                                            sample_rate: float, steps: int) -> None:
+    """σ and its certified ε with the fast CDF and cell masses equal those with prv_accountant's to 1e-9."""
+    privacy.clear_memory_cache()
+    fast = privacy._calibrate(epsilon, DELTA, sample_rate, steps)
+    fast_epsilon = privacy._certified_epsilon(fast, sample_rate, steps, DELTA)
+    privacy.clear_memory_cache()
+    prv_class = privacy._TruncatedSubsampledGaussianPRV
+    monkeypatch.setattr(prv_class, "cdf", lambda self, t: float(self.truncated.cdf(t)))
+    monkeypatch.setattr(prv_class, "probability", lambda self, lower, upper: self.truncated.probability(lower, upper))
+    library = privacy._calibrate(epsilon, DELTA, sample_rate, steps)
+    assert fast == pytest.approx(library, rel=1e-9)
+    assert fast_epsilon == pytest.approx(privacy._certified_epsilon(fast, sample_rate, steps, DELTA), rel=1e-9)
+    privacy.clear_memory_cache()
+
+
+@pytest.mark.parametrize(("noise_multiplier", "sample_rate"), [
+    (0.3, 0.003), (0.5, 32 / 10164), (1.0, 0.2), (0.2, 0.2), (5.0, 0.01), (30.0, 0.05), (0.7, 1.0)])
+def test_safe_domain_rdp_is_the_library_one_and_the_domain_never_narrower(noise_multiplier: float,
+                                                                         sample_rate: float) -> None:
+    """The vectorised RDP curve is prv_accountant's (pure Python) to rounding, and the safe half-width
+    is at least ``compute_safe_domain_size``'s, and at most 2e-6 (relative) above it."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.accountant import compute_safe_domain_size
+
+    mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
+    library = np.array([mechanism.rdp(order) for order in privacy._SAFE_DOMAIN_ORDERS], dtype=float)
+    assert privacy._subsampled_gaussian_rdp(noise_multiplier, sample_rate) == pytest.approx(library, rel=1e-9,
+                                                                                             abs=1e-12)
+    for steps in (1, 100_000):
+        expected = compute_safe_domain_size([mechanism], [steps], eps_error=privacy.COARSE_EPSILON_ERROR,
+                                            delta_error=DELTA * privacy.DELTA_ERROR_FRACTION)
+        width = privacy._safe_half_width(noise_multiplier, sample_rate, steps, DELTA)
+        assert expected <= width <= expected * (1 + 2 * privacy._SAFE_WIDTH_ROUNDING_MARGIN)
 
 
 # --------------------------------------------------------------------------- cache
@@ -462,31 +564,56 @@ TRIAL = {"sample_rate": 0.01, "steps": 1000}
 SEARCH_TRIALS = [(1.1, 0.01, 1000), (1.1, 0.01, 1000), (2.5, 0.05, 200), (0.8, 0.02, 500), (0.6, 0.1, 60)]
 
 
-def test_whole_search_epsilon_equals_an_independent_pld_composition() -> None:
+def test_whole_search_epsilon_is_dp_accountings_pld_accountant() -> None:
+    """The composition is what dp_accounting's own ``PLDAccountant`` gives for the same events (tests/expected.py),
+    whether or not the cells' self-composed PLDs are already memoised, and is tighter than Σ εᵢ."""
     mechanisms = [privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS]
+    privacy.clear_memory_cache()
     composed = privacy.composed_epsilon(mechanisms, DELTA)
-    expected = pld_epsilon(SEARCH_TRIALS, DELTA)
-    # the PRV figure is an upper bound within SEARCH_EPSILON_ERROR; PLD's pessimistic grid adds ≤ ~1e-2
-    assert expected - 0.02 <= composed <= expected + privacy.SEARCH_EPSILON_ERROR + 0.02
+    assert composed == pytest.approx(pld_epsilon(SEARCH_TRIALS, DELTA), rel=1e-9)
+    privacy.clear_memory_cache()
+    for part in (mechanisms[:3], mechanisms[3:]):  # memoises the self-composed PLDs the whole search reuses
+        privacy.composed_epsilon(part, DELTA)
+    privacy._memo.clear()
+    assert privacy.composed_epsilon(mechanisms, DELTA) == composed
     basic = sum(epsilon_spent(*trial, DELTA) for trial in SEARCH_TRIALS)
     assert composed < basic  # tighter than Σ εᵢ, and at δ rather than k·δ
 
 
-def test_a_composition_too_large_for_the_prv_domain_is_composed_by_pld_and_agrees_with_prv(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dense search (hundreds of trials at a large ε) would need a PRV domain of millions of
-    points; above ``MAX_PRV_DOMAIN_POINTS`` the PLD accountant composes. Forced here on a small
-    case, both accountants' upper bounds agree, and both sit below Opacus' independent RDP bound."""
-    mechanisms = [privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS]
-    merged = privacy._merged(mechanisms)
-    by_prv = privacy._composed_epsilon(merged, DELTA, privacy.SEARCH_EPSILON_ERROR)
-    monkeypatch.setattr(privacy, "MAX_PRV_DOMAIN_POINTS", 1024)
-    by_pld = privacy._composed_epsilon(merged, DELTA, privacy.SEARCH_EPSILON_ERROR)
-    assert by_pld != by_prv and abs(by_pld - by_prv) <= privacy.SEARCH_EPSILON_ERROR + 0.02
+def _prv_composition_bounds(trials: list[tuple[float, float, int]], eps_error: float) -> tuple[float, float]:
+    """(lower, upper) bounds on ε at DELTA of composing ``trials`` by the PRV accountant (Gopi et al. 2021):
+    prv_accountant's heterogeneous pipeline (safe domain, cell-centred discretisation, Fourier self-composition,
+    convolution), with dptune's truncated PRV only for the mean the discretiser matches (the library's
+    misses the support's end at q = 0.1)."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.accountant import compute_safe_domain_size
+    from prv_accountant.composers import Heterogeneous
+    from prv_accountant.discretisers import CellCentred
+    from prv_accountant.domain import Domain
+
+    delta_error = DELTA * privacy.DELTA_ERROR_FRACTION
+    steps = [t for _, _, t in trials]
+    half_width = compute_safe_domain_size([PoissonSubsampledGaussianMechanism(q, s) for s, q, _ in trials], steps,
+                                          eps_error=eps_error, delta_error=delta_error)
+    domain = Domain.create_aligned(-half_width, half_width, eps_error / math.sqrt(sum(steps) / 2 * math.log(
+        12 / delta_error)))
+    discrete = [CellCentred().discretise(privacy._truncated_prv(s, q, domain.t_min(), domain.t_max()), domain)
+                for s, q, _ in trials]
+    lower, _, upper = Heterogeneous(discrete).compute_composition(steps).compute_epsilon(DELTA, delta_error, eps_error)
+    return float(lower), float(upper)
+
+
+def test_composition_lies_between_the_prv_accountants_bounds_and_below_rdp() -> None:
+    """An independent accountant brackets it: the PRV accountant's lower bound ≤ the PLD upper bound ≤ the
+    PRV upper bound (eps_error = 0.1; the PLD grid of 1e-3 is the finer), and Opacus' RDP bound is looser."""
+    merged = [(m.noise_multiplier, m.sample_rate, m.steps)
+              for m in privacy._merged([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS])]
+    composed = privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS], DELTA)
+    lower, upper = _prv_composition_bounds(merged, eps_error=0.1)
+    assert lower <= composed <= upper
     orders = np.linspace(1.1, 200, 400)
     rdp = sum(opacus_rdp(orders, sigma, q, steps) for sigma, q, steps in SEARCH_TRIALS)
-    rdp_epsilon = float(np.min(rdp + np.log(1 / DELTA) / (orders - 1)))
-    assert by_pld < rdp_epsilon and by_prv < rdp_epsilon
+    assert composed < float(np.min(rdp + np.log(1 / DELTA) / (orders - 1)))
 
 
 def test_one_trial_composed_is_that_trial_and_equal_trials_merge() -> None:

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -87,8 +88,10 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
                    learning_rate=lr, seed=seed)
 
 
+@cache
 def package_versions() -> dict[str, str]:
-    """Versions of the packages a result depends on (recorded with every trial)."""
+    """Versions of the packages a result depends on (recorded with every trial; read once per
+    process: each lookup scans the installed distributions, milliseconds per package)."""
     versions = {}
     for name in _VERSIONED_PACKAGES:
         try:

@@ -386,8 +386,9 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     """Whether the fused runner trains the search's runs (``training.runner``), checked before compute.
 
     ``auto``: fused where it applies (``dptune.fused.fused_refusal``) and no scheduler needs
-    per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. Every
-    feasible B must fit at least one configuration in the fused runner's memory budget.
+    per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. A fused
+    search's base configuration must pass the trial's value checks, and every feasible B must fit at
+    least one configuration in the fused runner's memory budget.
     """
     runner = space.training.runner
     if runner == "trial" or space.scheduler is not None:
@@ -400,6 +401,7 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
             raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; "
                               "use runner 'auto' or 'trial'")
         return False
+    fused.check_fusable([base])  # the trial's own value checks (TrialConfigError), as every fused group runs them
     feature_dim = int(workload.train[0][0].shape[-1])
     budget = fused.FUSED_MEMORY_BYTES
     for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
@@ -661,8 +663,9 @@ def run_search(options: SearchOptions) -> str:
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes
     base = base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples)
-    check_trial_can_run(base)
     fused = check_runner(space, plans, base, workload)
+    if not fused:  # the model and its engine (Opacus or FiLM): what run_trial trains; the fused runner uses neither
+        check_trial_can_run(base)
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root

@@ -54,7 +54,8 @@ def check_trial_can_run(config: TrialConfig) -> None:
     workload knobs (``WorkloadError``); that DP can train the model (``ModelError``, e.g.
     BatchNorm that would use batch statistics) and that the requested engine can run it. The
     model is built with random weights on PyTorch's ``meta`` device (no memory, no compute).
-    ``dptune.search`` calls this once in the driver, before Ray starts.
+    ``dptune.search`` calls this once in the driver, before Ray starts, when its runs train through
+    :func:`run_trial` (a fused search checks its configurations with ``dptune.fused.check_fusable``).
     """
     leave_deleted_working_directory()
     import torch

@@ -1,4 +1,7 @@
-"""bf16 autocast against fp32 for the MiniLM feature encoding of 20 Newsgroups: speed and accuracy.
+"""bf16 against fp32 for the MiniLM feature encoding of 20 Newsgroups: speed and accuracy.
+
+bf16 is what ``dptune.data.features`` runs: the encoder's weights cast to bf16 (until 2026-12-01: a
+bf16 autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` before that date measured).
 
 1. Speed: ``--docs`` documents of the training split (a seeded sample), truncated to
    ``--max-tokens``, encoded by ``dptune.data.features.encode_texts`` in fp32 and in bf16, each

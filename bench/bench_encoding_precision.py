@@ -17,7 +17,11 @@ bf16 autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` bef
 
 Prints a markdown summary; ``--out FILE.json`` also writes every figure.
 
+3. With ``--batch-tokens 4096,16384``: docs/s at each tokens-per-batch budget of CPU encoding, in
+   each precision (``--rounds`` interleaved rounds; medians), on another seeded sample.
+
     OMP_NUM_THREADS=2 nice .venv/bin/python bench/bench_encoding_precision.py --out build/bench/precision.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --skip-accuracy --batch-tokens 4096,8192,16384
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptune.data.features import PRECISION_ENV, PRECISIONS, cpu_flags, encode_texts
+from dptune.data import features as feature_cache
+from dptune.data.features import PRECISION_ENV, PRECISIONS, TEXT_BATCH_TOKENS, cpu_flags, encode_texts
 from dptune.data.sources import load_20newsgroups
 from dptune.models import BACKBONES, build_feature_extractor, load_tokenizer
 from dptune.trial import TrialConfig, run_trial
@@ -73,6 +78,31 @@ def encoding_speed(docs: int, max_tokens: int, seed: int) -> dict:
     figures["speedup_wall"] = figures["bf16"]["docs_per_s"] / figures["fp32"]["docs_per_s"]
     figures["speedup_cpu"] = figures["bf16"]["docs_per_cpu_s"] / figures["fp32"]["docs_per_cpu_s"]
     return figures
+
+
+def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int], rounds: int) -> dict:
+    """Docs/s of CPU encoding (each precision) at each tokens-per-batch budget: ``rounds`` rounds, the
+    budgets interleaved within a round (a drifting machine affects them alike); median over rounds."""
+    raw = load_20newsgroups()
+    rows = np.random.default_rng(seed + 1).choice(raw.num_official_train, size=docs, replace=False)
+    texts = [raw.inputs[row] for row in rows]
+    extractor, tokenizer = build_feature_extractor("minilm"), load_tokenizer("minilm")
+    dim = BACKBONES["minilm"].feature_dim
+    default = TEXT_BATCH_TOKENS["cpu"]
+    rates: dict[str, dict[int, list[float]]] = {p: {b: [] for b in budgets} for p in PRECISIONS}
+    try:
+        for precision in PRECISIONS:
+            encode_texts(extractor, tokenizer, texts[:64], max_tokens, dim, precision)  # warm-up
+            for _ in range(rounds):
+                for budget in budgets:
+                    feature_cache.TEXT_BATCH_TOKENS["cpu"] = budget
+                    wall = time.perf_counter()
+                    encode_texts(extractor, tokenizer, texts, max_tokens, dim, precision)
+                    rates[precision][budget].append(docs / (time.perf_counter() - wall))
+    finally:
+        feature_cache.TEXT_BATCH_TOKENS["cpu"] = default
+    return {p: {str(b): {"median_docs_per_s": float(np.median(r)), "docs_per_s": r} for b, r in by_budget.items()}
+            for p, by_budget in rates.items()}
 
 
 def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
@@ -133,6 +163,9 @@ def main() -> None:
     parser.add_argument("--eval-examples", type=int, default=1500, help="validation and test caps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-accuracy", action="store_true", help="time the encoding only")
+    parser.add_argument("--batch-tokens", default="", help="also time CPU encoding at these tokens-per-batch "
+                        "budgets, comma-separated (e.g. 4096,16384)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --batch-tokens comparison")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
     flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16"})
@@ -145,6 +178,14 @@ def main() -> None:
         print(f"| {precision} | {speed[precision]['docs_per_s']:.1f} | {speed[precision]['docs_per_cpu_s']:.1f} |")
     print(f"bf16/fp32: {speed['speedup_wall']:.2f}x wall, {speed['speedup_cpu']:.2f}x CPU; "
           f"cosine(bf16, fp32) min {speed['cosine_min']:.6f}, median {speed['cosine_median']:.6f}")
+    if args.batch_tokens:
+        budgets = [int(b) for b in args.batch_tokens.split(",")]
+        figures["batch_tokens"] = batch_budget_speed(args.docs, args.max_tokens, args.seed, budgets, args.rounds)
+        print(f"\n| tokens per batch | {' | '.join(f'{p} docs/s (median of {args.rounds})' for p in PRECISIONS)} |")
+        print("|---|" + "---|" * len(PRECISIONS))
+        for budget in budgets:
+            print(f"| {budget} | " + " | ".join(f"{figures['batch_tokens'][p][str(budget)]['median_docs_per_s']:.1f}"
+                                                for p in PRECISIONS) + " |")
     if not args.skip_accuracy:
         figures["accuracy"] = compare(probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens,
                                                        args.seed))

@@ -7,10 +7,11 @@ available, else on the CPU with torch's thread setting (all cores unless ``OMP_N
 hardware multiplies bf16 natively (a CUDA GPU with bf16; a CPU with the ``amx_bf16`` or
 ``avx512_bf16`` flag), fp32 elsewhere; ``DPTUNE_ENCODE_PRECISION=fp32|bf16`` overrides it. A text
 encoder runs in bf16 throughout (its weights cast to bf16; the mean pooling in float32), which on
-a CPU was 1.1–1.2x faster than a bf16 autocast of the same model (autocast keeps layer norms,
-softmax and the casts between them in float32); an image encoder, whose preprocessing is float32,
-runs under a bf16 autocast. bf16 features of MiniLM text are within cosine 0.9998 of fp32 ones, and
-linear probes trained on either agree within 0.3 accuracy points (``bench/bench_encoding_precision.py``). Text is sorted
+a CPU was 1.1–1.2x faster than a bf16 autocast of the same model in two hand-timed runs of 1,536
+documents (autocast keeps layer norms, softmax and the casts between them in float32); an image
+encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of MiniLM text
+are within cosine 0.9998 of fp32 ones, and DP linear probes trained on either agree within 0.3
+accuracy points (``bench/bench_encoding_precision.py``). Text is sorted
 by token count and batched by a token budget, each batch padded only to its own longest document
 (dynamic padding): the attention mask makes this equal to padding every document to
 ``max_tokens`` up to float rounding.

@@ -94,7 +94,7 @@ def frozen_batch_norm_terms(
     inv_std = torch.rsqrt(module.running_var.float().view(shape) + module.eps)
     x_hat = (layer_input.float() - mean) * inv_std
     delta = grad_output.float()
-    if type(module) is frozen_batch_norm_types()[-1] and not (  # timm's BatchNormAct2d
+    if type(module).__name__ == "BatchNormAct2d" and type(module) in frozen_batch_norm_types() and not (
         isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity)
     ):
         weight = module.weight.float().view(shape) if module.weight is not None else 1.0

@@ -88,6 +88,8 @@ class Results:
     ``trials`` gains ``task``, ``clip_bin`` and ``batch_bin`` (see the module docstring);
     ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial.
     ``clip_binned``/``batch_binned`` say whether C/B were binned (else exact values).
+    ``release`` holds the releases of end-to-end private searches, whose per-run records are not
+    in their dataset (they stay inside the data owner's trust boundary).
     """
 
     sources: tuple[str, ...]
@@ -98,6 +100,7 @@ class Results:
     search: pd.DataFrame
     clip_binned: bool
     batch_binned: bool
+    release: pd.DataFrame
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -193,7 +196,8 @@ def load_results(paths: Sequence[str]) -> Results:
     }
     search = tables["search"].drop_duplicates().reset_index(drop=True)
     return Results(sources=tuple(paths), trials=trials, search=search, clip_binned=clip_binned,
-                   batch_binned=batch_binned, **joined)
+                   batch_binned=batch_binned, release=tables["release"].drop_duplicates().reset_index(drop=True),
+                   **joined)
 
 
 def _sampled_from_range(search: pd.DataFrame, key: str) -> bool | None:
@@ -226,7 +230,9 @@ def select_best(trials: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
 def coverage(results: Results) -> pd.DataFrame:
     """Trials per search cell: planned (``search`` table), recorded, and counts by status.
 
-    One row per (search, cell). ``trials_planned`` sums the cell's runs (tuned C and AUTO-S);
+    One row per (search, cell) whose runs are counted (not an end-to-end private search's: its
+    number of runs is secret and its records are elsewhere). ``trials_planned`` sums the cell's
+    runs (tuned C and AUTO-S);
     ``recorded`` counts trial records except configurations pruned by the min-step rule (the
     search records those besides the planned trials); ``remaining`` = planned − recorded (a
     running search) when the plan is known, else NaN.
@@ -236,7 +242,8 @@ def coverage(results: Results) -> pd.DataFrame:
     counts = pd.crosstab([trials["search_id"], trials["cell_id"]], trials["status"]) if len(trials) else None
     counts = counts.reset_index() if counts is not None else pd.DataFrame(columns=keys)
     counts.columns.name = None
-    planned = results.search.groupby(keys).agg(name=("name", "first"), trials_planned=("trials_planned", "sum"))
+    counted = results.search[results.search["trials_planned"].notna()]  # a private search counts no run
+    planned = counted.groupby(keys).agg(name=("name", "first"), trials_planned=("trials_planned", "sum"))
     table = planned.reset_index().merge(counts, on=keys, how="outer")
     statuses = [c for c in table.columns if c not in {*keys, "name", "trials_planned"}]
     table[statuses] = table[statuses].fillna(0).astype(int)
@@ -249,6 +256,9 @@ def missing_data(results: Results) -> list[str]:
     """Plain-language notes on what the results lack (empty when nothing is missing)."""
     notes: list[str] = []
     trials = results.trials
+    if trials.empty and not results.release.empty:
+        return ["per-run records: an end-to-end private search keeps them inside the data owner's trust boundary, "
+                "so only its release is shown"]
     if trials.empty:
         return ["no trial has finished yet: the datasets hold no trials rows"]
     if results.finished.empty:

@@ -46,10 +46,14 @@ class CellSpec:
     "log"}`` (continuous); ``batch_sizes`` are the B values offered (feasible and, except for a
     grid, pruned ones, so the pruning is learned), ``feasible_batch_sizes`` those with T ≥ T_min.
     ``seed`` is public (the space's seed and the cell's key): it drives proposals, never noise.
+    ``None``: proposals come from fresh OS entropy, drawn anew by every sampler built (also on a
+    resume) and stored nowhere; an end-to-end private search needs that, since a public sequence
+    of proposals would let its released configuration reveal its position among the secret
+    number of runs. A grid's order is then secret too.
     """
 
     sampler: SamplerName
-    seed: int
+    seed: int | None
     batch_sizes: tuple[int, ...]
     feasible_batch_sizes: tuple[int, ...]
     ranges: dict[str, dict[str, Any]]
@@ -115,9 +119,10 @@ class CellSampler:
 
     def _sampler(self, told: int) -> optuna.samplers.BaseSampler:
         # Re-seeded from the public seed and the number of configurations told, so a restored
-        # sampler continues deterministically without pickling its generator. A grid is enqueued,
-        # so its sampler never proposes.
-        seed = self.spec.seed + told
+        # sampler continues deterministically without pickling its generator; a secret one (seed
+        # None) draws its whole state from OS entropy (numpy's RandomState from a fresh
+        # SeedSequence). A grid is enqueued, so its sampler never proposes.
+        seed = None if self.spec.seed is None else self.spec.seed + told
         if self.spec.sampler == "tpe":
             # constant_liar: configurations asked together in one batch are spread out, not repeated
             return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.spec.startup_trials, constant_liar=True)

@@ -147,3 +147,31 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message, cut to ``limit`` characters."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     return lines[0][:limit]
+
+
+def write_file_atomic(folder: str, file_name: str, data: bytes) -> str:
+    """Write ``data`` as ``<folder>/<file_name>`` whole or not at all (the folder is created): a
+    temporary file renamed into place locally, one PUT on object stores. Returns the file's location."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(folder)
+    fs.create_dir(root, recursive=True)
+    final = f"{root}/{file_name}"
+    temporary = f"{root}/.{file_name}.tmp-{uuid.uuid4().hex}" if isinstance(fs, pafs.LocalFileSystem) else final
+    with fs.open_output_stream(temporary) as stream:
+        stream.write(data)
+    if temporary != final:
+        fs.move(temporary, final)
+    return final
+
+
+def read_file(folder: str, file_name: str) -> bytes | None:
+    """The bytes of ``<folder>/<file_name>``, or None when there is no such file."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(folder)
+    path = f"{root}/{file_name}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_file(path) as file:
+        return file.readall()

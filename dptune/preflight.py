@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import DptuneError, shown
-from dptune.paths import filesystem
+from dptune.paths import filesystem, write_file_atomic
 from dptune.plan import check_max_steps
 from dptune.privacy import check_delta
 from dptune.records import quarantine_part, read_table, unreadable_parts
@@ -211,18 +211,9 @@ def read_manifest(results_root: str) -> dict[str, Any] | None:
 
 
 def write_manifest(results_root: str, loaded: LoadedSpace, name: str) -> None:
-    """Write the manifest atomically: a temporary file renamed into place (one PUT on object stores)."""
-    import pyarrow.fs as pafs
-
-    fs, root = filesystem(results_root)
-    fs.create_dir(root, recursive=True)
+    """Write the manifest atomically (``paths.write_file_atomic``)."""
     data = json.dumps({"name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text}, indent=1).encode()
-    final = f"{root}/{MANIFEST}"
-    temporary = f"{root}/.{MANIFEST}.tmp-{os.getpid()}" if isinstance(fs, pafs.LocalFileSystem) else final
-    with fs.open_output_stream(temporary) as stream:
-        stream.write(data)
-    if temporary != final:
-        fs.move(temporary, final)
+    write_file_atomic(results_root, MANIFEST, data)
 
 
 def check_same_space(results_root: str, loaded: LoadedSpace) -> None:

@@ -8,7 +8,14 @@ such as ``s3://bucket/prefix``)::
     <root>/classes/part-<trial_id>.parquet      one row per trial and class
     <root>/diagnostics/part-<trial_id>.parquet  one row per trial and diagnostic epoch
     <root>/search/part-<search_id>.parquet      one row per (ε, epochs) cell of the search
-    <root>/release/part-<search_id>.parquet     end-to-end private searches only: the released trial
+    <root>/release/part-<search_id>.parquet     end-to-end private searches only: the release
+
+An end-to-end private search (``privacy.private_selection``) keeps its per-run tables (trials,
+epochs, classes, diagnostics) and Ray Tune's state in ``<root>/inside_trust_boundary/`` (a dataset
+of its own, ``runs_root``), beside a README saying why: they reveal the secret number of runs and
+hold exact validation accuracies, so publishing them voids the guarantee. ``<root>`` itself then
+holds only what may leave: the ``search`` rows (no count of runs, no composition over them, no
+timestamp) and the ``release``.
 
 Invariants:
 - Every part is written whole or not at all: local parts go to a temporary name in the same
@@ -52,7 +59,23 @@ from dptune.paths import filesystem
 #: 2: trials gain steps_taken, split_seed, score_noise_multiplier, noisy_val_accuracy and released
 #: (seed is null for secret coins); search gains the whole-search cost and the guarantee; release.
 #: 3: trials gain configuration_id and replicate (R fresh-coin runs of one configuration).
-SCHEMA_VERSION = 3
+#: 4: release loses trial_id and created_at (they could reveal the released run's position among
+#: the runs) and gains test_split_public; trials.released is false on every run record.
+SCHEMA_VERSION = 4
+
+#: The folder under a private search's results that holds what its guarantee needs hidden.
+TRUST_BOUNDARY = "inside_trust_boundary"
+
+#: The README written into ``TRUST_BOUNDARY``.
+TRUST_BOUNDARY_README = """These are the per-run records of an end-to-end private search (dptune's
+privacy.private_selection).
+
+They stay inside the data owner's trust boundary. They are NOT covered by the search's (epsilon, delta):
+they reveal the secret number of runs K (which the private-selection bound needs hidden), every run's
+configuration, exact validation accuracies of private rows, and Ray Tune's state. Publishing any file
+under this folder voids the guarantee. What may be released is the release table (and the search table)
+in the folder above, and the report built from it.
+"""
 
 _QUANTILES = ("q05", "q25", "q50", "q75", "q95")
 
@@ -87,7 +110,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("epsilon_spent", pa.float64()),
             ("score_noise_multiplier", pa.float64()),  # σ_s of the DP selection score, null without one
             ("noisy_val_accuracy", pa.float64()),
-            ("released", pa.bool_()),  # false: a record of a private search, not covered by its total budget
+            ("released", pa.bool_()),  # false: a per-run record is never itself a DP release (see ``release``)
             ("status", pa.string()),
             ("reason", pa.string()),
             ("val_accuracy", pa.float64()),
@@ -194,14 +217,14 @@ SCHEMAS: dict[str, pa.Schema] = {
         [
             ("search_id", pa.string()),
             ("cell_id", pa.string()),
-            ("trial_id", pa.string()),
             ("clip_bound", pa.float64()),
             ("batch_size", pa.int64()),
             ("base_learning_rate", pa.float64()),
             ("learning_rate", pa.float64()),
             ("epochs", pa.int64()),
-            ("noisy_val_accuracy", pa.float64()),
-            ("test_accuracy", pa.float64()),  # on the test split, treated as public
+            ("noisy_val_accuracy", pa.float64()),  # the maximum of the K noisy scores: biased upward
+            ("test_accuracy", pa.float64()),  # null unless the test split is public (shipped with the dataset)
+            ("test_split_public", pa.bool_()),
             ("epsilon_total", pa.float64()),
             ("delta_total", pa.float64()),
             ("epsilon_per_trial", pa.float64()),
@@ -209,7 +232,6 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("mean_trials", pa.float64()),
             ("trial_count_shape", pa.float64()),
             ("guarantee", pa.string()),
-            ("created_at", pa.timestamp("ms", tz="UTC")),
         ]
     ),
 }
@@ -229,6 +251,12 @@ class RecordsError(DptuneError, ValueError):
 def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     """Resolve a local path or URI into a pyarrow filesystem and a path inside it."""
     return filesystem(root)
+
+
+def runs_root(results_root: str, private: bool) -> str:
+    """Where a search's per-run tables and Ray Tune's state go: ``results_root``, or for an
+    end-to-end private search its ``TRUST_BOUNDARY`` folder."""
+    return f"{results_root.rstrip('/')}/{TRUST_BOUNDARY}" if private else results_root
 
 
 def replicate_trial_id(configuration_id: str, replicate: int) -> str:
@@ -257,7 +285,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
             "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
             "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed", "split_seed",
             "score_noise_multiplier")},
-        "released": config.score_noise_multiplier is None,
+        "released": False,
         "reference_batch_size": reference_batch_size,
         **{name: getattr(result, name) for name in (
             "noise_multiplier", "sample_rate", "steps", "steps_taken", "epsilon_spent", "noisy_val_accuracy", "status",

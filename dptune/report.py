@@ -359,6 +359,16 @@ def _overview(ctx: Context) -> Section:
         section.note(f"Missing: {note}.")
     for text in an.privacy_statements(results):
         section.text(f"Privacy: {text}")
+    if not results.release.empty:
+        columns = {"search_id": "search", "cell_id": "cell", "clip_bound": "C", "batch_size": "B",
+                   "base_learning_rate": "η₀", "learning_rate": "η", "noisy_val_accuracy": "noisy val acc (max, %)",
+                   "test_accuracy": "test acc (%)", "epsilon_total": "ε total", "delta_total": "δ"}
+        section.table(results.release[list(columns)].rename(columns=columns),
+                      {"noisy val acc (max, %)": _percent, "test acc (%)": _percent, "ε total": _sig, "δ": _sig},
+                      "Releases of end-to-end private searches: the selected configuration, its noisy validation "
+                      "score (the maximum of the runs' noisy scores: biased upward, not an accuracy estimate) and "
+                      "its test accuracy where the test split is public (else withheld). Their runs are not in "
+                      "this report: the per-run records stay inside the data owner's trust boundary.")
     if not results.trials.empty:
         coverage = an.coverage(results)
         section.table(coverage.drop(columns=["search_id"]), {"epsilon": _sig},

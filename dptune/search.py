@@ -34,7 +34,7 @@ from dptune.cell_sampler import CellSampler, CellSpec
 from dptune.contract import TrialConfig
 from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
 from dptune.execution import TrialContext, record_pruned
-from dptune.paths import check_name, filesystem, probe_writable
+from dptune.paths import check_name, filesystem, probe_writable, read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import (
     PrivacyParameterError,
@@ -44,7 +44,7 @@ from dptune.privacy import (
     plan_private_selection,
     selection_epsilon,
 )
-from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
+from dptune.records import SCHEMA_VERSION, TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
 from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.space import Cell, LoadedSpace, SearchSpace, SpaceError, load_space, parse_override
 from dptune.trial import check_trial_can_run
@@ -155,6 +155,23 @@ def _trial_count(space: SearchSpace, plan: CellPlan) -> int:
     return draw_trial_count(mean, selection.trial_count_shape if selection else 1.0, rng)
 
 
+#: The file inside a private search's trust boundary that keeps its secret trial count K.
+TRIAL_COUNT_FILE = "trial_count.json"
+
+
+def kept_trial_counts(runs: str, plans: list[CellPlan]) -> list[CellPlan]:
+    """The plans with the trial counts a private search drew when it started, kept in
+    ``<runs>/trial_count.json`` inside its trust boundary: the first start writes the counts it
+    drew (atomically, before any run), a resume reads them back, so K is drawn once per search."""
+    kept = read_file(runs, TRIAL_COUNT_FILE)
+    if kept is None:
+        counts = {plan.key: plan.configurations for plan in plans}
+        write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode())
+        return plans
+    counts = json.loads(kept)
+    return [replace(plan, configurations=int(counts[plan.key])) if plan.key in counts else plan for plan in plans]
+
+
 def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
     """A public seed per cell, from the space's seed and the cell's key: it drives the sampler's
     proposals (data-independent for random and grid search), never a trial's noise or batches."""
@@ -186,7 +203,9 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
                      f"σ_s = {selection.score_noise_multiplier:g}")
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
     for plan in plans:
-        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {plan.configurations} configurations{runs}")
+        count = (f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
+                 if selection is not None else f"{plan.configurations} configurations{runs}")
+        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}")
         lines.append("      B      T   σ        σ√T")
         for b in plan.feasible_batch_sizes:
             steps = total_steps(plan.num_train, b, plan.cell.epochs)
@@ -196,9 +215,10 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
         if oversized := space.batch_size.oversized(plan.num_train):
             lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
-    configurations = sum(p.configurations for p in plans)
-    lines.append(f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
-                 f"{len(plans)} cell runs")
+    if selection is None:
+        configurations = sum(p.configurations for p in plans)
+        lines.append(f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
+                     f"{len(plans)} cell runs")
     return "\n".join(lines)
 
 
@@ -220,7 +240,8 @@ def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
     for name, spec in _sampled_ranges(space, plan).items():
         ranges[name] = ({"values": sorted(spec.values)} if spec.values is not None
                         else {"low": spec.low, "high": spec.high, "log": spec.log})
-    return CellSpec(sampler=space.sampler.name, seed=_cell_seed(space, plan), batch_sizes=offered,
+    secret = space.privacy.private_selection is not None and not space.reproducible
+    return CellSpec(sampler=space.sampler.name, seed=None if secret else _cell_seed(space, plan), batch_sizes=offered,
                     feasible_batch_sizes=plan.feasible_batch_sizes, ranges=ranges,
                     startup_trials=min(8, max(2, plan.configurations // 3)))
 
@@ -318,6 +339,8 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    if space.privacy.private_selection is not None:  # Tune's default output prints a trial count; verbose=0 of
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # the older one prints nothing
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
@@ -344,12 +367,15 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
                                  for key, (_, plan) in by_key.items()})
     callback = RecordAndReport({
         key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations, plan.noise_multipliers,
-              plan.num_train) for key, (context, plan) in by_key.items()})
+              plan.num_train) for key, (context, plan) in by_key.items()},
+        quiet=space.privacy.private_selection is not None)
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
-            num_samples=sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
+            # a private search's unit count would reveal K: run until the searcher finishes
+            num_samples=-1 if space.privacy.private_selection is not None else
+            sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
@@ -413,55 +439,72 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     return True
 
 
-def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str,
-                trials: pd.DataFrame) -> list[dict[str, Any]]:
+#: ``search`` columns that count or compose the runs of a search: null for an end-to-end private
+#: search, whose number of runs K must stay secret (as must its end time, ``created_at``).
+RUN_COUNT_COLUMNS = ("trials_planned", "trials_with_steps", "epsilon_cell", "epsilon_composition",
+                     "delta_composition", "epsilon_search", "epsilon_search_basic", "delta_search_basic", "created_at")
+
+
+def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, trials: pd.DataFrame, *,
+                official_test_split: bool) -> list[dict[str, Any]]:
     """One ``search`` row per cell run, with the privacy cost of the tuning itself.
 
     ``trials`` is the search's ``trials`` table. Per cell: the composition of its trials that took
     steps; for the whole search (every row alike): the composition of every trial of every cell and
-    variant, which all train on the same data; with private selection, the bound it meets.
+    variant, which all train on the same data; with private selection, the bound it meets and none
+    of ``RUN_COUNT_COLUMNS``. ``official_test_split``: whether the dataset ships its test split
+    (``DatasetInfo.official_test_split``), which the guarantee's text states.
     """
     space = loaded.space
     delta = space.privacy.delta
     trials = trials[trials["search_id"] == search_id]
-    whole = composition_cost(trials, delta)
     selection = space.privacy.private_selection
+    whole = composition_cost(trials, delta) if selection is None else None
     rows = []
     for plan in plans:
-        cell_trials = trials[(trials["cell_id"] == plan.cell.cell_id) & (trials["clipping"] == plan.clipping)]
-        cell = composition_cost(cell_trials, delta)
-        epsilon_selection = math.nan
-        if selection is not None:
+        row: dict[str, Any] = {
+            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id, "clipping": plan.clipping,
+            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": delta,
+            "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
+            "num_train": plan.num_train, "configurations_pruned": len(plan.pruned_batch_sizes),
+            "epsilon_per_trial": plan.cell.epsilon,
+            "selection_bound_holds": selection is not None and not space.reproducible,
+            "reproducible": space.reproducible, "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash,
+            "schema_version": SCHEMA_VERSION, "dptune_version": __version__,
+        }
+        if selection is None:
+            assert whole is not None
+            cell_trials = trials[(trials["cell_id"] == plan.cell.cell_id) & (trials["clipping"] == plan.clipping)]
+            cell = composition_cost(cell_trials, delta)
+            row.update({
+                "trials_planned": plan.configurations * space.replicates, "trials_with_steps": cell.trials_with_steps,
+                "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
+                "delta_composition": cell.delta_basic, "epsilon_search": whole.epsilon,
+                "epsilon_search_basic": whole.epsilon_basic, "delta_search_basic": whole.delta_basic,
+                "epsilon_selection": math.nan, "delta_selection": math.nan,
+                "guarantee": guarantee(space, official_test_split, whole),
+                "created_at": pd.Timestamp.now(tz="UTC"),
+            })
+        else:
             candidates = [TrialMechanism(plan.noise_multipliers[b], sample_rate(plan.num_train, b),
                                          total_steps(plan.num_train, b, plan.cell.epochs))
                           for b in plan.feasible_batch_sizes]
             epsilon_selection = selection_epsilon(candidates, space.sampler.trials_per_cell or 0, delta,
                                                   shape=selection.trial_count_shape,
                                                   score_noise_multiplier=selection.score_noise_multiplier)
-        rows.append({
-            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id, "clipping": plan.clipping,
-            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": delta,
-            "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
-            "num_train": plan.num_train, "trials_planned": plan.configurations * space.replicates,
-            "configurations_pruned": len(plan.pruned_batch_sizes),
-            "epsilon_per_trial": plan.cell.epsilon, "trials_with_steps": cell.trials_with_steps,
-            "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
-            "delta_composition": cell.delta_basic, "epsilon_search": whole.epsilon,
-            "epsilon_search_basic": whole.epsilon_basic, "delta_search_basic": whole.delta_basic,
-            "epsilon_selection": epsilon_selection, "delta_selection": delta if selection else math.nan,
-            "selection_bound_holds": selection is not None and not space.reproducible,
-            "reproducible": space.reproducible,
-            "guarantee": guarantee(space, whole, None if selection is None else epsilon_selection),
-            "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash, "schema_version": SCHEMA_VERSION,
-            "dptune_version": __version__, "created_at": pd.Timestamp.now(tz="UTC"),
-        })
+            row.update({name: None for name in RUN_COUNT_COLUMNS})
+            row.update({"epsilon_selection": epsilon_selection, "delta_selection": delta,
+                        "guarantee": guarantee(space, official_test_split, None, epsilon_selection)})
+        rows.append(row)
     return rows
 
 
 def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]],
-                 trials: pd.DataFrame) -> list[dict[str, Any]]:
-    """An end-to-end private search's released outcome: per cell, the trial with the best noisy
-    validation score (``search_privacy.select_release``); empty for other searches."""
+                 trials: pd.DataFrame, *, official_test_split: bool) -> list[dict[str, Any]]:
+    """An end-to-end private search's release: per cell, the configuration of the run with the best
+    noisy validation score (``search_privacy.select_release``), that score (the maximum of the K
+    noisy scores: biased upward), its test accuracy where the test split is public, and the budget;
+    nothing that orders it among the runs (no trial id, no time). Empty for other searches."""
     selection = space.privacy.private_selection
     if selection is None:
         return []
@@ -472,14 +515,15 @@ def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[d
         if chosen is None:
             continue
         rows.append({
-            "search_id": row["search_id"], "cell_id": plan.cell.cell_id, "trial_id": chosen["trial_id"],
+            "search_id": row["search_id"], "cell_id": plan.cell.cell_id,
             **{name: chosen[name] for name in ("clip_bound", "batch_size", "base_learning_rate", "learning_rate",
-                                               "epochs", "noisy_val_accuracy", "test_accuracy")},
+                                               "epochs", "noisy_val_accuracy")},
+            "test_accuracy": chosen["test_accuracy"] if official_test_split else None,
+            "test_split_public": official_test_split,
             "epsilon_total": selection.epsilon, "delta_total": space.privacy.delta,
             "epsilon_per_trial": plan.cell.epsilon, "score_noise_multiplier": selection.score_noise_multiplier,
             "mean_trials": float(space.sampler.trials_per_cell or 0),
             "trial_count_shape": selection.trial_count_shape, "guarantee": row["guarantee"],
-            "created_at": pd.Timestamp.now(tz="UTC"),
         })
     return rows
 
@@ -579,13 +623,15 @@ def check_storage(storage: str, results_root: str) -> None:
     probe_writable(results_root, "--storage")
 
 
-def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> list[str]:
+def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str,
+                      runs: str) -> list[str]:
     """Every check that needs neither the workload nor Ray, run in ``--dry-run`` too; returns warnings.
 
     The name stays one folder under ``--storage``; the results location takes a file; the Ray
     address answers (or, for an embedded Ray, this machine has the resources a trial asks for);
-    every part of an existing results folder is readable (or quarantined); on ``--resume`` Tune's
-    state loads and the space is the one the search started with.
+    every part of an existing results folder (and of ``runs``, where a private search keeps its
+    per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads and the space
+    is the one the search started with.
     """
     space = loaded.space
     check_name(name, "--name" if options.name else f"{loaded.path}: name")
@@ -595,10 +641,11 @@ def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, re
         preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
     else:
         preflight.check_local_resources(space.resources)
-    notes = preflight.check_results_folder(results_root, options.quarantine_corrupt, move=not options.dry_run)
+    notes = [note for root in dict.fromkeys((results_root, runs))
+             for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
     if options.resume:
-        preflight.check_tune_state(results_root)
-        preflight.check_same_space(results_root, loaded)
+        preflight.check_tune_state(runs)
+        preflight.check_same_space(runs, loaded)
     return notes
 
 
@@ -607,9 +654,10 @@ def _warn(notes: list[str]) -> None:
         print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
-def plans_that_ran(results_root: str, search_id: str, plans: list[CellPlan]) -> list[CellPlan]:
-    """The cell runs with at least one recorded trial of this search (only those get a ``search`` row)."""
-    trials = read_table(results_root, "trials", columns=["search_id", "cell_id", "clipping"])
+def plans_that_ran(runs: str, search_id: str, plans: list[CellPlan]) -> list[CellPlan]:
+    """The cell runs with at least one recorded trial of this search (only those get a ``search`` row);
+    ``runs`` is where the search's per-run records are (``records.runs_root``)."""
+    trials = read_table(runs, "trials", columns=["search_id", "cell_id", "clipping"])
     mine = trials[trials["search_id"] == search_id]
     recorded = set(zip(mine["cell_id"], mine["clipping"], strict=True))
     return [plan for plan in plans if (plan.cell.cell_id, plan.clipping) in recorded]
@@ -629,27 +677,29 @@ def search_finished(results_root: str, search_id: str) -> bool:
 
 def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location."""
-    from dptune.data import WorkloadSpec, load_workload
+    from dptune.data import DATASETS, WorkloadSpec, load_workload
 
     loaded = load_space(options.space_path, options.overrides)
     space = loaded.space
     name = options.name or space.name
     results_root = _results_root(options.storage, name)
+    private = space.privacy.private_selection is not None
+    runs = runs_root(results_root, private)
     _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
-    _warn(checked := check_before_data(options, loaded, name, results_root))
+    _warn(checked := check_before_data(options, loaded, name, results_root, runs))
     notes += checked
     report = report_location(results_root, options.report_dir) if options.report else None
     if report is not None:
         probe_writable(report, "--report-dir" if options.report_dir else "the report location (--report-dir)")
     store = ResultsStore(results_root)
-    if not options.dry_run and not options.resume and store.completed_trial_ids():
+    if not options.dry_run and not options.resume and ResultsStore(runs).completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
                           "or choose another --name/--storage")
 
     search_id = f"{name}-{loaded.spec_hash}"
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
         print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
-        conclude(results_root, report, private=space.privacy.private_selection is not None)
+        conclude(results_root, report, private=private)
         return results_root
 
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
@@ -660,6 +710,9 @@ def run_search(options: SearchOptions) -> str:
         max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
     preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
+    if private and not options.dry_run:  # K once per search, inside the trust boundary
+        write_file_atomic(runs, "README.txt", TRUST_BOUNDARY_README.encode())
+        plans = kept_trial_counts(runs, plans)
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes
     base = base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples)
@@ -670,56 +723,87 @@ def run_search(options: SearchOptions) -> str:
     if options.dry_run:
         return results_root
 
-    preflight.write_manifest(results_root, loaded, name)
+    preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
     print(init_ray(options.address), flush=True)
     if options.address or os.environ.get("RAY_ADDRESS"):
         preflight.check_cluster_resources(space.resources)
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
-        results_root=results_root, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
         coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
         reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused)
         for plan in plans]
-    runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
-    print(f"running {sum(plan.configurations for plan in plans)} configurations{runs} in {len(plans)} cell runs "
-          f"side by side ({'fused runner' if fused else 'one trial per run'})", flush=True)
+    runner = "fused runner" if fused else "one trial per run"
+    if private:  # K, its progress and the search's duration stay inside the trust boundary
+        print(f"running the private search ({runner}); no per-run progress is shown: it would reveal the "
+              f"secret number of runs (per-run records: {runs})", flush=True)
+    else:
+        replicates = f" × {space.replicates} replicates" if space.replicates > 1 else ""
+        print(f"running {sum(plan.configurations for plan in plans)} configurations{replicates} in {len(plans)} "
+              f"cell runs side by side ({runner})", flush=True)
     run_cells(space, plans, contexts, options.resume)
-    print(f"\nsearch finished in {time.monotonic() - started:.0f} s", flush=True)
-    ran = plans_that_ran(results_root, search_id, plans)
+    print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
+    ran = plans_that_ran(runs, search_id, plans)
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
                    for p in plans if p not in ran])
     if ran:
-        print("composing the privacy cost of every trial (PLD accountant)...", flush=True)
-        trials = read_table(results_root, "trials")
+        print("selecting the release by its noisy validation score..." if private else
+              "composing the privacy cost of every trial (PLD accountant)...", flush=True)
+        trials = read_table(runs, "trials")
+        public_test = DATASETS[space.task.dataset].official_test_split
         rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
-                for row in search_rows(loaded, ran, search_id, trials)]
-        released = release_rows(space, ran, rows, trials)
+                for row in search_rows(loaded, ran, search_id, trials, official_test_split=public_test)]
+        released = release_rows(space, ran, rows, trials, official_test_split=public_test)
         if released:  # before the search rows: a search row marks a finished search
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
-    conclude(results_root, report, private=space.privacy.private_selection is not None)
+    conclude(results_root, report, private=private)
     return results_root
 
 
 def conclude(results_root: str, report: str | None, *, private: bool) -> None:
-    """Print where the results are, the best trial per cell (not for a private search: its per-trial
-    records are not released) and the search's privacy cost; build the report at ``report``
-    (unless ``None``)."""
+    """Print where the results are, the best trial per cell and the search's privacy cost, or for an
+    end-to-end private search only its release; build the report at ``report`` (unless ``None``)."""
     print(f"results: {results_root}")
     if not private:
         print(SUMMARY_HEADER)
         print(format_outcome(results_root))
-    print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release")))
+    print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release"),
+                         runs=runs_root(results_root, True) if private else None))
     if report is not None:
         print(f"report: {build_report_at(results_root, report)}")
 
 
-def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
-    """The privacy section of the summary: per-cell and whole-search cost, the release of a private
-    search, and what the guarantee covers (the ``guarantee`` text recorded with the search)."""
+#: The release table's columns as the summary shows them.
+RELEASE_COLUMNS = {"cell_id": "cell", "clip_bound": "C", "batch_size": "B", "base_learning_rate": "η₀",
+                   "learning_rate": "η", "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
+                   "test_accuracy": "test acc", "epsilon_total": "ε total", "delta_total": "δ"}
+
+
+def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None = None) -> str:
+    """The privacy section of the summary and what the guarantee covers (the ``guarantee`` text
+    recorded with the search). ``runs``: the trust-boundary folder of an end-to-end private search,
+    whose summary shows only its release (nothing that counts or composes its runs); otherwise the
+    per-cell and whole-search cost."""
     if search.empty:
         return ""
+    first = search.iloc[0]
+    if runs is not None:
+        lines = ["", "the release of this end-to-end private search (all that may leave the trust boundary):"]
+        if release.empty:
+            lines.append("none: no run finished")
+        else:
+            table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
+            table["test acc"] = table["test acc"].where(release["test_split_public"].fillna(True).astype(bool),
+                                                        "withheld (test split carved from the private pool)")
+            lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+            lines.append("the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
+                         "not an estimate of the model's accuracy")
+        lines.append(f"per-run records, inside the data owner's trust boundary (NOT covered; publishing them "
+                     f"voids the guarantee): {runs}")
+        lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
+        return "\n".join(lines)
     lines = ["", "privacy cost of the search (trials took steps on the same data; ε at the space's δ):"]
     table = search[["cell_id", "clipping", "trials_with_steps", "epsilon_per_trial", "epsilon_cell",
                     "epsilon_composition"]]
@@ -727,19 +811,9 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame) -> str:
         "cell_id": "cell", "trials_with_steps": "trials with steps", "epsilon_per_trial": "ε per trial",
         "epsilon_cell": "ε cell (composed)", "epsilon_composition": "Σε (basic)"}).to_string(
         index=False, float_format=lambda v: f"{v:.3g}"))
-    first = search.iloc[0]
     lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
                  f"composition of every trial that took a step); basic composition: "
                  f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}")
-    if not release.empty:
-        lines.append("released outcome (end-to-end private tuning):")
-        columns = {"clip_bound": "C", "batch_size": "B", "base_learning_rate": "η₀", "learning_rate": "η",
-                   "noisy_val_accuracy": "noisy val acc", "test_accuracy": "test acc", "epsilon_total": "ε total",
-                   "delta_total": "δ"}
-        lines.append(release[list(columns)].rename(columns=columns).to_string(
-            index=False, float_format=lambda v: f"{v:.4g}"))
-    elif first["selection_bound_holds"]:
-        lines.append("released outcome: none (no trial finished)")
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dptune.privacy import TrialMechanism, composed_epsilon
+from dptune.records import TRUST_BOUNDARY
 from dptune.space import SearchSpace
 
 
@@ -42,18 +43,31 @@ class CompositionCost:
     delta_basic: float
 
 
+def charged_steps(trials: pd.DataFrame) -> pd.Series:
+    """The steps each run is charged: those it took, or its planned ``steps`` when it diverged.
+
+    A run that diverged stopped on its own exact (non-private) loss, so the length of its noisy
+    run depends on private data in a way the accountant does not see; it is charged as if every
+    planned step ran (as a run whose process was lost already is), which covers any stopping
+    rule applied to the full run's DP outputs. The stop decision itself stays outside (ε, δ).
+    """
+    taken = trials["steps_taken"].fillna(0).astype("int64")
+    planned = trials["steps"].fillna(0).astype("int64")
+    return taken.where(trials["status"] != "diverged", planned.where(planned > taken, taken))
+
+
 def trial_mechanisms(trials: pd.DataFrame) -> list[TrialMechanism]:
-    """The trials as the accountant sees them: (σ, q, steps taken); pass only trials that took a step."""
+    """The trials as the accountant sees them: (σ, q, steps charged); pass only trials that took a step."""
     return [TrialMechanism(float(sigma), float(rate), int(steps))
-            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], trials["steps_taken"],
+            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], charged_steps(trials),
                                           strict=True)]
 
 
 def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
     """What releasing every trial in ``trials`` (rows of the ``trials`` table) costs, at ``delta``.
 
-    No trial with a step: zero. One trial: its own ε spent (the PRV accountant's) when that is the
-    tighter of the two upper bounds.
+    Every trial that took a step counts, at its :func:`charged_steps`. No trial with a step: zero.
+    One trial: its own ε spent (the PRV accountant's) when that is the tighter of the two upper bounds.
     """
     took = trials[trials["steps_taken"].fillna(0) > 0]
     mechanisms = trial_mechanisms(took)
@@ -72,38 +86,88 @@ _OUTSIDE = ("validation accuracies and losses and the choice of the best trial (
             "gradient norms and labels of training examples), per-epoch metrics, and wall times and "
             "throughput (which reveal realised batch sizes)")
 
+def _test_split(dataset: str, official_test_split: bool, *, private_selection: bool) -> str:
+    """What the guarantee says of test accuracy: public when the dataset ships its own test split."""
+    if official_test_split:
+        return (f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
+                "used for selection.")
+    if private_selection:
+        return (f"{dataset} has no official test split: its test rows are carved from the same private pool as "
+                "the training rows, so the release withholds test accuracy (it would not be covered).")
+    return (f"{dataset} has no official test split: its test rows are carved from the same private pool as the "
+            "training rows, so every trial's test accuracy (overall and per class) is a release about private "
+            "rows that (ε, δ) does NOT cover.")
 
-def guarantee(space: SearchSpace, cost: CompositionCost | None = None,
+
+def guarantee(space: SearchSpace, official_test_split: bool, cost: CompositionCost | None = None,
               epsilon_selection: float | None = None) -> str:
     """What the search's (ε, δ) covers and what it does not, in words; never more than the code does.
 
-    ``cost`` is the whole search's composition (per-trial budgets); ``epsilon_selection`` the
-    private-selection bound (end-to-end private searches).
+    The statement follows the search's shape: coins (secret or ``reproducible``), proposals
+    (random and grid are drawn independently of the data; TPE adapts to exact validation
+    accuracies), stopping (ASHA stops runs on exact validation accuracies), end-to-end private
+    selection, and the dataset's test split (``official_test_split``: shipped with the dataset,
+    else carved from the private pool). ``cost`` is the whole search's composition (per-trial
+    budgets); ``epsilon_selection`` the private-selection bound (end-to-end private searches).
     """
     delta = space.privacy.delta
     if space.reproducible:
         return ("NO DP GUARANTEE for released results: reproducible: true derives every trial's noise and "
                 "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
                 "the noise. The ε figures describe the mechanism as if its coins were secret (research use only).")
+    dataset = space.task.dataset
     selection = space.privacy.private_selection
     if selection is not None:
         bound = "" if epsilon_selection is None else f" (bound {epsilon_selection:.3g})"
-        return (f"Only the release table is covered: the selected configuration, its model and its noisy "
-                f"validation score are ({selection.epsilon:g}, {delta:g})-DP{bound} by Papernot & Steinke "
-                f"(ICLR 2022, Thm 2) — a secret random number of random-search trials (truncated negative binomial, "
-                f"η = {selection.trial_count_shape:g}, mean {space.sampler.trials_per_cell}), each trial DP-SGD "
-                f"(PRV-calibrated σ, Poisson sampling, fresh secret coins) plus a Gaussian-noised validation count "
-                f"(σ_s = {selection.score_noise_multiplier:g}), only the best released. Test accuracy is computed on "
-                f"the test split, treated as public. The per-trial records (trials, epochs, classes tables) are NOT "
-                f"released and NOT covered: they hold {_OUTSIDE}.")
-    whole = ("" if cost is None or not cost.trials_with_steps else
-             f" Releasing every trial's model costs ε = {cost.epsilon:.3g} at δ = {cost.delta:g} for the whole "
-             f"search (PLD composition of the {cost.trials_with_steps} trials that took "
-             f"steps; basic composition gives ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g})).")
-    return (f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
-            f"sampling, fresh secret coins per trial).{whole} NOT covered by (ε, δ): {_OUTSIDE}. Releasing the "
-            "best trial's model with its validation score is therefore not (ε, δ)-DP; use "
-            "privacy.private_selection for an end-to-end guarantee.")
+        return (f"Only the release is covered: the selected configuration, its model and its noisy validation "
+                f"score are ({selection.epsilon:g}, {delta:g})-DP{bound} by Papernot & Steinke (ICLR 2022, Thm 2) — "
+                f"a secret random number K of random-search runs (truncated negative binomial, "
+                f"η = {selection.trial_count_shape:g}, mean {space.sampler.trials_per_cell}) whose configurations "
+                f"are drawn from fresh OS entropy, each run DP-SGD (PRV-calibrated σ, Poisson sampling, fresh "
+                f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
+                f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
+                f"an estimate of the model's accuracy. "
+                + _test_split(dataset, official_test_split, private_selection=True)
+                + " NOT covered, and kept inside the data owner's trust boundary "
+                f"({TRUST_BOUNDARY}/ in the results): K, the per-run records (trials, epochs, classes tables; "
+                f"Ray Tune's state), which hold {_OUTSIDE}; "
+                "and the search's wall time, which grows with K. Publishing any of them voids the guarantee.")
+    adaptive = space.sampler.name == "tpe"
+    stopping = space.scheduler is not None
+    whole = "" if cost is None or not cost.trials_with_steps else (
+        f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {cost.epsilon:.3g} at "
+        f"δ = {cost.delta:g} (basic composition: ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g}))")
+    parts = []
+    if not adaptive and not stopping:
+        parts.append(f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
+                     f"sampling, fresh secret coins per trial). Configurations are drawn independently of the data "
+                     f"({space.sampler.name} search from the public seed), so the trials compose: "
+                     + (f"releasing every trial's model costs the {whole}." if whole else
+                        "releasing every trial's model costs their composition."))
+    else:
+        parts.append(f"Each trial's noisy training steps are DP-SGD at its cell's ε (δ = {delta:g}; PRV accountant, "
+                     "Poisson sampling, fresh secret coins per trial), which bounds a trial's model only when its "
+                     "configuration and length are fixed independently of the data.")
+        if adaptive:
+            parts.append("Here TPE proposes each configuration from earlier trials' exact validation accuracies "
+                         "(not DP), so which configurations ran depends on private rows: no trial's model, and no "
+                         "set of them, is (ε, δ)-DP as released.")
+        if stopping:
+            parts.append("ASHA stops runs on exact validation accuracies of private rows (not DP): which runs "
+                         "stopped, when, and all that reveals it (steps taken, statuses, which models exist) is "
+                         "outside (ε, δ); a stopped run is charged the steps it took, and releasing the surviving "
+                         "models is not (ε, δ)-DP.")
+        if whole:
+            parts.append(f"The {whole} counts the noisy steps of every trial; it is not a bound on releasing them, "
+                         "because of the adaptivity above.")
+        parts.append("Use sampler random or grid without a scheduler for a composition bound over released trials, "
+                     "or privacy.private_selection for an end-to-end one.")
+    parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
+    parts.append(f"NOT covered by (ε, δ): {_OUTSIDE}.")
+    parts.append(_test_split(dataset, official_test_split, private_selection=False))
+    parts.append("Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
+                 "privacy.private_selection for an end-to-end guarantee.")
+    return " ".join(parts)
 
 
 def select_release(trials: pd.DataFrame) -> pd.Series | None:

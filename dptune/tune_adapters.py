@@ -184,15 +184,21 @@ class RecordAndReport(Callback):
 
     ``cells`` maps a cell's key to (its context, a label, its configuration budget, the σ per
     feasible B, N). A unit stopped by ASHA records the steps of its last report; a unit whose
-    process was lost records every unrecorded run as if every planned step ran.
+    process was lost records every unrecorded run as if every planned step ran. ``quiet``: no
+    progress line (an end-to-end private search, whose number of runs and running best must not
+    be shown); the rows are written all the same.
     """
 
-    def __init__(self, cells: dict[str, tuple[TrialContext, str, int, dict[int, float], int]]) -> None:
+    def __init__(self, cells: dict[str, tuple[TrialContext, str, int, dict[int, float], int]],
+                 quiet: bool = False) -> None:
         self.cells = cells
+        self.quiet = quiet
         self.finished = dict.fromkeys(cells, 0)
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def _progress(self, trial: Any, what: str) -> None:
+        if self.quiet:
+            return
         key = trial.config[CELL_KEY]
         context, label, budget, _, _ = self.cells[key]
         configurations = trial.config[CONFIGURATIONS_KEY]

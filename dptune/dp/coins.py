@@ -32,6 +32,7 @@ bit; CUDA: same device and kernels).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -93,12 +94,18 @@ def mt19937_state(coins: np.random.SeedSequence) -> torch.Tensor:
     return torch.from_numpy(state)
 
 
+@functools.cache
+def _check_state_layout() -> None:
+    """Refuse (rather than mis-seed) a torch whose CPU generator state has another size."""
+    size = torch.Generator().get_state().numel()
+    if size != _STATE_BYTES:
+        raise RuntimeError(f"torch's CPU generator state has {size} bytes, expected {_STATE_BYTES}; "
+                           f"dptune.dp.coins must be updated for this torch version")
+
+
 def cpu_generator(coins: np.random.SeedSequence) -> torch.Generator:
     """A CPU ``torch.Generator`` whose MT19937 state is numpy's ``MT19937(coins)`` (all 624 words)."""
-    template = torch.Generator().get_state()
-    if template.numel() != _STATE_BYTES:  # another torch layout: refuse rather than mis-seed
-        raise RuntimeError(f"torch's CPU generator state has {template.numel()} bytes, expected {_STATE_BYTES}; "
-                           f"dptune.dp.coins must be updated for this torch version")
+    _check_state_layout()
     generator = torch.Generator()
     generator.set_state(mt19937_state(coins))
     return generator

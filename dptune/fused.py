@@ -7,13 +7,18 @@ mechanism :func:`~dptune.trial.run_trial` runs and accounts (``engine="fused"``)
 
 Per configuration k, exactly as a trial (:mod:`dptune.dp.trainer`):
 
-- coins: its own ``np.random.SeedSequence(seed_k)`` (``None``: fresh OS entropy) split into the
-  trial's four streams (:func:`~dptune.dp.trainer.trial_coins`): the head is built under
-  ``torch.manual_seed(init)`` (zero-initialised, as the trial's), the Poisson masks come from a CPU
-  generator seeded with the sampling stream, the Gaussian noise from a generator on the device
-  seeded with the noise stream, the DP score noise from the score stream. No draw is shared
-  between configurations, so each one is an independent (ε, δ)-DP mechanism and composition
-  across them holds as across trials;
+- coins: its own ``np.random.SeedSequence(seed_k)`` (``None``: 128 bits of fresh OS entropy)
+  spawned into the trial's four child streams (:func:`~dptune.dp.coins.trial_coins`): the head is
+  built under ``torch.manual_seed`` of 64 bits of the init stream (zero-initialised, as the
+  trial's), the Poisson masks come from a CPU generator and the DP score noise from another, each
+  with its whole MT19937 state (624 32-bit words) set from its stream
+  (:func:`~dptune.dp.coins.cpu_generator`), and the Gaussian noise from the noise stream's
+  :class:`~dptune.dp.coins.DeviceCoins` (CPU: the same full MT19937 state; CUDA: Philox with a
+  fresh 64-bit key and 62-bit offset, 126 bits, from a PCG64 stream before every draw of up to
+  :data:`MAX_CHUNK_STEPS` steps). Every stream is a function of the seed sequence's whole entropy,
+  not of the 32 bits ``manual_seed`` keeps on the CPU. No draw is shared between configurations,
+  so each one is an independent (ε, δ)-DP mechanism and composition across them holds as across
+  trials;
 - T = ``plan.total_steps(N, B, E)`` Poisson steps at q = B/N cut into epochs by
   ``plan.epoch_steps``, σ from ``privacy.calibrate_noise_multiplier(ε, δ, q, T)``;
 - each step: per-example gradients g_i of the summed cross-entropy of the head y = W x + b,
@@ -22,7 +27,8 @@ Per configuration k, exactly as a trial (:mod:`dptune.dp.trainer`):
   rule)`` (:mod:`dptune.dp.clipping`), then Adam or SGD with η_k (torch's defaults);
 - evaluation on the validation split after every epoch, the test split after the last,
   per-class accuracies, diagnostics at epochs 0, ⌈E/2⌉ and E on the trial's probe, the noisy
-  selection score, the trial's divergence rules, ``steps_taken`` and ``epsilon_spent``.
+  selection score, the trial's divergence rules, ``steps_taken`` and ``epsilon_spent`` (a
+  diverged configuration, as a diverged trial, is charged ε of its planned T steps).
 
 Configurations with the same B share q, T, σ and the epoch split, so they step in lock-step: a
 *group*. A group's heads are stacked as one (K, classes, dim + 1) tensor [W | b] acting on
@@ -57,6 +63,7 @@ import torch.nn.functional as F
 from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.dp.clipping import ClippingRule, clip_factors, noise_std, update_scale
+from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
 from dptune.dp.diagnostics import ProbeGradients, diagnose
 from dptune.dp.trainer import (
     Evaluation,
@@ -64,10 +71,10 @@ from dptune.dp.trainer import (
     check_config,
     check_fits_workload,
     diagnostic_epochs,
+    diverged_charge,
     noisy_score,
     probe_indices,
     torch_threads,
-    trial_coins,
     workload_spec,
 )
 from dptune.errors import DptuneError, TrialConfigError
@@ -456,18 +463,20 @@ class _Group:
         self.rule: ClippingRule = first.clipping
         self.private_score = first.score_noise_multiplier is not None
         k = len(self.configs)
-        weights, biases, self.samplers, self.noise_generators, self.score_generators = [], [], [], [], []
+        weights, biases = [], []
+        self.samplers: list[PoissonSteps] = []
+        self.noise_coins: list[DeviceCoins] = []
+        self.score_generators: list[torch.Generator] = []
         for config in self.configs:
-            model_seed, sampling_seed, noise_seed, score_seed = trial_coins(config.seed)
+            coins = trial_coins(config.seed)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(model_seed)
+                torch.manual_seed(init_seed(coins.init))
                 head = build_model(config.backbone, config.peft, workload.num_classes, feature_input=True)
             weights.append(head.weight.detach())
             biases.append(head.bias.detach())
-            sampling = torch.Generator().manual_seed(sampling_seed)
-            self.samplers.append(PoissonSteps(num_train, self.sample_rate, sampling))
-            self.noise_generators.append(torch.Generator(device=device).manual_seed(noise_seed))
-            self.score_generators.append(torch.Generator().manual_seed(score_seed))
+            self.samplers.append(PoissonSteps(num_train, self.sample_rate, cpu_generator(coins.sampling)))
+            self.noise_coins.append(DeviceCoins(coins.noise, device))
+            self.score_generators.append(cpu_generator(coins.score))
         self.heads = stack_heads(weights, biases).to(device)  # (K, classes, dim + 1)
         self.parameters = self.heads[0].numel()
         clip_bounds = [c.clip_bound for c in self.configs]
@@ -519,17 +528,18 @@ class _Group:
         """The coins of the next ``steps`` steps, each configuration's from its own generators."""
         k, num_train = len(self.configs), self.num_train
         draws = [sampler.draw(steps) for sampler in self.samplers]
-        noise = torch.stack([
-            torch.randn(steps, *self.heads.shape[1:], generator=generator, device=self.cell.device)
-            for generator in self.noise_generators
-        ], dim=1)
+        noise = []
+        for coins in self.noise_coins:
+            coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
+            noise.append(torch.randn(steps, *self.heads.shape[1:], generator=coins.generator, device=self.cell.device))
+        stacked = torch.stack(noise, dim=1)
         counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
         index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
         for column, (step, example) in enumerate(draws):
             starts = np.concatenate([[0], np.cumsum(counts[:, column])[:-1]])
             rank = torch.arange(len(step)) - torch.from_numpy(starts)[step]
             index[step, column, rank] = example
-        return Draws(index=index.to(self.cell.device), counts=counts, noise=noise)
+        return Draws(index=index.to(self.cell.device), counts=counts, noise=stacked)
 
     def _train_chunk(self, steps: int, examples: np.ndarray, losses: torch.Tensor) -> None:
         """``steps`` fused steps; adds each configuration's batch sizes to ``examples`` (steps, K) and
@@ -628,7 +638,8 @@ class _Group:
             result.diagnostics_wall_time_s = diagnostics_time[i]
             result.examples_per_s = examples_seen[i] / (train_time / k) if train_time > 0 else 0.0
             result.steps_taken = steps
-            result.epsilon_spent = self.epsilon_spent(steps)
+            # a diverged configuration stopped on the data (see _diverge): charged its planned steps
+            result.epsilon_spent = self.epsilon_spent(self.steps if result.status == "diverged" else steps)
         return self.results
 
     def _parameters_finite(self, index: int) -> bool:
@@ -636,9 +647,10 @@ class _Group:
         return bool(torch.isfinite(self.heads[index]).all())
 
     def _diverge(self, index: int, reason: str) -> None:
-        """Mark configuration ``index`` diverged: its head stops updating, its result says why."""
+        """Mark configuration ``index`` diverged: its head stops updating, its result says why and
+        that it is charged its planned steps (:func:`~dptune.dp.trainer.diverged_charge`)."""
         self.results[index].status = "diverged"
-        self.results[index].reason = reason
+        self.results[index].reason = reason + diverged_charge(self.steps, self.private_score)
         self.active[index] = False
 
     def failed(self, error: BaseException) -> list[TrialResult]:

@@ -280,12 +280,19 @@ def test_a_diverging_configuration_stops_while_the_others_train_on() -> None:
     diverged, ok = run_fused([wild, tame])
     assert diverged.status == "diverged" and "non-finite training loss" in diverged.reason
     assert 0 < diverged.steps_taken < diverged.steps and len(diverged.epochs) < BASE.epochs
+    # the stop read an exact, non-private loss: charged ε of its planned steps, not of those it took
     assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
-                                                   diverged.steps_taken, BASE.delta)
+                                                   diverged.steps, BASE.delta)
+    assert diverged.epsilon_spent > epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
+                                                  diverged.steps_taken, BASE.delta)
+    assert f"charged its {diverged.steps} planned steps" in diverged.reason and "exact" in diverged.reason
     assert math.isnan(diverged.test_accuracy)
     assert ok.status == "ok" and len(ok.epochs) == BASE.epochs and ok.steps_taken == ok.steps
+    assert ok.epsilon_spent == diverged.epsilon_spent  # same plan, same charge
     private = run_fused([replace(wild, score_noise_multiplier=5.0)])[0]  # DP score: decided from the parameters
-    assert private.status == "diverged" and private.reason == "non-finite parameters after epoch 1"
+    assert private.status == "diverged" and private.reason.startswith("non-finite parameters after epoch 1")
+    assert private.steps_taken < private.steps and f"charged its {private.steps} planned steps" in private.reason
+    assert private.epsilon_spent == diverged.epsilon_spent
 
 
 def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:

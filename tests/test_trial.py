@@ -210,8 +210,18 @@ def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
     assert diverged.status == "diverged"
     assert "non-finite" in diverged.reason
     assert len(diverged.epochs) < BASE.epochs
-    assert 0 < diverged.epsilon_spent < BASE.epsilon  # fewer steps than planned spent less privacy
+    assert 0 < diverged.steps_taken < diverged.steps
+    # the stop read an exact, non-private loss: the run is charged its planned steps, not those it took
+    assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate, diverged.steps,
+                                                   BASE.delta)
+    assert diverged.epsilon_spent > epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
+                                                  diverged.steps_taken, BASE.delta)
+    assert "charged its 13 planned steps" in diverged.reason and "exact" in diverged.reason
     assert math.isnan(diverged.test_accuracy)
+    private = run_trial(replace(config, score_noise_multiplier=5.0))  # decided from the parameters: charged all too
+    assert private.status == "diverged" and private.reason.startswith("non-finite parameters after epoch 1")
+    assert private.steps_taken < private.steps and "charged its 13 planned steps" in private.reason
+    assert private.epsilon_spent == diverged.epsilon_spent
 
 
 @pytest.fixture

@@ -11,16 +11,26 @@ A non-finite training or validation loss ends the trial with status ``"diverged"
 exception). With a DP selection score (``score_noise_multiplier``) the trial decides divergence
 only from its DP outputs (non-finite parameters after an epoch), never from the exact losses of
 private rows, and releases the noisy validation count. ε spent is the PRV accountant's for the
-steps actually taken, which is ≤ ε by calibration.
+steps actually taken (≤ ε by calibration), except for a diverged trial: its stop depends on the
+data (an exact, non-private loss, or with a DP score a data-dependent stopping rule), so it is
+charged its planned ``steps`` (ε of the whole plan), as a lost trial process is;
+``steps_taken`` still says how many ran.
 
 Coins: every random draw of the mechanism (initialisation, Poisson masks, Gaussian noise, score
-noise) comes from ``np.random.SeedSequence(config.seed)``, which with
-``seed=None`` (the default) takes 128 bits of fresh OS entropy: independent across trials and
-never stored. The draws themselves come from torch's generators (MT19937 on the CPU, Philox on
-CUDA) seeded with 64 bits each: statistically independent streams, not a cryptographically secure
-generator (Opacus' ``secure_mode`` needs torchcsprng, which is not installed), and floating-point
-sampling is not hardened against attacks on the Gaussian sampler's low bits. With an integer seed
-(reproducibility opt-in) the same seed and device give the same result (CPU: bit-identical).
+noise) comes from ``np.random.SeedSequence(config.seed)``, which with ``seed=None`` (the default)
+takes 128 bits of fresh OS entropy: independent across trials and never stored. It is split into
+four child seed sequences (``SeedSequence.spawn``, :func:`dptune.dp.coins.trial_coins`). The Poisson
+masks and the score noise come from CPU generators whose whole MT19937 state (624 32-bit words,
+19,937 bits) is set from their child sequence (:func:`dptune.dp.coins.cpu_generator`), so they are
+a function of all 128 bits of the seed's entropy, not of the 32 bits ``manual_seed`` keeps on the
+CPU; so does the Gaussian noise of a CPU trial. On CUDA the noise comes from torch's Philox
+generator (64-bit key, 64-bit offset in multiples of 4), given a fresh key and offset (126 bits)
+before every step from a PCG64 stream of the noise sequence (:class:`dptune.dp.coins.DeviceCoins`).
+Initialisation uses ``torch.manual_seed`` of 64 bits of its stream (no guarantee rests on it).
+These are statistical generators, not cryptographically secure ones (Opacus' ``secure_mode`` needs
+torchcsprng, which is not installed), and floating-point sampling is not hardened against attacks
+on the Gaussian sampler's low bits. With an integer seed (reproducibility opt-in) the same seed and
+device give the same result (CPU: bit-identical).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.data import DATASETS, Workload, WorkloadSpec, load_workload
 from dptune.dp.clipping import check_rule
+from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
 from dptune.dp.engine import DPEngine, DPStepSpec, check_engine, select_engine, summed_cross_entropy
 from dptune.dp.optimizers import build_optimizer, check_optimizer
@@ -195,14 +206,6 @@ def workload_spec(config: TrialConfig) -> WorkloadSpec:
     )
 
 
-def trial_coins(seed: int | None) -> tuple[int, int, int, int]:
-    """The 64-bit seeds of a trial's four coin streams (initialisation, Poisson sampling, Gaussian
-    noise, score noise), from ``np.random.SeedSequence(seed)`` (``None``: 128 bits of OS entropy)."""
-    coins = np.random.SeedSequence(seed)
-    model_seed, sampling_seed, noise_seed, score_seed = coins.generate_state(4, dtype=np.uint64)
-    return int(model_seed), int(sampling_seed), int(noise_seed), int(score_seed)
-
-
 def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.Tensor:
     """Training rows of the diagnostics probe: ≤ ``diagnostic_examples`` of them, fewer when their
     flattened gradients (``dimension`` each, float32) would exceed ``PROBE_MEMORY_BYTES``.
@@ -227,6 +230,14 @@ def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: torch
     return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
 
 
+def diverged_charge(planned_steps: int, private_score: bool) -> str:
+    """What a diverged run's ``reason`` adds: it is charged ε of its ``planned_steps``, not of the
+    steps it took, because when it stopped depended on the private data."""
+    why = ("its stop is data-dependent, and charging the whole planned run covers any stopping rule"
+           if private_score else "the stop read an exact, non-private loss")
+    return f"; charged its {planned_steps} planned steps because {why}"
+
+
 def diagnostic_epochs(epochs: int) -> list[int]:
     """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
     return sorted({0, math.ceil(epochs / 2), epochs})
@@ -240,9 +251,9 @@ class _Trial:
         self.device = device
         self.workload = workload
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-        model_seed, sampling_seed, noise_seed, score_seed = trial_coins(config.seed)
-        torch.manual_seed(model_seed)
-        self.score_generator = torch.Generator().manual_seed(score_seed)
+        coins = trial_coins(config.seed)
+        torch.manual_seed(init_seed(coins.init))
+        self.score_generator = cpu_generator(coins.score)
         self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(
@@ -263,11 +274,9 @@ class _Trial:
             expected_batch_size=self.sample_rate * num_train,
             autocast_dtype=self.autocast_dtype,
         )
-        noise_generator = torch.Generator(device=device).manual_seed(noise_seed)
-        self.engine: DPEngine = engine_factory(self.model, self.spec, noise_generator)
-        self.loader = poisson_loader(
-            workload.train, self.sample_rate, self.steps, torch.Generator().manual_seed(sampling_seed)
-        )
+        self.noise_coins = DeviceCoins(coins.noise, device)
+        self.engine: DPEngine = engine_factory(self.model, self.spec, self.noise_coins.generator)
+        self.loader = poisson_loader(workload.train, self.sample_rate, self.steps, cpu_generator(coins.sampling))
         self.probe = self._probe(trainable_parameter_count(self.model)) if config.diagnostics else ()
 
     def _probe(self, dimension: int) -> tuple[torch.Tensor, ...]:
@@ -341,6 +350,7 @@ class _Trial:
             epoch_loss = 0.0
             epoch_examples = 0
             for batch in itertools.islice(batches, epoch_length):
+                self.noise_coins.refresh()  # CUDA: a fresh secret Philox key and offset; CPU: nothing
                 loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
                 self.steps_taken += 1
                 if not math.isfinite(loss) and not private_score:
@@ -392,14 +402,19 @@ class _Trial:
         result.examples_per_s = examples_seen / train_time if train_time > 0 else 0.0
         result.diagnostics_wall_time_s = sum(d.wall_time_s for d in result.diagnostics)
         result.steps_taken = self.steps_taken
-        result.epsilon_spent = self.epsilon_spent()
+        if result.status == "diverged":
+            result.reason += diverged_charge(self.steps, private_score)
+            result.epsilon_spent = self.epsilon_spent(self.steps)
+        else:
+            result.epsilon_spent = self.epsilon_spent()
         return result
 
-    def epsilon_spent(self) -> float:
-        """ε of the steps taken so far (0 before the first step)."""
-        if not self.steps_taken:
+    def epsilon_spent(self, steps: int | None = None) -> float:
+        """ε of ``steps`` of the trial's steps (default: those taken so far; 0 for none)."""
+        steps = self.steps_taken if steps is None else steps
+        if not steps:
             return 0.0
-        return epsilon_spent(self.noise_multiplier, self.sample_rate, self.steps_taken, self.config.delta)
+        return epsilon_spent(self.noise_multiplier, self.sample_rate, steps, self.config.delta)
 
     def _parameters_finite(self) -> bool:
         """Whether every trainable parameter is finite: a function of the DP outputs only."""

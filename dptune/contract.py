@@ -175,7 +175,7 @@ class TrialResult:
     sample_rate: float = float("nan")  # q = B/N
     steps: int = 0  # T planned = plan.total_steps(N, B, E), what σ is calibrated for
     steps_taken: int = 0  # steps actually run (< steps when stopped or failed); what ε spent counts
-    epsilon_spent: float = float("nan")  # ε of steps_taken steps at (σ, q, δ); ≤ epsilon
+    epsilon_spent: float = float("nan")  # ε charged at (σ, q, δ): of steps_taken, or of steps if diverged; ≤ epsilon
     num_train: int = 0
     num_val: int = 0
     num_test: int = 0

@@ -654,9 +654,18 @@ class _Group:
         self.active[index] = False
 
     def failed(self, error: BaseException) -> list[TrialResult]:
-        """The ``error`` results of this group after ``error`` interrupted it."""
+        """The results of this group after ``error`` interrupted it: ``error`` with the steps each took,
+        except a configuration that had diverged before, which keeps its record and its charge of
+        the planned steps."""
         results = []
-        for config, steps in zip(self.configs, self.steps_taken(), strict=True):
+        active = self.active.tolist()
+        for index, (config, steps) in enumerate(zip(self.configs, self.steps_taken(), strict=True)):
+            if not active[index] and self.results[index].status != "diverged":  # its loss stopped it mid-epoch
+                self._diverge(index, f"non-finite training loss ({self.divergent_loss[index].item()}) at step {steps}")
+            if self.results[index].status == "diverged":  # stopped on the data: keeps its planned-steps charge
+                results.append(dataclasses.replace(self.results[index], steps_taken=steps,
+                                                   epsilon_spent=self.epsilon_spent(self.steps)))
+                continue
             results.append(dataclasses.replace(
                 self._new_result(config), status="error", steps_taken=steps, epsilon_spent=self.epsilon_spent(steps),
                 reason=f"{type(error).__name__}: {error} (after {steps} of {self.steps} steps)"[:2000]))

@@ -335,6 +335,30 @@ def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pyt
     assert (unstarted.steps_taken, unstarted.epsilon_spent, unstarted.steps) == (0, 0.0, 12)  # T = 3·200/50
 
 
+def test_a_configuration_that_diverged_before_its_group_failed_keeps_its_planned_charge(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    wild = replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36)
+    tame = replace(wild, learning_rate=0.05)
+    real_step = StackedOptimizer.step
+    calls = []
+
+    def fail_at_the_fifth_step(self: StackedOptimizer, grads: list[torch.Tensor], active: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected fault")
+        real_step(self, grads, active)
+
+    monkeypatch.setattr(StackedOptimizer, "step", fail_at_the_fifth_step)
+    with pytest.raises(FusedTrialsFailed, match="injected fault") as failure:
+        run_fused([wild, tame])
+    diverged, failed = failure.value.results
+    assert diverged.status == "diverged" and diverged.steps_taken < 5
+    assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate, diverged.steps,
+                                                   BASE.delta)
+    assert failed.status == "error" and failed.steps_taken == 5  # its noisy gradient was drawn: the step counts
+    assert failed.epsilon_spent == epsilon_spent(failed.noise_multiplier, failed.sample_rate, 5, BASE.delta)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -400,21 +400,74 @@ def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, en
 # ---------------------------------------------------------------- encoding precision
 
 
-def test_encoding_precision_follows_the_hardware_unless_forced(monkeypatch, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n\nprocessor\t: 1\n")
-    assert features.cpu_flags(cpuinfo) == {"fpu", "sse2", "avx512f", "avx512_bf16"}
-    assert features.cpu_flags(tmp_path / "absent") == frozenset()
-    cpu = torch.device("cpu")
+class _Clock:
+    """A stub timer: each ``encode(precision)`` advances it by that precision's fixed cost."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.now, self.seconds, self.calls = 0.0, seconds, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def encode(self, precision: str, cosine_gap: float = 0.0) -> np.ndarray:
+        self.calls.append(precision)
+        self.now += self.seconds[precision]
+        rows = np.eye(4, 8, dtype=np.float32) + 1.0
+        if precision == "bf16":  # a small rotation: cosine to fp32 of about 1 - cosine_gap
+            rows[:, -1] += np.sqrt(2 * cosine_gap) * np.linalg.norm(rows, axis=1)
+        return rows
+
+
+@pytest.mark.parametrize(("seconds", "expected"), [({"fp32": 1.0, "bf16": 2.5}, "fp32"),
+                                                   ({"fp32": 2.5, "bf16": 1.0}, "bf16")])
+def test_the_precision_is_the_faster_one_measured(seconds, expected):
+    clock = _Clock(seconds)
+    choice = features.measure_precision(clock.encode, rows=48, clock=clock)
+    assert choice.precision == expected
+    assert choice.rows_per_s == pytest.approx({p: 48 / t for p, t in seconds.items()})
+    assert clock.calls.count("fp32") == clock.calls.count("bf16") == 1 + features.PROBE_ROUNDS  # warm-up + rounds
+    assert choice.min_cosine == pytest.approx(1.0) and "measured" in choice.reason
+
+
+def test_a_faster_precision_whose_features_disagree_is_not_chosen():
+    clock = _Clock({"fp32": 2.5, "bf16": 1.0})
+    choice = features.measure_precision(lambda p: clock.encode(p, cosine_gap=1e-3), rows=48, clock=clock)
+    assert choice.precision == "fp32" and choice.min_cosine < features.MIN_COSINE
+    assert "not eligible" in choice.reason
+
+
+def test_the_measured_choice_is_recorded_per_machine_and_forced_by_the_environment(monkeypatch, temporary_cache):
     monkeypatch.delenv(features.PRECISION_ENV)
-    for flags, expected in (({"avx2", "avx512f"}, "fp32"), ({"avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16")):
-        monkeypatch.setattr(features, "cpu_flags", lambda flags=flags: frozenset(flags))  # another CPU
-        assert features.encoding_precision(cpu) == expected, flags
+    cpu = torch.device("cpu")
+    assert features.recorded_precision(cpu, "minilm") is None
+    clock = _Clock({"fp32": 2.5, "bf16": 1.0})
+    monkeypatch.setattr(features, "measure_precision",
+                        lambda encode, rows: features.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, 1.0))
+    assert features.choose_precision(cpu, "minilm", clock.encode, 48).precision == "bf16"
+    assert features.recorded_precision(cpu, "minilm").precision == "bf16"  # the next process measures nothing
+    (record,) = (temporary_cache / "precision").glob("minilm-*.json")
+    assert json.loads(record.read_text())["machine"]["cpu_flags_sha256"]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 977)  # another machine (threads) measures anew
+    assert features.recorded_precision(cpu, "minilm") is None
     monkeypatch.setenv(features.PRECISION_ENV, "fp32")
-    assert features.encoding_precision(cpu) == "fp32"
+    assert features.recorded_precision(cpu, "minilm").precision == "fp32"
     monkeypatch.setenv(features.PRECISION_ENV, "fp16")
     with pytest.raises(ValueError, match=r"DPTUNE_ENCODE_PRECISION='fp16': expected one of \['fp32', 'bf16', 'auto'\]"):
-        features.encoding_precision(cpu)
+        features.recorded_precision(cpu, "minilm")
+
+
+def test_an_unmeasured_machine_measures_on_the_real_encoder_and_says_why(monkeypatch, temporary_cache, capsys):
+    monkeypatch.delenv(features.PRECISION_ENV)
+    raw = tiny_corpus()
+    found = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    (record,) = (temporary_cache / "precision").glob("minilm-*.json")
+    choice = json.loads(record.read_text())["choice"]
+    assert choice["precision"] in features.PRECISIONS and choice["min_cosine"] > 0.999
+    assert set(choice["rows_per_s"]) == set(features.PRECISIONS)
+    (key_file,) = (temporary_cache / "features").glob("tiny20-minilm-*.json")
+    assert json.loads(key_file.read_text())["precision"] == choice["precision"]
+    assert f"encoding text ({choice['precision']}; measured: bf16" in capsys.readouterr().err
+    assert found.shape == (len(raw.labels), 384)
 
 
 def test_a_cache_hit_builds_no_encoder_and_other_weight_files_make_a_new_entry(

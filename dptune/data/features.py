@@ -3,9 +3,14 @@
 Text is mean-pooled over the attention mask (``dptune.models.TextEncoder``); images use the
 backbone's own pooled output. Encoding runs under ``torch.inference_mode`` on CUDA when
 available, else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
-``torch.set_num_threads`` says otherwise). Precision (``encoding_precision``): bf16 where the
-hardware multiplies bf16 natively (a CUDA GPU with bf16; a CPU with the ``amx_bf16`` or
-``avx512_bf16`` flag), fp32 elsewhere; ``DPTUNE_ENCODE_PRECISION=fp32|bf16`` overrides it. A text
+``torch.set_num_threads`` says otherwise). Precision (``choose_precision``) is chosen by
+measurement, not by CPU flags: on first use per machine and backbone, a few batches of the rows to
+encode are timed in each of ``PRECISIONS`` (interleaved rounds, median), and the fastest whose
+features agree with fp32 ones (cosine ≥ ``MIN_COSINE`` on every probe row) is chosen and recorded
+in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU model and flags,
+threads, device, torch version); ``DPTUNE_ENCODE_PRECISION=fp32|bf16`` overrides it. (bf16 was
+2.4–2.7x faster than fp32 on CPUs with AMX or, with an autocast, on an AMD EPYC with AVX-512
+BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX: flags do not tell.) A text
 encoder runs in bf16 throughout (its weights cast to bf16; the mean pooling in float32), which on
 a CPU was 1.1–1.2x faster than a bf16 autocast of the same model in two hand-timed runs of 1,536
 documents (autocast keeps layer norms, softmax and the casts between them in float32); an image
@@ -34,9 +39,13 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
+import statistics
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,10 +63,13 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2  # 2: bf16 text features from bf16 weights (1: from a bf16 autocast)
 #: Precisions features are encoded in: full fp32, or bf16 (text: bf16 weights; images: bf16 autocast).
 PRECISIONS = ("fp32", "bf16")
-#: Environment variable that forces one of ``PRECISIONS`` (unset or ``auto``: the hardware rule).
+#: Environment variable that forces one of ``PRECISIONS`` (unset or ``auto``: the measured choice).
 PRECISION_ENV = "DPTUNE_ENCODE_PRECISION"
-#: /proc/cpuinfo flags of native bf16 matrix instructions (Intel AMX, AVX-512 BF16 on Intel/AMD).
-CPU_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+#: A precision is chosen only if its features agree with fp32 ones to this cosine on every probe row.
+MIN_COSINE = 0.9999
+#: Rows of the data to encode that the measurement times, and its interleaved rounds (median).
+PROBE_ROWS = 48
+PROBE_ROUNDS = 3
 #: Tokens per text batch by device type. On a 2-core CPU, 4,096 (32 documents of 128 tokens) encoded
 #: MiniLM 1.11x faster than 16,384 in bf16 and 1.15x in fp32 (medians of 3 interleaved rounds;
 #: ``bench/bench_encoding_precision.py --batch-tokens``, ``bench/RESULTS.md``); a GPU gets larger
@@ -104,24 +116,114 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def encoding_precision(device: torch.device) -> str:
-    """The precision features are encoded in on ``device``: one of ``PRECISIONS``.
-
-    ``$DPTUNE_ENCODE_PRECISION`` when set (``fp32``, ``bf16``; ``auto`` or unset: the rule);
-    the rule is bf16 on a CUDA GPU with native bf16 (compute capability ≥ 8, ROCm) and on a
-    CPU with a flag of ``CPU_BF16_FLAGS`` (where bf16 was measured faster: 2.4x with AVX-512
-    BF16, 2.5x with AMX; ``bench/RESULTS.md``), fp32 elsewhere (bf16 would be emulated there;
-    not measured). The GPU case is not measured in this repository.
-    Raises ``ValueError`` for any other value of the variable.
-    """
+def forced_precision() -> str | None:
+    """``$DPTUNE_ENCODE_PRECISION`` when it names one of ``PRECISIONS``; None when unset or ``auto``.
+    Raises ``ValueError`` for any other value."""
     forced = os.environ.get(PRECISION_ENV, "auto").strip().lower()
     if forced in PRECISIONS:
         return forced
     if forced != "auto":
         raise ValueError(f"{PRECISION_ENV}={forced!r}: expected one of {[*PRECISIONS, 'auto']}")
+    return None
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The precision features are encoded in, and why.
+
+    ``rows_per_s`` holds the measured speed of each precision (rows per second of wall time,
+    median of interleaved rounds); ``min_cosine`` the least cosine of a probe row's bf16 features
+    to its fp32 ones; both empty/None when the precision was forced.
+    """
+
+    precision: str
+    reason: str
+    rows_per_s: dict[str, float]
+    min_cosine: float | None
+
+
+def machine_identity(device: torch.device) -> dict[str, str | int]:
+    """What a measured choice of precision holds for: the processor (model name and a digest of its
+    flags), the threads torch uses, the device and torch's version."""
+    model = ""
+    try:
+        model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    identity: dict[str, str | int] = {
+        "cpu": model or platform.processor() or platform.machine(),
+        "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
+        "threads": torch.get_num_threads(), "device": device.type, "torch": torch.__version__,
+    }
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
-    return "bf16" if cpu_flags() & CPU_BF16_FLAGS else "fp32"
+        identity["gpu"] = torch.cuda.get_device_name(device)
+    return identity
+
+
+def measure_precision(encode: Callable[[str], np.ndarray], rows: int,
+                      clock: Callable[[], float] = time.perf_counter, rounds: int = PROBE_ROUNDS) -> PrecisionChoice:
+    """Time ``encode(precision)`` (the same ``rows`` probe rows, features returned) in each of
+    ``PRECISIONS`` and choose the fastest whose features agree with fp32 (``MIN_COSINE``).
+
+    One warm-up call each (its features give the agreement), then ``rounds`` interleaved rounds,
+    the order alternating between rounds so that a drift of the machine's speed favours neither;
+    each precision's speed is ``rows`` over its median time.
+    """
+    reference = encode("fp32")
+    candidate = encode("bf16")
+    similarity = (candidate * reference).sum(1) / (
+        np.linalg.norm(candidate, axis=1) * np.linalg.norm(reference, axis=1))
+    min_cosine = float(similarity.min())
+    seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
+    for round_ in range(rounds):
+        for precision in (PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]):
+            start = clock()
+            encode(precision)
+            seconds[precision].append(clock() - start)
+    rates = {precision: rows / max(statistics.median(times), 1e-9) for precision, times in seconds.items()}
+    agrees = min_cosine >= MIN_COSINE
+    eligible = [p for p in PRECISIONS if p == "fp32" or agrees]
+    chosen = max(eligible, key=lambda p: rates[p])
+    ratio = rates["bf16"] / rates["fp32"]
+    reason = (f"measured: bf16 {ratio:.2f}x fp32 ({rates['bf16']:.0f} vs {rates['fp32']:.0f} rows/s), "
+              f"cosine to fp32 ≥ {min_cosine:.5f}" + ("" if agrees else f" < {MIN_COSINE}: bf16 not eligible"))
+    return PrecisionChoice(chosen, reason, rates, min_cosine)
+
+
+def _precision_record(device: torch.device, backbone: str) -> Path:
+    identity = {**machine_identity(device), "backbone": backbone}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir("precision") / f"{backbone}-{digest}.json"
+
+
+def recorded_precision(device: torch.device, backbone: str) -> PrecisionChoice | None:
+    """The choice forced by ``$DPTUNE_ENCODE_PRECISION``, else the one measured on this machine for
+    ``backbone`` and recorded, else None (nothing measured yet)."""
+    forced = forced_precision()
+    if forced is not None:
+        return PrecisionChoice(forced, f"forced by {PRECISION_ENV}", {}, None)
+    path = _precision_record(device, backbone)
+    try:
+        recorded = json.loads(path.read_text())
+        choice = PrecisionChoice(**recorded["choice"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none yet, or unreadable: measure again
+    return choice if choice.precision in PRECISIONS else None
+
+
+def choose_precision(device: torch.device, backbone: str, encode: Callable[[str], np.ndarray],
+                     rows: int) -> PrecisionChoice:
+    """:func:`recorded_precision`, or a new :func:`measure_precision` of ``encode`` (``rows`` probe
+    rows), recorded for this machine and backbone."""
+    choice = recorded_precision(device, backbone)
+    if choice is None:
+        choice = measure_precision(encode, rows)
+        path = _precision_record(device, backbone)
+        data = {"machine": machine_identity(device), "backbone": backbone, "choice": asdict(choice),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _atomic_write(path, lambda handle: handle.write(json.dumps(data, indent=1).encode()))
+    return choice
 
 
 def _autocast(device: torch.device, precision: str) -> torch.autocast:
@@ -135,9 +237,11 @@ def encode_texts(
     max_tokens: int,
     feature_dim: int,
     precision: str = "fp32",
+    why: str | None = "",
 ) -> np.ndarray:
     """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens``,
-    computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16 copy of ``extractor``)."""
+    computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16 copy of ``extractor``).
+    ``why`` follows the precision in the progress bar; None: no bar."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
@@ -152,7 +256,8 @@ def encode_texts(
     extractor = extractor.to(device).eval()
     with (
         torch.inference_mode(),
-        tqdm(total=len(texts), desc=f"encoding text ({precision})", unit="doc", mininterval=2.0) as bar,
+        tqdm(total=len(texts), desc=f"encoding text ({precision}{why or ''})", unit="doc", mininterval=2.0,
+             disable=why is None) as bar,
     ):
         start = 0
         while start < len(order):
@@ -176,9 +281,10 @@ def encode_images(
     rows: np.ndarray,
     feature_dim: int,
     precision: str = "fp32",
+    why: str | None = "",
 ) -> np.ndarray:
     """Features ``(len(rows), feature_dim)`` float32 of ``images[rows]`` (uint8 in [0, 255]),
-    computed in ``precision`` (one of ``PRECISIONS``)."""
+    computed in ``precision`` (one of ``PRECISIONS``); ``why`` as for :func:`encode_texts`."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
@@ -200,7 +306,8 @@ def encode_images(
     with (
         torch.inference_mode(),
         _autocast(device, precision),
-        tqdm(total=len(rows), desc=f"encoding images ({precision})", unit="img", mininterval=2.0) as bar,
+        tqdm(total=len(rows), desc=f"encoding images ({precision}{why or ''})", unit="img", mininterval=2.0,
+             disable=why is None) as bar,
     ):
         for batch in batches:
             features[done : done + len(batch)] = extractor(batch.to(device)).float().cpu().numpy()
@@ -217,16 +324,17 @@ def encode_rows(
     max_tokens: int | None,
     feature_dim: int,
     precision: str = "fp32",
+    why: str | None = "",
 ) -> np.ndarray:
     """Encode ``raw`` rows ``rows`` with the frozen ``extractor`` of ``backbone`` in
-    ``precision`` (no cache)."""
+    ``precision`` (no cache); ``why`` as for :func:`encode_texts`."""
     from dptune.models import load_tokenizer
 
     if raw.modality == "text":
         texts = [raw.inputs[row] for row in rows]
         tokenizer = load_tokenizer(backbone)
-        return encode_texts(extractor, tokenizer, texts, max_tokens, feature_dim, precision)
-    return encode_images(extractor, raw.inputs, rows, feature_dim, precision)
+        return encode_texts(extractor, tokenizer, texts, max_tokens, feature_dim, precision, why)
+    return encode_images(extractor, raw.inputs, rows, feature_dim, precision, why)
 
 
 @contextmanager
@@ -275,12 +383,13 @@ def cached_features(
     from dptune.models import BACKBONES, build_feature_extractor
 
     info = BACKBONES[backbone]
-    precision = encoding_precision(encoding_device())
+    device = encoding_device()
+    choice = recorded_precision(device, backbone)
     extractor: nn.Module | None = None
     source = info.weight_source() if info.weight_source is not None else None
     if source is None:  # weights from a hub or a builder: identified by the loaded state dict
         extractor = build_feature_extractor(backbone, image_size=image_size)
-    key = {
+    base = {
         "format": FORMAT_VERSION,
         "dataset": raw.name,
         "data_sha256": raw.fingerprint,
@@ -293,28 +402,43 @@ def cached_features(
             if raw.modality == "text"
             else "backbone pooled output"
         ),
-        "precision": precision,
     }
     folder = cache_dir("features")
-    full_path = folder / _file_name(raw.name, backbone, key)
     total = len(raw.labels)
-    full = _read(full_path, total, info.feature_dim)
-    if full is not None:
-        return full if rows is None else full[rows]
-    if rows is None:
-        target_rows, path = np.arange(total), full_path
-    else:
-        target_rows = np.unique(rows)
-        key["rows_sha256"] = hashlib.sha256(target_rows.astype(np.int64).tobytes()).hexdigest()
-        path = folder / _file_name(raw.name, backbone, key)
+    target_rows = np.arange(total) if rows is None else np.unique(rows)
+
+    def entry(precision: str) -> tuple[Path, Path, dict]:
+        """(the full-dataset entry, the entry of exactly ``target_rows``, the latter's key) in ``precision``."""
+        key = {**base, "precision": precision}
+        full = folder / _file_name(raw.name, backbone, key)
+        if rows is None:
+            return full, full, key
+        key = {**key, "rows_sha256": hashlib.sha256(target_rows.astype(np.int64).tobytes()).hexdigest()}
+        return full, folder / _file_name(raw.name, backbone, key), key
+
+    # Nothing chosen yet: an entry in either precision serves as it is (nothing to encode, nothing to choose).
+    for precision in [choice.precision] if choice is not None else PRECISIONS:
+        full_path, path, _ = entry(precision)
+        full = _read(full_path, total, info.feature_dim)
+        if full is not None:
+            return full if rows is None else full[rows]
+        part = _read(path, len(target_rows), info.feature_dim) if rows is not None else None
+        if part is not None:
+            return part[np.searchsorted(target_rows, rows)]
+    if choice is None:
+        extractor = extractor if extractor is not None else build_feature_extractor(backbone, image_size=image_size)
+        probe = target_rows[np.unique(np.linspace(0, len(target_rows) - 1, min(PROBE_ROWS, len(target_rows))).astype(
+            int))]
+        choice = choose_precision(device, backbone, lambda precision: encode_rows(
+            extractor, raw, probe, backbone, max_tokens, info.feature_dim, precision, why=None), len(probe))
+    _, path, key = entry(choice.precision)
     with _exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)
         if features is None:
             if extractor is None:
                 extractor = build_feature_extractor(backbone, image_size=image_size)
-            features = encode_rows(
-                extractor, raw, target_rows, backbone, max_tokens, info.feature_dim, precision
-            )
+            features = encode_rows(extractor, raw, target_rows, backbone, max_tokens, info.feature_dim,
+                                   choice.precision, why=f"; {choice.reason}")
             _atomic_write(
                 path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode())
             )

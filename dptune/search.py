@@ -511,7 +511,7 @@ def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[d
     rows = []
     for plan, row in zip(plans, search_rows_, strict=True):
         chosen = select_release(trials[(trials["search_id"] == row["search_id"]) &
-                                       (trials["cell_id"] == plan.cell.cell_id)])
+                                       (trials["cell_id"] == plan.cell.cell_id)], runs=plan.configurations)
         if chosen is None:
             continue
         rows.append({

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from dptune.privacy import TrialMechanism, composed_epsilon
@@ -170,9 +171,20 @@ def guarantee(space: SearchSpace, official_test_split: bool, cost: CompositionCo
     return " ".join(parts)
 
 
-def select_release(trials: pd.DataFrame) -> pd.Series | None:
-    """The trial a private search releases: the highest noisy validation score among trials that
-    finished (a diverged trial is decided from its parameters, a DP output). None if none did."""
+def select_release(trials: pd.DataFrame, runs: int) -> pd.Series | None:
+    """The run a private search releases: the highest noisy validation score among ``runs`` of its
+    recorded runs (the secret K) that finished (a diverged run is decided from its parameters, a DP
+    output). None if none did.
+
+    Papernot & Steinke's bound holds for the best of K i.i.d. runs. A search interrupted between a
+    proposal and Ray Tune's next checkpoint may record more than K runs (the resumed sampler, whose
+    proposals are secret and never stored, proposes anew); then a uniformly random K of them, drawn
+    from fresh OS entropy (independent of the data), are the candidates: still K i.i.d. runs.
+    """
+    trials = trials[trials["status"] != "pruned_min_steps"]  # proposals the min-step rule removed: never run
+    if len(trials) > runs:
+        keep = np.random.default_rng().choice(len(trials), size=runs, replace=False)
+        trials = trials.iloc[np.sort(keep)]
     scored = trials[(trials["status"] == "ok") & trials["noisy_val_accuracy"].map(
         lambda v: v is not None and math.isfinite(v))]
     if scored.empty:

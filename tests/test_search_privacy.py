@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT
-from dptune.search_privacy import CompositionCost, composition_cost, guarantee
+from dptune.search_privacy import CompositionCost, composition_cost, guarantee, select_release
 from dptune.space import load_space
 from expected import pld_epsilon
 
@@ -104,3 +104,24 @@ def test_a_diverged_run_is_charged_its_planned_steps_others_the_steps_they_took(
     assert cost.epsilon == pytest.approx(pld_epsilon([(1.1, 0.02, 79), (1.1, 0.02, 79), (1.1, 0.02, 30)], 1e-5),
                                          rel=1e-9)
     assert cost.epsilon > pld_epsilon([(1.1, 0.02, 2), (1.1, 0.02, 79), (1.1, 0.02, 30)], 1e-5)
+
+
+def _scored(scores: list[float]) -> pd.DataFrame:
+    return pd.DataFrame({"status": ["ok"] * len(scores), "noisy_val_accuracy": scores,
+                         "clip_bound": [0.1 * (i + 1) for i in range(len(scores))]})
+
+
+def test_the_release_is_the_best_noisy_score_of_the_k_runs() -> None:
+    runs = _scored([0.5, 0.9, 0.7])
+    runs.loc[1, "status"] = "diverged"  # a run that did not finish is a candidate that cannot win
+    assert select_release(runs, runs=3)["noisy_val_accuracy"] == 0.7
+    assert select_release(runs.assign(status="error"), runs=3) is None
+
+
+def test_more_recorded_runs_than_k_release_the_best_of_a_random_k() -> None:
+    runs = _scored([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    pruned = _scored([0.99] * 4).assign(status="pruned_min_steps")  # recorded proposals that never ran
+    assert select_release(pd.concat([runs, pruned]), runs=6)["noisy_val_accuracy"] == 0.6
+    released = {select_release(runs, runs=1)["noisy_val_accuracy"] for _ in range(60)}
+    assert len(released) > 3  # one run at random each time, not always the best of all six
+    assert min(select_release(runs, runs=5)["noisy_val_accuracy"] for _ in range(60)) >= 0.5

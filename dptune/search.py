@@ -14,6 +14,7 @@ Ray appears only here: a trial (``dptune.trial.run_trial``) is a plain function.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -280,11 +281,19 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
 # --------------------------------------------------------------------------- the whole search
 
 
+#: Seconds to wait before the one retry of an embedded Ray start that timed out (an overloaded machine).
+RAY_START_RETRY_PAUSE_S = 15.0
+
+
 def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
 
     A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
-    the embedded case asks for ``address="local"`` explicitly.
+    the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
+    raises ``PreflightError`` naming the address and, when no token is set, token authentication
+    (``preflight.cluster_join_error``). An embedded start that times out (Ray waits 30 s for its
+    processes to register: an overloaded machine) is retried once after ``RAY_START_RETRY_PAUSE_S``,
+    then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
     """
     import ray
 
@@ -295,11 +304,34 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
     runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
     if target:
-        ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+        try:
+            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+        except (ConnectionError, RuntimeError) as error:
+            raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
         return f"joined Ray cluster at {target}"
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env=runtime_env)
-    return f"started embedded local Ray ({num_cpus or os.cpu_count()} CPUs)"
+    cpus = num_cpus or os.cpu_count()
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env=runtime_env)
+            break
+        except Exception as error:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(error):
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            load = os.getloadavg()[0]
+            if attempt == 2:
+                raise SearchIncomplete(
+                    f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
+                    f"twice (load average {load:.1f} on {os.cpu_count()} cores: this machine is overloaded). Run "
+                    "again when the load is lower (with --resume), or start Ray once yourself (`ray start --head "
+                    "--num-cpus N`) and pass its address with --address; nothing was trained") from None
+            print(f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
+                  f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s", file=sys.stderr,
+                  flush=True)
+            time.sleep(RAY_START_RETRY_PAUSE_S)
+    return f"started embedded local Ray ({cpus} CPUs)"
 
 
 def _tune_storage(results_root: str) -> str:
@@ -668,7 +700,8 @@ def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, re
     notes = [note for root in dict.fromkeys((results_root, runs))
              for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
     if options.resume:
-        preflight.check_tune_state(runs)
+        repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
+        notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
         preflight.check_same_space(runs, loaded)
     return notes
 
@@ -740,6 +773,10 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         conclude(results_root, report, private=private)
         return results_root
 
+    cluster = options.address or os.environ.get("RAY_ADDRESS")
+    if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
+        print(init_ray(options.address), flush=True)
+        preflight.check_cluster_resources(space.resources)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
         dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
@@ -762,9 +799,8 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         return results_root
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
-    print(init_ray(options.address), flush=True)
-    if options.address or os.environ.get("RAY_ADDRESS"):
-        preflight.check_cluster_resources(space.resources)
+    if not cluster:
+        print(init_ray(options.address), flush=True)
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),

@@ -195,32 +195,19 @@ def check_tune_state(results_root: str, set_aside: bool = False) -> list[str]:
     """Refuse a Tune experiment state that ``--resume`` could not load (checked before Ray starts).
 
     ``set_aside`` (a search whose proposals the public seed repeats: grid, or random without
-    private selection): instead of refusing, move the unloadable state to
-    ``<TUNE_EXPERIMENT>.unreadable-<time>`` (Tune writes it in place, so a disk that filled while
-    it wrote leaves it cut short) and let the search start Tune afresh: its samplers propose the
-    same configurations again and every recorded run is skipped. Returns one note per move.
+    private selection): an experiment-state JSON that is cut short (Tune rewrites it in place, so
+    a disk that filled while it wrote leaves it so) is not refused: the experiment folder moves to
+    ``<TUNE_EXPERIMENT>.unreadable-<time>`` and the search starts Tune afresh; its samplers propose
+    the same configurations again and every recorded run is skipped. An unloadable ``tuner.pkl``
+    (written once, before any run) is always refused. Returns one note per move.
     """
-    try:
-        _check_tune_state(results_root)
-    except PreflightError as refusal:
-        if not set_aside:
-            raise
-        fs, root = filesystem(results_root)
-        aside = f"{root}/{TUNE_EXPERIMENT}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
-        fs.move(f"{root}/{TUNE_EXPERIMENT}", aside)
-        return [f"{refusal}; moved it to {aside} and starting Tune afresh (the same proposals again: recorded runs "
-                "are not run again)"]
-    return []
-
-
-def _check_tune_state(results_root: str) -> None:
     fs, root = filesystem(results_root)
     experiment = f"{root}/{TUNE_EXPERIMENT}"
     import pyarrow.fs as pafs
 
     tuner = f"{experiment}/tuner.pkl"
     if fs.get_file_info(tuner).type != pafs.FileType.File:
-        return
+        return []
     fix = f"(remove {experiment} to restart the search; its finished trials are kept and not run again)"
     try:
         with fs.open_input_file(tuner) as file:
@@ -235,7 +222,14 @@ def _check_tune_state(results_root: str) -> None:
             with fs.open_input_file(states[-1]) as file:
                 json.loads(file.readall())
         except (ValueError, OSError) as exc:
-            raise PreflightError(f"{states[-1]}: Tune's state is not valid JSON ({shown(str(exc))}) {fix}") from None
+            problem = f"{states[-1]}: Tune's state is not valid JSON ({shown(str(exc))})"
+            if not set_aside:
+                raise PreflightError(f"{problem} {fix}") from None
+            aside = f"{experiment}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+            fs.move(experiment, aside)
+            return [f"{problem}; moved the experiment to {aside} and starting Tune afresh (the same proposals "
+                    "again: recorded runs are not run again)"]
+    return []
 
 
 def read_manifest(results_root: str) -> dict[str, Any] | None:

@@ -679,24 +679,31 @@ def check_storage(storage: str, results_root: str) -> None:
     probe_writable(results_root, "--storage")
 
 
-def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str,
-                      runs: str) -> list[str]:
-    """Every check that needs neither the workload nor Ray, run in ``--dry-run`` too; returns warnings.
-
-    The name stays one folder under ``--storage``; the results location takes a file; the Ray
-    address answers (or, for an embedded Ray, this machine has the resources a trial asks for);
-    every part of an existing results folder (and of ``runs``, where a private search keeps its
-    per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads and the space
-    is the one the search started with.
-    """
-    space = loaded.space
+def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> None:
+    """The checks that write nothing (before the search takes its results folder's lease), run in
+    ``--dry-run`` too: the name stays one folder under ``--storage``; the results location and the
+    report's take a file (a probe, removed); the Ray address answers (or, for an embedded Ray, this
+    machine has the resources a trial asks for)."""
     check_name(name, "--name" if options.name else f"{loaded.path}: name")
     check_storage(options.storage, results_root)
+    if options.report:
+        probe_writable(report_location(results_root, options.report_dir),
+                       "--report-dir" if options.report_dir else "the report location (--report-dir)")
     target = options.address or os.environ.get("RAY_ADDRESS")
     if target:
         preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
     else:
-        preflight.check_local_resources(space.resources)
+        preflight.check_local_resources(loaded.space.resources)
+
+
+def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str, runs: str) -> list[str]:
+    """The checks of an existing results folder (under the lease; ``--dry-run`` only says what it would
+    move); returns warnings. Every part of the results folder (and of ``runs``, where a private search
+    keeps its per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads (or,
+    cut short, is set aside: ``preflight.check_tune_state``) and the space is the one the search
+    started with.
+    """
+    space = loaded.space
     notes = [note for root in dict.fromkeys((results_root, runs))
              for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
     if options.resume:
@@ -742,10 +749,10 @@ def run_search(options: SearchOptions) -> str:
     loaded = load_space(options.space_path, options.overrides)
     name = options.name or loaded.space.name
     results_root = _results_root(options.storage, name)
+    _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
+    check_location_and_cluster(options, loaded, name, results_root)
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
-    check_name(name, "--name" if options.name else f"{loaded.path}: name")
-    check_storage(options.storage, results_root)
     with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
         return _run_search(options, loaded, name, results_root)
 
@@ -756,12 +763,10 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     space = loaded.space
     private = space.privacy.private_selection is not None
     runs = runs_root(results_root, private)
-    _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
-    _warn(checked := check_before_data(options, loaded, name, results_root, runs))
+    notes = preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides)
+    _warn(checked := check_results(options, loaded, results_root, runs))
     notes += checked
     report = report_location(results_root, options.report_dir) if options.report else None
-    if report is not None:
-        probe_writable(report, "--report-dir" if options.report_dir else "the report location (--report-dir)")
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and ResultsStore(runs).completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "

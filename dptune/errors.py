@@ -17,6 +17,7 @@ dptune, so every module can import it.
 from __future__ import annotations
 
 import argparse
+import errno
 import reprlib
 import sys
 from typing import NoReturn
@@ -26,11 +27,38 @@ MAX_SHOWN_CHARS = 80
 
 #: Exit status of a command refused for bad input (argparse's status for bad flags).
 USER_ERROR_EXIT = 2
+#: Exit status of a command that started and could not finish (a full disk, runs that still failed).
+INCOMPLETE_EXIT = 1
+
+#: ``errno`` values that mean the results location cannot take more writes.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 
 
 class DptuneError(Exception):
     """The root of dptune's errors. For input a user can fix, the message names where (flag, file,
-    key), what is wrong and what is allowed."""
+    key), what is wrong and what is allowed. ``exit_status``: what a command exits with."""
+
+    exit_status = USER_ERROR_EXIT
+
+
+class SearchIncomplete(DptuneError, RuntimeError):
+    """A search that started could not finish (results folder full or read-only, runs whose process
+    kept being lost): what finished is kept; the message says what to do (usually ``--resume``)."""
+
+    exit_status = INCOMPLETE_EXIT
+
+
+def storage_error(error: BaseException) -> str | None:
+    """``"<strerror> (errno NAME)"`` when ``error`` or an exception it was raised from or while handling
+    is an ``OSError`` of ``STORAGE_ERRNOS`` (no space, quota, read-only, file too large), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
+            return f"{current.strerror or current} ({errno.errorcode.get(current.errno, current.errno)})"
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class TrialConfigError(DptuneError, ValueError):
@@ -75,9 +103,9 @@ _REPR = _make_repr()
 
 
 def report_and_exit(error: DptuneError) -> NoReturn:
-    """Print ``error: <message>`` on stderr and exit with ``USER_ERROR_EXIT`` (no traceback)."""
+    """Print ``error: <message>`` on stderr and exit with the error's ``exit_status`` (no traceback)."""
     print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(USER_ERROR_EXIT)
+    raise SystemExit(error.exit_status)
 
 
 class ArgumentParser(argparse.ArgumentParser):

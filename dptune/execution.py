@@ -11,6 +11,10 @@ as one vectorised computation, each run keeping its own Poisson batches, noise, 
 optimizer state; ``trial`` calls :func:`dptune.trial.run_trial` once per run (any model; it can
 report each epoch, which ASHA needs). Rows are written atomically as each fused group, or each
 trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
+
+Privacy ledger (:mod:`dptune.ledger`): when the context knows N (``num_train``), every pending run
+is charged in the ledger (σ, q, planned steps) before the runner takes its first step, and its end
+entry is written before its rows; a run whose start entry cannot be written does not start.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +32,7 @@ import pandas as pd
 
 from dptune.contract import EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.errors import TrialFailed
+from dptune.ledger import RunEnd, RunStart, record_ends, record_starts
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
 from dptune.trial import run_trial
@@ -43,6 +48,9 @@ class TrialContext:
     ``replicates`` is R, the runs per configuration; ``fused`` says whether the fused runner trains
     the runs (the driver decides once per cell: :func:`dptune.fused.fused_refusal`).
     ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
+    ``num_train`` (N) and ``noise_multipliers`` (σ per feasible B, from the cell's plan) let every
+    run be charged in the privacy ledger before its first step; a search always gives N (without
+    it, as in unit tests that call the runners directly, no ledger is written).
     """
 
     base: TrialConfig
@@ -55,6 +63,8 @@ class TrialContext:
     reproducible_seed: int | None = None
     replicates: int = 1
     fused: bool = False
+    num_train: int | None = None
+    noise_multipliers: Mapping[int, float] | None = None
 
 
 def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
@@ -101,15 +111,55 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def write_result(context: TrialContext, params: dict[str, Any], replicate: int, result: TrialResult) -> None:
-    """Record one run (atomic; writing the same run again replaces it)."""
-    configuration = configuration_id(context.cell_key, params)
-    trial = replicate_trial_id(configuration, replicate)
-    rows = trial_rows(result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
-                      configuration_id=configuration, replicate=replicate,
-                      reference_batch_size=context.reference_batch_size, versions=package_versions(),
-                      finished_at=pd.Timestamp.now(tz="UTC"))
-    ResultsStore(context.results_root).write_trial(rows, trial)
+def write_result(context: TrialContext, params: dict[str, Any], replicate: int, result: TrialResult,
+                 run: str | None = None, *, ledger: bool = False) -> None:
+    """Record one run (atomic; writing the same run again replaces it); see :func:`write_results`."""
+    write_results(context, [(params, replicate, result, run)], ledger=ledger)
+
+
+def write_results(context: TrialContext, finished: Sequence[tuple[dict[str, Any], int, TrialResult, str | None]], *,
+                  ledger: bool = True) -> None:
+    """Record runs that ended: ``(params, replicate, result, run id)`` each. With ``ledger``, their
+    end entries go into the privacy ledger first (one file; ``run`` None: the entry names only the
+    trial), then each run's rows (atomic; writing the same run again replaces it)."""
+    if ledger:
+        record_ends(context.results_root, [RunEnd(
+            run=run, trial_id=replicate_trial_id(configuration_id(context.cell_key, params), replicate),
+            status=result.status, steps_taken=int(result.steps_taken),
+            epsilon_spent=float(result.epsilon_spent)) for params, replicate, result, run in finished])
+    store = ResultsStore(context.results_root)
+    for params, replicate, result, _ in finished:
+        configuration = configuration_id(context.cell_key, params)
+        trial = replicate_trial_id(configuration, replicate)
+        rows = trial_rows(result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
+                          configuration_id=configuration, replicate=replicate,
+                          reference_batch_size=context.reference_batch_size, versions=package_versions(),
+                          finished_at=pd.Timestamp.now(tz="UTC"))
+        store.write_trial(rows, trial)
+
+
+def charge_runs(context: TrialContext, runs: Sequence[tuple[dict[str, Any], int, TrialConfig]]) -> list[str | None]:
+    """Charge ``(params, replicate, config)`` runs in the privacy ledger before any takes a step
+    (σ from the cell's plan, or calibrated as the runner does); their run ids (None each when the
+    context has no N, so no ledger)."""
+    if context.num_train is None or not runs:
+        return [None] * len(runs)
+    from dptune.privacy import calibrate_noise_multiplier
+
+    starts = []
+    for params, replicate, config in runs:
+        rate = sample_rate(context.num_train, config.batch_size)
+        steps = total_steps(context.num_train, config.batch_size, config.epochs)
+        sigma = (context.noise_multipliers or {}).get(config.batch_size)
+        if sigma is None:
+            sigma = calibrate_noise_multiplier(config.epsilon, config.delta, rate, steps)
+        configuration = configuration_id(context.cell_key, params)
+        starts.append(RunStart(
+            trial_id=replicate_trial_id(configuration, replicate), configuration_id=configuration,
+            replicate=replicate, search_id=context.search_id, cell_id=context.cell_id, clipping=config.clipping,
+            params={name: float(value) for name, value in params.items()}, noise_multiplier=float(sigma),
+            sample_rate=rate, steps=steps, delta=config.delta, epsilon=config.epsilon))
+    return list(record_starts(context.results_root, starts))
 
 
 def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int, min_steps: int) -> None:
@@ -149,7 +199,7 @@ class UnitOutcome:
 
 
 def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, config: TrialConfig,
-             report: Reporter | None) -> TrialResult:
+             report: Reporter | None, run: str | None) -> TrialResult:
     """One ``run_trial`` call, recorded whatever happens (errors with the steps they spent)."""
     try:
         result = run_trial(config, report)
@@ -159,7 +209,7 @@ def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, conf
                                sample_rate=failure.sample_rate)
     except Exception as error:  # raised before the first step: nothing spent
         result = failed_result(config, f"{type(error).__name__}: {error}")
-    write_result(context, params, replicate, result)
+    write_result(context, params, replicate, result, run, ledger=run is not None)
     return result
 
 
@@ -177,13 +227,16 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
                for index, params in enumerate(configurations) for replicate in range(context.replicates)
                if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded]
     results: dict[tuple[int, int], TrialResult] = {}
+    runs = charge_runs(context, [(configurations[index], replicate, config) for index, replicate, config in pending])
     if context.fused and pending:
         from dptune.fused import FusedTrialsFailed, run_fused
 
         def record(positions: list[int], finished: list[TrialResult]) -> None:
+            write_results(context, [(configurations[pending[p][0]], pending[p][1], result, runs[p])
+                                    for p, result in zip(positions, finished, strict=True)],
+                          ledger=context.num_train is not None)
             for position, result in zip(positions, finished, strict=True):
                 index, replicate, _ = pending[position]
-                write_result(context, configurations[index], replicate, result)
                 results[index, replicate] = result
 
         try:
@@ -192,9 +245,10 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
             unrecorded = [p for p, (i, r, _) in enumerate(pending) if (i, r) not in results]
             record(unrecorded, [failure.results[p] for p in unrecorded])
     else:
-        for index, replicate, config in pending:
+        for position, (index, replicate, config) in enumerate(pending):
             per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
-            results[index, replicate] = _run_one(context, configurations[index], replicate, config, per_epoch)
+            results[index, replicate] = _run_one(context, configurations[index], replicate, config, per_epoch,
+                                                 runs[position])
     return _outcome(context, configurations, results, len(pending))
 
 

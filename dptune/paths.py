@@ -11,6 +11,7 @@ stores); ``check_name`` keeps a name to one folder inside its parent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import re
@@ -149,20 +150,54 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     return lines[0][:limit]
 
 
-def write_file_atomic(folder: str, file_name: str, data: bytes) -> str:
+def write_file_atomic(folder: str, file_name: str, data: bytes, *, durable: bool = False) -> str:
     """Write ``data`` as ``<folder>/<file_name>`` whole or not at all (the folder is created): a
-    temporary file renamed into place locally, one PUT on object stores. Returns the file's location."""
+    temporary file renamed into place locally, one PUT on object stores. Returns the file's location.
+
+    ``durable``: on a local file system the file's bytes and its name are on disk (``fsync`` of the
+    file, then of the folder) when this returns, so a crash or power loss right after cannot lose it;
+    an object store's PUT is durable once it returns.
+    """
     import pyarrow.fs as pafs
 
     fs, root = filesystem(folder)
     fs.create_dir(root, recursive=True)
     final = f"{root}/{file_name}"
+    if durable and isinstance(fs, pafs.LocalFileSystem):
+        _write_local_durable(root, file_name, data)
+        return final
     temporary = f"{root}/.{file_name}.tmp-{uuid.uuid4().hex}" if isinstance(fs, pafs.LocalFileSystem) else final
-    with fs.open_output_stream(temporary) as stream:
-        stream.write(data)
-    if temporary != final:
-        fs.move(temporary, final)
+    try:
+        with fs.open_output_stream(temporary) as stream:
+            stream.write(data)
+        if temporary != final:
+            fs.move(temporary, final)
+    except BaseException:  # a full disk: leave no half-written temporary behind
+        if temporary != final:
+            with contextlib.suppress(Exception):
+                fs.delete_file(temporary)
+        raise
     return final
+
+
+def _write_local_durable(root: str, file_name: str, data: bytes) -> None:
+    """Write, fsync and rename a local file into place, then fsync its folder (the rename itself)."""
+    temporary = os.path.join(root, f".{file_name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, os.path.join(root, file_name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    folder = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def read_file(folder: str, file_name: str) -> bytes | None:

@@ -20,6 +20,7 @@ import pickle
 import re
 import socket
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,31 @@ def check_address(address: str, where: str = "--address", timeout_s: float = ADD
     if problem is not None:
         raise PreflightError(f"{where} {shown(address)}: no Ray cluster answers there ({problem}; expected "
                              f"{_ALLOWED_ADDRESS} of a running cluster, or no address for an embedded local Ray)")
+
+
+def token_configured() -> bool:
+    """Whether this process would present a Ray auth token: ``RAY_AUTH_MODE=token`` and a token in
+    ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return False
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path or Path.home() / ".ray" / "auth_token").is_file()
+
+
+def cluster_join_error(address: str, where: str, error: BaseException) -> PreflightError:
+    """What to say when ``ray.init`` cannot join the cluster at ``address``: the error's first line and,
+    since a token-protected head (Ray 2.60's default) refuses a driver without its token, what to set."""
+    lines = str(error).strip().splitlines()
+    first = lines[0][:200] if lines else type(error).__name__
+    if not token_configured():
+        hint = ("the cluster most likely requires token authentication (on by default in Ray 2.60): set "
+                "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or in the file RAY_AUTH_TOKEN_PATH "
+                "names, or ~/.ray/auth_token)")
+    else:
+        hint = ("RAY_AUTH_MODE=token is set: check that the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                "~/.ray/auth_token) is this cluster's, and that the address is its head's GCS port")
+    return PreflightError(f"{where} {shown(address)}: could not join the Ray cluster ({first}); {hint}; nothing "
+                          "was loaded or trained")
 
 
 def _connect(host: str, port: int, timeout_s: float) -> str | None:
@@ -165,15 +191,23 @@ def check_results_folder(results_root: str, quarantine: bool, move: bool = True)
     return notes
 
 
-def check_tune_state(results_root: str) -> None:
-    """Refuse a Tune experiment state that ``--resume`` could not load (checked before Ray starts)."""
+def check_tune_state(results_root: str, set_aside: bool = False) -> list[str]:
+    """Refuse a Tune experiment state that ``--resume`` could not load (checked before Ray starts).
+
+    ``set_aside`` (a search whose proposals the public seed repeats: grid, or random without
+    private selection): an experiment-state JSON that is cut short (Tune rewrites it in place, so
+    a disk that filled while it wrote leaves it so) is not refused: the experiment folder moves to
+    ``<TUNE_EXPERIMENT>.unreadable-<time>`` and the search starts Tune afresh; its samplers propose
+    the same configurations again and every recorded run is skipped. An unloadable ``tuner.pkl``
+    (written once, before any run) is always refused. Returns one note per move.
+    """
     fs, root = filesystem(results_root)
     experiment = f"{root}/{TUNE_EXPERIMENT}"
     import pyarrow.fs as pafs
 
     tuner = f"{experiment}/tuner.pkl"
     if fs.get_file_info(tuner).type != pafs.FileType.File:
-        return
+        return []
     fix = f"(remove {experiment} to restart the search; its finished trials are kept and not run again)"
     try:
         with fs.open_input_file(tuner) as file:
@@ -188,7 +222,14 @@ def check_tune_state(results_root: str) -> None:
             with fs.open_input_file(states[-1]) as file:
                 json.loads(file.readall())
         except (ValueError, OSError) as exc:
-            raise PreflightError(f"{states[-1]}: Tune's state is not valid JSON ({shown(str(exc))}) {fix}") from None
+            problem = f"{states[-1]}: Tune's state is not valid JSON ({shown(str(exc))})"
+            if not set_aside:
+                raise PreflightError(f"{problem} {fix}") from None
+            aside = f"{experiment}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+            fs.move(experiment, aside)
+            return [f"{problem}; moved the experiment to {aside} and starting Tune afresh (the same proposals "
+                    "again: recorded runs are not run again)"]
+    return []
 
 
 def read_manifest(results_root: str) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ cell key and a digest of (C, B, η₀), equal for every replicate of the configu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import uuid
@@ -61,7 +62,9 @@ from dptune.paths import filesystem
 #: 3: trials gain configuration_id and replicate (R fresh-coin runs of one configuration).
 #: 4: release loses trial_id and created_at (they could reveal the released run's position among
 #: the runs) and gains test_split_public; trials.released is false on every run record.
-SCHEMA_VERSION = 4
+#: 5: search gains runs_charged and runs_unrecorded: the whole-search cost composes the privacy ledger
+#: (``dptune.ledger``), every run that was charged before its first step, recorded or not.
+SCHEMA_VERSION = 5
 
 #: The folder under a private search's results that holds what its guarantee needs hidden.
 TRUST_BOUNDARY = "inside_trust_boundary"
@@ -200,6 +203,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("epsilon_search", pa.float64()),  # PLD composition of every trial of the search, at delta
             ("epsilon_search_basic", pa.float64()),  # Σ ε spent over the search
             ("delta_search_basic", pa.float64()),
+            ("runs_charged", pa.int64()),  # runs of the search the privacy ledger charges (took ≥ 1 step)
+            ("runs_unrecorded", pa.int64()),  # of those, runs with no trials row (lost, disk full, attempts rerun)
             ("epsilon_selection", pa.float64()),  # private selection only: the total budget's bound
             ("delta_selection", pa.float64()),
             ("selection_bound_holds", pa.bool_()),  # private selection with secret coins
@@ -341,8 +346,13 @@ class ResultsStore:
         final = f"{directory}/part-{key}.parquet"
         if isinstance(self._fs, pafs.LocalFileSystem):
             temporary = f"{directory}/.tmp-{key}-{uuid.uuid4().hex}.parquet"
-            pq.write_table(data, temporary, filesystem=self._fs)
-            self._fs.move(temporary, final)  # os.rename: atomic within one folder
+            try:
+                pq.write_table(data, temporary, filesystem=self._fs)
+                self._fs.move(temporary, final)  # os.rename: atomic within one folder
+            except BaseException:  # a full disk: leave no half-written temporary behind
+                with contextlib.suppress(Exception):
+                    self._fs.delete_file(temporary)
+                raise
         else:
             pq.write_table(data, final, filesystem=self._fs)
 

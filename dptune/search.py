@@ -14,6 +14,7 @@ Ray appears only here: a trial (``dptune.trial.run_trial``) is a plain function.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -32,8 +33,10 @@ from tqdm import tqdm
 from dptune import __version__, preflight
 from dptune.cell_sampler import CellSampler, CellSpec
 from dptune.contract import TrialConfig
-from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
+from dptune.errors import ArgumentParser, DptuneError, SearchIncomplete, report_and_exit, shown, storage_error
 from dptune.execution import TrialContext, record_pruned
+from dptune.lease import hold_lease
+from dptune.ledger import charged_runs
 from dptune.paths import check_name, filesystem, probe_writable, read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import (
@@ -278,11 +281,19 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
 # --------------------------------------------------------------------------- the whole search
 
 
+#: Seconds to wait before the one retry of an embedded Ray start that timed out (an overloaded machine).
+RAY_START_RETRY_PAUSE_S = 15.0
+
+
 def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
 
     A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
-    the embedded case asks for ``address="local"`` explicitly.
+    the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
+    raises ``PreflightError`` naming the address and, when no token is set, token authentication
+    (``preflight.cluster_join_error``). An embedded start that times out (Ray waits 30 s for its
+    processes to register: an overloaded machine) is retried once after ``RAY_START_RETRY_PAUSE_S``,
+    then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
     """
     import ray
 
@@ -293,11 +304,34 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
     runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
     if target:
-        ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+        try:
+            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+        except (ConnectionError, RuntimeError) as error:
+            raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
         return f"joined Ray cluster at {target}"
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env=runtime_env)
-    return f"started embedded local Ray ({num_cpus or os.cpu_count()} CPUs)"
+    cpus = num_cpus or os.cpu_count()
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env=runtime_env)
+            break
+        except Exception as error:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(error):
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            load = os.getloadavg()[0]
+            if attempt == 2:
+                raise SearchIncomplete(
+                    f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
+                    f"twice (load average {load:.1f} on {os.cpu_count()} cores: this machine is overloaded). Run "
+                    "again when the load is lower (with --resume), or start Ray once yourself (`ray start --head "
+                    "--num-cpus N`) and pass its address with --address; nothing was trained") from None
+            print(f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
+                  f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s", file=sys.stderr,
+                  flush=True)
+            time.sleep(RAY_START_RETRY_PAUSE_S)
+    return f"started embedded local Ray ({cpus} CPUs)"
 
 
 def _tune_storage(results_root: str) -> str:
@@ -314,17 +348,30 @@ def trial_slots(space: SearchSpace) -> int:
     return min(slots, space.resources.max_concurrent_trials or slots)
 
 
-def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> None:
-    """One Ray Tune run for every cell of the search (resumed from its experiment state when asked).
+def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> list[str]:
+    """One Ray Tune run for every cell of the search (resumed from its experiment state when asked);
+    returns what ended it early (``tune_adapters.DRIVER_FAILURES``: a results write that failed), empty
+    when it ran to its end.
 
     The cells share the trial processes (one set-up, not one per cell) and run side by side; each
     keeps its own sampler, budget and, with ASHA, its own scheduler. A Tune trial carries a unit
-    of configurations of one cell (:func:`unit_size`).
+    of configurations of one cell (:func:`unit_size`). A unit whose process is lost runs again up to
+    ``resources.max_retries`` times (Tune's ``FailureConfig``); ``resume`` restarts units that
+    still errored, and those a stopped search left unfinished.
     """
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.tune_adapters import METRIC, CellMultiplexer, PerCellASHA, RecordAndReport, tune_trainable
+    from dptune.tune_adapters import (
+        DRIVER_FAILURES,
+        METRIC,
+        CellMultiplexer,
+        PerCellASHA,
+        RecordAndReport,
+        tune_trainable,
+    )
+
+    DRIVER_FAILURES.clear()
 
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order.
@@ -343,9 +390,9 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # the older one prints nothing
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
-                                   resume_errored=False, restart_errored=False)
+                                   resume_errored=False, restart_errored=True)
         tuner.fit()
-        return
+        return list(DRIVER_FAILURES)
     if resume:
         print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
     slots = trial_slots(space)
@@ -381,10 +428,11 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         ),
         run_config=tune.RunConfig(
             name="search", storage_path=storage, callbacks=[callback], verbose=0,
-            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            failure_config=tune.FailureConfig(max_failures=space.resources.max_retries, fail_fast=False),
         ),
     )
     tuner.fit()
+    return list(DRIVER_FAILURES)
 
 
 def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: int | None,
@@ -442,24 +490,31 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
 #: ``search`` columns that count or compose the runs of a search: null for an end-to-end private
 #: search, whose number of runs K must stay secret (as must its end time, ``created_at``).
 RUN_COUNT_COLUMNS = ("trials_planned", "trials_with_steps", "epsilon_cell", "epsilon_composition",
-                     "delta_composition", "epsilon_search", "epsilon_search_basic", "delta_search_basic", "created_at")
+                     "delta_composition", "epsilon_search", "epsilon_search_basic", "delta_search_basic",
+                     "runs_charged", "runs_unrecorded", "created_at")
 
 
 def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, trials: pd.DataFrame, *,
-                official_test_split: bool) -> list[dict[str, Any]]:
+                official_test_split: bool, charged: pd.DataFrame | None = None) -> list[dict[str, Any]]:
     """One ``search`` row per cell run, with the privacy cost of the tuning itself.
 
-    ``trials`` is the search's ``trials`` table. Per cell: the composition of its trials that took
-    steps; for the whole search (every row alike): the composition of every trial of every cell and
-    variant, which all train on the same data; with private selection, the bound it meets and none
-    of ``RUN_COUNT_COLUMNS``. ``official_test_split``: whether the dataset ships its test split
+    ``trials`` is the search's ``trials`` table; ``charged`` what the privacy ledger charges
+    (``ledger.charged_runs``: every run started, recorded or not; None: the ``trials`` rows, as
+    for results from before the ledger). Per cell: the composition of its charged runs; for the
+    whole search (every row alike): the composition of every charged run of every cell and
+    variant, which all train on the same data, and how many of them left no row
+    (``runs_unrecorded``); with private selection, the bound it meets and none of
+    ``RUN_COUNT_COLUMNS``. ``official_test_split``: whether the dataset ships its test split
     (``DatasetInfo.official_test_split``), which the guarantee's text states.
     """
     space = loaded.space
     delta = space.privacy.delta
     trials = trials[trials["search_id"] == search_id]
+    charged = trials if charged is None else charged[charged["search_id"] == search_id]
     selection = space.privacy.private_selection
-    whole = composition_cost(trials, delta) if selection is None else None
+    whole = composition_cost(charged, delta) if selection is None else None
+    unrecorded = max(0, len(charged[charged["steps_taken"].fillna(0) > 0])
+                     - len(trials[trials["steps_taken"].fillna(0) > 0]))
     rows = []
     for plan in plans:
         row: dict[str, Any] = {
@@ -474,13 +529,14 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, tria
         }
         if selection is None:
             assert whole is not None
-            cell_trials = trials[(trials["cell_id"] == plan.cell.cell_id) & (trials["clipping"] == plan.clipping)]
-            cell = composition_cost(cell_trials, delta)
+            cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
+            cell = composition_cost(cell_runs, delta)
             row.update({
                 "trials_planned": plan.configurations * space.replicates, "trials_with_steps": cell.trials_with_steps,
                 "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
                 "delta_composition": cell.delta_basic, "epsilon_search": whole.epsilon,
                 "epsilon_search_basic": whole.epsilon_basic, "delta_search_basic": whole.delta_basic,
+                "runs_charged": whole.trials_with_steps, "runs_unrecorded": unrecorded,
                 "epsilon_selection": math.nan, "delta_selection": math.nan,
                 "guarantee": guarantee(space, official_test_split, whole),
                 "created_at": pd.Timestamp.now(tz="UTC"),
@@ -623,28 +679,36 @@ def check_storage(storage: str, results_root: str) -> None:
     probe_writable(results_root, "--storage")
 
 
-def check_before_data(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str,
-                      runs: str) -> list[str]:
-    """Every check that needs neither the workload nor Ray, run in ``--dry-run`` too; returns warnings.
-
-    The name stays one folder under ``--storage``; the results location takes a file; the Ray
-    address answers (or, for an embedded Ray, this machine has the resources a trial asks for);
-    every part of an existing results folder (and of ``runs``, where a private search keeps its
-    per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads and the space
-    is the one the search started with.
-    """
-    space = loaded.space
+def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> None:
+    """The checks that write nothing (before the search takes its results folder's lease), run in
+    ``--dry-run`` too: the name stays one folder under ``--storage``; the results location and the
+    report's take a file (a probe, removed); the Ray address answers (or, for an embedded Ray, this
+    machine has the resources a trial asks for)."""
     check_name(name, "--name" if options.name else f"{loaded.path}: name")
     check_storage(options.storage, results_root)
+    if options.report:
+        probe_writable(report_location(results_root, options.report_dir),
+                       "--report-dir" if options.report_dir else "the report location (--report-dir)")
     target = options.address or os.environ.get("RAY_ADDRESS")
     if target:
         preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
     else:
-        preflight.check_local_resources(space.resources)
+        preflight.check_local_resources(loaded.space.resources)
+
+
+def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str, runs: str) -> list[str]:
+    """The checks of an existing results folder (under the lease; ``--dry-run`` only says what it would
+    move); returns warnings. Every part of the results folder (and of ``runs``, where a private search
+    keeps its per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads (or,
+    cut short, is set aside: ``preflight.check_tune_state``) and the space is the one the search
+    started with.
+    """
+    space = loaded.space
     notes = [note for root in dict.fromkeys((results_root, runs))
              for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
     if options.resume:
-        preflight.check_tune_state(runs)
+        repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
+        notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
         preflight.check_same_space(runs, loaded)
     return notes
 
@@ -676,21 +740,33 @@ def search_finished(results_root: str, search_id: str) -> bool:
 
 
 def run_search(options: SearchOptions) -> str:
-    """Validate, plan and run a whole search; return the results dataset's location."""
+    """Validate, plan and run a whole search; return the results dataset's location.
+
+    Except for ``--dry-run``, the search holds the exclusive lease on its results folder
+    (``dptune.lease``) from before it loads data until it returns or raises: a second search on
+    the same folder is refused at once.
+    """
+    loaded = load_space(options.space_path, options.overrides)
+    name = options.name or loaded.space.name
+    results_root = _results_root(options.storage, name)
+    _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
+    check_location_and_cluster(options, loaded, name, results_root)
+    if options.dry_run:
+        return _run_search(options, loaded, name, results_root)
+    with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
+        return _run_search(options, loaded, name, results_root)
+
+
+def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
     from dptune.data import DATASETS, WorkloadSpec, load_workload
 
-    loaded = load_space(options.space_path, options.overrides)
     space = loaded.space
-    name = options.name or space.name
-    results_root = _results_root(options.storage, name)
     private = space.privacy.private_selection is not None
     runs = runs_root(results_root, private)
-    _warn(notes := preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
-    _warn(checked := check_before_data(options, loaded, name, results_root, runs))
+    notes = preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides)
+    _warn(checked := check_results(options, loaded, results_root, runs))
     notes += checked
     report = report_location(results_root, options.report_dir) if options.report else None
-    if report is not None:
-        probe_writable(report, "--report-dir" if options.report_dir else "the report location (--report-dir)")
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and ResultsStore(runs).completed_trial_ids():
         raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
@@ -702,6 +778,10 @@ def run_search(options: SearchOptions) -> str:
         conclude(results_root, report, private=private)
         return results_root
 
+    cluster = options.address or os.environ.get("RAY_ADDRESS")
+    if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
+        print(init_ray(options.address), flush=True)
+        preflight.check_cluster_resources(space.resources)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
         dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
@@ -724,15 +804,15 @@ def run_search(options: SearchOptions) -> str:
         return results_root
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
-    print(init_ray(options.address), flush=True)
-    if options.address or os.environ.get("RAY_ADDRESS"):
-        preflight.check_cluster_resources(space.resources)
+    if not cluster:
+        print(init_ray(options.address), flush=True)
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
         results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
         coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
-        reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused)
+        reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused,
+        num_train=plan.num_train, noise_multipliers=dict(plan.noise_multipliers))
         for plan in plans]
     runner = "fused runner" if fused else "one trial per run"
     if private:  # K, its progress and the search's duration stay inside the trust boundary
@@ -742,7 +822,14 @@ def run_search(options: SearchOptions) -> str:
         replicates = f" × {space.replicates} replicates" if space.replicates > 1 else ""
         print(f"running {sum(plan.configurations for plan in plans)} configurations{replicates} in {len(plans)} "
               f"cell runs side by side ({runner})", flush=True)
-    run_cells(space, plans, contexts, options.resume)
+    failures = run_cells(space, plans, contexts, options.resume)
+    if failures:
+        raise SearchIncomplete(
+            f"--storage {options.storage}: the results folder {results_root} took no more writes ({failures[0]}); "
+            "the search stopped. Free space (or make the folder writable), then run the same command with "
+            "--resume: what finished is kept, and every training that took a step stays charged in the "
+            "privacy ledger")
+    check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
     ran = plans_that_ran(runs, search_id, plans)
     _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
@@ -753,13 +840,29 @@ def run_search(options: SearchOptions) -> str:
         trials = read_table(runs, "trials")
         public_test = DATASETS[space.task.dataset].official_test_split
         rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
-                for row in search_rows(loaded, ran, search_id, trials, official_test_split=public_test)]
+                for row in search_rows(loaded, ran, search_id, trials, official_test_split=public_test,
+                                       charged=charged_runs(runs, search_id, trials))]
         released = release_rows(space, ran, rows, trials, official_test_split=public_test)
         if released:  # before the search rows: a search row marks a finished search
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
     conclude(results_root, report, private=private)
     return results_root
+
+
+def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
+    """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
+    was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
+    search's message does not count the runs (that would reveal K)."""
+    missing = set(charged_runs(runs, search_id)["trial_id"]) - ResultsStore(runs).completed_trial_ids()
+    if not missing:
+        return
+    count = "some runs" if private else f"{len(missing)} run(s)"
+    raise SearchIncomplete(
+        f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
+        f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
+        "Run the same command with --resume to run them again; the search table and summary are written when "
+        "every run has finished")
 
 
 def conclude(results_root: str, report: str | None, *, private: bool) -> None:
@@ -814,6 +917,11 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
     lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
                  f"composition of every trial that took a step); basic composition: "
                  f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}")
+    unrecorded = first.get("runs_unrecorded")
+    if unrecorded is not None and not pd.isna(unrecorded) and int(unrecorded) > 0:
+        lines.append(f"charged but unrecorded: {int(unrecorded)} of the {int(first['runs_charged'])} runs composed "
+                     "above took steps and left no trials row (a lost trial process, a full disk, or an attempt "
+                     "run again); the privacy ledger charges each its planned steps unless it reported fewer")
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
 
@@ -899,8 +1007,15 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     try:
         run_search(options)
-    except DptuneError as exc:  # bad input; anything else is a bug and keeps its traceback
+    except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
         report_and_exit(exc)
+    except Exception as exc:  # ...and keeps its traceback, unless the results folder took no more writes
+        if (what := storage_error(exc)) is None:
+            raise
+        report_and_exit(SearchIncomplete(
+            f"--storage {options.storage}: cannot write the results: {what}. Free space (or make the folder "
+            "writable), then run the same command with --resume: what finished is kept, and every training that "
+            "took a step stays charged in the privacy ledger"))
 
 
 if __name__ == "__main__":

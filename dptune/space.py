@@ -220,6 +220,10 @@ class ResourcesSpec(_Strict):
     configurations_per_trial: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_TRIALS_PER_CELL)] = Field(
         "auto", description="configurations one Ray Tune trial carries (× replicates): auto = the cell's budget "
         "spread over the trial slots when the fused runner trains them, else 1")
+    max_retries: int = Field(
+        2, ge=0, le=100, description="times Ray Tune runs a unit again whose trial process was lost (killed, out of "
+        "memory, node gone); each lost attempt stays charged in the privacy ledger. Runs still unfinished after "
+        "that make the command exit non-zero, and --resume runs them again")
 
     @field_validator("gpu")
     @classmethod

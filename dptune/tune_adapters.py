@@ -14,8 +14,12 @@ the searcher's checkpoint is plain JSON (``save``/``restore``) and it pickles as
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
+import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from ray.tune.search import Searcher
 
 from dptune.cell_sampler import CellSampler
 from dptune.contract import EpochMetrics, TrialResult
+from dptune.errors import storage_error
 from dptune.execution import (
     TrialContext,
     configuration_id,
@@ -46,6 +51,14 @@ CELL_KEY = "cell"
 CONFIGURATIONS_KEY = "configurations"
 #: Key of a unit's last report: per configuration, the mean selection value over its replicates.
 SCORES_KEY = "scores"
+#: Key of the report of a unit that could not write to the results folder (a full or read-only disk):
+#: the error, in one line. The driver then ends the search (:func:`stop_search`).
+STORAGE_ERROR_KEY = "storage_error"
+
+#: What went wrong in this driver process that must end the search: one line each (a results write
+#: that failed in a callback, or a unit's ``STORAGE_ERROR_KEY``). Read by ``dptune.search`` after
+#: Tune returns; module-level because a resumed Tuner unpickles its own callback objects.
+DRIVER_FAILURES: list[str] = []
 
 
 def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) -> None:
@@ -62,7 +75,12 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
         if metrics.epoch < epochs:
             tune.report({**asdict(metrics), "done_recording": False})
 
-    outcome = run_configurations(context, params[CONFIGURATIONS_KEY], report)
+    try:
+        outcome = run_configurations(context, params[CONFIGURATIONS_KEY], report)
+    except OSError as error:  # the results folder is full or read-only: the driver ends the search
+        if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
+            tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
+        raise
     counts = ", ".join(f"{outcome.statuses.count(s)} {s}" for s in sorted(set(outcome.statuses)))
     tune.report({SCORES_KEY: outcome.scores, "statuses": counts, METRIC: max(outcome.scores),
                  "epoch": epochs, "ran": outcome.ran, "done_recording": True})
@@ -110,7 +128,10 @@ class CellMultiplexer(Searcher):
         return Searcher.FINISHED
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        key, configurations = self.owner.pop(trial_id)
+        owned = self.owner.pop(trial_id, None)
+        if owned is None:  # a unit restarted on --resume after it errored: its sampler was told then
+            return
+        key, configurations = owned
         sampler = self.samplers[key]
         if error or not result:
             values: list[float | None] = [None] * len(configurations)
@@ -179,14 +200,29 @@ class PerCellASHA(FIFOScheduler):
         self._of(trial).on_trial_remove(tune_controller, trial)
 
 
+def stop_search(reason: str) -> None:
+    """End the Tune run as Ctrl+C would (from the driver, e.g. a callback): Tune stops its loop and
+    saves its state with the running units still unfinished, so ``--resume`` runs them again.
+    ``reason`` goes to ``DRIVER_FAILURES``; Tune's own logging is silenced from here on (its last
+    state save may fail on the same full disk, which is no news to the user)."""
+    first = not DRIVER_FAILURES
+    DRIVER_FAILURES.append(reason)
+    for name in ("ray.tune", "ray.train", "ray.air"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    if first and callable(signal.getsignal(signal.SIGUSR1)):  # Tune's interrupt handler is installed
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
 class RecordAndReport(Callback):
-    """Driver-side: a progress line per unit, and rows for runs that ended without recording.
+    """Driver-side: a progress line per unit, and the records of runs a unit could not write itself.
 
     ``cells`` maps a cell's key to (its context, a label, its configuration budget, the σ per
-    feasible B, N). A unit stopped by ASHA records the steps of its last report; a unit whose
-    process was lost records every unrecorded run as if every planned step ran. ``quiet``: no
-    progress line (an end-to-end private search, whose number of runs and running best must not
-    be shown); the rows are written all the same.
+    feasible B, N). A unit stopped by ASHA records the steps of its last report (rows and a ledger
+    end entry). A unit whose process was lost is retried by Tune (``FailureConfig``); its
+    unrecorded runs stay charged their planned steps in the ledger, get no row, and run again on
+    a retry or on ``--resume``. ``quiet``: no progress line (an end-to-end private search, whose
+    number of runs and running best must not be shown); the records are written all the same.
+    No hook raises: a failure (a full disk) ends the search through :func:`stop_search`.
     """
 
     def __init__(self, cells: dict[str, tuple[TrialContext, str, int, dict[int, float], int]],
@@ -196,13 +232,14 @@ class RecordAndReport(Callback):
         self.finished = dict.fromkeys(cells, 0)
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    def _progress(self, trial: Any, what: str) -> None:
+    def _progress(self, trial: Any, what: str, done: bool = True) -> None:
         if self.quiet:
             return
         key = trial.config[CELL_KEY]
         context, label, budget, _, _ = self.cells[key]
         configurations = trial.config[CONFIGURATIONS_KEY]
-        self.finished[key] += len(configurations)
+        if done:
+            self.finished[key] += len(configurations)
         runs = f" × {context.replicates} replicates" if context.replicates > 1 else ""
         best = ""
         if key in self.best:
@@ -212,9 +249,17 @@ class RecordAndReport(Callback):
         print(f"[{label}] {self.finished[key]}/{budget} configurations{runs} done: {what}{best}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        try:
+            self._complete(trial)
+        except Exception as error:  # never raise inside Tune's loop
+            stop_search(_failure_line(error, "recording a finished unit"))
+
+    def _complete(self, trial: Any) -> None:
         last = trial.last_result or {}
         configurations = trial.config[CONFIGURATIONS_KEY]
         if not last.get("done_recording"):
+            if DRIVER_FAILURES or "epoch" not in last:  # stopped with the search: unrecorded, run on --resume
+                return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
             self._progress(trial, f"stopped early at epoch {last.get('epoch')}")
             return
@@ -224,10 +269,19 @@ class RecordAndReport(Callback):
                 self.best[trial.config[CELL_KEY]] = (score, params)
         self._progress(trial, str(last.get("statuses", "")))
 
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        if result.get(STORAGE_ERROR_KEY):
+            stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        with contextlib.suppress(Exception):
+            self._progress(trial, f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
+                                  "planned steps and run again", done=False)
+
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        reason = str(trial.error_file and Path(trial.error_file).read_text().strip().splitlines()[-1])
-        self._record_unfinished(trial, "error", reason)
-        self._progress(trial, f"error: {reason}")
+        with contextlib.suppress(Exception):
+            self._progress(trial, f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
+                                  "and run again on --resume")
 
     def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
         context, _, _, sigmas, num_train = self.cells[trial.config[CELL_KEY]]
@@ -238,24 +292,33 @@ class RecordAndReport(Callback):
                 if store.has_trial(replicate_trial_id(configuration_id(context.cell_key, params), replicate)):
                     continue  # the run wrote its full record before the unit ended
                 write_result(context, params, replicate,
-                             _unfinished_result(context, params, replicate, status, reason, last, sigmas, num_train))
+                             _unfinished_result(context, params, replicate, status, reason, last, sigmas, num_train),
+                             ledger=True)
+
+
+def _error_line(trial: Any) -> str:
+    """The last line of a failed unit's error file (Tune writes the traceback there)."""
+    try:
+        return Path(trial.error_file).read_text().strip().splitlines()[-1]
+    except (OSError, TypeError, IndexError):
+        return "unknown error"
+
+
+def _failure_line(error: BaseException, doing: str) -> str:
+    return f"{doing}: {storage_error(error) or f'{type(error).__name__}: {error}'}"
 
 
 def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: str, reason: str,
                        last: dict[str, Any], sigmas: dict[int, float], num_train: int) -> TrialResult:
-    """The record of a run whose unit ended before the run recorded itself."""
+    """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
+    trainables block in ``report()``, so it took the steps of its last report and no more."""
     config = trial_config(context, params, replicate)
-    epochs = [] if "epoch" not in last or status == "error" else [EpochMetrics(
-        **{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
+    epochs = [EpochMetrics(**{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
     sigma = sigmas[config.batch_size]
     rate = sample_rate(num_train, config.batch_size)
     steps = total_steps(num_train, config.batch_size, config.epochs)
-    if status == "stopped_early":  # Tune's function trainables block in report(): no step after it
-        steps_taken = int(last.get("steps", 0))
-    else:  # the unit's process was lost before the run could record itself: count every planned step
-        steps_taken = steps
-        reason += " (trial process lost: its privacy cost is counted as if every planned step ran)"
+    steps_taken = int(last.get("steps", 0))
     spent = epsilon_spent(sigma, rate, steps_taken, config.delta) if steps_taken else 0.0
     return TrialResult(config=config, status=status, reason=reason, noise_multiplier=sigma, sample_rate=rate,
                        steps=steps, steps_taken=steps_taken, epsilon_spent=spent, num_train=num_train, epochs=epochs,
-                       val_accuracy=last.get(METRIC, float("nan")) if status == "stopped_early" else float("nan"))
+                       val_accuracy=last.get(METRIC, float("nan")))

@@ -1,0 +1,150 @@
+"""One live search per results folder: an exclusive lease held for the whole command.
+
+A search (not ``--dry-run``) takes the lease on ``<storage>/<name>`` before it loads data and
+holds it until the command ends, whatever way it ends. A second search on the same folder, with
+or without ``--resume``, is refused at once (``LeaseHeld``, exit status 2) with the holder's host,
+pid and start time and what to do.
+
+- Local and network file systems (a path, or a ``file://`` URI): an OS lock, ``fcntl.flock`` on
+  ``<results>/.lease`` (on Linux NFS clients it is a lock on the server). The kernel releases it
+  when the holder exits or is killed (SIGKILL included), so a dead holder's lease is taken over by
+  the next search with no stale-lock clean-up; the file is never deleted (deleting a lock file
+  lets two processes lock two different files). The holder writes its host, pid and start time
+  into the file for the refusal message and empties it on release.
+- Object stores (``s3://``, ``gs://``...), which have no lock: a lease object
+  ``<results>/.lease.json`` (holder, a random token, an expiry) renewed by a heartbeat thread
+  every ``HEARTBEAT_S`` and valid for ``LEASE_EXPIRY_S``; a lease whose expiry has passed (its
+  holder died) is taken over. pyarrow's file systems have no conditional write, so two searches
+  starting within the same second could both write one; the taker reads the object back after
+  ``SETTLE_S`` and refuses if another token replaced its own, which closes that window to the
+  store's write propagation time, not to zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from dptune.errors import DptuneError, shown
+from dptune.paths import filesystem, read_file, write_file_atomic
+
+#: The lock file of a results folder on a local or network file system.
+LEASE_FILE = ".lease"
+#: The lease object of a results folder on an object store.
+LEASE_OBJECT = ".lease.json"
+#: Seconds between two renewals of an object-store lease, and how long one stays valid.
+HEARTBEAT_S = 30.0
+LEASE_EXPIRY_S = 120.0
+#: Seconds an object-store taker waits before reading its lease back.
+SETTLE_S = 1.0
+
+
+class LeaseHeld(DptuneError, ValueError):
+    """Another live search holds the results folder; the message names it and how to proceed."""
+
+
+def _holder_info(token: str) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "token": token,
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def _refusal(results_root: str, where: str, holder: dict[str, Any] | None) -> LeaseHeld:
+    who = ("a search that is still starting" if not holder else
+           f"the search of pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started_at')}")
+    return LeaseHeld(
+        f"{where} {shown(results_root)}: another search is running on this results folder ({who}); only one search "
+        "may use a results folder at a time. Wait for it to end, or stop it (`ray job stop`, or kill that pid), then "
+        "run this command again with --resume (what it finished is kept); or choose another --name or --storage")
+
+
+@contextlib.contextmanager
+def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[None]:
+    """Hold the exclusive lease on ``results_root`` (created if missing) while the block runs.
+
+    Raises ``LeaseHeld`` at once when another live process holds it. ``where`` names the flags
+    that chose the folder, for the message.
+    """
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(results_root, where)
+    if isinstance(fs, pafs.LocalFileSystem):
+        with _file_lock(path, results_root, where):
+            yield
+    else:
+        with _object_lease(results_root, where):
+            yield
+
+
+@contextlib.contextmanager
+def _file_lock(path: str, results_root: str, where: str) -> Iterator[None]:
+    os.makedirs(path, exist_ok=True)
+    descriptor = os.open(os.path.join(path, LEASE_FILE), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _refusal(results_root, where, _parse(os.pread(descriptor, 4096, 0))) from None
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, json.dumps(_holder_info(uuid.uuid4().hex)).encode(), 0)
+        os.fsync(descriptor)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # a full disk must not hide the error being raised
+                os.ftruncate(descriptor, 0)
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+def _parse(data: bytes | None) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(data or b"")
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+@contextlib.contextmanager
+def _object_lease(results_root: str, where: str) -> Iterator[None]:
+    token = uuid.uuid4().hex
+    held = _parse(read_file(results_root, LEASE_OBJECT))
+    if held is not None and float(held.get("expires_at", 0)) > time.time():
+        raise _refusal(results_root, where, held)
+    info = _holder_info(token)
+
+    def renew() -> None:
+        write_file_atomic(results_root, LEASE_OBJECT,
+                          json.dumps({**info, "expires_at": time.time() + LEASE_EXPIRY_S}).encode())
+
+    renew()
+    time.sleep(SETTLE_S)
+    current = _parse(read_file(results_root, LEASE_OBJECT))
+    if current is None or current.get("token") != token:
+        raise _refusal(results_root, where, current)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a failed renewal is retried; expiry bounds the damage
+                renew()
+
+    thread = threading.Thread(target=heartbeat, name="dptune-lease-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            if (_parse(read_file(results_root, LEASE_OBJECT)) or {}).get("token") == token:
+                fs, path = filesystem(results_root)
+                fs.delete_file(f"{path}/{LEASE_OBJECT}")

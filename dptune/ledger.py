@@ -1,0 +1,189 @@
+"""The write-ahead privacy ledger: every run is charged before it takes its first step.
+
+Under a search's per-run folder (``records.runs_root``: inside the trust boundary of an
+end-to-end private search, since the ledger counts the runs) ``ledger/`` holds small JSON files,
+each written whole or not at all and never rewritten (append-only as a set of files, which works
+alike on local disks, network file systems and object stores, and from every Ray worker at once):
+
+- ``start-<id>.json``: written (durably: fsynced, with its folder, before it returns) by the
+  process that is about to train, *before the first step*, one per batch of runs: per run a fresh
+  ``run`` id, the trial it records into (``trial_id``, configuration, replicate, cell, clipping),
+  σ (``noise_multiplier``), q (``sample_rate``), the planned steps (``steps``), δ and the cell's ε.
+  A run that cannot be charged does not start (a full disk stops it here).
+- ``end-<id>.json``: written when runs end, *before* their rows: per run its ``run`` id (or, from
+  the driver for a unit it saw end, only its ``trial_id``: see :func:`charged_runs`), status,
+  steps taken and ε spent.
+
+Invariant: what a search is charged (:func:`charged_runs`) is every start entry, at the steps its
+end entry took if there is one, else at its planned steps; a diverged run at its planned steps
+(``search_privacy.charged_steps``). A rerun (a retry of a lost process, or ``--resume``) is a new
+start entry: nothing a crash, kill, race or full disk does can make the composition smaller than
+what was trained. Results written before the ledger existed are charged from their rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from dptune.errors import DptuneError
+from dptune.paths import filesystem, write_file_atomic
+
+#: The ledger's folder under a search's per-run folder.
+LEDGER = "ledger"
+#: Format of an entry file.
+LEDGER_VERSION = 1
+
+#: Columns of :func:`charged_runs`: those ``search_privacy.composition_cost`` reads, and how each
+#: run is known.
+CHARGED_COLUMNS = ("run", "search_id", "trial_id", "cell_id", "clipping", "noise_multiplier", "sample_rate", "steps",
+                   "steps_taken", "epsilon_spent", "status", "ended")
+
+
+class LedgerError(DptuneError, ValueError):
+    """A ledger entry that cannot be read: what it charges is unknown."""
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A run about to take its first step, as its start entry records it.
+
+    ``steps`` is T planned at σ = ``noise_multiplier`` and q = ``sample_rate``; ``epsilon`` the ε
+    its σ was calibrated to for those T steps (an upper bound on the ε of any prefix of the run).
+    """
+
+    trial_id: str
+    configuration_id: str
+    replicate: int
+    search_id: str
+    cell_id: str
+    clipping: str
+    params: Mapping[str, float]
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    delta: float
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run ended: ``run`` (its start entry's id; None when the writer knows only ``trial_id``),
+    its status, the steps it took and their ε."""
+
+    run: str | None
+    trial_id: str
+    status: str
+    steps_taken: int
+    epsilon_spent: float
+
+
+def _folder(runs_root: str) -> str:
+    return f"{runs_root.rstrip('/')}/{LEDGER}"
+
+
+def _write(runs_root: str, kind: str, entries: list[dict[str, Any]], durable: bool) -> None:
+    document = {"version": LEDGER_VERSION, "kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+                "written_at": pd.Timestamp.now(tz="UTC").isoformat(), "entries": entries}
+    write_file_atomic(_folder(runs_root), f"{kind}-{uuid.uuid4().hex}.json", json.dumps(document).encode(),
+                      durable=durable)
+
+
+def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
+    """Charge ``starts`` before any of them takes a step: one durable start file; returns their run ids.
+
+    Raises (``OSError``: a full or read-only disk) when the file cannot be written: then no run may start.
+    """
+    starts = list(starts)
+    if not starts:
+        return []
+    runs = [uuid.uuid4().hex for _ in starts]
+    fields = RunStart.__dataclass_fields__
+    _write(runs_root, "start", [{"run": run, **{field: getattr(start, field) for field in fields},
+                                 "params": dict(start.params)} for run, start in zip(runs, starts, strict=True)],
+           durable=True)
+    return runs
+
+
+def record_ends(runs_root: str, ends: Iterable[RunEnd]) -> None:
+    """Append how ``ends`` ended (one file). Not fsynced: an end entry lost to a crash leaves its run
+    charged its planned steps, which never undercounts."""
+    ends = [vars(end) for end in ends]
+    if ends:
+        _write(runs_root, "end", ends, durable=False)
+
+
+def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(start entries, end entries) of the ledger; an unreadable start file raises ``LedgerError``, an
+    unreadable end file is skipped (its runs stay charged their planned steps)."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(runs_root)
+    infos = fs.get_file_info(pafs.FileSelector(f"{path.rstrip('/')}/{LEDGER}", allow_not_found=True))
+    starts: list[dict[str, Any]] = []
+    ends: list[dict[str, Any]] = []
+    for info in sorted(infos, key=lambda i: i.path):
+        name = info.base_name
+        if info.type != pafs.FileType.File or not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            with fs.open_input_file(info.path) as file:
+                document = json.loads(file.readall())
+            entries = list(document["entries"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if name.startswith("start-"):
+                raise LedgerError(f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
+                                  f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed "
+                                  "(restore the file from a backup)") from None
+            continue
+        (starts if name.startswith("start-") else ends if name.startswith("end-") else []).extend(entries)
+    return starts, ends
+
+
+def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Every run of ``search_id`` the ledger at ``runs_root`` charges, one row each (``CHARGED_COLUMNS``).
+
+    A start entry with an end entry (matched by run id; an end entry that names only a trial closes
+    one open start of that trial, and every start of one trial is the same mechanism) is charged
+    the steps the end took (``ended`` True); without one, its planned steps (``steps_taken =
+    steps``, status ``unrecorded``: the process was lost, or the disk filled, before it could say).
+    Trials of ``trials`` (the ``trials`` table) with no ledger entry at all (results written before
+    the ledger) are charged from their rows.
+    """
+    starts, ends = _entries(runs_root)
+    by_run = {end["run"]: end for end in ends if end.get("run")}
+    by_trial: dict[str, list[dict[str, Any]]] = {}
+    for end in ends:
+        if not end.get("run"):
+            by_trial.setdefault(end["trial_id"], []).append(end)
+    rows = []
+    for start in starts:
+        if start.get("search_id") != search_id:
+            continue
+        end = by_run.get(start["run"])
+        if end is None and by_trial.get(start["trial_id"]):
+            end = by_trial[start["trial_id"]].pop(0)
+        row = {name: start.get(name) for name in ("run", "search_id", "trial_id", "cell_id", "clipping",
+                                                   "noise_multiplier", "sample_rate", "steps")}
+        if end is None:
+            row.update(steps_taken=int(start["steps"]), epsilon_spent=float(start["epsilon"]), status="unrecorded",
+                       ended=False)
+        else:
+            row.update(steps_taken=int(end["steps_taken"]), epsilon_spent=float(end["epsilon_spent"]),
+                       status=str(end["status"]), ended=True)
+        rows.append(row)
+    charged = pd.DataFrame(rows, columns=list(CHARGED_COLUMNS))
+    if trials is not None and not trials.empty:
+        mine = trials[trials["search_id"] == search_id]
+        before = mine[~mine["trial_id"].isin(set(charged["trial_id"]))].assign(run=None, ended=True)
+        if not before.empty:
+            charged = pd.concat([charged, before[list(CHARGED_COLUMNS)]], ignore_index=True) if len(charged) \
+                else before[list(CHARGED_COLUMNS)].reset_index(drop=True)
+    return charged

@@ -1,0 +1,308 @@
+"""Faults that must never make ε undercount: two searches on one folder, a full disk, a lost trial
+process. Real searches (embedded Ray, tiny space), real processes, real file systems; a fault is
+injected only where it cannot be produced for real (a SIGKILL at a chosen moment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, search_command
+from dptune import lease, search
+from dptune.records import read_table
+from expected import pld_epsilon
+
+TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
+#: One cell, 4 configurations (C × B = 2 × 2), pruned B = 256 recorded without compute.
+SMALL = ("--space", str(TINY), "--no-report", "--set", "privacy.epsilons=[2]", "--set", "training.compare_auto_s=false")
+
+
+def run_cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ledger_entries(root: Path) -> tuple[list[dict], list[dict]]:
+    """(start entries, end entries), read with plain json, independently of dptune.ledger."""
+    starts, ends = [], []
+    for path in sorted((root / "ledger").glob("*.json")):
+        entries = json.loads(path.read_text())["entries"]
+        (starts if path.name.startswith("start-") else ends).extend(entries)
+    return starts, ends
+
+
+def expected_search_epsilon(root: Path, delta: float) -> float:
+    """PLD (dp_accounting) of every run that started: at the steps its end entry took, else at its
+    planned steps; a diverged run at its planned steps."""
+    starts, ends = ledger_entries(root)
+    by_run = {end["run"]: end for end in ends if end.get("run")}
+    mechanisms = []
+    for start in starts:
+        end = by_run.get(start["run"])
+        steps = start["steps"] if end is None or end["status"] == "diverged" else end["steps_taken"]
+        if steps:
+            mechanisms.append((start["noise_multiplier"], start["sample_rate"], int(steps)))
+    return pld_epsilon(mechanisms, delta)
+
+
+def recorded(root: Path):
+    trials = read_table(str(root), "trials")
+    return trials[trials["status"] != "pruned_min_steps"]
+
+
+# --------------------------------------------------------------------------- one search per folder
+
+
+_HOLDER = """
+import sys, time
+from dptune.lease import hold_lease
+with hold_lease(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_search_on_a_held_folder_is_refused_at_once_and_a_dead_holders_lease_is_taken_over(
+        search_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    root = tmp_path / "tiny"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], env=search_env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for resume in ((), ("--resume",)):
+            started = time.monotonic()
+            with pytest.raises(SystemExit) as info:
+                search.main([*SMALL, "--storage", str(tmp_path), *resume])
+            assert info.value.code == 2 and time.monotonic() - started < 30
+            message = capsys.readouterr()
+            assert f"pid {holder.pid}" in message.err and "another search is running" in message.err
+            assert "--resume" in message.err and "--name" in message.err
+            assert "loading" not in message.out  # refused before any data is loaded
+        assert sorted(p.name for p in root.iterdir()) == [lease.LEASE_FILE]
+    finally:
+        holder.kill()
+        holder.wait()
+    with lease.hold_lease(str(root)):  # the kernel released the killed holder's lock
+        assert json.loads((root / lease.LEASE_FILE).read_text())["pid"] == os.getpid()
+    assert (root / lease.LEASE_FILE).read_text() == ""
+
+
+def test_object_store_lease_refuses_a_live_holder_and_takes_over_an_expired_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    root = str(tmp_path / "store")
+    with lease._object_lease(root, "--storage"):
+        with pytest.raises(lease.LeaseHeld, match=f"pid {os.getpid()}"):
+            with lease._object_lease(root, "--storage"):
+                pass
+        stale = json.loads(Path(root, lease.LEASE_OBJECT).read_text())
+    assert not Path(root, lease.LEASE_OBJECT).exists()  # released
+    Path(root, lease.LEASE_OBJECT).write_text(json.dumps({**stale, "expires_at": time.time() - 1}))
+    with lease._object_lease(root, "--storage"):  # a dead holder's expired lease is taken over
+        assert json.loads(Path(root, lease.LEASE_OBJECT).read_text())["token"] != stale["token"]
+
+
+def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dict[str, str], tmp_path: Path) -> None:
+    args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial")
+    first = subprocess.Popen(search_command(*args, "--resume"), cwd=REPO_ROOT, env=search_env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lease_file = tmp_path / "tiny" / lease.LEASE_FILE
+    deadline = time.monotonic() + 120
+    while not (lease_file.is_file() and lease_file.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, "the first search never took its lease"
+        time.sleep(0.2)
+    for resume in (("--resume",), ()):
+        started = time.monotonic()
+        second = run_cli(search_env, *args, *resume, timeout=120)
+        assert second.returncode == 2 and time.monotonic() - started < 60, second.stderr[-2000:]
+        assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    ran = recorded(tmp_path / "tiny")
+    assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
+    starts, _ = ledger_entries(tmp_path / "tiny")
+    assert sorted(s["trial_id"] for s in starts) == sorted(ran["trial_id"])  # no configuration trained twice
+
+
+# --------------------------------------------------------------------------- a lost trial process
+
+# Only in Ray's worker processes (Ray's own Python processes must not import torch at start-up).
+_KILLER = """
+import os, pathlib, signal, sys
+if sys.argv and sys.argv[0].endswith("default_worker.py"):
+    import dptune.fused as fused
+    _real = fused.run_fused
+    marks = pathlib.Path(os.environ["DPTUNE_TEST_KILLS"])
+    def run_fused(configs, on_done=None, **kwargs):
+        def done(positions, results):
+            if any(configs[p].batch_size == 32 for p in positions) and (
+                    os.environ.get("DPTUNE_TEST_KILL_ALWAYS") or not any(marks.iterdir())):
+                (marks / f"kill-{len(list(marks.iterdir()))}").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)  # trained, not yet recorded: the worst moment
+            if on_done is not None:
+                on_done(positions, results)
+        return _real(configs, on_done=done, **kwargs)
+    fused.run_fused = run_fused
+"""
+
+
+def _killer_env(env: dict[str, str], tmp_path: Path, always: bool) -> tuple[dict[str, str], Path]:
+    hook, marks = tmp_path / "hook", tmp_path / "kills"
+    hook.mkdir()
+    marks.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILLER)
+    killer = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p),
+              "DPTUNE_TEST_KILLS": str(marks)}
+    if always:
+        killer["DPTUNE_TEST_KILL_ALWAYS"] = "1"
+    return killer, marks
+
+
+def _search_row(root: Path):
+    return read_table(str(root), "search").iloc[0]
+
+
+def test_a_lost_trial_process_is_retried_and_every_attempt_is_charged(search_env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    env, marks = _killer_env(search_env, tmp_path, always=False)
+    completed = run_cli(env, *SMALL, "--storage", str(tmp_path), "--set", "training.runner=fused",
+                        "--set", "resources.max_retries=1")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert len(list(marks.iterdir())) == 1
+    root = tmp_path / "tiny"
+    ran = recorded(root)
+    assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
+    starts, ends = ledger_entries(root)
+    lost = [s for s in starts if s["run"] not in {e["run"] for e in ends}]
+    assert lost and all(s["trial_id"] in set(ran["trial_id"]) for s in lost)  # killed, then run again
+    row = _search_row(root)
+    assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)
+    assert row["runs_charged"] == len(starts) == 4 + len(lost) and row["runs_unrecorded"] == len(lost)
+    rows_only = pld_epsilon(list(zip(ran["noise_multiplier"], ran["sample_rate"], ran["steps_taken"].astype(int),
+                                     strict=True)), 1e-5)
+    assert row["epsilon_search"] > rows_only  # the lost attempts are in it
+    assert f"charged but unrecorded: {len(lost)} of the {len(starts)} runs" in completed.stdout
+
+
+def test_runs_lost_after_every_retry_fail_the_command_and_resume_runs_them(search_env: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    env, marks = _killer_env(search_env, tmp_path, always=True)
+    args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=fused", "--set", "resources.max_retries=1",
+            "--set", "resources.configurations_per_trial=1")
+    failed = run_cli(env, *args)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]  # Tune logs each lost process above; the command ends in one line
+    assert last.startswith("error: 2 run(s) of this search did not finish") and "--resume" in last, last
+    root = tmp_path / "tiny"
+    assert len(list(marks.iterdir())) == 2 * 2  # two B = 32 configurations, each tried twice
+    assert set(recorded(root)["batch_size"]) == {64}
+    assert not (root / "search").exists()  # not finished: --resume must run the rest
+    resumed = run_cli(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ran = recorded(root)
+    assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
+    row = _search_row(root)
+    assert row["runs_unrecorded"] == 4 and row["runs_charged"] == 8
+    assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 16 MiB tmpfs at ``tmp_path/disk`` (the tests run as root on Linux), else skipped."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with filler.open("wb") as file:
+        try:
+            while True:
+                file.write(b"\0" * 65536)
+                file.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
+        search_env: dict[str, str], small_disk: Path) -> None:
+    args = (*SMALL, "--storage", str(small_disk), "--set", "training.runner=trial",
+            "--set", "clip_bound.values=[0.1,0.3,1.0]")
+    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=search_env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    root = small_disk / "tiny"
+    deadline = time.monotonic() + 600
+    while not (root / "trials").is_dir() or len(recorded(root)) < 1:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    filler = _fill(small_disk)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: --storage") and str(small_disk) in last and "No space left on device" in last
+    assert "--resume" in last
+    assert not list(root.rglob(".tmp-*")) and not list(root.rglob("*.tmp-*"))
+    filler.unlink()
+    resumed = run_cli(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ran = recorded(root)
+    assert len(ran) == 6 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
+    row = _search_row(root)
+    starts, _ = ledger_entries(root)
+    assert row["runs_charged"] == len(starts) >= 6
+    assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)
+
+
+# --------------------------------------------------------------------------- joining a token-protected cluster
+
+
+@pytest.mark.parametrize("token", [None, "0" * 64], ids=["missing token", "wrong token"])
+def test_joining_a_token_protected_head_without_its_token_fails_before_data_loads(
+        ray_head, search_env: dict[str, str], tmp_path: Path, token: str | None) -> None:
+    env = {k: v for k, v in search_env.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token of the user's
+    if token is not None:
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    completed = run_cli(env, *SMALL, "--storage", str(tmp_path), "--address", ray_head.address, timeout=300)
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    last = completed.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --address '{ray_head.address}': could not join the Ray cluster"), last
+    assert ("set RAY_AUTH_MODE=token" if token is None else "check that the token") in last
+    assert "Traceback" not in completed.stderr and "loading" not in completed.stdout
+    assert not (tmp_path / "tiny" / "manifest.json").exists()  # refused before anything was written
+
+
+def test_a_tune_state_cut_short_by_a_full_disk_is_set_aside_only_when_the_proposals_repeat(tmp_path: Path) -> None:
+    import pickle
+
+    from dptune import preflight
+
+    experiment = tmp_path / preflight.TUNE_EXPERIMENT
+    experiment.mkdir(parents=True)
+    (experiment / "tuner.pkl").write_bytes(pickle.dumps({"state": 1}))
+    (experiment / "experiment_state-2026.json").write_text('{"trial_data": [["cut sho')
+    with pytest.raises(preflight.PreflightError, match="Tune's state is not valid JSON"):
+        preflight.check_tune_state(str(tmp_path))  # TPE or private selection: refused, as before
+    (note,) = preflight.check_tune_state(str(tmp_path), set_aside=True)
+    assert "starting Tune afresh" in note and not experiment.exists()
+    (aside,) = experiment.parent.glob("search.unreadable-*")
+    assert (aside / "experiment_state-2026.json").is_file()  # kept, not deleted

@@ -41,6 +41,10 @@ class DptuneError(Exception):
     exit_status = USER_ERROR_EXIT
 
 
+class SearchError(DptuneError):
+    """Bad flags or an unusable results location, reported before any compute."""
+
+
 class SearchIncomplete(DptuneError, RuntimeError):
     """A search that started could not finish (results folder full or read-only, runs whose process
     kept being lost): what finished is kept; the message says what to do (usually ``--resume``)."""

@@ -191,11 +191,13 @@ def selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy
 @dataclass(frozen=True)
 class UnitOutcome:
     """What a unit tells its sampler: per configuration (in the order given) the mean selection
-    value over its replicates and the status of its runs (``"ok"`` when every run finished)."""
+    value over its replicates and the status of its runs (``"ok"`` when every run finished);
+    ``run_statuses`` holds the status of every run (configurations × replicates), for progress."""
 
     scores: list[float]
     statuses: list[str]
     ran: int  # runs trained by this call (recorded runs skipped)
+    run_statuses: list[str]
 
 
 def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, config: TrialConfig,
@@ -257,7 +259,7 @@ def _outcome(context: TrialContext, configurations: Sequence[dict[str, Any]],
     """Mean selection value and joint status per configuration, from this call's results and the
     records of runs that finished before it."""
     rows = None
-    scores, statuses = [], []
+    scores, statuses, run_statuses = [], [], []
     for index, params in enumerate(configurations):
         values, states = [], []
         for replicate in range(context.replicates):
@@ -273,4 +275,5 @@ def _outcome(context: TrialContext, configurations: Sequence[dict[str, Any]],
             states.append(status)
         scores.append(sum(values) / len(values))
         statuses.append("ok" if all(s == "ok" for s in states) else next(s for s in states if s != "ok"))
-    return UnitOutcome(scores=scores, statuses=statuses, ran=ran)
+        run_statuses += states
+    return UnitOutcome(scores=scores, statuses=statuses, ran=ran, run_statuses=run_statuses)

@@ -29,7 +29,6 @@ from dptune.errors import DptuneError, shown
 from dptune.paths import filesystem, write_file_atomic
 from dptune.plan import check_max_steps
 from dptune.privacy import check_delta
-from dptune.records import quarantine_part, read_table, unreadable_parts
 from dptune.space import LoadedSpace, ResourcesSpec, SearchSpace, spec_differences
 
 #: The manifest a started search writes into its results folder.
@@ -180,6 +179,8 @@ def check_results_folder(results_root: str, quarantine: bool, move: bool = True)
 
     Returns one note per part moved (or to be moved).
     """
+    from dptune.records import quarantine_part, unreadable_parts  # pyarrow, pandas: not for the command line
+
     notes = []
     for table, part, problem in unreadable_parts(results_root):
         if not quarantine:
@@ -267,6 +268,8 @@ def check_same_space(results_root: str, loaded: LoadedSpace) -> None:
     if manifest is not None:
         recorded = {manifest.get("spec_hash"): manifest["spec_yaml"]}
     else:
+        from dptune.records import read_table
+
         search = read_table(results_root, "search", columns=["spec_hash", "spec_yaml"])
         recorded = dict(zip(search["spec_hash"], search["spec_yaml"], strict=True))
     if not recorded or loaded.spec_hash in recorded:

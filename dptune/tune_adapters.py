@@ -20,6 +20,8 @@ import logging
 import math
 import os
 import signal
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,8 @@ CELL_KEY = "cell"
 CONFIGURATIONS_KEY = "configurations"
 #: Key of a unit's last report: per configuration, the mean selection value over its replicates.
 SCORES_KEY = "scores"
+#: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
+RUN_STATUSES_KEY = "run_statuses"
 #: Key of the report of a unit that could not write to the results folder (a full or read-only disk):
 #: the error, in one line. The driver then ends the search (:func:`stop_search`).
 STORAGE_ERROR_KEY = "storage_error"
@@ -81,8 +85,8 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
         if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
             tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
         raise
-    counts = ", ".join(f"{outcome.statuses.count(s)} {s}" for s in sorted(set(outcome.statuses)))
-    tune.report({SCORES_KEY: outcome.scores, "statuses": counts, METRIC: max(outcome.scores),
+    tune.report({SCORES_KEY: outcome.scores, RUN_STATUSES_KEY: json.dumps(Counter(outcome.run_statuses)),
+                 METRIC: max(outcome.scores),
                  "epoch": epochs, "ran": outcome.ran, "done_recording": True})
 
 
@@ -230,23 +234,30 @@ class RecordAndReport(Callback):
         self.cells = cells
         self.quiet = quiet
         self.finished = dict.fromkeys(cells, 0)
+        self.runs: dict[str, Counter[str]] = {key: Counter() for key in cells}  # runs per status, so far
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    def _progress(self, trial: Any, what: str, done: bool = True) -> None:
+    def _progress(self, trial: Any, what: str = "", runs: Mapping[str, int] | None = None) -> None:
+        """One line for a cell: configurations done of its budget, its runs so far by status (the
+        counts the summary table shows at the end), the best so far, and ``what`` happened now.
+        ``runs``: the statuses of the unit's runs that ended, added to the cell's counts."""
+        key = trial.config[CELL_KEY]
+        if runs is not None:
+            self.finished[key] += len(trial.config[CONFIGURATIONS_KEY])
+            self.runs[key].update(runs)
         if self.quiet:
             return
-        key = trial.config[CELL_KEY]
         context, label, budget, _, _ = self.cells[key]
-        configurations = trial.config[CONFIGURATIONS_KEY]
-        if done:
-            self.finished[key] += len(configurations)
-        runs = f" × {context.replicates} replicates" if context.replicates > 1 else ""
+        replicates = f" × {context.replicates} replicates" if context.replicates > 1 else ""
+        counts = ", ".join(f"{count} {status}" for status, count in sorted(self.runs[key].items())) or "no run ended"
         best = ""
         if key in self.best:
             score, params = self.best[key]
             clip = f"C={params['clip_bound']:.3g} " if "clip_bound" in params else ""
             best = f"; best so far {score:.4f} ({clip}B={params['batch_size']} η₀={params['base_learning_rate']:.3g})"
-        print(f"[{label}] {self.finished[key]}/{budget} configurations{runs} done: {what}{best}", flush=True)
+        now = f" ({what})" if what else ""
+        print(f"[{label}] {self.finished[key]}/{budget} configurations{replicates}: runs {counts}{now}{best}",
+              flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         try:
@@ -261,13 +272,15 @@ class RecordAndReport(Callback):
             if DRIVER_FAILURES or "epoch" not in last:  # stopped with the search: unrecorded, run on --resume
                 return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
-            self._progress(trial, f"stopped early at epoch {last.get('epoch')}")
+            context = self.cells[trial.config[CELL_KEY]][0]
+            self._progress(trial, f"stopped early at epoch {last.get('epoch')}",
+                           {"stopped_early": len(configurations) * context.replicates})
             return
         scores = last.get(SCORES_KEY, [])
         for params, score in zip(configurations, scores, strict=False):
             if trial.config[CELL_KEY] not in self.best or score > self.best[trial.config[CELL_KEY]][0]:
                 self.best[trial.config[CELL_KEY]] = (score, params)
-        self._progress(trial, str(last.get("statuses", "")))
+        self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         if result.get(STORAGE_ERROR_KEY):
@@ -276,7 +289,7 @@ class RecordAndReport(Callback):
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(trial, f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
-                                  "planned steps and run again", done=False)
+                                  "planned steps and run again")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):

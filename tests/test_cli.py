@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -113,3 +114,19 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     assert summary["trial_id"].tolist() == reported["trial_id"].tolist()
     assert summary["val_accuracy"].tolist() == [0.70] and summary["batch_size"].tolist() == [64]
     assert summary["stopped_early"].tolist() == [1]
+
+
+@pytest.mark.parametrize("args", [["--space", "/no/such/space.yaml"], ["--space", "{malformed}"], ["--help"],
+                                  ["--set", "sampler.name=cmaes"]])
+def test_the_command_line_answers_before_importing_anything_heavy(args: list[str], tmp_path: Path) -> None:
+    """A mistake (or --help) is answered before torch, Ray, Optuna, pandas or pyarrow load."""
+    if args[1:] == ["{malformed}"]:
+        (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+        args = ["--space", str(tmp_path / "bad.yaml")]
+    probe = ("import sys\nfrom dptune.search import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n"
+             "    heavy = sorted(m for m in ('torch', 'ray', 'optuna', 'pandas', 'pyarrow', 'opacus')\n"
+             "                   if m in sys.modules)\n"
+             "    print('EXIT', exit.code, heavy)\n")
+    completed = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120,
+                               cwd=tmp_path)
+    assert completed.stdout.strip().splitlines()[-1] == f"EXIT {0 if args == ['--help'] else 2} []", completed.stderr

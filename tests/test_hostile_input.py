@@ -21,9 +21,10 @@ import ray
 
 from conftest import REPO_ROOT, _free_ports, ray_processes_below, search_command
 from dptune import plan, preflight, report, search
-from dptune.errors import MAX_SHOWN_CHARS
+from dptune.errors import MAX_SHOWN_CHARS, DptuneError
 from dptune.paths import probe_writable
 from dptune.records import SCHEMAS, ResultsStore, read_table
+from dptune.search import driver
 from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
@@ -160,7 +161,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     def broken(options: search.SearchOptions) -> str:
         raise KeyError("a bug, not a user error")
 
-    monkeypatch.setattr(search, "run_search", broken)
+    monkeypatch.setattr(driver, "run_search", broken)
     with pytest.raises(KeyError, match="a bug"):
         search.main(["--space", str(TINY), "--storage", str(tmp_path)])
 
@@ -246,7 +247,7 @@ def test_read_table_names_an_unreadable_part(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
     store.write_part("trials", "good", [{"search_id": "s", "trial_id": "good"}])
     (tmp_path / "trials" / "part-bad.parquet").write_bytes(b"\0" * 64)
-    with pytest.raises(search.DptuneError, match="part-bad.parquet: not a readable Parquet file"):
+    with pytest.raises(DptuneError, match="part-bad.parquet: not a readable Parquet file"):
         read_table(str(tmp_path), "trials")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -130,6 +131,25 @@ def test_tiny_search_records_every_grid_point_once(tiny_search: SearchRun) -> No
     assert sorted(map(tuple, normalized[["epsilon", "clip_bound", "batch_size"]].values.tolist())) == sorted(
         (e, c, b) for e in (1.0, 8.0) for c in (0.1, 1.0) for b in (32, 64))
     assert (ran[ran["clipping"] == "auto_s"].groupby("epsilon").size() == 2).all()
+
+
+PROGRESS = re.compile(r"^\[(?P<cell>[^\]]+) (?P<clipping>\w+)\] (?P<done>\d+)/(?P<budget>\d+) configurations"
+                      r"(?: × (?P<replicates>\d+) replicates)?: runs (?P<runs>[^(;]+?)(?: \(|;|$)")
+
+
+def test_progress_lines_count_every_run_of_a_cell_as_the_summary_does(tiny_search: SearchRun) -> None:
+    last = {}
+    for line in tiny_search.stdout.splitlines():
+        if match := PROGRESS.match(line):
+            last[match["cell"], match["clipping"]] = match
+    trials = read_table(str(tiny_search.root), "trials")
+    ran = trials[trials["status"] != "pruned_min_steps"]
+    assert len(last) == 4  # ε ∈ {1, 8} × {normalized, AUTO-S}
+    for (cell, clipping), match in last.items():
+        runs = {status: int(count) for count, status in (part.split(" ") for part in match["runs"].split(", "))}
+        own = ran[(ran["cell_id"] == cell) & (ran["clipping"] == clipping)]
+        assert int(match["done"]) == int(match["budget"]) == own["configuration_id"].nunique()
+        assert runs == own["status"].value_counts().to_dict()  # cumulative: what the records and summary count
 
 
 def test_min_step_pruning_records_without_compute(tiny_search: SearchRun) -> None:
@@ -316,7 +336,8 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     out = first.stdout
     assert "the release of this end-to-end private search" in out and "Only the release is covered" in out
     assert "max of noisy scores" in out and "biased upward" in out
-    for revealing in ("configurations done", "best so far", "trials with steps", "Σε", "whole search: ε",
+    assert not [line for line in out.splitlines() if PROGRESS.match(line)]
+    for revealing in ("configurations:", "best so far", "trials with steps", "Σε", "whole search: ε",
                       "search finished in", f"{len(trials)} configurations", "best configuration per cell"):
         assert revealing not in out, revealing
     # the report of the results shows the release, and counts no run
@@ -328,7 +349,7 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     proposed = {tuple(r) for r in trials[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     proposed_again = {tuple(r) for r in again[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     assert proposed and proposed_again and not proposed & proposed_again
-    assert "configurations done" not in second.stdout
+    assert not [line for line in second.stdout.splitlines() if PROGRESS.match(line)]
 
 
 def _plan(configurations: int) -> search.CellPlan:

@@ -1,0 +1,42 @@
+"""The search service: joint (C, B, η₀) search per (ε, epochs) cell on Ray Tune + Optuna.
+
+``python -m dptune.search --space search_spaces/default.yaml`` on a laptop (embedded local Ray),
+``ray job submit -- python -m dptune.search ...`` on a cluster (joins it through RAY_ADDRESS).
+
+Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`) → load the
+workload once in the driver (fills the feature cache) → plan each cell (steps, σ, min-step
+pruning; :mod:`~dptune.search.cells`) → one Ray Tune run for all cells, each cell with its own
+Optuna sampler, budget and (optionally) ASHA scheduler, cells side by side
+(:mod:`~dptune.search.driver`) → each run writes its own Parquet rows when it ends → the search
+table (with the privacy cost of tuning) and the summary (:mod:`~dptune.search.outcome`) → report.
+
+The command line answers a mistake before anything heavy is imported: this package imports only
+:mod:`~dptune.search.cli`; every other name below loads its module on first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dptune.search.cli import SearchOptions, main, parse_args
+
+#: The public names of the heavier modules, loaded on first access.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("CellPlan", "MAX_UNIT_CONFIGURATIONS", "TRIAL_COUNT_FILE", "base_trial_config", "cell_spec",
+                     "check_runner", "format_plan", "kept_trial_counts", "plan_cells", "record_pruned_grid",
+                     "unit_size"), "cells"),
+    **dict.fromkeys(("FAILED_STATUSES", "RELEASE_COLUMNS", "RUN_COUNT_COLUMNS", "SUMMARY_HEADER",
+                     "format_failed_cells", "format_outcome", "format_privacy", "format_summary", "release_rows",
+                     "search_rows", "summary_table"), "outcome"),
+    **dict.fromkeys(("build_report_at", "check_every_run_recorded", "conclude", "init_ray", "plans_that_ran",
+                     "report_location", "run_cells", "run_search", "search_finished", "trial_slots"), "driver"),
+}
+
+__all__ = ["SearchOptions", "main", "parse_args", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dptune.search' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dptune.search.{_LAZY[name]}"), name)

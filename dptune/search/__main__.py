@@ -1,0 +1,5 @@
+"""``python -m dptune.search``: see :mod:`dptune.search.cli`."""
+
+from dptune.search.cli import main
+
+main()

@@ -1,0 +1,307 @@
+"""A search's cells and what each runs: feasible batch sizes (the min-step rule), σ per B, the
+number of configurations (a secret random K under private selection), the sampler's plain-data
+space, the Tune unit size, the trial configuration every run of a cell shares and the runner
+that trains them. Ray-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from dptune.cell_sampler import CellSpec
+from dptune.contract import TrialConfig
+from dptune.errors import (
+    SearchError,
+)
+from dptune.execution import TrialContext, record_pruned
+from dptune.paths import read_file, write_file_atomic
+from dptune.plan import sample_rate, total_steps
+from dptune.privacy import (
+    PrivacyParameterError,
+    calibrate_noise_multiplier,
+    draw_trial_count,
+    plan_private_selection,
+)
+from dptune.space import Cell, LoadedSpace, SearchSpace
+
+if TYPE_CHECKING:
+    pass
+
+
+#: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
+MAX_UNIT_CONFIGURATIONS = 256
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What a cell will run: the B values that pass the min-step rule and σ for each."""
+
+    cell: Cell
+    clipping: str
+    num_train: int
+    feasible_batch_sizes: tuple[int, ...]
+    pruned_batch_sizes: tuple[int, ...]
+    noise_multipliers: dict[int, float]  # σ per feasible B
+    configurations: int  # configurations the sampler will propose (each runs `replicates` times)
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe id of the cell and its clipping variant, e.g. ``eps1-E5``."""
+        base = f"eps{self.cell.epsilon:g}-E{self.cell.epochs}".replace(".", "p")
+        return base if self.clipping != "auto_s" else f"{base}-auto_s"
+
+
+def _feasible(space: SearchSpace, candidates: list[int], num_train: int, epochs: int,
+              cell_name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(feasible, pruned) batch sizes of a cell with ``epochs``: the min-step rule T ≥ T_min."""
+    feasible = tuple(b for b in candidates if total_steps(num_train, b, epochs) >= space.min_steps)
+    if not feasible:
+        raise SearchError(
+            f"cell {cell_name}: no batch size gives T ≥ min_steps = {space.min_steps} "
+            f"with N = {num_train} (largest T is {total_steps(num_train, min(candidates), epochs)}); "
+            "lower min_steps, add smaller batch sizes or more epochs"
+        )
+    return feasible, tuple(b for b in candidates if b not in feasible)
+
+
+def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
+    """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and σ per B.
+
+    With ``privacy.private_selection`` the one cell's per-trial ε is the largest that meets the
+    total budget by the private-selection bound (``privacy.plan_private_selection``).
+    Raises ``SearchError`` when a cell has no batch size with T ≥ T_min.
+    """
+    candidates = space.batch_size.candidates(num_train)
+    if not candidates:
+        raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
+    if space.privacy.private_selection is not None:
+        return [_plan_private_cell(space, candidates, num_train)]
+    variants = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
+    plans = []
+    for cell in space.cells():
+        feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)
+        sigmas = {}
+        for batch_size in tqdm(feasible, desc=f"calibrating σ for {cell.cell_id}", unit="B", file=sys.stderr,
+                               disable=not progress, leave=False):
+            sigmas[batch_size] = calibrate_noise_multiplier(
+                cell.epsilon, space.privacy.delta, sample_rate(num_train, batch_size),
+                total_steps(num_train, batch_size, cell.epochs))
+        for clipping in variants:
+            plan = CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, 0)
+            plans.append(replace(plan, configurations=_trial_count(space, plan)))
+    return plans
+
+
+def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int) -> CellPlan:
+    """The one cell of an end-to-end private search: per-trial ε and σ per B from the total budget."""
+    selection = space.privacy.private_selection
+    assert selection is not None and space.sampler.trials_per_cell is not None
+    epochs = space.epochs[0]
+    feasible, pruned = _feasible(space, candidates, num_train, epochs, f"epochs={epochs}")
+    print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
+    try:
+        found = plan_private_selection(
+            selection.epsilon, space.privacy.delta, space.sampler.trials_per_cell,
+            [sample_rate(num_train, b) for b in feasible], [total_steps(num_train, b, epochs) for b in feasible],
+            shape=selection.trial_count_shape, score_noise_multiplier=selection.score_noise_multiplier)
+    except PrivacyParameterError as error:
+        raise SearchError(f"privacy.private_selection: {error}") from None
+    plan = CellPlan(Cell(epsilon=found.epsilon_per_trial, epochs=epochs), space.training.clipping, num_train,
+                    feasible, pruned, dict(zip(feasible, found.noise_multipliers, strict=True)), 0)
+    return replace(plan, configurations=_trial_count(space, plan))
+
+
+def _trial_count(space: SearchSpace, plan: CellPlan) -> int:
+    """Trials a cell runs: the grid's size, ``trials_per_cell``, or, with a random trial count (and
+    always under private selection), a draw K ≥ 1 from the truncated negative binomial with mean
+    ``trials_per_cell`` (geometric unless ``trial_count_shape`` says otherwise). K comes from fresh
+    OS entropy — the private-selection bound needs it secret — unless the space is ``reproducible``."""
+    if space.sampler.name == "grid":
+        return _grid_size(space, plan.feasible_batch_sizes, plan.clipping)
+    mean = space.sampler.trials_per_cell
+    assert mean is not None
+    selection = space.privacy.private_selection
+    if not space.sampler.random_trial_count and selection is None:
+        return mean
+    rng = np.random.default_rng(_cell_seed(space, plan) if space.reproducible else None)
+    return draw_trial_count(mean, selection.trial_count_shape if selection else 1.0, rng)
+
+
+#: The file inside a private search's trust boundary that keeps its secret trial count K.
+TRIAL_COUNT_FILE = "trial_count.json"
+
+
+def kept_trial_counts(runs: str, plans: list[CellPlan]) -> list[CellPlan]:
+    """The plans with the trial counts a private search drew when it started, kept in
+    ``<runs>/trial_count.json`` inside its trust boundary: the first start writes the counts it
+    drew (atomically, before any run), a resume reads them back, so K is drawn once per search."""
+    kept = read_file(runs, TRIAL_COUNT_FILE)
+    if kept is None:
+        counts = {plan.key: plan.configurations for plan in plans}
+        write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode())
+        return plans
+    counts = json.loads(kept)
+    return [replace(plan, configurations=int(counts[plan.key])) if plan.key in counts else plan for plan in plans]
+
+
+def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
+    """A public seed per cell, from the space's seed and the cell's key: it drives the sampler's
+    proposals (data-independent for random and grid search), never a trial's noise or batches."""
+    return space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
+
+
+def _grid_size(space: SearchSpace, feasible: tuple[int, ...], clipping: str) -> int:
+    clip_values = 1 if clipping == "auto_s" else len(space.clip_bound.grid() or [])
+    return clip_values * len(feasible) * len(space.base_learning_rate.grid() or [])
+
+
+def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
+    """A readable description of what the search will run (``--dry-run`` prints it)."""
+    space = loaded.space
+    lines = [
+        f"search '{space.name}' from {loaded.path} (spec {loaded.spec_hash})",
+        f"task: {space.task.dataset} / {space.task.backbone} / {space.task.peft}, "
+        f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
+        f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
+        + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
+        "coins: " + (f"REPRODUCIBLE from seed {space.seed} (no DP guarantee for released results)" if space.reproducible
+                     else "fresh OS entropy per trial (noise, Poisson batches, initialisation), never stored"),
+    ]
+    selection = space.privacy.private_selection
+    if selection is not None:
+        lines.append(f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
+                     f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
+                     f"{space.sampler.trials_per_cell}), noisy validation score "
+                     f"σ_s = {selection.score_noise_multiplier:g}")
+    runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
+    for plan in plans:
+        count = (f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
+                 if selection is not None else f"{plan.configurations} configurations{runs}")
+        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}")
+        lines.append("      B      T   σ        σ√T")
+        for b in plan.feasible_batch_sizes:
+            steps = total_steps(plan.num_train, b, plan.cell.epochs)
+            sigma = plan.noise_multipliers[b]
+            lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
+        if plan.pruned_batch_sizes:
+            lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
+        if oversized := space.batch_size.oversized(plan.num_train):
+            lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
+    if selection is None:
+        configurations = sum(p.configurations for p in plans)
+        lines.append(f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
+                     f"{len(plans)} cell runs")
+    return "\n".join(lines)
+
+
+def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
+    """The plain-data search space of one cell's sampler (``dptune.cell_sampler``).
+
+    A grid is known in advance: its pruned B are never offered (:func:`record_pruned_grid` records
+    them). Model-based and random samplers are offered the pruned B too, so they learn to avoid
+    them; the cell sampler records and skips each such proposal.
+    """
+    is_grid = space.sampler.name == "grid"
+    offered = plan.feasible_batch_sizes
+    if not is_grid:
+        offered = tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
+    ranges: dict[str, dict[str, Any]] = {}
+    for name, spec in _sampled_ranges(space, plan).items():
+        ranges[name] = ({"values": sorted(spec.values)} if spec.values is not None
+                        else {"low": spec.low, "high": spec.high, "log": spec.log})
+    secret = space.privacy.private_selection is not None and not space.reproducible
+    return CellSpec(sampler=space.sampler.name, seed=None if secret else _cell_seed(space, plan), batch_sizes=offered,
+                    feasible_batch_sizes=plan.feasible_batch_sizes, ranges=ranges,
+                    startup_trials=min(8, max(2, plan.configurations // 3)))
+
+
+def _sampled_ranges(space: SearchSpace, plan: CellPlan) -> dict[str, Any]:
+    """The continuous or listed hyperparameters of a cell besides B: η₀, and C unless AUTO-S."""
+    ranges = {"base_learning_rate": space.base_learning_rate}
+    if plan.clipping != "auto_s":
+        ranges["clip_bound"] = space.clip_bound
+    return ranges
+
+
+def record_pruned_grid(space: SearchSpace, plan: CellPlan, context: TrialContext) -> None:
+    """Record every grid point whose B the min-step rule removed: one row each, no compute."""
+    ranges = _sampled_ranges(space, plan)
+    for batch_size in plan.pruned_batch_sizes:
+        for point in itertools.product(*(sorted(spec.values) for spec in ranges.values())):
+            record_pruned(context, {"batch_size": batch_size, **dict(zip(ranges, point, strict=True))},
+                          plan.num_train, space.min_steps)
+
+
+def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> int:
+    """Configurations one Tune trial carries in a cell: ``resources.configurations_per_trial``, or
+    under ``auto`` with the fused runner the cell's budget spread over the trial slots (at most
+    ``MAX_UNIT_CONFIGURATIONS``), else one. The fused runner splits a unit to fit memory itself."""
+    asked = space.resources.configurations_per_trial
+    if asked != "auto":
+        return min(int(asked), max(1, plan.configurations))
+    if not fused:
+        return 1
+    return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.configurations / max(1, slots))))
+
+
+def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: int | None,
+                      max_eval_examples: int | None) -> TrialConfig:
+    """The part of a trial's config every trial of a cell shares."""
+    task, training = space.task, space.training
+    return TrialConfig(
+        dataset=task.dataset, backbone=task.backbone, peft=task.peft,
+        epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
+        clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
+        optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=None,
+        split_seed=space.seed,
+        score_noise_multiplier=(space.privacy.private_selection.score_noise_multiplier
+                                if space.privacy.private_selection else None),
+        fraction=task.fraction, examples_per_class=task.examples_per_class, classes=task.classes,
+        max_tokens=task.max_tokens, validation_fraction=task.validation_fraction,
+        max_physical_batch_size=space.resources.max_physical_batch_size,
+        threads=max(1, int(space.resources.cpus)), diagnostics=training.diagnostics,
+        diagnostic_examples=training.diagnostic_examples,
+        max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
+    )
+
+
+def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, workload: Any) -> bool:
+    """Whether the fused runner trains the search's runs (``training.runner``), checked before compute.
+
+    ``auto``: fused where it applies (``dptune.fused.fused_refusal``) and no scheduler needs
+    per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. A fused
+    search's base configuration must pass the trial's value checks, and every feasible B must fit at
+    least one configuration in the fused runner's memory budget.
+    """
+    runner = space.training.runner
+    if runner == "trial" or space.scheduler is not None:
+        return False
+    from dptune import fused
+
+    refusal = fused.fused_refusal(base)
+    if refusal is not None:
+        if runner == "fused":
+            raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; "
+                              "use runner 'auto' or 'trial'")
+        return False
+    fused.check_fusable([base])  # the trial's own value checks (TrialConfigError), as every fused group runs them
+    feature_dim = int(workload.train[0][0].shape[-1])
+    budget = fused.FUSED_MEMORY_BYTES
+    for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
+        if fused.max_fused_configurations(replace(base, batch_size=batch_size), len(workload.train), feature_dim,
+                                          workload.num_classes, memory_bytes=budget) < 1:
+            raise SearchError(f"batch size {batch_size}: one configuration does not fit the fused runner's memory "
+                              f"budget of {budget / 2**30:.3g} GiB; use training.runner 'trial' or smaller batch "
+                              "sizes")
+    return True
+
+

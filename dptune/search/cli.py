@@ -1,0 +1,119 @@
+"""``python -m dptune.search``: the command line, parsed and validated before anything heavy loads.
+
+A bad flag, path or space file is answered from this module, which imports neither torch, Ray,
+Optuna nor pandas: :func:`main` checks the flags and loads and validates the space, and only then
+imports the driver (:mod:`dptune.search.driver`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dptune import __version__, preflight
+from dptune.errors import (
+    ArgumentParser,
+    DptuneError,
+    SearchIncomplete,
+    report_and_exit,
+    shown,
+    storage_error,
+)
+from dptune.paths import check_name
+from dptune.space import SpaceError, load_space, parse_override
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Command-line options after validation."""
+
+    space_path: Path
+    storage: str
+    name: str | None
+    address: str | None
+    resume: bool
+    dry_run: bool
+    report: bool
+    overrides: dict[str, Any]
+    max_train_examples: int | None
+    max_eval_examples: int | None
+    quarantine_corrupt: bool = False
+    report_dir: str | None = None  # None: <storage>/<name>/report
+
+
+def parse_args(argv: list[str] | None = None) -> SearchOptions:
+    parser = ArgumentParser(
+        prog="python -m dptune.search",
+        description="Joint DP hyperparameter search over clip bound C, batch size B and learning rate η₀ "
+                    "per (ε, epochs) cell, on Ray Tune.",
+    )
+    parser.add_argument("--version", action="version", version=f"dptune {__version__}")
+    parser.add_argument("--space", default="search_spaces/default.yaml",
+                        help="search-space YAML (default: %(default)s)")
+    parser.add_argument("--storage", default="results", help="results folder or URI (default: %(default)s)")
+    parser.add_argument("--name", help="search name, a folder under --storage (default: the space's name)")
+    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan (cells, configurations, pruning, σ per B) and stop")
+    parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
+    parser.add_argument("--report-dir", metavar="DIR",
+                        help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)")
+    parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
+    parser.add_argument("--max-train-examples", type=int, help="cap the training set (quick runs and tests)")
+    parser.add_argument("--max-eval-examples", type=int, help="cap the validation and test sets (quick runs and tests)")
+    parser.add_argument("--quarantine-corrupt", action="store_true",
+                        help="move unreadable Parquet parts of the results folder to <results>/quarantine/ "
+                             "instead of refusing to start")
+    args = parser.parse_args(argv)
+
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set {shown(item)}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
+        try:
+            overrides[key] = parse_override(key, value)
+        except SpaceError as exc:
+            parser.error(str(exc))
+    if args.trials_per_cell is not None:
+        if args.trials_per_cell < 1:
+            parser.error(f"--trials-per-cell must be ≥ 1 (got {args.trials_per_cell})")
+        overrides["sampler.trials_per_cell"] = args.trials_per_cell
+    for flag in ("max_train_examples", "max_eval_examples"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be ≥ 1 (got {value})")
+    try:
+        if args.name is not None:
+            check_name(args.name, "--name")
+        if args.address is not None:
+            preflight.check_address_syntax(args.address)
+    except DptuneError as exc:
+        parser.error(str(exc))
+    return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
+                         resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
+                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
+                         quarantine_corrupt=args.quarantine_corrupt, report_dir=args.report_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags and validate the space (answering a mistake at once), then run the search."""
+    options = parse_args(argv)
+    try:
+        load_space(options.space_path, options.overrides)  # a bad space is told before the driver loads
+        from dptune.search.driver import run_search
+
+        run_search(options)
+    except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
+        report_and_exit(exc)
+    except Exception as exc:  # ...and keeps its traceback, unless the results folder took no more writes
+        if (what := storage_error(exc)) is None:
+            raise
+        report_and_exit(SearchIncomplete(
+            f"--storage {options.storage}: cannot write the results: {what}. Free space (or make the folder "
+            "writable), then run the same command with --resume: what finished is kept, and every training that "
+            "took a step stays charged in the privacy ledger"))

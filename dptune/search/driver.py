@@ -1,0 +1,431 @@
+"""The search driver: checks, the results folder's lease, the workload, the cell plans, one Ray
+Tune run for every cell, the search's privacy cost from its ledger, the summary and the report.
+
+Ray appears only here and in :mod:`dptune.tune_adapters`: a trial (``dptune.trial.run_trial``)
+is a plain function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dptune import __version__, preflight
+from dptune.cell_sampler import CellSampler
+from dptune.errors import (
+    SearchError,
+    SearchIncomplete,
+)
+from dptune.execution import TrialContext
+from dptune.lease import hold_lease
+from dptune.ledger import charged_runs
+from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
+from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
+from dptune.search.cells import (
+    CellPlan,
+    base_trial_config,
+    cell_spec,
+    check_runner,
+    format_plan,
+    kept_trial_counts,
+    plan_cells,
+    record_pruned_grid,
+    unit_size,
+)
+from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
+from dptune.space import LoadedSpace, SearchSpace, load_space
+from dptune.trial import check_trial_can_run
+
+if TYPE_CHECKING:
+    from dptune.search.cli import SearchOptions
+
+
+#: Seconds to wait before the one retry of an embedded Ray start that timed out (an overloaded machine).
+RAY_START_RETRY_PAUSE_S = 15.0
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> str:
+    """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
+
+    A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
+    the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
+    raises ``PreflightError`` naming the address and, when no token is set, token authentication
+    (``preflight.cluster_join_error``). An embedded start that times out (Ray waits 30 s for its
+    processes to register: an overloaded machine) is retried once after ``RAY_START_RETRY_PAUSE_S``,
+    then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
+    """
+    import ray
+
+    target = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return "already initialised"
+    # Every worker process first leaves a deleted working directory (inherited from the
+    # `ray start` of its node), which would otherwise kill trials at `import torch`.
+    runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
+    if target:
+        try:
+            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+        except (ConnectionError, RuntimeError) as error:
+            raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
+        return f"joined Ray cluster at {target}"
+    cpus = num_cpus or os.cpu_count()
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env=runtime_env)
+            break
+        except Exception as error:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(error):
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            load = os.getloadavg()[0]
+            if attempt == 2:
+                raise SearchIncomplete(
+                    f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
+                    f"twice (load average {load:.1f} on {os.cpu_count()} cores: this machine is overloaded). Run "
+                    "again when the load is lower (with --resume), or start Ray once yourself (`ray start --head "
+                    "--num-cpus N`) and pass its address with --address; nothing was trained") from None
+            print(f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
+                  f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s", file=sys.stderr,
+                  flush=True)
+            time.sleep(RAY_START_RETRY_PAUSE_S)
+    return f"started embedded local Ray ({cpus} CPUs)"
+
+
+def _tune_storage(results_root: str) -> str:
+    return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
+
+
+def trial_slots(space: SearchSpace) -> int:
+    """Tune trials that can run at once: the cluster's CPUs over a trial's, within ``max_concurrent_trials``."""
+    import ray
+
+    slots = int(ray.cluster_resources().get("CPU", 1) // space.resources.cpus) or 1
+    if space.resources.gpu:
+        slots = min(slots, int(ray.cluster_resources().get("GPU", 0) // space.resources.gpu) or 1)
+    return min(slots, space.resources.max_concurrent_trials or slots)
+
+
+def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> list[str]:
+    """One Ray Tune run for every cell of the search (resumed from its experiment state when asked);
+    returns what ended it early (``tune_adapters.DRIVER_FAILURES``: a results write that failed), empty
+    when it ran to its end.
+
+    The cells share the trial processes (one set-up, not one per cell) and run side by side; each
+    keeps its own sampler, budget and, with ASHA, its own scheduler. A Tune trial carries a unit
+    of configurations of one cell (:func:`unit_size`). A unit whose process is lost runs again up to
+    ``resources.max_retries`` times (Tune's ``FailureConfig``); ``resume`` restarts units that
+    still errored, and those a stopped search left unfinished.
+    """
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from dptune.tune_adapters import (
+        DRIVER_FAILURES,
+        METRIC,
+        CellMultiplexer,
+        PerCellASHA,
+        RecordAndReport,
+        tune_trainable,
+    )
+
+    DRIVER_FAILURES.clear()
+
+    # The longest units first (most epochs), so the last ones to finish are short: cells take turns
+    # in this order.
+    by_key = {plan.key: (context, plan) for plan, context in sorted(
+        zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)}
+    trainable = tune.with_resources(
+        tune.with_parameters(tune_trainable, contexts={key: context for key, (context, _) in by_key.items()}),
+        {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
+    )
+    storage = _tune_storage(contexts[0].results_root)
+    experiment = f"{storage}/search"
+    # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
+    # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    if space.privacy.private_selection is not None:  # Tune's default output prints a trial count; verbose=0 of
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # the older one prints nothing
+    if resume and tune.Tuner.can_restore(experiment):
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, restart_errored=True)
+        tuner.fit()
+        return list(DRIVER_FAILURES)
+    if resume:
+        print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
+    slots = trial_slots(space)
+    units = {key: unit_size(space, plan, slots, context.fused) for key, (context, plan) in by_key.items()}
+    if space.sampler.name == "grid":
+        for context, plan in by_key.values():
+            record_pruned_grid(space, plan, context)
+    searcher = CellMultiplexer(
+        samplers={key: CellSampler(cell_spec(space, plan)) for key, (_, plan) in by_key.items()},
+        budgets={key: plan.configurations for key, (_, plan) in by_key.items()}, unit_sizes=units,
+        contexts={key: context for key, (context, _) in by_key.items()}, num_train=plans[0].num_train,
+        min_steps=space.min_steps)
+    scheduler = None
+    if space.scheduler is not None:
+        spec = space.scheduler
+        scheduler = PerCellASHA({key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                                    grace_period=min(spec.grace_period, plan.cell.epochs),
+                                                    reduction_factor=spec.reduction_factor)
+                                 for key, (_, plan) in by_key.items()})
+    callback = RecordAndReport({
+        key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations, plan.noise_multipliers,
+              plan.num_train) for key, (context, plan) in by_key.items()},
+        quiet=space.privacy.private_selection is not None)
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
+            # a private search's unit count would reveal K: run until the searcher finishes
+            num_samples=-1 if space.privacy.private_selection is not None else
+            sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
+            max_concurrent_trials=space.resources.max_concurrent_trials,
+            reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
+        ),
+        run_config=tune.RunConfig(
+            name="search", storage_path=storage, callbacks=[callback], verbose=0,
+            failure_config=tune.FailureConfig(max_failures=space.resources.max_retries, fail_fast=False),
+        ),
+    )
+    tuner.fit()
+    return list(DRIVER_FAILURES)
+
+
+def _results_root(storage: str, name: str) -> str:
+    return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage, name).resolve())
+
+
+def check_storage(storage: str, results_root: str) -> None:
+    """``--storage`` must be a usable location and the results folder under it must take a file
+    (a probe is written and removed there)."""
+    filesystem(storage, "--storage")
+    probe_writable(results_root, "--storage")
+
+
+def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> None:
+    """The checks that write nothing (before the search takes its results folder's lease), run in
+    ``--dry-run`` too: the name stays one folder under ``--storage``; the results location and the
+    report's take a file (a probe, removed); the Ray address answers (or, for an embedded Ray, this
+    machine has the resources a trial asks for)."""
+    check_name(name, "--name" if options.name else f"{loaded.path}: name")
+    check_storage(options.storage, results_root)
+    if options.report:
+        probe_writable(report_location(results_root, options.report_dir),
+                       "--report-dir" if options.report_dir else "the report location (--report-dir)")
+    target = options.address or os.environ.get("RAY_ADDRESS")
+    if target:
+        preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
+    else:
+        preflight.check_local_resources(loaded.space.resources)
+
+
+def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str, runs: str) -> list[str]:
+    """The checks of an existing results folder (under the lease; ``--dry-run`` only says what it would
+    move); returns warnings. Every part of the results folder (and of ``runs``, where a private search
+    keeps its per-run records) is readable (or quarantined); on ``--resume`` Tune's state loads (or,
+    cut short, is set aside: ``preflight.check_tune_state``) and the space is the one the search
+    started with.
+    """
+    space = loaded.space
+    notes = [note for root in dict.fromkeys((results_root, runs))
+             for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
+    if options.resume:
+        repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
+        notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
+        preflight.check_same_space(runs, loaded)
+    return notes
+
+
+def _warn(notes: list[str]) -> None:
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+
+
+def plans_that_ran(runs: str, search_id: str, plans: list[CellPlan]) -> list[CellPlan]:
+    """The cell runs with at least one recorded trial of this search (only those get a ``search`` row);
+    ``runs`` is where the search's per-run records are (``records.runs_root``)."""
+    trials = read_table(runs, "trials", columns=["search_id", "cell_id", "clipping"])
+    mine = trials[trials["search_id"] == search_id]
+    recorded = set(zip(mine["cell_id"], mine["clipping"], strict=True))
+    return [plan for plan in plans if (plan.cell.cell_id, plan.clipping) in recorded]
+
+
+def report_location(results_root: str, report_dir: str | None) -> str:
+    """Where the report goes: ``report_dir`` (absolute, or a URI) or ``<results_root>/report``."""
+    if report_dir is None:
+        return f"{results_root}/report"
+    return report_dir.rstrip("/") if "://" in report_dir else str(Path(report_dir).expanduser().resolve())
+
+
+def search_finished(results_root: str, search_id: str) -> bool:
+    """Whether the search ``search_id`` ran to its end at ``results_root`` (its ``search`` rows exist)."""
+    return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
+
+
+def run_search(options: SearchOptions) -> str:
+    """Validate, plan and run a whole search; return the results dataset's location.
+
+    Except for ``--dry-run``, the search holds the exclusive lease on its results folder
+    (``dptune.lease``) from before it loads data until it returns or raises: a second search on
+    the same folder is refused at once.
+    """
+    loaded = load_space(options.space_path, options.overrides)
+    name = options.name or loaded.space.name
+    results_root = _results_root(options.storage, name)
+    _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
+    check_location_and_cluster(options, loaded, name, results_root)
+    if options.dry_run:
+        return _run_search(options, loaded, name, results_root)
+    with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
+        return _run_search(options, loaded, name, results_root)
+
+
+def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
+    from dptune.data import DATASETS, WorkloadSpec, load_workload
+
+    space = loaded.space
+    private = space.privacy.private_selection is not None
+    runs = runs_root(results_root, private)
+    notes = preflight.flag_warnings(space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides)
+    _warn(checked := check_results(options, loaded, results_root, runs))
+    notes += checked
+    report = report_location(results_root, options.report_dir) if options.report else None
+    store = ResultsStore(results_root)
+    if not options.dry_run and not options.resume and ResultsStore(runs).completed_trial_ids():
+        raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
+                          "or choose another --name/--storage")
+
+    search_id = f"{name}-{loaded.spec_hash}"
+    if options.resume and not options.dry_run and search_finished(results_root, search_id):
+        print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
+        conclude(results_root, report, private=private)
+        return results_root
+
+    cluster = options.address or os.environ.get("RAY_ADDRESS")
+    if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
+        print(init_ray(options.address), flush=True)
+        preflight.check_cluster_resources(space.resources)
+    print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
+    workload = load_workload(WorkloadSpec(
+        dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
+        fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
+        max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
+        max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    preflight.check_steps(space, len(workload.train))
+    plans = plan_cells(space, len(workload.train))
+    if private and not options.dry_run:  # K once per search, inside the trust boundary
+        write_file_atomic(runs, "README.txt", TRUST_BOUNDARY_README.encode())
+        plans = kept_trial_counts(runs, plans)
+    _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
+    notes += data_notes
+    base = base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples)
+    fused = check_runner(space, plans, base, workload)
+    if not fused:  # the model and its engine (Opacus or FiLM): what run_trial trains; the fused runner uses neither
+        check_trial_can_run(base)
+    print(format_plan(loaded, plans), flush=True)
+    if options.dry_run:
+        return results_root
+
+    preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
+    if not cluster:
+        print(init_ray(options.address), flush=True)
+    started = time.monotonic()
+    contexts = [TrialContext(
+        base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
+        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+        coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
+        reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused,
+        num_train=plan.num_train, noise_multipliers=dict(plan.noise_multipliers))
+        for plan in plans]
+    runner = "fused runner" if fused else "one trial per run"
+    if private:  # K, its progress and the search's duration stay inside the trust boundary
+        print(f"running the private search ({runner}); no per-run progress is shown: it would reveal the "
+              f"secret number of runs (per-run records: {runs})", flush=True)
+    else:
+        replicates = f" × {space.replicates} replicates" if space.replicates > 1 else ""
+        print(f"running {sum(plan.configurations for plan in plans)} configurations{replicates} in {len(plans)} "
+              f"cell runs side by side ({runner})", flush=True)
+    failures = run_cells(space, plans, contexts, options.resume)
+    if failures:
+        raise SearchIncomplete(
+            f"--storage {options.storage}: the results folder {results_root} took no more writes ({failures[0]}); "
+            "the search stopped. Free space (or make the folder writable), then run the same command with "
+            "--resume: what finished is kept, and every training that took a step stays charged in the "
+            "privacy ledger")
+    check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
+    print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
+    ran = plans_that_ran(runs, search_id, plans)
+    _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
+                   for p in plans if p not in ran])
+    if ran:
+        print("selecting the release by its noisy validation score..." if private else
+              "composing the privacy cost of every trial (PLD accountant)...", flush=True)
+        trials = read_table(runs, "trials")
+        public_test = DATASETS[space.task.dataset].official_test_split
+        rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
+                for row in search_rows(loaded, ran, search_id, trials, official_test_split=public_test,
+                                       charged=charged_runs(runs, search_id, trials))]
+        released = release_rows(space, ran, rows, trials, official_test_split=public_test)
+        if released:  # before the search rows: a search row marks a finished search
+            store.write_part("release", search_id, released)
+        store.write_part("search", search_id, rows)
+    conclude(results_root, report, private=private)
+    return results_root
+
+
+def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
+    """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
+    was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
+    search's message does not count the runs (that would reveal K)."""
+    missing = set(charged_runs(runs, search_id)["trial_id"]) - ResultsStore(runs).completed_trial_ids()
+    if not missing:
+        return
+    count = "some runs" if private else f"{len(missing)} run(s)"
+    raise SearchIncomplete(
+        f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
+        f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
+        "Run the same command with --resume to run them again; the search table and summary are written when "
+        "every run has finished")
+
+
+def conclude(results_root: str, report: str | None, *, private: bool) -> None:
+    """Print where the results are, the best trial per cell and the search's privacy cost, or for an
+    end-to-end private search only its release; build the report at ``report`` (unless ``None``)."""
+    print(f"results: {results_root}")
+    if not private:
+        print(SUMMARY_HEADER)
+        print(format_outcome(results_root))
+    print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release"),
+                         runs=runs_root(results_root, True) if private else None))
+    if report is not None:
+        print(f"report: {build_report_at(results_root, report)}")
+
+
+def build_report_at(results_root: str, location: str) -> str:
+    """Build the report of ``results_root`` into folder ``location`` (a local path, or a URI: built
+    in a temporary folder, then copied through ``pyarrow.fs``); return its index.html's location."""
+    from dptune.report import build_report
+
+    if "://" not in location:
+        return str(build_report([results_root], location))
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(location)
+    with tempfile.TemporaryDirectory(prefix="dptune-report-") as local:
+        build_report([results_root], local)
+        filesystem.create_dir(path, recursive=True)
+        pafs.copy_files(local, path, destination_filesystem=filesystem)
+    return f"{location}/index.html"
+
+

@@ -12,16 +12,14 @@ import json
 import math
 import sys
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from dptune.cell_sampler import CellSpec
 from dptune.contract import TrialConfig
-from dptune.errors import (
-    SearchError,
-)
+from dptune.errors import SearchError
 from dptune.execution import TrialContext, record_pruned
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
@@ -32,10 +30,6 @@ from dptune.privacy import (
     plan_private_selection,
 )
 from dptune.space import Cell, LoadedSpace, SearchSpace
-
-if TYPE_CHECKING:
-    pass
-
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
 MAX_UNIT_CONFIGURATIONS = 256

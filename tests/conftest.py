@@ -49,7 +49,7 @@ class RayHead:
         return _job_api_status(self.dashboard_url, token)
 
 
-_HEAD_START_TIMEOUT_S = 120.0
+_HEAD_START_TIMEOUT_S = 300.0
 _HEAD_STOP_TIMEOUT_S = 60.0
 # The ports `ray start --head` would otherwise take at fixed defaults (6379, 8265, 10001, 52365, ...),
 # so that this head never collides with another one on the machine.
@@ -227,7 +227,7 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, 
     storage = tmp_path_factory.mktemp("results")
     completed = subprocess.run(
         search_command("--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"),
-        cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=900)
+        cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=1800)
     assert completed.returncode == 0, f"tiny search failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}"
     return SearchRun(root=storage / "tiny", stdout=completed.stdout)
 

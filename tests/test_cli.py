@@ -61,7 +61,7 @@ def test_report_location_is_beside_the_results_unless_told(tmp_path: Path, monke
 
 def _search_again(storage: Path, *args: str) -> subprocess.CompletedProcess:
     completed = subprocess.run(search_command("--space", str(TINY), "--storage", str(storage), "--resume", *args),
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed
 
@@ -127,6 +127,6 @@ def test_the_command_line_answers_before_importing_anything_heavy(args: list[str
              "    heavy = sorted(m for m in ('torch', 'ray', 'optuna', 'pandas', 'pyarrow', 'opacus')\n"
              "                   if m in sys.modules)\n"
              "    print('EXIT', exit.code, heavy)\n")
-    completed = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120,
+    completed = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=600,
                                cwd=tmp_path)
     assert completed.stdout.strip().splitlines()[-1] == f"EXIT {0 if args == ['--help'] else 2} []", completed.stderr

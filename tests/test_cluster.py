@@ -653,7 +653,7 @@ def _crd_validation_tests(tmp_path: Path, **env: str) -> subprocess.CompletedPro
     environment = {k: v for k, v in os.environ.items() if k not in ("CI", CRD_ENV)} | {"COLUMNS": "1000", **env}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                            "-k", "validates_against_kuberay"], cwd=tmp_path, env=environment,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_crd_checks_are_skipped_with_a_reason_outside_ci_and_fail_in_ci(tmp_path: Path) -> None:
@@ -712,7 +712,7 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
     command = ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPO_ROOT),
                "--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint, *overrides]
-    completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
     assert "joined Ray cluster" in completed.stdout, "the search must run on the head's cluster, not an embedded one"
     assert f"--resume: no search to resume at {storage / name}; starting it" in completed.stdout

@@ -23,7 +23,7 @@ TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 SMALL = ("--space", str(TINY), "--no-report", "--set", "privacy.epsilons=[2]", "--set", "training.compare_auto_s=false")
 
 
-def run_cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -113,16 +113,16 @@ def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dic
     first = subprocess.Popen(search_command(*args, "--resume"), cwd=REPO_ROOT, env=search_env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lease_file = tmp_path / "tiny" / lease.LEASE_FILE
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Python slowly
     while not (lease_file.is_file() and lease_file.read_text()):
         assert first.poll() is None and time.monotonic() < deadline, "the first search never took its lease"
         time.sleep(0.2)
     for resume in (("--resume",), ()):
-        started = time.monotonic()
-        second = run_cli(search_env, *args, *resume, timeout=120)
-        assert second.returncode == 2 and time.monotonic() - started < 60, second.stderr[-2000:]
+        second = run_cli(search_env, *args, *resume, timeout=900)
+        assert second.returncode == 2, second.stderr[-2000:]
         assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
-    out, err = first.communicate(timeout=600)
+        assert "loading" not in second.stdout  # refused before any data loads (no timing: the machine may be busy)
+    out, err = first.communicate(timeout=1800)
     assert first.returncode == 0, err[-3000:]
     ran = recorded(tmp_path / "tiny")
     assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
@@ -254,7 +254,7 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
         assert time.monotonic() < deadline
         time.sleep(0.2)
     filler = _fill(small_disk)
-    out, err = process.communicate(timeout=600)
+    out, err = process.communicate(timeout=1500)
     assert process.returncode == 1, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
     last = err.strip().splitlines()[-1]
@@ -282,7 +282,7 @@ def test_joining_a_token_protected_head_without_its_token_fails_before_data_load
     env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token of the user's
     if token is not None:
         env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
-    completed = run_cli(env, *SMALL, "--storage", str(tmp_path), "--address", ray_head.address, timeout=300)
+    completed = run_cli(env, *SMALL, "--storage", str(tmp_path), "--address", ray_head.address, timeout=900)
     assert completed.returncode == 2, completed.stderr[-3000:]
     last = completed.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --address '{ray_head.address}': could not join the Ray cluster"), last

@@ -73,7 +73,7 @@ def test_a_search_whose_trials_all_fail_says_why_in_its_summary(search_env: dict
     command = search_command("--space", str(IMAGE_SPACE), "--storage", str(tmp_path), "--no-report",
                              "--set", "privacy.epsilons=[8]", "--set", "batch_size.values=[64]",
                              "--set", "min_steps=2", "--trials-per-cell", "2")
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     summary = done.stdout.split(search.SUMMARY_HEADER + "\n")[1]
     assert summary.startswith(
@@ -88,7 +88,7 @@ def test_a_tiny_film_search_on_the_image_space_finishes_and_reports(search_env: 
                              "--no-report", "--set", "privacy.epsilons=[2]", "--set", "epochs=[1]",
                              "--set", "batch_size.values=[64]", "--set", "min_steps=5", "--trials-per-cell", "2",
                              "--set", "training.diagnostic_examples=16")
-    done = subprocess.run(command, cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert "no finished trials yet" not in done.stdout and "every trial that ran failed" not in done.stdout
     trials = read_table(str(tmp_path / "images"), "trials")
@@ -98,7 +98,7 @@ def test_a_tiny_film_search_on_the_image_space_finishes_and_reports(search_env: 
     assert (trials["test_accuracy"] > 0.1).all()  # better than chance on 10 digits after 1 epoch
     report = subprocess.run([sys.executable, "-m", "dptune.report", str(tmp_path / "images"), "--out",
                              str(tmp_path / "report")], cwd=REPO_ROOT, env=search_env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=900)
     assert report.returncode == 0, report.stderr[-3000:]
     figures = {path.name for path in (tmp_path / "report").glob("*.png")}
     assert {"fig2-optimal-c-b.png", "fig3-grad-norms.png", "fig4a-retention-weights.png"} <= figures

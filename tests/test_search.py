@@ -30,7 +30,7 @@ from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
 
-def run_cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -102,7 +102,7 @@ def test_bad_replicates_units_and_runners_fail_before_ray(
 
 def test_dry_run_prints_the_plan_and_runs_nothing(search_env: dict[str, str], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
-    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tmp_path), "--dry-run", timeout=300)
+    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tmp_path), "--dry-run", timeout=900)
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert f"N_train = {TINY_TRAIN_EXAMPLES}" in out
@@ -260,7 +260,7 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
 
 
 def test_existing_results_need_resume(tiny_search: SearchRun, search_env: dict[str, str]) -> None:
-    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tiny_search.root.parent), timeout=300)
+    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tiny_search.root.parent), timeout=900)
     assert completed.returncode == 2
     assert "pass --resume to continue" in completed.stderr
 
@@ -466,7 +466,7 @@ def test_ray_job_submit_runs_a_search_on_a_token_authenticated_head(ray_head, se
     runtime_env = f'{{"env_vars": {{"DPTUNE_CACHE_DIR": "{search_env["DPTUNE_CACHE_DIR"]}"}}}}'
     completed = subprocess.run(
         ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--runtime-env-json", runtime_env, "--",
-         *entrypoint], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+         *entrypoint], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "joined Ray cluster" in completed.stdout
     ran = _ran(tmp_path / "tiny")

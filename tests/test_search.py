@@ -389,12 +389,40 @@ def _ran(root: Path) -> pd.DataFrame:
     return trials[trials["status"] != "pruned_min_steps"]
 
 
+# Only in Ray's worker processes (Ray's own Python processes must not import torch at start-up).
+_HOLD_LATER_GROUPS = """
+import os, pathlib, sys, time
+if sys.argv and sys.argv[0].endswith("default_worker.py"):
+    import dptune.fused as fused
+    _real = fused.run_fused
+    marks = pathlib.Path(os.environ["DPTUNE_TEST_MARKS"])
+    def run_fused(configs, on_done=None, **kwargs):
+        def done(positions, results):
+            try:
+                (marks / "first").touch(exist_ok=False)  # atomic: one group, in any process, goes first
+            except FileExistsError:
+                time.sleep(300)  # the test kills the search meanwhile
+            if on_done is not None:
+                on_done(positions, results)
+        return _real(configs, on_done=done, **kwargs)
+    fused.run_fused = run_fused
+"""
+
+
 def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str, str], tmp_path: Path) -> None:
     # fused units (3 configurations × 2 replicates each): a kill between two fused groups' writes
     args = ("--space", str(TINY), "--storage", str(tmp_path), "--no-report", "--set", "privacy.epsilons=[2]",
             "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[0.1,0.3,1.0]",
             "--set", "replicates=2")
-    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=search_env, stdout=subprocess.DEVNULL,
+    # The first fused group to finish records at once; every later one waits before recording, so
+    # the kill lands between two groups' writes however fast the machine is.
+    hook, marks = tmp_path / "hook", tmp_path / "marks"
+    hook.mkdir()
+    marks.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_LATER_GROUPS)
+    held = {**search_env, "DPTUNE_TEST_MARKS": str(marks),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
+    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=held, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     root = tmp_path / "tiny"
     deadline = time.monotonic() + 600

@@ -12,7 +12,7 @@ optimizer state; ``trial`` calls :func:`dptune.trial.run_trial` once per run (an
 report each epoch, which ASHA needs). Rows are written atomically as each fused group, or each
 trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
 
-Privacy ledger (:mod:`dptune.ledger`): when the context knows N (``num_train``), every pending run
+Privacy ledger (:mod:`dptune.records.ledger`): when the context knows N (``num_train``), every pending run
 is charged in the ledger (σ, q, planned steps) before the runner takes its first step, and its end
 entry is written before its rows; a run whose start entry cannot be written does not start.
 """
@@ -32,9 +32,9 @@ import pandas as pd
 
 from dptune.contract import EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.errors import TrialFailed
-from dptune.ledger import RunEnd, RunStart, record_ends, record_starts
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
+from dptune.records.ledger import RunEnd, RunStart, record_ends, record_starts
 from dptune.trial import run_trial
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")

@@ -29,7 +29,7 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subproces
 
 
 def ledger_entries(root: Path) -> tuple[list[dict], list[dict]]:
-    """(start entries, end entries), read with plain json, independently of dptune.ledger."""
+    """(start entries, end entries), read with plain json, independently of dptune.records.ledger."""
     starts, ends = [], []
     for path in sorted((root / "ledger").glob("*.json")):
         entries = json.loads(path.read_text())["entries"]

@@ -30,9 +30,13 @@ from dptune.privacy import (
     EPSILON_ERROR,
     NOISE_MULTIPLIER_RTOL,
     PrivacyParameterError,
+    cache,
     calibrate_noise_multiplier,
+    calibration,
     check_delta,
+    composition,
     epsilon_spent,
+    prv,
 )
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
@@ -134,8 +138,8 @@ def test_accountant_grid_is_enlarged_to_a_fast_fft_length(sample_rate: float, st
     """The grid has an even length with prime factors ≤ 11 (pocketfft's fast radices), covers the
     library's own safe domain and keeps the mesh of Gopi et al. Thm 5.5."""
     delta_error = DELTA * privacy.DELTA_ERROR_FRACTION
-    safe = privacy._safe_half_width(1.0, sample_rate, steps, DELTA)
-    domain = privacy._fft_friendly_domain(safe, steps, EPSILON_ERROR, delta_error)
+    safe = prv._safe_half_width(1.0, sample_rate, steps, DELTA)
+    domain = prv._fft_friendly_domain(safe, steps, EPSILON_ERROR, delta_error)
     size = len(domain)
     assert domain.t_min() <= -safe and domain.t_max() >= safe
     assert domain.dt() == pytest.approx(EPSILON_ERROR / math.sqrt(steps / 2 * math.log(12 / delta_error)), rel=1e-9)
@@ -201,9 +205,9 @@ def _truncated_mean_by_noise_integral(noise_multiplier: float, sample_rate: floa
 def test_truncated_prv_mean_matches_the_noise_integral(noise_multiplier: float, sample_rate: float) -> None:
     """The mean the discretiser matches agrees with an independent integral over the noise to 1e-8, far
     below the half-mesh it is compared with (3e-4 at T = 27; 5e-6 at T = 1e5)."""
-    prv = privacy._truncated_prv(noise_multiplier, sample_rate, -20.0, 20.0)
+    truncated = prv._truncated_prv(noise_multiplier, sample_rate, -20.0, 20.0)
     expected = _truncated_mean_by_noise_integral(noise_multiplier, sample_rate, 20.0)
-    assert prv.mean() == pytest.approx(expected, abs=1e-8)
+    assert truncated.mean() == pytest.approx(expected, abs=1e-8)
 
 
 def test_accounting_follows_prv_accountant_and_runs_where_it_refuses() -> None:
@@ -218,14 +222,14 @@ def test_accounting_follows_prv_accountant_and_runs_where_it_refuses() -> None:
         accountant = PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier),
                                    eps_error=EPSILON_ERROR, delta_error=delta_error, max_self_compositions=steps)
         _, _, expected = accountant.compute_epsilon(DELTA, [steps])
-        got = privacy._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR)
+        got = prv._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR)
         assert got == pytest.approx(expected, rel=1e-4)
 
     noise_multiplier, sample_rate, steps = 0.735, 32 / 300, 27
     with pytest.raises(RuntimeError, match="Discrete mean differs"):
         PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier), eps_error=EPSILON_ERROR,
                       delta_error=delta_error, max_self_compositions=steps)
-    assert privacy._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
+    assert prv._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
         _opacus_epsilon(OpacusPRVAccountant, noise_multiplier, sample_rate, steps), rel=1e-3)
 
 
@@ -255,21 +259,21 @@ def test_scalar_cdf_equals_the_library_cdf(noise_multiplier: float, sample_rate:
     4e-12 at 1e-4, σ = 20): there it is at least as close as the library's to a 50-digit
     evaluation, and within 1e-6 of it from 1e-9 above the end."""
     t_min, t_max = -25.0, 35.0
-    prv = privacy._truncated_prv(noise_multiplier, sample_rate, t_min, t_max)
-    end = prv.support_min if sample_rate < 1 else t_min
+    truncated = prv._truncated_prv(noise_multiplier, sample_rate, t_min, t_max)
+    end = truncated.support_min if sample_rate < 1 else t_min
     grid = [*np.linspace(t_min - 1, t_max + 1, 1001), t_min, t_max, np.nextafter(t_max, 0.0), np.nextafter(t_min, 0.0),
             *(end + offset for offset in (1e-3, 1e-2, 0.1))]
     for t in map(float, grid):
-        assert prv.cdf(t) == pytest.approx(float(prv.truncated.cdf(t)), rel=1e-12, abs=1e-15)
+        assert truncated.cdf(t) == pytest.approx(float(truncated.truncated.cdf(t)), rel=1e-12, abs=1e-15)
     if sample_rate == 1:
         return
     # at the end itself 0, its limit (the library's formula there takes the log of a rounding residue: NaN or 0)
-    assert prv.cdf(end) == prv.cdf(end - 1e-3) == float(prv.truncated.cdf(end - 1e-3)) == 0.0
-    mass = float(prv.truncated.remaining_mass)
+    assert truncated.cdf(end) == truncated.cdf(end - 1e-3) == float(truncated.truncated.cdf(end - 1e-3)) == 0.0
+    mass = float(truncated.truncated.remaining_mass)
     for offset in (1e-12, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4):
         t = end + offset
-        reference, fast, library = _cdf_by_decimal(t, noise_multiplier, sample_rate) / mass, prv.cdf(t), float(
-            prv.truncated.cdf(t))
+        reference, fast, library = _cdf_by_decimal(t, noise_multiplier, sample_rate) / mass, truncated.cdf(t), float(
+            truncated.truncated.cdf(t))
         assert abs(fast - reference) <= abs(library - reference) + 1e-12 * reference
         if offset >= 1e-9:
             assert fast == pytest.approx(reference, rel=1e-6)
@@ -281,12 +285,12 @@ def test_cell_probabilities_equal_the_library_ones(noise_multiplier: float, samp
     """The discretiser's cell masses on the accountant's own grid (float64; F below the median, 1 − F
     above) are prv_accountant's (long double) to 1e-9 relative or 2.5e-16 absolute, the library's own
     rounding: its erfc argument is float64 and its masses near F = 1 are multiples of 5.4e-20."""
-    domain = privacy._fft_friendly_domain(privacy._safe_half_width(noise_multiplier, sample_rate, steps, DELTA), steps,
+    domain = prv._fft_friendly_domain(prv._safe_half_width(noise_multiplier, sample_rate, steps, DELTA), steps,
                                           EPSILON_ERROR, DELTA * privacy.DELTA_ERROR_FRACTION)
-    prv = privacy._truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
+    truncated = prv._truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
     centres = domain.ts()
     lower, upper = centres - domain.dt() / 2, centres + domain.dt() / 2
-    fast, library = prv.probability(lower, upper), prv.truncated.probability(lower, upper)
+    fast, library = truncated.probability(lower, upper), truncated.truncated.probability(lower, upper)
     assert fast.dtype == library.dtype == np.longdouble
     assert np.all(np.abs(fast - library) <= 1e-9 * library + 2.5e-16)
     assert float(fast.sum()) == pytest.approx(float(library.sum()), abs=1e-13)
@@ -297,15 +301,15 @@ def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(monkeypatch: pytest.
                                                             sample_rate: float, steps: int) -> None:
     """σ and its certified ε with the fast CDF and cell masses equal those with prv_accountant's to 1e-9."""
     privacy.clear_memory_cache()
-    fast = privacy._calibrate(epsilon, DELTA, sample_rate, steps)
-    fast_epsilon = privacy._certified_epsilon(fast, sample_rate, steps, DELTA)
+    fast = calibration._calibrate(epsilon, DELTA, sample_rate, steps)
+    fast_epsilon = prv._certified_epsilon(fast, sample_rate, steps, DELTA)
     privacy.clear_memory_cache()
-    prv_class = privacy._TruncatedSubsampledGaussianPRV
+    prv_class = prv._TruncatedSubsampledGaussianPRV
     monkeypatch.setattr(prv_class, "cdf", lambda self, t: float(self.truncated.cdf(t)))
     monkeypatch.setattr(prv_class, "probability", lambda self, lower, upper: self.truncated.probability(lower, upper))
-    library = privacy._calibrate(epsilon, DELTA, sample_rate, steps)
+    library = calibration._calibrate(epsilon, DELTA, sample_rate, steps)
     assert fast == pytest.approx(library, rel=1e-9)
-    assert fast_epsilon == pytest.approx(privacy._certified_epsilon(fast, sample_rate, steps, DELTA), rel=1e-9)
+    assert fast_epsilon == pytest.approx(prv._certified_epsilon(fast, sample_rate, steps, DELTA), rel=1e-9)
     privacy.clear_memory_cache()
 
 
@@ -319,14 +323,14 @@ def test_safe_domain_rdp_is_the_library_one_and_the_domain_never_narrower(noise_
     from prv_accountant.accountant import compute_safe_domain_size
 
     mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
-    library = np.array([mechanism.rdp(order) for order in privacy._SAFE_DOMAIN_ORDERS], dtype=float)
-    assert privacy._subsampled_gaussian_rdp(noise_multiplier, sample_rate) == pytest.approx(library, rel=1e-9,
+    library = np.array([mechanism.rdp(order) for order in prv._SAFE_DOMAIN_ORDERS], dtype=float)
+    assert prv._subsampled_gaussian_rdp(noise_multiplier, sample_rate) == pytest.approx(library, rel=1e-9,
                                                                                              abs=1e-12)
     for steps in (1, 100_000):
         expected = compute_safe_domain_size([mechanism], [steps], eps_error=privacy.COARSE_EPSILON_ERROR,
                                             delta_error=DELTA * privacy.DELTA_ERROR_FRACTION)
-        width = privacy._safe_half_width(noise_multiplier, sample_rate, steps, DELTA)
-        assert expected <= width <= expected * (1 + 2 * privacy._SAFE_WIDTH_ROUNDING_MARGIN)
+        width = prv._safe_half_width(noise_multiplier, sample_rate, steps, DELTA)
+        assert expected <= width <= expected * (1 + 2 * prv._SAFE_WIDTH_ROUNDING_MARGIN)
 
 
 # --------------------------------------------------------------------------- cache
@@ -415,11 +419,11 @@ def test_cache_writes_are_atomic_under_contending_writers(tmp_path: Path) -> Non
     sees a complete entry (a plain open-truncate-write would expose empty or partial files)."""
     path = tmp_path / "entry.json"
     key = {"kind": "test", "padding": "x" * 10_000}  # large enough that a write is not one syscall
-    privacy._write_cached(path, key, -1.0)
+    cache._write_cached(path, key, -1.0)
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from dptune.privacy import _write_cached
+        from dptune.privacy.cache import _write_cached
         for i in range(300):
             _write_cached(Path({str(path)!r}), {key!r}, float(sys.argv[1]) * 1000 + i)
     """)
@@ -475,8 +479,9 @@ def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object) -> float:
         raise AssertionError(f"accounting ran for {args}")
 
-    monkeypatch.setattr(privacy, "_prv_epsilon", forbidden)
-    monkeypatch.setattr(privacy, "_certified_epsilon", forbidden)
+    for module in (prv, calibration):
+        monkeypatch.setattr(module, "_prv_epsilon", forbidden)
+        monkeypatch.setattr(module, "_certified_epsilon", forbidden)
 
 
 @pytest.mark.usefixtures("no_accounting")
@@ -574,7 +579,7 @@ def test_whole_search_epsilon_is_dp_accountings_pld_accountant() -> None:
     privacy.clear_memory_cache()
     for part in (mechanisms[:3], mechanisms[3:]):  # memoises the self-composed PLDs the whole search reuses
         privacy.composed_epsilon(part, DELTA)
-    privacy._memo.clear()
+    cache._memo.clear()
     assert privacy.composed_epsilon(mechanisms, DELTA) == composed
     basic = sum(epsilon_spent(*trial, DELTA) for trial in SEARCH_TRIALS)
     assert composed < basic  # tighter than Σ εᵢ, and at δ rather than k·δ
@@ -597,7 +602,7 @@ def _prv_composition_bounds(trials: list[tuple[float, float, int]], eps_error: f
                                           eps_error=eps_error, delta_error=delta_error)
     domain = Domain.create_aligned(-half_width, half_width, eps_error / math.sqrt(sum(steps) / 2 * math.log(
         12 / delta_error)))
-    discrete = [CellCentred().discretise(privacy._truncated_prv(s, q, domain.t_min(), domain.t_max()), domain)
+    discrete = [CellCentred().discretise(prv._truncated_prv(s, q, domain.t_min(), domain.t_max()), domain)
                 for s, q, _ in trials]
     lower, _, upper = Heterogeneous(discrete).compute_composition(steps).compute_epsilon(DELTA, delta_error, eps_error)
     return float(lower), float(upper)
@@ -607,7 +612,7 @@ def test_composition_lies_between_the_prv_accountants_bounds_and_below_rdp() -> 
     """An independent accountant brackets it: the PRV accountant's lower bound ≤ the PLD upper bound ≤ the
     PRV upper bound (eps_error = 0.1; the PLD grid of 1e-3 is the finer), and Opacus' RDP bound is looser."""
     merged = [(m.noise_multiplier, m.sample_rate, m.steps)
-              for m in privacy._merged([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS])]
+              for m in composition._merged([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS])]
     composed = privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS], DELTA)
     lower, upper = _prv_composition_bounds(merged, eps_error=0.1)
     assert lower <= composed <= upper

@@ -78,7 +78,7 @@ def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(tmp_path: Pat
             raise KeyboardInterrupt("killed while writing")
         return real_write(table, where, **kwargs)
 
-    monkeypatch.setattr(records.pq, "write_table", crash_on_trials)
+    monkeypatch.setattr(pq, "write_table", crash_on_trials)
     with pytest.raises(KeyboardInterrupt):
         write(store, "t2", make_result())
     monkeypatch.undo()

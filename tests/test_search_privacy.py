@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT
-from dptune.search_privacy import CompositionCost, composition_cost, guarantee, select_release
+from dptune.privacy.search import CompositionCost, composition_cost, guarantee, select_release
 from dptune.space import load_space
 from expected import pld_epsilon
 

@@ -24,9 +24,9 @@ from dptune.errors import (
 )
 from dptune.execution import TrialContext
 from dptune.lease import hold_lease
-from dptune.ledger import charged_runs
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
+from dptune.records.ledger import charged_runs
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,

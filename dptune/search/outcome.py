@@ -14,8 +14,8 @@ import pandas as pd
 from dptune import __version__
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
+from dptune.privacy.search import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, read_table
-from dptune.search_privacy import composition_cost, guarantee, select_release
 from dptune.space import LoadedSpace, SearchSpace
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, tria
 def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]],
                  trials: pd.DataFrame, *, official_test_split: bool) -> list[dict[str, Any]]:
     """An end-to-end private search's release: per cell, the configuration of the run with the best
-    noisy validation score (``search_privacy.select_release``), that score (the maximum of the K
+    noisy validation score (``privacy.search.select_release``), that score (the maximum of the K
     noisy scores: biased upward), its test accuracy where the test split is public, and the budget;
     nothing that orders it among the runs (no trial id, no time). Empty for other searches."""
     selection = space.privacy.private_selection

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dptune.privacy import TrialMechanism, composed_epsilon
+from dptune.privacy.composition import TrialMechanism, composed_epsilon
 from dptune.records import TRUST_BOUNDARY
 from dptune.space import SearchSpace
 

@@ -16,7 +16,7 @@ alike on local disks, network file systems and object stores, and from every Ray
 
 Invariant: what a search is charged (:func:`charged_runs`) is every start entry, at the steps its
 end entry took if there is one, else at its planned steps; a diverged run at its planned steps
-(``search_privacy.charged_steps``). A rerun (a retry of a lost process, or ``--resume``) is a new
+(``privacy.search.charged_steps``). A rerun (a retry of a lost process, or ``--resume``) is a new
 start entry: nothing a crash, kill, race or full disk does can make the composition smaller than
 what was trained. Results written before the ledger existed are charged from their rows.
 """
@@ -41,7 +41,7 @@ LEDGER = "ledger"
 #: Format of an entry file.
 LEDGER_VERSION = 1
 
-#: Columns of :func:`charged_runs`: those ``search_privacy.composition_cost`` reads, and how each
+#: Columns of :func:`charged_runs`: those ``privacy.search.composition_cost`` reads, and how each
 #: run is known.
 CHARGED_COLUMNS = ("run", "search_id", "trial_id", "cell_id", "clipping", "noise_multiplier", "sample_rate", "steps",
                    "steps_taken", "epsilon_spent", "status", "ended")

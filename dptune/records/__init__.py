@@ -1,0 +1,52 @@
+"""Result records: the versioned Parquet dataset a search writes and the reports read.
+
+Layout (one directory per search, any filesystem pyarrow understands: a local path or a URI
+such as ``s3://bucket/prefix``)::
+
+    <root>/trials/part-<trial_id>.parquet       one row per trial
+    <root>/epochs/part-<trial_id>.parquet       one row per trial and epoch
+    <root>/classes/part-<trial_id>.parquet      one row per trial and class
+    <root>/diagnostics/part-<trial_id>.parquet  one row per trial and diagnostic epoch
+    <root>/search/part-<search_id>.parquet      one row per (ε, epochs) cell of the search
+    <root>/release/part-<search_id>.parquet     end-to-end private searches only: the release
+    <runs root>/ledger/                          the write-ahead privacy ledger (``ledger``)
+
+The dataset loads with pandas (``read_table``), polars (``pl.read_parquet(root/"trials")``)
+and duckdb (``read_parquet('root/trials/*.parquet')``).
+
+The modules: ``schemas`` (the tables, ``SCHEMA_VERSION``), ``rows`` (a trial's result as rows),
+``store`` (atomic writes, consistent reads, quarantine), ``trust`` (the trust boundary of a
+private search, ``runs_root``) and ``ledger`` (every run charged before its first step).
+"""
+
+from __future__ import annotations
+
+from dptune.records.rows import replicate_trial_id, trial_rows
+from dptune.records.schemas import SCHEMA_VERSION, SCHEMAS, TABLES, RecordsError
+from dptune.records.store import (
+    QUARANTINE,
+    ResultsStore,
+    part_problem,
+    quarantine_part,
+    read_table,
+    unreadable_parts,
+)
+from dptune.records.trust import TRUST_BOUNDARY, TRUST_BOUNDARY_README, runs_root
+
+__all__ = [
+    "QUARANTINE",
+    "SCHEMAS",
+    "SCHEMA_VERSION",
+    "TABLES",
+    "TRUST_BOUNDARY",
+    "TRUST_BOUNDARY_README",
+    "RecordsError",
+    "ResultsStore",
+    "part_problem",
+    "quarantine_part",
+    "read_table",
+    "replicate_trial_id",
+    "runs_root",
+    "trial_rows",
+    "unreadable_parts",
+]

@@ -1,0 +1,116 @@
+"""Coverage: what the results hold and what is missing; task difficulty and the order of tasks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dptune.analysis.configurations import best_configurations
+from dptune.analysis.gradients import grad_norm_samples
+from dptune.analysis.results import Results
+
+
+def coverage(results: Results) -> pd.DataFrame:
+    """Trials per search cell: planned (``search`` table), recorded, and counts by status.
+
+    One row per (search, cell) whose runs are counted (not an end-to-end private search's: its
+    number of runs is secret and its records are elsewhere). ``trials_planned`` sums the cell's
+    runs (tuned C and AUTO-S);
+    ``recorded`` counts trial records except configurations pruned by the min-step rule (the
+    search records those besides the planned trials); ``remaining`` = planned − recorded (a
+    running search) when the plan is known, else NaN.
+    """
+    keys = ["search_id", "cell_id"]
+    trials = results.trials
+    counts = pd.crosstab([trials["search_id"], trials["cell_id"]], trials["status"]) if len(trials) else None
+    counts = counts.reset_index() if counts is not None else pd.DataFrame(columns=keys)
+    counts.columns.name = None
+    counted = results.search[results.search["trials_planned"].notna()]  # a private search counts no run
+    planned = counted.groupby(keys).agg(name=("name", "first"), trials_planned=("trials_planned", "sum"))
+    table = planned.reset_index().merge(counts, on=keys, how="outer")
+    statuses = [c for c in table.columns if c not in {*keys, "name", "trials_planned"}]
+    table[statuses] = table[statuses].fillna(0).astype(int)
+    table["recorded"] = table[[c for c in statuses if c != "pruned_min_steps"]].sum(axis=1).astype(int)
+    table["remaining"] = (table["trials_planned"] - table["recorded"]).clip(lower=0)
+    return table.sort_values(keys).reset_index(drop=True)
+
+
+def missing_data(results: Results) -> list[str]:
+    """Plain-language notes on what the results lack (empty when nothing is missing)."""
+    notes: list[str] = []
+    trials = results.trials
+    if trials.empty and not results.release.empty:
+        return ["per-run records: an end-to-end private search keeps them inside the data owner's trust boundary, "
+                "so only its release is shown"]
+    if trials.empty:
+        return ["no trial has finished yet: the datasets hold no trials rows"]
+    if results.finished.empty:
+        notes.append("no trial finished with status ok: nothing can be ranked")
+    if results.search.empty:
+        notes.append("no search table: the number of planned trials is unknown")
+    else:
+        remaining = int(coverage(results)["remaining"].sum())
+        if remaining:
+            notes.append(f"{remaining} planned trial(s) have no record yet (a search still running, or stopped)")
+    if results.diagnostics.empty:
+        notes.append("no diagnostics recorded (trials ran with diagnostics off): sections 3, 4 and 7 are empty")
+    if results.classes["test_accuracy"].notna().sum() == 0:
+        notes.append("no per-class accuracies recorded: classes cannot be split into easy and hard")
+    if results.auto_s.empty:
+        notes.append("no AUTO-S trials (training.compare_auto_s was off): section 5 is empty")
+    if results.finished["epsilon"].nunique() < 2:
+        notes.append("only one privacy budget ε: trends against ε cannot be shown")
+    if results.finished["epochs"].nunique() < 2:
+        notes.append("only one epoch budget E: trends against E cannot be shown")
+    return notes
+
+
+def privacy_statements(results: Results) -> list[str]:
+    """What each search's (ε, δ) covers, as recorded with it (``search.guarantee``), one per search;
+    for results written before the guarantee was recorded, a statement of what is known."""
+    search = results.search
+    if search.empty:
+        return []
+    statements = []
+    for search_id, rows in search.groupby("search_id", sort=True):
+        if rows["guarantee"].notna().any():
+            text = rows["guarantee"].dropna().iloc[0]
+        elif (rows["schema_version"] < 2).any():
+            text = ("written by dptune before schema 2, whose trials all drew their noise and batches from the "
+                    "search's one seed: no DP guarantee and no composition bound holds for them.")
+        else:
+            text = "no statement of what (ε, δ) covers was recorded with this search."
+        statements.append(f"{search_id}: {text}")
+    return statements
+
+
+def task_difficulty(results: Results) -> pd.DataFrame:
+    """Tasks ranked from easiest (rank 1) to hardest by best validation accuracy.
+
+    Difficulty is measured by the mean over cells of the best (tuned-C) mean validation accuracy
+    of a configuration over its replicates,
+    over the (ε, E) pairs every task has when there are such shared pairs, else over each
+    task's own cells. ``median_grad_norm`` is the median probe ‖g_i‖ of the best diagnosed
+    trials (last diagnostic epoch), the quantity difficulty moves (paper §4).
+    """
+    best = best_configurations(results.tuned)
+    if best.empty:
+        return pd.DataFrame(columns=["rank", "task", "cells", "mean_best_val_accuracy", "median_grad_norm"])
+    budgets = best.groupby("task")[["epsilon", "epochs"]].apply(lambda f: set(map(tuple, f.to_numpy())))
+    shared = set.intersection(*budgets) if len(budgets) else set()
+    in_shared = [(e, n) in shared for e, n in zip(best["epsilon"], best["epochs"], strict=True)]
+    used = best[in_shared] if shared else best
+    table = used.groupby("task").agg(cells=("val_accuracy", "size"),
+                                     mean_best_val_accuracy=("val_accuracy", "mean")).reset_index()
+    norms = grad_norm_samples(results)
+    medians = norms.groupby("task")["grad_norm"].median() if not norms.empty else pd.Series(dtype=float)
+    table["median_grad_norm"] = table["task"].map(medians)
+    table = table.sort_values(["mean_best_val_accuracy", "task"], ascending=[False, True]).reset_index(drop=True)
+    table.insert(0, "rank", np.arange(1, len(table) + 1))
+    return table
+
+
+def task_order(results: Results) -> list[str]:
+    """Tasks from easiest to hardest (``task_difficulty``), then tasks without finished trials."""
+    ranked = list(task_difficulty(results)["task"])
+    return ranked + sorted(set(results.trials["task"]) - set(ranked))

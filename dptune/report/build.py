@@ -1,0 +1,64 @@
+"""Building the report: every section in order, written as ``index.html`` and PNG figures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+
+from dptune import analysis as an
+from dptune.report.auto_s import auto_s
+from dptune.report.batch_noise import batch_noise
+from dptune.report.clipping import clipping
+from dptune.report.document import Context, Options, ReportWriter, Section, render
+from dptune.report.efficiency import efficiency
+from dptune.report.figures import FIGURES
+from dptune.report.grad_norms import grad_norms
+from dptune.report.guidelines import guidelines
+from dptune.report.heatmaps import heatmaps
+from dptune.report.optimal import optimal
+from dptune.report.overview import overview
+from dptune.report.retention import retention
+
+SECTIONS: tuple[Callable[[Context], Section], ...] = (
+    overview, heatmaps, optimal, grad_norms, retention, auto_s, batch_noise, clipping, guidelines,
+    efficiency)
+
+
+def build_report(paths: Sequence[str], out: str | Path, *, hard_fraction: float = 0.5,
+                 hard_classes: Collection[str] | None = None, near_optimal: float = an.NEAR_OPTIMAL,
+                 title: str | None = None) -> Path:
+    """Build the report of the result datasets at ``paths`` into folder ``out``; return its index.html.
+
+    ``hard_fraction`` (0 < f < 1) and ``hard_classes`` (labels or names) define the strata
+    (``analysis.class_strata``); ``near_optimal`` is the tolerance of the near-optimal C range of Fig. 7a,
+    in accuracy units (Fig. 2 shows bootstrap intervals instead).
+    Raises ``AnalysisError`` for missing datasets or bad options before anything is written.
+    """
+    started = time.monotonic()
+    an.check_results_paths(paths)
+    if not 0 < hard_fraction < 1:
+        raise an.AnalysisError(f"hard_fraction must lie strictly between 0 and 1, got {hard_fraction}")
+    if near_optimal < 0:
+        raise an.AnalysisError(f"near_optimal must be ≥ 0 (accuracy units), got {near_optimal}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise an.AnalysisError(f"--out {out}: exists and is not a folder")
+    options = Options(hard_fraction=hard_fraction, hard_classes=tuple(hard_classes) if hard_classes else None,
+                      near_optimal=near_optimal, title=title or f"dptune report: {', '.join(map(_name, paths))}")
+    results = an.load_results(paths)
+    strata = an.class_strata(results, hard_fraction, options.hard_classes)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("fig*.png"):  # figures of an earlier build into the same folder
+        if any(stale.name.startswith(info.key) for info in FIGURES):
+            stale.unlink()
+    ctx = Context(results=results, strata=strata, tasks=an.task_order(results), options=options,
+                  writer=ReportWriter(out))
+    sections = [make(ctx) for make in SECTIONS]
+    index = out / "index.html"
+    index.write_text(render(sections, options.title, results.sources, time.monotonic() - started), encoding="utf-8")
+    return index
+
+
+def _name(path: str) -> str:
+    return Path(path.rstrip("/")).name or path

@@ -45,34 +45,16 @@ name is importable from ``dptune.analysis``.
 
 from __future__ import annotations
 
-from dptune.analysis.batch_size import (
-    batch_size_noise,
-    batch_size_rule_check,
-    min_steps,
-)
-from dptune.analysis.clipping import (
-    auto_s_comparison,
-    clipping_diagnostics,
-    mse_split,
-)
+from dptune.analysis.batch_size import batch_size_noise, batch_size_rule_check, min_steps
+from dptune.analysis.clipping import auto_s_comparison, clipping_diagnostics, mse_split
 from dptune.analysis.configurations import (
     best_configurations,
     normal_quantile,
     optimal_setting_intervals,
     rank_configurations,
 )
-from dptune.analysis.coverage import (
-    coverage,
-    missing_data,
-    privacy_statements,
-    task_difficulty,
-    task_order,
-)
-from dptune.analysis.efficiency import (
-    replicated_grid_cells,
-    search_efficiency,
-    trials_needed,
-)
+from dptune.analysis.coverage import coverage, missing_data, privacy_statements, task_difficulty, task_order
+from dptune.analysis.efficiency import replicated_grid_cells, search_efficiency, trials_needed
 from dptune.analysis.gradients import (
     diagnosed_best,
     grad_norm_samples,
@@ -81,16 +63,8 @@ from dptune.analysis.gradients import (
     retention_weights,
     stratum_accuracy_by_clip,
 )
-from dptune.analysis.grid import (
-    accuracy_grid,
-    optimal_settings,
-    unfinished_bins,
-)
-from dptune.analysis.guideline import (
-    FixedSetting,
-    fixed_setting,
-    guideline_table,
-)
+from dptune.analysis.grid import accuracy_grid, optimal_settings, unfinished_bins
+from dptune.analysis.guideline import FixedSetting, fixed_setting, guideline_table
 from dptune.analysis.results import (
     AUTO_S,
     BINS_PER_DECADE,
@@ -113,17 +87,8 @@ from dptune.analysis.results import (
     select_best,
     task_label,
 )
-from dptune.analysis.strata import (
-    class_strata,
-    stratum_accuracy,
-    with_strata,
-)
-from dptune.analysis.trends import (
-    PAPER_TRENDS,
-    PaperTrend,
-    paper_trend_checks,
-    trends,
-)
+from dptune.analysis.strata import class_strata, stratum_accuracy, with_strata
+from dptune.analysis.trends import PAPER_TRENDS, PaperTrend, paper_trend_checks, trends
 
 __all__ = [
     "AUTO_S",

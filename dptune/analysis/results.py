@@ -22,44 +22,23 @@ from dptune.records import TABLES, read_table
 
 #: Status of a trial that trained to the end; only these are ranked.
 FINISHED = "ok"
-
-
 #: Clipping rule of the automatic-clipping comparison (Bu et al. 2023).
 AUTO_S = "auto_s"
-
-
 #: Columns that identify a task and a cell.
 TASK_COLUMNS: tuple[str, ...] = ("dataset", "fraction", "backbone", "peft")
-
-
 CELL: list[str] = ["task", "epsilon", "epochs"]
-
-
 #: Difficulty strata of classes.
 EASY, HARD = "easy", "hard"
-
-
 STRATA: tuple[str, ...] = (EASY, HARD)
-
-
 #: Up to this many distinct values, C and B are shown exactly; above it they are log-binned.
 MAX_EXACT_LEVELS = 12
-
-
 BINS_PER_DECADE = 4
-
-
 #: Relative width of the σ√T plateau of the batch-size rule (``dptune.plan``'s default).
 PLATEAU_TOLERANCE = DEFAULT_TOLERANCE
-
-
 #: Default tolerance of "near-optimal" (accuracy units: 0.01 = one percentage point).
 NEAR_OPTIMAL = 0.01
-
-
 #: Two-sided confidence of the intervals and of the within-noise rule of configurations.
 CONFIDENCE = 0.95
-
 
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
@@ -72,7 +51,7 @@ class AnalysisError(DptuneError, ValueError):
 class Results:
     """The tables of one or more result datasets, concatenated, with derived columns.
 
-    ``trials`` gains ``task``, ``clip_bin`` and ``batch_bin`` (see the module docstring);
+    ``trials`` gains ``task``, ``clip_bin`` and ``batch_bin`` (see ``dptune.analysis``);
     ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial.
     ``clip_binned``/``batch_binned`` say whether C/B were binned (else exact values).
     ``release`` holds the releases of end-to-end private searches, whose per-run records are not

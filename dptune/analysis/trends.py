@@ -72,11 +72,7 @@ PAPER_TRENDS: tuple[PaperTrend, ...] = (
     PaperTrend("tighter privacy", "epsilon", ("task", "epochs"), {"C": "larger", "B": "smaller"}),
     PaperTrend("fewer epochs", "epochs", ("task", "epsilon"), {"B": "smaller"}),
 )
-
-
 _SETTING = {"epsilon": "ε", "epochs": "E"}
-
-
 _QUANTITIES = {"C": ("clip_bound", "clip"), "B": ("batch_size", "batch")}
 
 

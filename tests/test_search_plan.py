@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.cells import _trial_count
+from dptune.search.execution import TrialContext, configuration_id, trial_config
 from dptune.space import Cell, SpaceError, parse_space
 from dptune.trial import TrialResult
 

@@ -17,10 +17,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dptune.cell_sampler import CellSpec
 from dptune.contract import TrialConfig
 from dptune.errors import SearchError
-from dptune.execution import TrialContext, record_pruned
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import (
@@ -29,6 +27,8 @@ from dptune.privacy import (
     draw_trial_count,
     plan_private_selection,
 )
+from dptune.search.execution import TrialContext, record_pruned
+from dptune.search.sampler import CellSpec
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -198,7 +198,7 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
 
 
 def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
-    """The plain-data search space of one cell's sampler (``dptune.cell_sampler``).
+    """The plain-data search space of one cell's sampler (``dptune.search.sampler``).
 
     A grid is known in advance: its pruned B are never offered (:func:`record_pruned_grid` records
     them). Model-based and random samplers are offered the pruned B too, so they learn to avoid

@@ -1,7 +1,7 @@
 """The search driver: checks, the results folder's lease, the workload, the cell plans, one Ray
 Tune run for every cell, the search's privacy cost from its ledger, the summary and the report.
 
-Ray appears only here and in :mod:`dptune.tune_adapters`: a trial (``dptune.trial.run_trial``)
+Ray appears only here and in :mod:`dptune.search.tune_adapters`: a trial (``dptune.trial.run_trial``)
 is a plain function.
 """
 
@@ -16,17 +16,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dptune import __version__, preflight
-from dptune.cell_sampler import CellSampler
+from dptune import __version__
 from dptune.errors import (
     SearchError,
     SearchIncomplete,
 )
-from dptune.execution import TrialContext
-from dptune.lease import hold_lease
 from dptune.ledger import charged_runs
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
+from dptune.search import preflight
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,
@@ -38,7 +36,10 @@ from dptune.search.cells import (
     record_pruned_grid,
     unit_size,
 )
+from dptune.search.execution import TrialContext
+from dptune.search.lease import hold_lease
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
+from dptune.search.sampler import CellSampler
 from dptune.space import LoadedSpace, SearchSpace, load_space
 from dptune.trial import check_trial_can_run
 
@@ -127,7 +128,7 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.tune_adapters import (
+    from dptune.search.tune_adapters import (
         DRIVER_FAILURES,
         METRIC,
         CellMultiplexer,
@@ -275,7 +276,7 @@ def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location.
 
     Except for ``--dry-run``, the search holds the exclusive lease on its results folder
-    (``dptune.lease``) from before it loads data until it returns or raises: a second search on
+    (``dptune.search.lease``) from before it loads data until it returns or raises: a second search on
     the same folder is refused at once.
     """
     loaded = load_space(options.space_path, options.overrides)

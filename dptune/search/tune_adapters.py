@@ -2,10 +2,10 @@
 the driver's callback. Ray appears here and in ``dptune.search``'s driver only.
 
 A Tune trial is a *unit*: one cell's batch of configurations (``CELL_KEY`` names the cell,
-``CONFIGURATIONS_KEY`` lists the sampled (C, B, η₀)), run by :func:`dptune.execution.run_configurations`
+``CONFIGURATIONS_KEY`` lists the sampled (C, B, η₀)), run by :func:`dptune.search.execution.run_configurations`
 (fused where it applies, R replicates each). Its last report carries one score per
 configuration (``SCORES_KEY``, the mean selection value over replicates), which the
-:class:`CellMultiplexer` tells that cell's :class:`~dptune.cell_sampler.CellSampler`.
+:class:`CellMultiplexer` tells that cell's :class:`~dptune.search.sampler.CellSampler`.
 
 Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``);
 the searcher's checkpoint is plain JSON (``save``/``restore``) and it pickles as plain data
@@ -31,10 +31,12 @@ from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
-from dptune.cell_sampler import CellSampler
 from dptune.contract import EpochMetrics, TrialResult
 from dptune.errors import storage_error
-from dptune.execution import (
+from dptune.plan import sample_rate, total_steps
+from dptune.privacy import epsilon_spent
+from dptune.records import ResultsStore, replicate_trial_id
+from dptune.search.execution import (
     TrialContext,
     configuration_id,
     record_pruned,
@@ -42,9 +44,7 @@ from dptune.execution import (
     trial_config,
     write_result,
 )
-from dptune.plan import sample_rate, total_steps
-from dptune.privacy import epsilon_spent
-from dptune.records import ResultsStore, replicate_trial_id
+from dptune.search.sampler import CellSampler
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
@@ -95,7 +95,7 @@ class CellMultiplexer(Searcher):
 
     Cells take turns (round-robin over those with budget left), so they run side by side. A
     unit asks its cell's sampler for up to ``unit_sizes[cell]`` configurations; a proposal with
-    T < T_min is recorded by :func:`~dptune.execution.record_pruned` (no compute) and does not
+    T < T_min is recorded by :func:`~dptune.search.execution.record_pruned` (no compute) and does not
     count against the cell's ``budgets`` (configurations per cell).
     """
 

@@ -63,7 +63,7 @@ def main() -> None:
         plan = search.replace(plan, configurations=points)
         context = search.TrialContext(
             base=search.base_trial_config(space, plan, args.max_train_examples, None), results_root=storage,
-            search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,
+            search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling=space.coupling.rule,
             reference_batch_size=space.coupling.reference_batch_size)
         started = time.perf_counter()
         search.run_cells(space, [plan], [context], resume=False)

@@ -248,7 +248,7 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
 
     def context(reproducible_seed: int | None) -> execution.TrialContext:
         return execution.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
-                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling="sqrt",
+                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt",
                                       reference_batch_size=64, reproducible_seed=reproducible_seed)
 
     first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}

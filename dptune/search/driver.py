@@ -132,6 +132,7 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         DRIVER_FAILURES,
         METRIC,
         CellMultiplexer,
+        CellRun,
         PerCellASHA,
         RecordAndReport,
         tune_trainable,
@@ -140,11 +141,11 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     DRIVER_FAILURES.clear()
 
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
-    # in this order.
-    by_key = {plan.key: (context, plan) for plan, context in sorted(
-        zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)}
+    # in this order (dicts keep it).
+    cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
+    by_key = {plan.cell_key: context for plan, context in cells}
     trainable = tune.with_resources(
-        tune.with_parameters(tune_trainable, contexts={key: context for key, (context, _) in by_key.items()}),
+        tune.with_parameters(tune_trainable, contexts=by_key),
         {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
     )
     storage = _tune_storage(contexts[0].results_root)
@@ -162,25 +163,24 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     if resume:
         print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
     slots = trial_slots(space)
-    units = {key: unit_size(space, plan, slots, context.fused) for key, (context, plan) in by_key.items()}
+    units = {plan.cell_key: unit_size(space, plan, slots, context.fused) for plan, context in cells}
     if space.sampler.name == "grid":
-        for context, plan in by_key.values():
+        for plan, context in cells:
             record_pruned_grid(space, plan, context)
     searcher = CellMultiplexer(
-        samplers={key: CellSampler(cell_spec(space, plan)) for key, (_, plan) in by_key.items()},
-        budgets={key: plan.configurations for key, (_, plan) in by_key.items()}, unit_sizes=units,
-        contexts={key: context for key, (context, _) in by_key.items()}, num_train=plans[0].num_train,
-        min_steps=space.min_steps)
+        samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan, _ in cells},
+        budgets={plan.cell_key: plan.configurations for plan, _ in cells}, unit_sizes=units,
+        contexts=by_key, num_train=plans[0].num_train, min_steps=space.min_steps)
     scheduler = None
     if space.scheduler is not None:
         spec = space.scheduler
-        scheduler = PerCellASHA({key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
-                                                    grace_period=min(spec.grace_period, plan.cell.epochs),
-                                                    reduction_factor=spec.reduction_factor)
-                                 for key, (_, plan) in by_key.items()})
-    callback = RecordAndReport({
-        key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations, plan.noise_multipliers,
-              plan.num_train) for key, (context, plan) in by_key.items()},
+        scheduler = PerCellASHA({plan.cell_key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                                              grace_period=min(spec.grace_period, plan.cell.epochs),
+                                                              reduction_factor=spec.reduction_factor)
+                                 for plan, _ in cells})
+    callback = RecordAndReport(
+        {plan.cell_key: CellRun(context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
+         for plan, context in cells},
         quiet=space.privacy.private_selection is not None)
     tuner = tune.Tuner(
         trainable,
@@ -188,7 +188,7 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
             search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
             # a private search's unit count would reveal K: run until the searcher finishes
             num_samples=-1 if space.privacy.private_selection is not None else
-            sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
+            sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
@@ -342,7 +342,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
-        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.cell_key,
         coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
         reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused,
         num_train=plan.num_train, noise_multipliers=dict(plan.noise_multipliers))

@@ -84,6 +84,12 @@ def test_resources_a_machine_cannot_give_are_refused(monkeypatch: pytest.MonkeyP
         preflight.check_local_resources(ResourcesSpec(cpus=4), cpus=2, gpus=0)
     with pytest.raises(PreflightError, match="and 1 GPU"):
         preflight.check_local_resources(ResourcesSpec(gpu=1), cpus=16, gpus=0)
+    # a cluster: one live node must fit a whole trial (as ray.nodes() lists them)
+    nodes = [{"Alive": True, "Resources": {"CPU": 0.0}}, {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]
+    preflight.check_cluster_resources(ResourcesSpec(cpus=8, gpu=1), nodes)
+    with pytest.raises(PreflightError, match=r"more than any node of the Ray cluster has \(8 CPU\(s\), 1 GPU\(s\)\)"):
+        preflight.check_cluster_resources(ResourcesSpec(cpus=4, gpu=2), nodes)  # the 8-GPU node is dead
 
 
 def test_settings_that_do_nothing_and_sizes_that_need_n_are_told() -> None:
@@ -112,7 +118,7 @@ def test_a_manifest_is_written_whole_and_read_back(tmp_path: Path) -> None:
     assert preflight.read_manifest(str(tmp_path)) == {"name": "tiny", "spec_hash": loaded.spec_hash,
                                                       "spec_yaml": loaded.text}
     (tmp_path / preflight.MANIFEST).write_text(json.dumps(["not", "a", "manifest"]))
-    with pytest.raises(PreflightError, match="unreadable manifest .'expected an object with spec_hash and spec_yaml'; it is rewritten"):
+    with pytest.raises(PreflightError, match="unreadable manifest .'expected an object with spec_hash and spec_yaml'"):
         preflight.read_manifest(str(tmp_path))
     preflight.write_manifest(str(tmp_path), loaded, "tiny")
     changed = load_space(TINY, {"min_steps": 5})

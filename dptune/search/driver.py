@@ -100,6 +100,18 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     return f"started embedded local Ray ({cpus} CPUs)"
 
 
+def check_cluster_resources(space: SearchSpace) -> None:
+    """Refuse per-trial resources no node of the joined Ray cluster has (``preflight.PreflightError``),
+    disconnecting from it (``ray.shutdown``) first."""
+    import ray
+
+    try:
+        preflight.check_cluster_resources(space.resources, ray.nodes())
+    except preflight.PreflightError:
+        ray.shutdown()
+        raise
+
+
 def _tune_storage(results_root: str) -> str:
     return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
 
@@ -314,7 +326,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     cluster = options.address or os.environ.get("RAY_ADDRESS")
     if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
         print(init_ray(options.address), flush=True)
-        preflight.check_cluster_resources(space.resources)
+        check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
         dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,7 @@ def main() -> None:
 
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
+    from dptune.search.execution import TrialContext, trial_config
     from dptune.space import load_space
     from dptune.trial import run_trial
 
@@ -60,18 +62,18 @@ def main() -> None:
         }
         space = load_space(ROOT / "search_spaces/default.yaml", overrides).space
         plan = search.plan_cells(space, num_train, progress=False)[0]
-        plan = search.replace(plan, configurations=points)
-        context = search.TrialContext(
+        plan = replace(plan, configurations=points)
+        context = TrialContext(
             base=search.base_trial_config(space, plan, args.max_train_examples, None), results_root=storage,
-            search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,
+            search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling=space.coupling.rule,
             reference_batch_size=space.coupling.reference_batch_size)
         started = time.perf_counter()
         search.run_cells(space, [plan], [context], resume=False)
         elapsed = time.perf_counter() - started
         from dptune.records import read_table
         ran = read_table(storage, "trials")
-        configs = [search.trial_config(context, {"clip_bound": r.clip_bound, "batch_size": r.batch_size,
-                                                 "base_learning_rate": r.base_learning_rate})
+        configs = [trial_config(context, {"clip_bound": r.clip_bound, "batch_size": r.batch_size,
+                                          "base_learning_rate": r.base_learning_rate})
                    for r in ran.itertuples()]
         return elapsed, configs
 

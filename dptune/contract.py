@@ -30,11 +30,11 @@ OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 #: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine.select_engine``).
 EngineName = Literal["auto", "opacus", "film"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
-#: How a search trains its runs (``dptune.execution``): ``fused`` (many configurations as one
+#: How a search trains its runs (``dptune.search.execution``): ``fused`` (many configurations as one
 #: vectorised computation, ``dptune.fused``) where it applies under ``auto``, else ``trial``.
 RunnerName = Literal["auto", "fused", "trial"]
 RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
-#: A cell's Optuna sampler (``dptune.cell_sampler``).
+#: A cell's Optuna sampler (``dptune.search.sampler``).
 SamplerName = Literal["tpe", "random", "grid"]
 SAMPLER_NAMES: tuple[str, ...] = get_args(SamplerName)
 #: Clipping rules (the rule table: ``dptune.dp.clipping``).

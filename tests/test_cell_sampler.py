@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from dptune.cell_sampler import MAX_PRUNED_PROPOSALS, CellSampler, CellSpec, SamplerExhausted
+from dptune.search.sampler import MAX_PRUNED_PROPOSALS, CellSampler, CellSpec, SamplerExhausted
 
 GRID = CellSpec(sampler="grid", seed=3, batch_sizes=(32, 64, 128), feasible_batch_sizes=(32, 64, 128),
                 ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.001, 0.01]}})
@@ -83,7 +83,7 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
 
 
 def test_the_tune_searcher_checkpoints_plain_data() -> None:
-    from dptune.tune_adapters import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+    from dptune.search.tune_adapters import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
 
     searcher = CellMultiplexer({"a": CellSampler(GRID), "b": CellSampler(GRID)}, budgets={"a": 12, "b": 5},
                                unit_sizes={"a": 4, "b": 5}, contexts={"a": None, "b": None}, num_train=1000,

@@ -17,9 +17,9 @@ import ray
 from conftest import REPO_ROOT, SearchRun, search_command
 from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
-from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.records import ResultsStore, read_table, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
+from dptune.search.execution import TrialContext, configuration_id, trial_config
 from dptune.space import Cell, load_space
 from dptune.trial import EpochMetrics, TrialResult
 
@@ -96,7 +96,7 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     space = load_space(TINY).space
     plan = CellPlan(Cell(1.0, 4), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 0)
     context = TrialContext(base=base_trial_config(space, plan, None, None), results_root=str(tmp_path),
-                           search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key,
+                           search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.cell_key,
                            coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size)
     store = ResultsStore(str(tmp_path))
     for status, val, batch_size in (("stopped_early", 0.90, 32), ("ok", 0.70, 64), ("ok", 0.65, 32)):
@@ -105,7 +105,7 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
         epochs = [EpochMetrics(epoch=1, steps=10, train_loss=1.0, val_loss=1.0, val_accuracy=val, wall_time_s=1.0,
                                examples_per_s=100.0)]
         result = TrialResult(config=config, status=status, val_accuracy=val, test_accuracy=val - 0.1, epochs=epochs)
-        trial_id = configuration_id(plan.key, params)
+        trial_id = configuration_id(plan.cell_key, params)
         store.write_trial(trial_rows(result, search_id="s", trial_id=trial_id, cell_id=plan.cell.cell_id,
                                      reference_batch_size=256, versions={}, finished_at=pd.Timestamp.now(tz="UTC")),
                           trial_id)

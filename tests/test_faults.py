@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, search_command
-from dptune import lease, search
+from dptune import search
 from dptune.records import read_table
+from dptune.search import lease
 from expected import pld_epsilon
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
@@ -61,7 +62,7 @@ def recorded(root: Path):
 
 _HOLDER = """
 import sys, time
-from dptune.lease import hold_lease
+from dptune.search.lease import hold_lease
 with hold_lease(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -294,7 +295,7 @@ def test_joining_a_token_protected_head_without_its_token_fails_before_data_load
 def test_a_tune_state_cut_short_by_a_full_disk_is_set_aside_only_when_the_proposals_repeat(tmp_path: Path) -> None:
     import pickle
 
-    from dptune import preflight
+    from dptune.search import preflight
 
     experiment = tmp_path / preflight.TUNE_EXPERIMENT
     experiment.mkdir(parents=True)

@@ -423,7 +423,7 @@ def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
     script = (
         "import sys\n"
         "from dataclasses import replace\n"
-        "import dptune.execution, dptune.tune_adapters\n"
+        "import dptune.search.execution, dptune.search.tune_adapters\n"
         "from dptune.contract import TrialConfig\n"
         "from dptune.fused import run_fused\n"
         f"BASE = {BASE!r}\n"

@@ -20,11 +20,11 @@ import pytest
 import ray
 
 from conftest import REPO_ROOT, _free_ports, ray_processes_below, search_command
-from dptune import plan, preflight, report, search
+from dptune import plan, report, search
 from dptune.errors import MAX_SHOWN_CHARS, DptuneError
 from dptune.paths import probe_writable
 from dptune.records import SCHEMAS, ResultsStore, read_table
-from dptune.search import driver
+from dptune.search import driver, preflight
 from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"

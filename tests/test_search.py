@@ -19,11 +19,12 @@ import ray
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
-from dptune import execution, fused, privacy, search
-from dptune.cell_sampler import CellSampler
+from dptune import fused, privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.report import build_report
+from dptune.search import execution
+from dptune.search.sampler import CellSampler
 from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
@@ -247,7 +248,7 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
 
     def context(reproducible_seed: int | None) -> execution.TrialContext:
         return execution.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
-                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.key, coupling="sqrt",
+                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt",
                                       reference_batch_size=64, reproducible_seed=reproducible_seed)
 
     first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}
@@ -461,7 +462,7 @@ def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, 
         "        raise RuntimeError('injected fault: GPU fell off the bus')\n"
         "    return _real(config, report)\n"
         "t.run_trial = run_trial\n"
-        "import dptune.execution as e\n"
+        "import dptune.search.execution as e\n"
         "e.run_trial = run_trial\n")
     env = {**search_env, "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}"}
     completed = run_cli(env, "--space", str(TINY), "--storage", str(tmp_path), "--no-report",

@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.cells import _trial_count
+from dptune.search.execution import TrialContext, configuration_id, trial_config
 from dptune.space import Cell, SpaceError, parse_space
 from dptune.trial import TrialResult
 
@@ -60,7 +60,7 @@ def test_configuration_id_is_content_based() -> None:
 
 def context_for(space, plan: CellPlan, root: str = "/nowhere") -> TrialContext:  # noqa: ANN001
     return TrialContext(base=base_trial_config(space, plan, None, None), results_root=root, search_id="s",
-                        cell_id=plan.cell.cell_id, cell_key=plan.key, coupling=space.coupling.rule,
+                        cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling=space.coupling.rule,
                         reference_batch_size=space.coupling.reference_batch_size)
 
 
@@ -84,9 +84,9 @@ def test_summary_selects_on_validation_not_test(tmp_path: Path) -> None:
     for val, test, b in ((0.60, 0.90, 32), (0.70, 0.50, 64)):  # the best on test is not the best on val
         params = {"clip_bound": 1.0, "batch_size": b, "base_learning_rate": 1e-3}
         result = TrialResult(config=trial_config(context, params), status="ok", val_accuracy=val, test_accuracy=test)
-        store.write_trial(trial_rows(result, search_id="s", trial_id=configuration_id(plan.key, params),
+        store.write_trial(trial_rows(result, search_id="s", trial_id=configuration_id(plan.cell_key, params),
                                      cell_id=plan.cell.cell_id, reference_batch_size=256, versions={},
-                                     finished_at=pd.Timestamp.now(tz="UTC")), configuration_id(plan.key, params))
+                                     finished_at=pd.Timestamp.now(tz="UTC")), configuration_id(plan.cell_key, params))
     best = summary_table(str(tmp_path))
     assert best["batch_size"].tolist() == [64] and best["test_accuracy"].tolist() == [0.5]
     assert "0.7" in format_summary(best)

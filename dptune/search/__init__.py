@@ -3,12 +3,16 @@
 ``python -m dptune.search --space search_spaces/default.yaml`` on a laptop (embedded local Ray),
 ``ray job submit -- python -m dptune.search ...`` on a cluster (joins it through RAY_ADDRESS).
 
-Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`) → load the
-workload once in the driver (fills the feature cache) → plan each cell (steps, σ, min-step
-pruning; :mod:`~dptune.search.cells`) → one Ray Tune run for all cells, each cell with its own
-Optuna sampler, budget and (optionally) ASHA scheduler, cells side by side
-(:mod:`~dptune.search.driver`) → each run writes its own Parquet rows when it ends → the search
-table (with the privacy cost of tuning) and the summary (:mod:`~dptune.search.outcome`) → report.
+Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`) → every check
+that needs no data (:mod:`~dptune.search.preflight`), then the results folder's lease
+(:mod:`~dptune.search.lease`) → load the workload once in the driver (fills the feature cache) →
+plan each cell (steps, σ, min-step pruning; :mod:`~dptune.search.cells`) → one Ray Tune run for
+all cells (:mod:`~dptune.search.driver`, :mod:`~dptune.search.tune_adapters`), each cell with its
+own Optuna sampler (:mod:`~dptune.search.sampler`), budget and (optionally) ASHA scheduler, cells
+side by side → each unit's runs train once and write their own Parquet rows and ledger entries as
+they end (:mod:`~dptune.search.execution`) → the search table (with the privacy cost of tuning)
+and the summary (:mod:`~dptune.search.outcome`) → report. Ray appears only in the driver and the
+Tune adapters.
 
 The command line answers a mistake before anything heavy is imported: this package imports only
 :mod:`~dptune.search.cli`; every other name below loads its module on first use (PEP 562).

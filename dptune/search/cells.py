@@ -17,10 +17,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dptune.cell_sampler import CellSpec
 from dptune.contract import TrialConfig
 from dptune.errors import SearchError
-from dptune.execution import TrialContext, record_pruned
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import (
@@ -29,6 +27,8 @@ from dptune.privacy import (
     draw_trial_count,
     plan_private_selection,
 )
+from dptune.search.execution import TrialContext, record_pruned
+from dptune.search.sampler import CellSpec
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -37,7 +37,12 @@ MAX_UNIT_CONFIGURATIONS = 256
 
 @dataclass(frozen=True)
 class CellPlan:
-    """What a cell will run: the B values that pass the min-step rule and σ for each."""
+    """What a cell will run under one clipping rule: the B values that pass the min-step rule and σ for each.
+
+    Two ids name it: ``cell.cell_id`` (``eps=1|epochs=5``) is the (ε, E) cell as the records name
+    it, next to a ``clipping`` column; :attr:`cell_key` names the cell under its clipping rule for
+    the search itself.
+    """
 
     cell: Cell
     clipping: str
@@ -48,8 +53,11 @@ class CellPlan:
     configurations: int  # configurations the sampler will propose (each runs `replicates` times)
 
     @property
-    def key(self) -> str:
-        """A file-name-safe id of the cell and its clipping variant, e.g. ``eps1-E5``."""
+    def cell_key(self) -> str:
+        """The file-name-safe id of the cell under its clipping rule, e.g. ``eps1-E5`` or
+        ``eps1-E5-auto_s``: it keys the cell's sampler, budget and Tune units, prefixes its
+        configuration ids (so its runs' part files) and a private search's kept trial counts, and
+        seeds the cell's proposals: results folders hold it, so its form must not change."""
         base = f"eps{self.cell.epsilon:g}-E{self.cell.epochs}".replace(".", "p")
         return base if self.clipping != "auto_s" else f"{base}-auto_s"
 
@@ -140,17 +148,18 @@ def kept_trial_counts(runs: str, plans: list[CellPlan]) -> list[CellPlan]:
     drew (atomically, before any run), a resume reads them back, so K is drawn once per search."""
     kept = read_file(runs, TRIAL_COUNT_FILE)
     if kept is None:
-        counts = {plan.key: plan.configurations for plan in plans}
+        counts = {plan.cell_key: plan.configurations for plan in plans}
         write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode())
         return plans
     counts = json.loads(kept)
-    return [replace(plan, configurations=int(counts[plan.key])) if plan.key in counts else plan for plan in plans]
+    return [replace(plan, configurations=int(counts[plan.cell_key])) if plan.cell_key in counts else plan
+            for plan in plans]
 
 
 def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
-    """A public seed per cell, from the space's seed and the cell's key: it drives the sampler's
+    """A public seed per cell, from the space's seed and the ``cell_key``: it drives the sampler's
     proposals (data-independent for random and grid search), never a trial's noise or batches."""
-    return space.seed + int(hashlib.sha1(plan.key.encode()).hexdigest()[:6], 16)
+    return space.seed + int(hashlib.sha1(plan.cell_key.encode()).hexdigest()[:6], 16)
 
 
 def _grid_size(space: SearchSpace, feasible: tuple[int, ...], clipping: str) -> int:
@@ -198,7 +207,7 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
 
 
 def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
-    """The plain-data search space of one cell's sampler (``dptune.cell_sampler``).
+    """The plain-data search space of one cell's sampler (:mod:`dptune.search.sampler`).
 
     A grid is known in advance: its pruned B are never offered (:func:`record_pruned_grid` records
     them). Model-based and random samplers are offered the pruned B too, so they learn to avoid

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dptune import __version__, preflight
+from dptune import __version__
 from dptune.errors import (
     ArgumentParser,
     DptuneError,
@@ -21,6 +21,7 @@ from dptune.errors import (
     storage_error,
 )
 from dptune.paths import check_name
+from dptune.search import preflight
 from dptune.space import SpaceError, load_space, parse_override
 
 

@@ -1,7 +1,7 @@
 """The search driver: checks, the results folder's lease, the workload, the cell plans, one Ray
 Tune run for every cell, the search's privacy cost from its ledger, the summary and the report.
 
-Ray appears only here and in :mod:`dptune.tune_adapters`: a trial (``dptune.trial.run_trial``)
+Ray appears only here and in :mod:`dptune.search.tune_adapters`: a trial (``dptune.trial.run_trial``)
 is a plain function.
 """
 
@@ -16,17 +16,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dptune import __version__, preflight
-from dptune.cell_sampler import CellSampler
+from dptune import __version__
 from dptune.errors import (
     SearchError,
     SearchIncomplete,
 )
-from dptune.execution import TrialContext
-from dptune.lease import hold_lease
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
 from dptune.records.ledger import charged_runs
+from dptune.search import preflight
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,
@@ -38,7 +36,10 @@ from dptune.search.cells import (
     record_pruned_grid,
     unit_size,
 )
+from dptune.search.execution import TrialContext
+from dptune.search.lease import hold_lease
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
+from dptune.search.sampler import CellSampler
 from dptune.space import LoadedSpace, SearchSpace, load_space
 from dptune.trial import check_trial_can_run
 
@@ -99,6 +100,18 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     return f"started embedded local Ray ({cpus} CPUs)"
 
 
+def check_cluster_resources(space: SearchSpace) -> None:
+    """Refuse per-trial resources no node of the joined Ray cluster has (``preflight.PreflightError``),
+    disconnecting from it (``ray.shutdown``) first."""
+    import ray
+
+    try:
+        preflight.check_cluster_resources(space.resources, ray.nodes())
+    except preflight.PreflightError:
+        ray.shutdown()
+        raise
+
+
 def _tune_storage(results_root: str) -> str:
     return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
 
@@ -127,10 +140,11 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.tune_adapters import (
+    from dptune.search.tune_adapters import (
         DRIVER_FAILURES,
         METRIC,
         CellMultiplexer,
+        CellRun,
         PerCellASHA,
         RecordAndReport,
         tune_trainable,
@@ -139,11 +153,11 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     DRIVER_FAILURES.clear()
 
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
-    # in this order.
-    by_key = {plan.key: (context, plan) for plan, context in sorted(
-        zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)}
+    # in this order (dicts keep it).
+    cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
+    by_key = {plan.cell_key: context for plan, context in cells}
     trainable = tune.with_resources(
-        tune.with_parameters(tune_trainable, contexts={key: context for key, (context, _) in by_key.items()}),
+        tune.with_parameters(tune_trainable, contexts=by_key),
         {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
     )
     storage = _tune_storage(contexts[0].results_root)
@@ -161,25 +175,24 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     if resume:
         print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
     slots = trial_slots(space)
-    units = {key: unit_size(space, plan, slots, context.fused) for key, (context, plan) in by_key.items()}
+    units = {plan.cell_key: unit_size(space, plan, slots, context.fused) for plan, context in cells}
     if space.sampler.name == "grid":
-        for context, plan in by_key.values():
+        for plan, context in cells:
             record_pruned_grid(space, plan, context)
     searcher = CellMultiplexer(
-        samplers={key: CellSampler(cell_spec(space, plan)) for key, (_, plan) in by_key.items()},
-        budgets={key: plan.configurations for key, (_, plan) in by_key.items()}, unit_sizes=units,
-        contexts={key: context for key, (context, _) in by_key.items()}, num_train=plans[0].num_train,
-        min_steps=space.min_steps)
+        samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan, _ in cells},
+        budgets={plan.cell_key: plan.configurations for plan, _ in cells}, unit_sizes=units,
+        contexts=by_key, num_train=plans[0].num_train, min_steps=space.min_steps)
     scheduler = None
     if space.scheduler is not None:
         spec = space.scheduler
-        scheduler = PerCellASHA({key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
-                                                    grace_period=min(spec.grace_period, plan.cell.epochs),
-                                                    reduction_factor=spec.reduction_factor)
-                                 for key, (_, plan) in by_key.items()})
-    callback = RecordAndReport({
-        key: (context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations, plan.noise_multipliers,
-              plan.num_train) for key, (context, plan) in by_key.items()},
+        scheduler = PerCellASHA({plan.cell_key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
+                                                              grace_period=min(spec.grace_period, plan.cell.epochs),
+                                                              reduction_factor=spec.reduction_factor)
+                                 for plan, _ in cells})
+    callback = RecordAndReport(
+        {plan.cell_key: CellRun(context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
+         for plan, context in cells},
         quiet=space.privacy.private_selection is not None)
     tuner = tune.Tuner(
         trainable,
@@ -187,7 +200,7 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
             search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
             # a private search's unit count would reveal K: run until the searcher finishes
             num_samples=-1 if space.privacy.private_selection is not None else
-            sum(math.ceil(plan.configurations / units[plan.key]) for plan in plans),
+            sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
@@ -275,7 +288,7 @@ def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location.
 
     Except for ``--dry-run``, the search holds the exclusive lease on its results folder
-    (``dptune.lease``) from before it loads data until it returns or raises: a second search on
+    (``dptune.search.lease``) from before it loads data until it returns or raises: a second search on
     the same folder is refused at once.
     """
     loaded = load_space(options.space_path, options.overrides)
@@ -313,7 +326,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     cluster = options.address or os.environ.get("RAY_ADDRESS")
     if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
         print(init_ray(options.address), flush=True)
-        preflight.check_cluster_resources(space.resources)
+        check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(WorkloadSpec(
         dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
@@ -341,7 +354,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     started = time.monotonic()
     contexts = [TrialContext(
         base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
-        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.key,
+        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.cell_key,
         coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
         reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused,
         num_train=plan.num_train, noise_multipliers=dict(plan.noise_multipliers))

@@ -1,6 +1,6 @@
 """One cell's sampler: an Optuna study driven through its public ask/tell, with min-step pruning.
 
-Ray-free (Optuna only): :mod:`dptune.tune_adapters` wraps one :class:`CellSampler` per cell for
+Ray-free (Optuna only): :mod:`dptune.search.tune_adapters` wraps one :class:`CellSampler` per cell for
 Ray Tune, and benchmarks drive it directly. A proposal whose batch size B gives fewer than T_min
 steps is never returned: it is handed to ``on_pruned`` (the search records it, no compute) and
 told to Optuna as pruned, which TPE ranks below every completed trial, so it stops proposing it.
@@ -19,7 +19,7 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import optuna
@@ -45,7 +45,7 @@ class CellSpec:
     ``ranges`` maps a hyperparameter to ``{"values": [...]}`` (categorical) or ``{"low", "high",
     "log"}`` (continuous); ``batch_sizes`` are the B values offered (feasible and, except for a
     grid, pruned ones, so the pruning is learned), ``feasible_batch_sizes`` those with T ≥ T_min.
-    ``seed`` is public (the space's seed and the cell's key): it drives proposals, never noise.
+    ``seed`` is public (from the space's seed and the ``cell_key``): it drives proposals, never noise.
     ``None``: proposals come from fresh OS entropy, drawn anew by every sampler built (also on a
     resume) and stored nowhere; an end-to-end private search needs that, since a public sequence
     of proposals would let its released configuration reveal its position among the secret
@@ -83,18 +83,27 @@ def _key(params: dict[str, Any]) -> str:
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
 
 
+class Told(NamedTuple):
+    """A configuration the study was told: its ``value`` (None when it failed or was pruned) and
+    how it ended, ``state``: ``complete``, ``pruned`` or ``fail`` (a JSON list in the state)."""
+
+    params: dict[str, Any]
+    value: float | None
+    state: str
+
+
 @dataclass
 class CellSampler:
     """Asks a cell's Optuna study for configurations, in batches, and tells it their values.
 
-    ``told`` holds (configuration, value, state) for every configuration finished so far, state
-    one of ``complete``/``pruned``/``fail``; ``pending`` the configurations asked and not told.
+    ``told`` holds a :class:`Told` for every configuration finished so far; ``pending`` the
+    configurations asked and not told.
     A grid is enqueued point by point (``study.enqueue_trial``) in an order drawn from the seed,
     skipping points told or pending, so it runs every point exactly once, also across a resume.
     """
 
     spec: CellSpec
-    told: list[tuple[dict[str, Any], float | None, str]] = field(default_factory=list)
+    told: list[Told] = field(default_factory=list)
     pending: list[dict[str, Any]] = field(default_factory=list)
     study: optuna.Study = field(init=False, repr=False)
     _numbers: dict[str, list[int]] = field(init=False, repr=False)
@@ -145,7 +154,7 @@ class CellSampler:
             params = dict(trial.params)
             if int(params["batch_size"]) not in self.spec.feasible_batch_sizes:
                 self.study.tell(trial, state=TrialState.PRUNED)
-                self.told.append((params, None, "pruned"))
+                self.told.append(Told(params, None, "pruned"))
                 on_pruned(params)
                 pruned_in_a_row += 1
                 if pruned_in_a_row >= MAX_PRUNED_PROPOSALS:
@@ -171,7 +180,7 @@ class CellSampler:
         waiting = [_key(p) for p in self.pending]
         if key in waiting:
             del self.pending[waiting.index(key)]
-        self.told.append((params, value, state))
+        self.told.append(Told(params, value, state))
 
     def state(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable) from which :meth:`from_state` rebuilds this sampler."""
@@ -184,4 +193,4 @@ class CellSampler:
         spec = dict(state["spec"])
         spec["batch_sizes"] = tuple(spec["batch_sizes"])
         spec["feasible_batch_sizes"] = tuple(spec["feasible_batch_sizes"])
-        return cls(CellSpec(**spec), [(p, v, s) for p, v, s in state["told"]], list(state["pending"]))
+        return cls(CellSpec(**spec), [Told(*entry) for entry in state["told"]], list(state["pending"]))

@@ -47,6 +47,9 @@ class TrialContext:
     ``base`` holds the dataset, budgets and rules (C, B, η and the seed are filled per run);
     ``replicates`` is R, the runs per configuration; ``fused`` says whether the fused runner trains
     the runs (the driver decides once per cell: :func:`dptune.fused.fused_refusal`).
+    ``cell_id`` names the (ε, E) cell as the records do (``eps=1|epochs=5``); ``cell_key`` names the
+    cell under its clipping rule, file-name safe (``eps1-E5``, ``eps1-E5-auto_s``): it prefixes every
+    configuration id (:func:`configuration_id`), so two clipping rules of one cell never share a run.
     ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
     ``num_train`` (N) and ``noise_multipliers`` (σ per feasible B, from the cell's plan) let every
     run be charged in the privacy ledger before its first step; a search always gives N (without
@@ -111,53 +114,74 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def write_result(context: TrialContext, params: dict[str, Any], replicate: int, result: TrialResult,
-                 run: str | None = None, *, ledger: bool = False) -> None:
+@dataclass(frozen=True)
+class PendingRun:
+    """A run a unit has still to train: replicate ``replicate`` of configuration ``params`` (the
+    ``index``-th configuration of the unit), with its full ``config`` (:func:`trial_config`)."""
+
+    index: int
+    params: dict[str, Any]
+    replicate: int
+    config: TrialConfig
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run that ended, to be recorded: replicate ``replicate`` of configuration ``params`` and its
+    ``result``. ``run_id`` is the id of its start entry in the privacy ledger (:func:`charge_runs`);
+    ``None`` when its end entry should name only its trial (a run charged before run ids, or none)."""
+
+    params: dict[str, Any]
+    replicate: int
+    result: TrialResult
+    run_id: str | None = None
+
+
+def write_result(context: TrialContext, finished: FinishedRun, *, ledger: bool = False) -> None:
     """Record one run (atomic; writing the same run again replaces it); see :func:`write_results`."""
-    write_results(context, [(params, replicate, result, run)], ledger=ledger)
+    write_results(context, [finished], ledger=ledger)
 
 
-def write_results(context: TrialContext, finished: Sequence[tuple[dict[str, Any], int, TrialResult, str | None]], *,
-                  ledger: bool = True) -> None:
-    """Record runs that ended: ``(params, replicate, result, run id)`` each. With ``ledger``, their
-    end entries go into the privacy ledger first (one file; ``run`` None: the entry names only the
-    trial), then each run's rows (atomic; writing the same run again replaces it)."""
+def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, ledger: bool = True) -> None:
+    """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
+    (one file), then each run's rows (atomic; writing the same run again replaces it)."""
     if ledger:
         record_ends(context.results_root, [RunEnd(
-            run=run, trial_id=replicate_trial_id(configuration_id(context.cell_key, params), replicate),
-            status=result.status, steps_taken=int(result.steps_taken),
-            epsilon_spent=float(result.epsilon_spent)) for params, replicate, result, run in finished])
+            run=run.run_id, trial_id=replicate_trial_id(configuration_id(context.cell_key, run.params), run.replicate),
+            status=run.result.status, steps_taken=int(run.result.steps_taken),
+            epsilon_spent=float(run.result.epsilon_spent)) for run in finished])
     store = ResultsStore(context.results_root)
-    for params, replicate, result, _ in finished:
-        configuration = configuration_id(context.cell_key, params)
-        trial = replicate_trial_id(configuration, replicate)
-        rows = trial_rows(result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
-                          configuration_id=configuration, replicate=replicate,
+    for run in finished:
+        configuration = configuration_id(context.cell_key, run.params)
+        trial = replicate_trial_id(configuration, run.replicate)
+        rows = trial_rows(run.result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
+                          configuration_id=configuration, replicate=run.replicate,
                           reference_batch_size=context.reference_batch_size, versions=package_versions(),
                           finished_at=pd.Timestamp.now(tz="UTC"))
         store.write_trial(rows, trial)
 
 
-def charge_runs(context: TrialContext, runs: Sequence[tuple[dict[str, Any], int, TrialConfig]]) -> list[str | None]:
-    """Charge ``(params, replicate, config)`` runs in the privacy ledger before any takes a step
-    (σ from the cell's plan, or calibrated as the runner does); their run ids (None each when the
-    context has no N, so no ledger)."""
+def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str | None]:
+    """Charge ``runs`` in the privacy ledger before any takes a step (σ from the cell's plan, or
+    calibrated as the runner does); their run ids, in order (None each when the context has no N,
+    so no ledger)."""
     if context.num_train is None or not runs:
         return [None] * len(runs)
     from dptune.privacy import calibrate_noise_multiplier
 
     starts = []
-    for params, replicate, config in runs:
+    for run in runs:
+        config = run.config
         rate = sample_rate(context.num_train, config.batch_size)
         steps = total_steps(context.num_train, config.batch_size, config.epochs)
         sigma = (context.noise_multipliers or {}).get(config.batch_size)
         if sigma is None:
             sigma = calibrate_noise_multiplier(config.epsilon, config.delta, rate, steps)
-        configuration = configuration_id(context.cell_key, params)
+        configuration = configuration_id(context.cell_key, run.params)
         starts.append(RunStart(
-            trial_id=replicate_trial_id(configuration, replicate), configuration_id=configuration,
-            replicate=replicate, search_id=context.search_id, cell_id=context.cell_id, clipping=config.clipping,
-            params={name: float(value) for name, value in params.items()}, noise_multiplier=float(sigma),
+            trial_id=replicate_trial_id(configuration, run.replicate), configuration_id=configuration,
+            replicate=run.replicate, search_id=context.search_id, cell_id=context.cell_id, clipping=config.clipping,
+            params={name: float(value) for name, value in run.params.items()}, noise_multiplier=float(sigma),
             sample_rate=rate, steps=steps, delta=config.delta, epsilon=config.epsilon))
     return list(record_starts(context.results_root, starts))
 
@@ -170,7 +194,7 @@ def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int,
                          reason=f"T = {steps} steps < min_steps = {min_steps}",
                          sample_rate=sample_rate(num_train, config.batch_size), steps=steps, steps_taken=0,
                          num_train=num_train, epsilon_spent=0.0)
-    write_result(context, params, 0, result)
+    write_result(context, FinishedRun(params, 0, result))
 
 
 def failed_result(config: TrialConfig, reason: str, *, steps: int = 0, steps_taken: int = 0,
@@ -200,9 +224,9 @@ class UnitOutcome:
     run_statuses: list[str]
 
 
-def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, config: TrialConfig,
-             report: Reporter | None, run: str | None) -> TrialResult:
+def _run_one(context: TrialContext, pending: PendingRun, report: Reporter | None, run_id: str | None) -> TrialResult:
     """One ``run_trial`` call, recorded whatever happens (errors with the steps they spent)."""
+    config = pending.config
     try:
         result = run_trial(config, report)
     except TrialFailed as failure:  # training had begun: record what it spent
@@ -211,7 +235,7 @@ def _run_one(context: TrialContext, params: dict[str, Any], replicate: int, conf
                                sample_rate=failure.sample_rate)
     except Exception as error:  # raised before the first step: nothing spent
         result = failed_result(config, f"{type(error).__name__}: {error}")
-    write_result(context, params, replicate, result, run, ledger=run is not None)
+    write_result(context, FinishedRun(pending.params, pending.replicate, result, run_id), ledger=run_id is not None)
     return result
 
 
@@ -225,32 +249,30 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
     """
     store = ResultsStore(context.results_root)
     recorded = store.completed_trial_ids()
-    pending = [(index, replicate, trial_config(context, params, replicate))
+    pending = [PendingRun(index, params, replicate, trial_config(context, params, replicate))
                for index, params in enumerate(configurations) for replicate in range(context.replicates)
                if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded]
-    results: dict[tuple[int, int], TrialResult] = {}
-    runs = charge_runs(context, [(configurations[index], replicate, config) for index, replicate, config in pending])
+    results: dict[tuple[int, int], TrialResult] = {}  # by (index, replicate)
+    run_ids = charge_runs(context, pending)
     if context.fused and pending:
         from dptune.fused import FusedTrialsFailed, run_fused
 
         def record(positions: list[int], finished: list[TrialResult]) -> None:
-            write_results(context, [(configurations[pending[p][0]], pending[p][1], result, runs[p])
+            write_results(context, [FinishedRun(pending[p].params, pending[p].replicate, result, run_ids[p])
                                     for p, result in zip(positions, finished, strict=True)],
                           ledger=context.num_train is not None)
             for position, result in zip(positions, finished, strict=True):
-                index, replicate, _ = pending[position]
-                results[index, replicate] = result
+                results[pending[position].index, pending[position].replicate] = result
 
         try:
-            run_fused([config for _, _, config in pending], on_done=record)
+            run_fused([run.config for run in pending], on_done=record)
         except FusedTrialsFailed as failure:  # the failed group's runs record what they spent
-            unrecorded = [p for p, (i, r, _) in enumerate(pending) if (i, r) not in results]
+            unrecorded = [p for p, run in enumerate(pending) if (run.index, run.replicate) not in results]
             record(unrecorded, [failure.results[p] for p in unrecorded])
     else:
-        for position, (index, replicate, config) in enumerate(pending):
-            per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
-            results[index, replicate] = _run_one(context, configurations[index], replicate, config, per_epoch,
-                                                 runs[position])
+        per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
+        for run, run_id in zip(pending, run_ids, strict=True):
+            results[run.index, run.replicate] = _run_one(context, run, per_epoch, run_id)
     return _outcome(context, configurations, results, len(pending))
 
 

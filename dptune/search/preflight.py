@@ -144,20 +144,14 @@ def check_local_resources(resources: ResourcesSpec, cpus: int | None = None, gpu
     _check_fits(resources, [{"CPU": cpus, "GPU": gpus}], "this machine")
 
 
-def check_cluster_resources(resources: ResourcesSpec) -> None:
-    """Refuse per-trial resources no node of the joined Ray cluster has (call after ``ray.init``).
+def check_cluster_resources(resources: ResourcesSpec, nodes: list[dict[str, Any]]) -> None:
+    """Refuse per-trial resources no live node of a Ray cluster has; ``nodes`` as ``ray.nodes()``
+    lists them (the driver asks, after it joined the cluster).
 
-    A trial runs on one node, so one node must have the CPUs and GPUs a trial asks for. On a
-    refusal the driver disconnects (``ray.shutdown``) before the error is raised.
+    A trial runs on one node, so one node must have the CPUs and GPUs a trial asks for.
     """
-    import ray
-
-    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-    try:
-        _check_fits(resources, nodes, "any node of the Ray cluster")
-    except PreflightError:
-        ray.shutdown()
-        raise
+    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
+    _check_fits(resources, alive, "any node of the Ray cluster")
 
 
 def _check_fits(resources: ResourcesSpec, nodes: list[dict[str, float]], what: str) -> None:

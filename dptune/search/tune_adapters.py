@@ -1,11 +1,12 @@
 """The Ray Tune layer of a search: one searcher over every cell, per-cell ASHA, the trainable, and
-the driver's callback. Ray appears here and in ``dptune.search``'s driver only.
+the driver's callback. Ray appears here and in :mod:`dptune.search.driver` only.
 
-A Tune trial is a *unit*: one cell's batch of configurations (``CELL_KEY`` names the cell,
-``CONFIGURATIONS_KEY`` lists the sampled (C, B, η₀)), run by :func:`dptune.execution.run_configurations`
-(fused where it applies, R replicates each). Its last report carries one score per
+A Tune trial is a *unit* (:class:`Unit`): one cell's batch of sampled configurations (C, B, η₀),
+run by :func:`dptune.search.execution.run_configurations` (fused where it applies, R replicates
+each). A cell here is a cell under one clipping rule, named by its ``cell_key``
+(:attr:`dptune.search.cells.CellPlan.cell_key`). Its last report carries one score per
 configuration (``SCORES_KEY``, the mean selection value over replicates), which the
-:class:`CellMultiplexer` tells that cell's :class:`~dptune.cell_sampler.CellSampler`.
+:class:`CellMultiplexer` tells that cell's :class:`~dptune.search.sampler.CellSampler`.
 
 Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``);
 the searcher's checkpoint is plain JSON (``save``/``restore``) and it pickles as plain data
@@ -22,7 +23,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,13 @@ from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
-from dptune.cell_sampler import CellSampler
 from dptune.contract import EpochMetrics, TrialResult
 from dptune.errors import storage_error
-from dptune.execution import (
+from dptune.plan import sample_rate, total_steps
+from dptune.privacy import epsilon_spent
+from dptune.records import ResultsStore, replicate_trial_id
+from dptune.search.execution import (
+    FinishedRun,
     TrialContext,
     configuration_id,
     record_pruned,
@@ -42,13 +46,12 @@ from dptune.execution import (
     trial_config,
     write_result,
 )
-from dptune.plan import sample_rate, total_steps
-from dptune.privacy import epsilon_spent
-from dptune.records import ResultsStore, replicate_trial_id
+from dptune.search.sampler import CellSampler
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
-#: Keys of a unit's Tune config: its cell, and the configurations it carries.
+#: Keys of a unit's Tune config: its cell (the value is the cell's ``cell_key``), and the
+#: configurations it carries (:class:`Unit`).
 CELL_KEY = "cell"
 CONFIGURATIONS_KEY = "configurations"
 #: Key of a unit's last report: per configuration, the mean selection value over its replicates.
@@ -65,6 +68,35 @@ STORAGE_ERROR_KEY = "storage_error"
 DRIVER_FAILURES: list[str] = []
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One Tune trial's work: ``configurations`` (each a dict of the sampled C, B and η₀) of the
+    cell ``cell_key``. Tune holds it as a plain config dict (:meth:`config`, read back by :meth:`of`)."""
+
+    cell_key: str
+    configurations: list[dict[str, Any]]
+
+    def config(self) -> dict[str, Any]:
+        """The unit as a Tune trial's config."""
+        return {CELL_KEY: self.cell_key, CONFIGURATIONS_KEY: self.configurations}
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> Unit:
+        """The unit a Tune trial's config holds."""
+        return cls(config[CELL_KEY], list(config[CONFIGURATIONS_KEY]))
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """What the driver's callback (:class:`RecordAndReport`) knows of one cell: the ``context``
+    every run of it shares (with N and σ per feasible B, as a search always gives them), the
+    ``label`` its progress lines show, and its ``budget`` of configurations."""
+
+    context: TrialContext
+    label: str
+    budget: int
+
+
 def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) -> None:
     """Ray Tune function trainable: run one unit, report its scores after every run is recorded.
 
@@ -72,7 +104,8 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
     but the last (ASHA decides on them); the last is reported once, after the result is written,
     so a trial that trained every epoch keeps its full record whatever the scheduler does.
     """
-    context = contexts[params[CELL_KEY]]
+    unit = Unit.of(params)
+    context = contexts[unit.cell_key]
     epochs = context.base.epochs
 
     def report(metrics: EpochMetrics) -> None:
@@ -80,7 +113,7 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
             tune.report({**asdict(metrics), "done_recording": False})
 
     try:
-        outcome = run_configurations(context, params[CONFIGURATIONS_KEY], report)
+        outcome = run_configurations(context, unit.configurations, report)
     except OSError as error:  # the results folder is full or read-only: the driver ends the search
         if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
             tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
@@ -95,7 +128,7 @@ class CellMultiplexer(Searcher):
 
     Cells take turns (round-robin over those with budget left), so they run side by side. A
     unit asks its cell's sampler for up to ``unit_sizes[cell]`` configurations; a proposal with
-    T < T_min is recorded by :func:`~dptune.execution.record_pruned` (no compute) and does not
+    T < T_min is recorded by :func:`~dptune.search.execution.record_pruned` (no compute) and does not
     count against the cell's ``budgets`` (configurations per cell).
     """
 
@@ -109,52 +142,53 @@ class CellMultiplexer(Searcher):
         self.num_train = num_train
         self.min_steps = min_steps
         self.suggested = dict.fromkeys(samplers, 0)
-        self.owner: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
         self.turn = 0
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
         return True
 
     def suggest(self, trial_id: str) -> dict | None:
-        while open_cells := [k for k in self.samplers if self.suggested[k] < self.budgets[k]]:
-            key = open_cells[self.turn % len(open_cells)]
+        while open_cells := [key for key in self.samplers if self.suggested[key] < self.budgets[key]]:
+            cell_key = open_cells[self.turn % len(open_cells)]
             self.turn += 1
-            context = self.contexts[key]
-            count = min(self.unit_sizes[key], self.budgets[key] - self.suggested[key])
-            configurations = self.samplers[key].ask(
+            context = self.contexts[cell_key]
+            count = min(self.unit_sizes[cell_key], self.budgets[cell_key] - self.suggested[cell_key])
+            configurations = self.samplers[cell_key].ask(
                 count, lambda params, c=context: record_pruned(c, params, self.num_train, self.min_steps))
             if not configurations:  # a grid ran out early: close the cell
-                self.budgets[key] = self.suggested[key]
+                self.budgets[cell_key] = self.suggested[cell_key]
                 continue
-            self.suggested[key] += len(configurations)
-            self.owner[trial_id] = (key, configurations)
-            return {CELL_KEY: key, CONFIGURATIONS_KEY: configurations}
+            self.suggested[cell_key] += len(configurations)
+            self.owner[trial_id] = unit = Unit(cell_key, configurations)
+            return unit.config()
         return Searcher.FINISHED
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        owned = self.owner.pop(trial_id, None)
-        if owned is None:  # a unit restarted on --resume after it errored: its sampler was told then
+        unit = self.owner.pop(trial_id, None)
+        if unit is None:  # a unit restarted on --resume after it errored: its sampler was told then
             return
-        key, configurations = owned
-        sampler = self.samplers[key]
+        sampler = self.samplers[unit.cell_key]
         if error or not result:
-            values: list[float | None] = [None] * len(configurations)
+            values: list[float | None] = [None] * len(unit.configurations)
         elif SCORES_KEY in result:
             values = list(result[SCORES_KEY])
         else:  # stopped early by ASHA (one configuration): its last intermediate accuracy
             values = [result.get(self.metric)]
-        for params, value in zip(configurations, values, strict=True):
+        for params, value in zip(unit.configurations, values, strict=True):
             sampler.tell(params, None if value is None or not math.isfinite(value) else float(value))
 
     def _dynamic_state(self) -> dict[str, Any]:
         return {"samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
                 "budgets": self.budgets, "suggested": self.suggested,
-                "owner": {trial_id: list(owned) for trial_id, owned in self.owner.items()}, "turn": self.turn}
+                "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
+                "turn": self.turn}
 
     def _load_dynamic_state(self, state: dict[str, Any]) -> None:
         self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
         self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
-        self.owner = {trial_id: (key, configurations) for trial_id, (key, configurations) in state["owner"].items()}
+        self.owner = {trial_id: Unit(cell_key, configurations)
+                      for trial_id, (cell_key, configurations) in state["owner"].items()}
 
     def save(self, checkpoint_path: str) -> None:
         """One JSON file (Tune renames it into place): plain data only."""
@@ -164,20 +198,23 @@ class CellMultiplexer(Searcher):
         self._load_dynamic_state(json.loads(Path(checkpoint_path).read_text()))
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {name: value for name, value in self.__dict__.items() if name != "samplers"}
-        state["samplers"] = {key: sampler.state() for key, sampler in self.samplers.items()}
-        return state
+        fixed = {name: value for name, value in self.__dict__.items() if name not in _DYNAMIC_STATE}
+        return {**fixed, **self._dynamic_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        samplers = state.pop("samplers")
+        dynamic = {name: state.pop(name) for name in _DYNAMIC_STATE}
         self.__dict__.update(state)
-        self.samplers = {key: CellSampler.from_state(value) for key, value in samplers.items()}
+        self._load_dynamic_state(dynamic)
+
+
+#: The attributes of a :class:`CellMultiplexer` that change as it runs (its JSON checkpoint).
+_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn")
 
 
 class PerCellASHA(FIFOScheduler):
     """Routes each unit to its own cell's ASHA, so accuracies at ε = 1 and ε = 8 never compete.
 
-    ``schedulers`` maps a cell's key to its ``ASHAScheduler`` (time attribute ``epoch``). Units
+    ``schedulers`` maps a ``cell_key`` to its ``ASHAScheduler`` (time attribute ``epoch``). Units
     under a scheduler carry one configuration and one replicate (the space refuses more).
     """
 
@@ -189,7 +226,7 @@ class PerCellASHA(FIFOScheduler):
         return all(s.set_search_properties(metric, mode, **spec) for s in self.cells.values())
 
     def _of(self, trial: Any) -> ASHAScheduler:
-        return self.cells[trial.config[CELL_KEY]]
+        return self.cells[Unit.of(trial.config).cell_key]
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
@@ -220,44 +257,43 @@ def stop_search(reason: str) -> None:
 class RecordAndReport(Callback):
     """Driver-side: a progress line per unit, and the records of runs a unit could not write itself.
 
-    ``cells`` maps a cell's key to (its context, a label, its configuration budget, the σ per
-    feasible B, N). A unit stopped by ASHA records the steps of its last report (rows and a ledger
-    end entry). A unit whose process was lost is retried by Tune (``FailureConfig``); its
-    unrecorded runs stay charged their planned steps in the ledger, get no row, and run again on
-    a retry or on ``--resume``. ``quiet``: no progress line (an end-to-end private search, whose
-    number of runs and running best must not be shown); the records are written all the same.
-    No hook raises: a failure (a full disk) ends the search through :func:`stop_search`.
+    ``cells`` maps a ``cell_key`` to its :class:`CellRun`. A unit stopped by ASHA records the steps
+    of its last report (rows and a ledger end entry). A unit whose process was lost is retried by
+    Tune (``FailureConfig``); its unrecorded runs stay charged their planned steps in the ledger, get
+    no row, and run again on a retry or on ``--resume``. ``quiet``: no progress line (an end-to-end
+    private search, whose number of runs and running best must not be shown); the records are
+    written all the same. No hook raises: a failure (a full disk) ends the search through :func:`stop_search`.
     """
 
-    def __init__(self, cells: dict[str, tuple[TrialContext, str, int, dict[int, float], int]],
-                 quiet: bool = False) -> None:
+    def __init__(self, cells: dict[str, CellRun], quiet: bool = False) -> None:
         self.cells = cells
         self.quiet = quiet
         self.finished = dict.fromkeys(cells, 0)
-        self.runs: dict[str, Counter[str]] = {key: Counter() for key in cells}  # runs per status, so far
+        self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def _progress(self, trial: Any, what: str = "", runs: Mapping[str, int] | None = None) -> None:
         """One line for a cell: configurations done of its budget, its runs so far by status (the
         counts the summary table shows at the end), the best so far, and ``what`` happened now.
         ``runs``: the statuses of the unit's runs that ended, added to the cell's counts."""
-        key = trial.config[CELL_KEY]
+        unit = Unit.of(trial.config)
         if runs is not None:
-            self.finished[key] += len(trial.config[CONFIGURATIONS_KEY])
-            self.runs[key].update(runs)
+            self.finished[unit.cell_key] += len(unit.configurations)
+            self.runs[unit.cell_key].update(runs)
         if self.quiet:
             return
-        context, label, budget, _, _ = self.cells[key]
-        replicates = f" × {context.replicates} replicates" if context.replicates > 1 else ""
-        counts = ", ".join(f"{count} {status}" for status, count in sorted(self.runs[key].items())) or "no run ended"
+        cell = self.cells[unit.cell_key]
+        replicates = f" × {cell.context.replicates} replicates" if cell.context.replicates > 1 else ""
+        counts = (", ".join(f"{count} {status}" for status, count in sorted(self.runs[unit.cell_key].items()))
+                  or "no run ended")
         best = ""
-        if key in self.best:
-            score, params = self.best[key]
+        if unit.cell_key in self.best:
+            score, params = self.best[unit.cell_key]
             clip = f"C={params['clip_bound']:.3g} " if "clip_bound" in params else ""
             best = f"; best so far {score:.4f} ({clip}B={params['batch_size']} η₀={params['base_learning_rate']:.3g})"
         now = f" ({what})" if what else ""
-        print(f"[{label}] {self.finished[key]}/{budget} configurations{replicates}: runs {counts}{now}{best}",
-              flush=True)
+        print(f"[{cell.label}] {self.finished[unit.cell_key]}/{cell.budget} configurations{replicates}: "
+              f"runs {counts}{now}{best}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         try:
@@ -267,19 +303,19 @@ class RecordAndReport(Callback):
 
     def _complete(self, trial: Any) -> None:
         last = trial.last_result or {}
-        configurations = trial.config[CONFIGURATIONS_KEY]
+        unit = Unit.of(trial.config)
         if not last.get("done_recording"):
             if DRIVER_FAILURES or "epoch" not in last:  # stopped with the search: unrecorded, run on --resume
                 return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
-            context = self.cells[trial.config[CELL_KEY]][0]
+            context = self.cells[unit.cell_key].context
             self._progress(trial, f"stopped early at epoch {last.get('epoch')}",
-                           {"stopped_early": len(configurations) * context.replicates})
+                           {"stopped_early": len(unit.configurations) * context.replicates})
             return
         scores = last.get(SCORES_KEY, [])
-        for params, score in zip(configurations, scores, strict=False):
-            if trial.config[CELL_KEY] not in self.best or score > self.best[trial.config[CELL_KEY]][0]:
-                self.best[trial.config[CELL_KEY]] = (score, params)
+        for params, score in zip(unit.configurations, scores, strict=False):
+            if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
+                self.best[unit.cell_key] = (score, params)
         self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
@@ -297,16 +333,16 @@ class RecordAndReport(Callback):
                                   "and run again on --resume")
 
     def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
-        context, _, _, sigmas, num_train = self.cells[trial.config[CELL_KEY]]
+        unit = Unit.of(trial.config)
+        context = self.cells[unit.cell_key].context
         store = ResultsStore(context.results_root)
         last = trial.last_result or {}
-        for params in trial.config[CONFIGURATIONS_KEY]:
+        for params in unit.configurations:
             for replicate in range(context.replicates):
                 if store.has_trial(replicate_trial_id(configuration_id(context.cell_key, params), replicate)):
                     continue  # the run wrote its full record before the unit ended
-                write_result(context, params, replicate,
-                             _unfinished_result(context, params, replicate, status, reason, last, sigmas, num_train),
-                             ledger=True)
+                result = _unfinished_result(context, params, replicate, status, reason, last)
+                write_result(context, FinishedRun(params, replicate, result), ledger=True)
 
 
 def _error_line(trial: Any) -> str:
@@ -322,9 +358,11 @@ def _failure_line(error: BaseException, doing: str) -> str:
 
 
 def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: str, reason: str,
-                       last: dict[str, Any], sigmas: dict[int, float], num_train: int) -> TrialResult:
+                       last: dict[str, Any]) -> TrialResult:
     """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
-    trainables block in ``report()``, so it took the steps of its last report and no more."""
+    trainables block in ``report()``, so it took the steps of its last report (``last``) and no more."""
+    num_train, sigmas = context.num_train, context.noise_multipliers
+    assert num_train is not None and sigmas is not None, "a search's context carries N and σ per B"
     config = trial_config(context, params, replicate)
     epochs = [EpochMetrics(**{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
     sigma = sigmas[config.batch_size]

@@ -1,0 +1,221 @@
+"""The Ray Tune layer without a Ray runtime: the searcher over cells, per-cell ASHA and the driver's
+callback, driven with Tune's own ``Trial`` objects (stubs, as Tune's tests build them) and real
+samplers, results folders and ledgers."""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import signal
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+from conftest import REPO_ROOT
+from dptune.contract import EpochMetrics, TrialResult
+from dptune.ledger import charged_runs
+from dptune.plan import sample_rate, total_steps
+from dptune.privacy import epsilon_spent
+from dptune.records import read_table, replicate_trial_id
+from dptune.search import tune_adapters
+from dptune.search.cells import CellPlan, base_trial_config
+from dptune.search.execution import (
+    FinishedRun,
+    PendingRun,
+    TrialContext,
+    charge_runs,
+    configuration_id,
+    trial_config,
+    write_result,
+)
+from dptune.search.sampler import CellSampler, CellSpec
+from dptune.search.tune_adapters import (
+    METRIC,
+    RUN_STATUSES_KEY,
+    SCORES_KEY,
+    STORAGE_ERROR_KEY,
+    CellMultiplexer,
+    CellRun,
+    PerCellASHA,
+    RecordAndReport,
+    Unit,
+    stop_search,
+)
+from dptune.space import Cell, load_space
+
+N = 100
+EPOCHS = 4
+SIGMA = {32: 1.1, 64: 1.7}  # σ per feasible B, as a cell's plan gives it
+GRID = CellSpec(sampler="grid", seed=3, batch_sizes=(32, 64), feasible_batch_sizes=(32, 64),
+                ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.01]}})
+PARAMS = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
+
+
+@pytest.fixture(autouse=True)
+def _driver_state() -> Iterator[None]:
+    """``stop_search`` records into a module-level list and silences Tune's loggers: undone after each test."""
+    levels = {name: logging.getLogger(name).level for name in ("ray.tune", "ray.train", "ray.air")}
+    tune_adapters.DRIVER_FAILURES.clear()
+    yield
+    tune_adapters.DRIVER_FAILURES.clear()
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def context(root: Path, replicates: int = 2) -> TrialContext:
+    space = load_space(REPO_ROOT / "tests/spaces/tiny.yaml", {"epochs": [EPOCHS], "privacy.epsilons": [8]}).space
+    plan = CellPlan(Cell(8.0, EPOCHS), "normalized", N, (32, 64), (256,), SIGMA, 5)
+    return TrialContext(base=base_trial_config(space, plan, N, 60), results_root=str(root), search_id="s",
+                        cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt", reference_batch_size=64,
+                        replicates=replicates, num_train=N, noise_multipliers=SIGMA)
+
+
+def trial(unit: Unit, last: dict[str, Any] | None = None) -> Trial:
+    made = Trial("dptune_unit", config=unit.config(), stub=True)
+    if last is not None:
+        made.run_metadata.last_result = last
+    return made
+
+
+def test_a_unit_is_a_plain_tune_config() -> None:
+    unit = Unit("eps1-E5", [PARAMS])
+    assert unit.config() == {"cell": "eps1-E5", "configurations": [PARAMS]}
+    assert Unit.of(unit.config()) == unit
+
+
+def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> None:
+    cells = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}
+    searcher = CellMultiplexer({"a": CellSampler(GRID), "b": CellSampler(GRID)}, budgets={"a": 4, "b": 3},
+                               unit_sizes={"a": 2, "b": 1}, contexts=cells, num_train=N, min_steps=1)
+    units = {trial_id: Unit.of(searcher.suggest(trial_id)) for trial_id in ("t0", "t1", "t2", "t3", "t4")}
+    assert [(u.cell_key, len(u.configurations)) for u in units.values()] == [("a", 2), ("b", 1), ("a", 2), ("b", 1),
+                                                                              ("b", 1)]
+    assert searcher.suggest("t5") == CellMultiplexer.FINISHED  # every budget spent
+
+    searcher.on_trial_complete("t0", {SCORES_KEY: [0.25, math.nan]})  # a unit that ran: a score each (NaN: failed)
+    searcher.on_trial_complete("t1", {METRIC: 0.5})  # stopped early by ASHA: its last accuracy
+    searcher.on_trial_complete("t2", error=True)  # its process failed
+    searcher.on_trial_complete("t2", {SCORES_KEY: [0.9, 0.9]})  # told once: a restarted unit is not told again
+    a, b = searcher.samplers["a"], searcher.samplers["b"]
+    assert [(value, state) for _, value, state in a.told] == [(0.25, "complete"), (None, "fail"), (None, "fail"),
+                                                               (None, "fail")]
+    assert [params for params, _, _ in a.told] == units["t0"].configurations + units["t2"].configurations
+    assert b.told == [(units["t1"].configurations[0], 0.5, "complete")]
+    assert b.pending == [units["t3"].configurations[0], units["t4"].configurations[0]]
+    assert set(searcher.owner) == {"t3", "t4"}
+
+
+def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path: Path) -> None:
+    spec = replace(GRID, sampler="random", batch_sizes=(32, 64), feasible_batch_sizes=(32,),
+                   ranges={"clip_bound": {"low": 0.1, "high": 1.0, "log": True},
+                           "base_learning_rate": {"values": [0.01]}})
+    searcher = CellMultiplexer({"a": CellSampler(spec)}, budgets={"a": 6}, unit_sizes={"a": 6},
+                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=10)
+    unit = Unit.of(searcher.suggest("t0"))
+    assert len(unit.configurations) == 6 and {p["batch_size"] for p in unit.configurations} == {32}
+    pruned = read_table(str(tmp_path), "trials")
+    assert len(pruned) >= 1 and set(pruned["status"]) == {"pruned_min_steps"} and set(pruned["batch_size"]) == {64}
+    assert (pruned["steps"] == total_steps(N, 64, EPOCHS)).all() and (pruned["epsilon_spent"] == 0).all()
+    assert searcher.suggested == {"a": 6}
+
+
+def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None:
+    searcher = CellMultiplexer({"a": CellSampler(GRID)}, budgets={"a": 4}, unit_sizes={"a": 2},
+                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=1)
+    unit = Unit.of(searcher.suggest("t0"))
+    blob = pickle.dumps(searcher)
+    assert b"optuna" not in blob and b"Unit" not in blob  # no study, no class of this module's state
+    copy = pickle.loads(blob)
+    assert copy.owner == {"t0": unit} and copy.contexts == searcher.contexts
+    checkpoint = tmp_path / "searcher.json"
+    searcher.save(str(checkpoint))
+    restored = CellMultiplexer({"a": CellSampler(GRID)}, budgets={"a": 4}, unit_sizes={"a": 2},
+                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=1)
+    restored.restore(str(checkpoint))
+    assert restored.owner == {"t0": unit} and restored.suggested == {"a": 2} and restored.turn == 1
+    restored.on_trial_complete("t0", {SCORES_KEY: [0.5, 0.6]})
+    assert [value for _, value, _ in restored.samplers["a"].told] == [0.5, 0.6]
+
+
+def test_each_cell_has_its_own_asha() -> None:
+    schedulers = {key: ASHAScheduler(time_attr="epoch", max_t=EPOCHS, grace_period=1, reduction_factor=2)
+                  for key in ("a", "b")}
+    asha = PerCellASHA(schedulers)
+    assert asha.set_search_properties(METRIC, "max")
+    good, poor = trial(Unit("a", [PARAMS])), trial(Unit("a", [PARAMS]))
+    alone = trial(Unit("b", [PARAMS]))
+    for each in (good, poor, alone):
+        asha.on_trial_add(None, each)
+    assert asha.on_trial_result(None, good, {"epoch": 1, METRIC: 0.9}) == TrialScheduler.CONTINUE
+    assert asha.on_trial_result(None, poor, {"epoch": 1, METRIC: 0.1}) == TrialScheduler.STOP  # below a's median
+    # lower still, but alone at cell b's first rung: never ranked against cell a
+    assert asha.on_trial_result(None, alone, {"epoch": 1, METRIC: 0.05}) == TrialScheduler.CONTINUE
+
+
+def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)})
+    other = {**PARAMS, "batch_size": 64, "clip_bound": 2.0}
+    unit = Unit("eps8-E4", [PARAMS, other])
+    last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: '{"ok": 3, "error": 1}'}
+    callback.on_trial_complete(0, [], trial(unit, last))
+    assert capsys.readouterr().out == ("[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
+                                       "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n")
+    quiet = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, quiet=True)
+    quiet.on_trial_complete(0, [], trial(unit, last))
+    assert capsys.readouterr().out == "" and quiet.finished == {"eps8-E4": 2}
+
+
+def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    cell = context(tmp_path)
+    pending = [PendingRun(0, PARAMS, replicate, trial_config(cell, PARAMS, replicate)) for replicate in (0, 1)]
+    run_ids = charge_runs(cell, pending)  # as the unit did before its first step
+    finished = TrialResult(config=pending[0].config, status="ok", steps=12, steps_taken=12, epsilon_spent=2.0,
+                           num_train=N, val_accuracy=0.7)
+    write_result(cell, FinishedRun(PARAMS, 0, finished, run_ids[0]), ledger=True)  # replicate 0 recorded itself
+    report = EpochMetrics(epoch=1, steps=3, train_loss=1.5, val_loss=1.4, val_accuracy=0.4, wall_time_s=0.2,
+                          examples_per_s=500.0)
+    last = {**asdict(report), "done_recording": False}  # what the trainable reported after epoch 1
+    callback = RecordAndReport({cell.cell_key: CellRun(cell, "eps=8|epochs=4 normalized", 5)})
+    callback.on_trial_complete(0, [], trial(Unit(cell.cell_key, [PARAMS]), last))
+
+    trials = read_table(str(tmp_path), "trials").set_index("replicate")
+    assert trials.loc[0, "status"] == "ok" and trials.loc[0, "steps_taken"] == 12  # kept as it wrote it
+    stopped = trials.loc[1]
+    q = sample_rate(N, 32)
+    assert stopped["status"] == "stopped_early" and stopped["reason"] == "stopped by the ASHA scheduler"
+    assert stopped["steps_taken"] == 3 and stopped["steps"] == total_steps(N, 32, EPOCHS)
+    assert stopped["noise_multiplier"] == SIGMA[32] and stopped["sample_rate"] == q
+    assert stopped["epsilon_spent"] == pytest.approx(epsilon_spent(SIGMA[32], q, 3, cell.base.delta))
+    assert stopped["val_accuracy"] == 0.4
+    charged = charged_runs(str(tmp_path), "s").set_index("trial_id")
+    second = replicate_trial_id(configuration_id(cell.cell_key, PARAMS), 1)
+    assert charged.loc[second, "ended"] and charged.loc[second, "steps_taken"] == 3  # its start entry is closed
+    assert tune_adapters.DRIVER_FAILURES == [] and callback.runs[cell.cell_key] == {"stopped_early": 2}
+    assert "(stopped early at epoch 1)" in capsys.readouterr().out
+
+
+def test_a_unit_stopped_with_the_search_stays_unrecorded_for_resume(tmp_path: Path) -> None:
+    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)})
+    callback.on_trial_result(0, [], trial(Unit("eps8-E4", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"})
+    assert tune_adapters.DRIVER_FAILURES == ["a trial process could not write its records: No space left on device"]
+    assert logging.getLogger("ray.tune").level == logging.CRITICAL
+    callback.on_trial_complete(0, [], trial(Unit("eps8-E4", [PARAMS]), {"epoch": 2, "steps": 6}))
+    assert read_table(str(tmp_path), "trials").empty
+
+
+def test_stop_search_interrupts_tune_once() -> None:
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
+    try:
+        stop_search("first")
+        stop_search("second")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == [signal.SIGUSR1] and tune_adapters.DRIVER_FAILURES == ["first", "second"]

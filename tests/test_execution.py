@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from dptune.ledger import charged_runs
+from dptune.records.ledger import charged_runs
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
 from dptune.records import read_table, replicate_trial_id

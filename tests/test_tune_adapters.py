@@ -19,7 +19,7 @@ from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from conftest import REPO_ROOT
 from dptune.contract import EpochMetrics, TrialResult
-from dptune.ledger import charged_runs
+from dptune.records.ledger import charged_runs
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import read_table, replicate_trial_id

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from dptune.records.ledger import charged_runs
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
 from dptune.records import read_table, replicate_trial_id
+from dptune.records.ledger import charged_runs
 from dptune.search.cells import CellPlan, base_trial_config
 from dptune.search.execution import (
     TrialContext,

@@ -19,10 +19,10 @@ from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from conftest import REPO_ROOT
 from dptune.contract import EpochMetrics, TrialResult
-from dptune.records.ledger import charged_runs
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import read_table, replicate_trial_id
+from dptune.records.ledger import charged_runs
 from dptune.search import tune_adapters
 from dptune.search.cells import CellPlan, base_trial_config
 from dptune.search.execution import (

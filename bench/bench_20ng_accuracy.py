@@ -20,8 +20,9 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
+from dptune.contract import TrialConfig, TrialResult
 from dptune.data import WorkloadSpec, load_workload
-from dptune.trial import TrialConfig, TrialResult, run_trial
+from dptune.runners.trial import run_trial
 
 L2_GRID = (0.0, 1e-4, 1e-3, 1e-2)
 

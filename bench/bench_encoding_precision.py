@@ -36,11 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dptune.contract import TrialConfig
 from dptune.data import features as feature_cache
 from dptune.data.features import PRECISION_ENV, PRECISIONS, TEXT_BATCH_TOKENS, cpu_flags, encode_texts
 from dptune.data.sources import load_20newsgroups
 from dptune.models import BACKBONES, build_feature_extractor, load_tokenizer
-from dptune.trial import TrialConfig, run_trial
+from dptune.runners.trial import run_trial
 
 #: The default search's cells (search_spaces/default.yaml) and a spread of (C, B, η₀) in its ranges.
 EPSILONS = (1.0, 8.0)
@@ -107,12 +108,12 @@ def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int]
 
 def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
     """One row per (precision, ε, E, C, B, η₀): validation and test accuracy of the DP probe."""
-    from dptune.dp import trainer
+    from dptune.runners import common
 
     rows = []
     for precision in PRECISIONS:
         os.environ[PRECISION_ENV] = precision
-        trainer._process_workload.cache_clear()  # the memo is keyed by spec, not by precision
+        common.cached_workload.cache_clear()  # the memo is keyed by spec, not by precision
         for epsilon, epochs, clip, batch, base_lr in itertools.product(
                 EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES):
             learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5

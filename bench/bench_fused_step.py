@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptune.dp.trainer import _process_workload, workload_spec
-from dptune.fused import run_fused
+from dptune.contract import TrialConfig
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
-from dptune.trial import TrialConfig, run_trial
+from dptune.runners.common import cached_workload, workload_spec
+from dptune.runners.fused import run_fused
+from dptune.runners.trial import run_trial
 
 
 def configurations(args: argparse.Namespace) -> list[TrialConfig]:
@@ -72,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     configs = configurations(args)
-    workload = _process_workload(workload_spec(configs[0]))
+    workload = cached_workload(workload_spec(configs[0]))
     num_train = len(workload.train)
     batch_sizes = sorted({c.batch_size for c in configs})
     for b in batch_sizes:  # σ calibrated and cached before anything is timed

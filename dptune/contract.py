@@ -1,7 +1,7 @@
 """The trial's contract: the plain-data types every part of dptune exchanges, and the names they take.
 
 A :class:`TrialConfig` goes in, :class:`EpochMetrics` are reported per epoch, a :class:`TrialResult`
-(with :class:`Diagnostics` per diagnosed epoch) comes out. :mod:`dptune.trial` runs one, the
+(with :class:`Diagnostics` per diagnosed epoch) comes out. :mod:`dptune.runners.trial` runs one, the
 search sends them through Ray Tune, :mod:`dptune.records` writes them to Parquet.
 
 The name registries live here as ``Literal`` types with their tuples (``PEFT_NAMES``,
@@ -27,11 +27,11 @@ PEFT_NAMES: tuple[str, ...] = get_args(PeftName)
 #: Base optimizers a DP gradient steps (implementations: ``dptune.dp.optimizers.OPTIMIZERS``).
 OptimizerName = Literal["adam", "sgd"]
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
-#: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine.select_engine``).
+#: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine_registry.select_engine``).
 EngineName = Literal["auto", "opacus", "film"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 #: How a search trains its runs (``dptune.execution``): ``fused`` (many configurations as one
-#: vectorised computation, ``dptune.fused``) where it applies under ``auto``, else ``trial``.
+#: vectorised computation, ``dptune.runners.fused``) where it applies under ``auto``, else ``trial``.
 RunnerName = Literal["auto", "fused", "trial"]
 RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
 #: A cell's Optuna sampler (``dptune.cell_sampler``).

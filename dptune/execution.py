@@ -6,9 +6,9 @@ times, every run with its own fresh coins; a run is a *trial* (one row in the ``
 id ``<configuration id>-r<replicate>``: ``records.replicate_trial_id``). Runs already recorded (a
 crash, a kill, a resume) are not run again: what finished is never lost and nothing runs twice.
 
-Two runners, one mechanism. ``fused`` (:mod:`dptune.fused`) trains every pending run of the unit
+Two runners, one mechanism. ``fused`` (:mod:`dptune.runners.fused`) trains every pending run of the unit
 as one vectorised computation, each run keeping its own Poisson batches, noise, clipping and
-optimizer state; ``trial`` calls :func:`dptune.trial.run_trial` once per run (any model; it can
+optimizer state; ``trial`` calls :func:`dptune.runners.trial.run_trial` once per run (any model; it can
 report each epoch, which ASHA needs). Rows are written atomically as each fused group, or each
 trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
 
@@ -35,7 +35,7 @@ from dptune.errors import TrialFailed
 from dptune.ledger import RunEnd, RunStart, record_ends, record_starts
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
-from dptune.trial import run_trial
+from dptune.runners.trial import run_trial
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
@@ -46,7 +46,7 @@ class TrialContext:
 
     ``base`` holds the dataset, budgets and rules (C, B, η and the seed are filled per run);
     ``replicates`` is R, the runs per configuration; ``fused`` says whether the fused runner trains
-    the runs (the driver decides once per cell: :func:`dptune.fused.fused_refusal`).
+    the runs (the driver decides once per cell: :func:`dptune.runners.fused.fused_refusal`).
     ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
     ``num_train`` (N) and ``noise_multipliers`` (σ per feasible B, from the cell's plan) let every
     run be charged in the privacy ledger before its first step; a search always gives N (without
@@ -231,7 +231,7 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
     results: dict[tuple[int, int], TrialResult] = {}
     runs = charge_runs(context, [(configurations[index], replicate, config) for index, replicate, config in pending])
     if context.fused and pending:
-        from dptune.fused import FusedTrialsFailed, run_fused
+        from dptune.runners.fused import FusedTrialsFailed, run_fused
 
         def record(positions: list[int], finished: list[TrialResult]) -> None:
             write_results(context, [(configurations[pending[p][0]], pending[p][1], result, runs[p])

@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from dptune.data.sources import load_mnist5k
-from dptune.dp import trainer
 from dptune.dp.engine import DPStepSpec
+from dptune.dp.engine_registry import select_engine
 from dptune.dp.film import FilmEngine, unsupported_modules
 from dptune.dp.opacus_engine import OpacusEngine, grad_sample_hooks
 from dptune.models import ModelError, build_model, check_dp_compatible
-from dptune.trial import TrialConfig, TrialConfigError, check_trial_can_run, run_trial
+from dptune.runners import trainer
+from dptune.runners.trial import TrialConfig, TrialConfigError, check_trial_can_run, run_trial
 from test_film import assert_relative, perturb_film_parameters, trainable
 
 torch.set_num_threads(1)
@@ -186,7 +187,7 @@ def test_full_fine_tuning_runs_on_opacus_with_frozen_statistics_and_not_on_the_f
     assert_relative(flat_grad(model), reference.sum(0))
     assert all(torch.equal(statistics[name], buffer) for name, buffer in running_statistics(model).items())
     with pytest.raises(ValueError, match="engine 'film' cannot run this model: peft 'full'"):
-        trainer.select_engine("film", model, "full")
+        select_engine("film", model, "full")
     config = TrialConfig(dataset="mnist5k", backbone=BACKBONE, peft="full", epsilon=1.0, delta=1e-5, epochs=1,
                          clip_bound=1.0, batch_size=8, learning_rate=1e-3, base_learning_rate=1e-3)
     check_trial_can_run(config)  # engine 'auto': Opacus

@@ -35,17 +35,26 @@ def test_contract_imports_nothing_from_dptune_and_errors_nothing_either() -> Non
 
 
 def test_trial_and_its_implementation_do_not_import_each_other() -> None:
-    assert "dptune.trial" not in dptune_imports("dptune.dp.trainer")
-    assert "dptune.trial" not in dptune_imports("dptune.dp.diagnostics")
-    assert "dptune.dp.trainer" in dptune_imports("dptune.trial")  # the one direction: trial → trainer
+    assert "dptune.runners.trial" not in dptune_imports("dptune.runners.trainer")
+    assert "dptune.runners.trial" not in dptune_imports("dptune.dp.diagnostics")
+    assert "dptune.runners.trainer" in dptune_imports("dptune.runners.trial")  # the one direction: trial → trainer
 
 
 def test_film_engine_does_not_import_the_opacus_engine() -> None:
     assert "dptune.dp.opacus_engine" not in dptune_imports("dptune.dp.film")
 
 
+def test_engines_are_registered_by_contract_name_and_import_neither_the_registry_nor_each_other() -> None:
+    from dptune.dp.engine_registry import ENGINES
+
+    assert set(ENGINES) == set(ENGINE_NAMES) - {"auto"}
+    for entry in ENGINES.values():
+        assert "dptune.dp.engine_registry" not in dptune_imports(entry.module)
+    assert not {"dptune.dp.film", "dptune.dp.opacus_engine"} & dptune_imports("dptune.dp.engine")
+
+
 def test_trial_re_exports_the_contract_types_unchanged() -> None:
-    import dptune.trial as trial
+    import dptune.runners.trial as trial
 
     for name in ("TrialConfig", "EpochMetrics", "ClassDiagnostics", "Diagnostics", "TrialResult", "TrialStatus",
                  "Reporter"):

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dptune import records
+from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 from dptune.records import SCHEMAS, TABLES, RecordsError, ResultsStore, read_table, trial_rows
-from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 
 NOW = pd.Timestamp("2026-11-30T12:00:00Z")
 

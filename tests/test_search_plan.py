@@ -8,13 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dptune.contract import TrialResult
 from dptune.execution import TrialContext, configuration_id, trial_config
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.cells import _trial_count
 from dptune.space import Cell, SpaceError, parse_space
-from dptune.trial import TrialResult
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import dptune.dp.trainer as trainer
 from dptune.data import load_workload
-from dptune.dp.trainer import workload_spec
 from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
+from dptune.runners import trainer
+from dptune.runners.common import cached_workload, workload_spec
+from dptune.runners.trainer import Trial
+from dptune.runners.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
 
 BASE = TrialConfig(
     dataset="20newsgroups",
@@ -134,7 +135,7 @@ def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
 def _first_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """A trial's first draws: its first Poisson batch and one step's noise (the noisy gradient of an
     empty batch is the noise alone). (The head starts at zero: its initialisation draws nothing.)"""
-    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    trial = Trial(config, torch.device("cpu"), cached_workload(workload_spec(config)))
     trainable = [p for p in trial.model.parameters() if p.requires_grad]
     features = next(iter(trial.loader))[0]
     trial.engine.noisy_gradient(iter(()))
@@ -183,7 +184,7 @@ def test_an_error_after_training_began_says_what_it_spent() -> None:
 def test_dp_selection_score_is_the_correct_count_plus_gaussian_noise() -> None:
     sigma = 4.0
     config = replace(COINS, score_noise_multiplier=sigma)
-    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    trial = Trial(config, torch.device("cpu"), cached_workload(workload_spec(config)))
     val = trial.evaluate(trial.workload.val)
     count, correct = val.examples_per_class.sum(), val.correct_per_class.sum()
     noise = torch.tensor([trial.noisy_score(val) for _ in range(4000)], dtype=torch.float64) * count - correct
@@ -268,8 +269,8 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
 
 #: Modules that must stay importable without torch and Ray (readers of results, the report, the
 #: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
-TORCH_FREE_MODULES = ("dptune.contract", "dptune.trial", "dptune.records", "dptune.analysis", "dptune.report",
-                      "dptune.space")
+TORCH_FREE_MODULES = ("dptune.contract", "dptune.runners", "dptune.runners.trial", "dptune.records", "dptune.analysis",
+                      "dptune.report", "dptune.space")
 
 
 def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
@@ -299,7 +300,7 @@ def test_a_deleted_working_directory_does_not_kill_the_trial_process(tmp_path: P
               f"os.mkdir({str(tmp_path / 'gone')!r}); os.chdir({str(tmp_path / 'gone')!r}); "
               f"os.rmdir({str(tmp_path / 'gone')!r})\n"
               "if sys.argv[1] == 'guarded':\n"
-              "    from dptune.trial import leave_deleted_working_directory\n"
+              "    from dptune.runners.trial import leave_deleted_working_directory\n"
               "    leave_deleted_working_directory()\n"
               "import torch\n"
               "a = torch.randn(64, 64)\n"

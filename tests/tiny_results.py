@@ -39,8 +39,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 from dptune.records import SCHEMA_VERSION, ResultsStore, replicate_trial_id, trial_rows
-from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 
 MIN_STEPS = 20
 DELTA = 1e-5

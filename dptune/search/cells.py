@@ -271,7 +271,7 @@ def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: in
 def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, workload: Any) -> bool:
     """Whether the fused runner trains the search's runs (``training.runner``), checked before compute.
 
-    ``auto``: fused where it applies (``dptune.fused.fused_refusal``) and no scheduler needs
+    ``auto``: fused where it applies (``dptune.runners.fused.fused_refusal``) and no scheduler needs
     per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. A fused
     search's base configuration must pass the trial's value checks, and every feasible B must fit at
     least one configuration in the fused runner's memory budget.
@@ -279,7 +279,7 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     runner = space.training.runner
     if runner == "trial" or space.scheduler is not None:
         return False
-    from dptune import fused
+    from dptune.runners import fused
 
     refusal = fused.fused_refusal(base)
     if refusal is not None:

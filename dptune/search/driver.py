@@ -1,7 +1,7 @@
 """The search driver: checks, the results folder's lease, the workload, the cell plans, one Ray
 Tune run for every cell, the search's privacy cost from its ledger, the summary and the report.
 
-Ray appears only here and in :mod:`dptune.tune_adapters`: a trial (``dptune.trial.run_trial``)
+Ray appears only here and in :mod:`dptune.tune_adapters`: a trial (``dptune.runners.trial.run_trial``)
 is a plain function.
 """
 
@@ -27,6 +27,7 @@ from dptune.lease import hold_lease
 from dptune.ledger import charged_runs
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
+from dptune.runners.trial import check_trial_can_run
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,
@@ -40,7 +41,6 @@ from dptune.search.cells import (
 )
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
 from dptune.space import LoadedSpace, SearchSpace, load_space
-from dptune.trial import check_trial_can_run
 
 if TYPE_CHECKING:
     from dptune.search.cli import SearchOptions
@@ -67,7 +67,7 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
         return "already initialised"
     # Every worker process first leaves a deleted working directory (inherited from the
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
-    runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
+    runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
     if target:
         try:
             ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)

@@ -84,9 +84,10 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         for learning_rate in args.learning_rates:
             config = TrialConfig(
-                dataset="20newsgroups", backbone="minilm", peft="head", epsilon=args.epsilon, delta=1e-5,
-                epochs=args.epochs, clip_bound=args.clip_bound, batch_size=batch_size, learning_rate=learning_rate,
-                base_learning_rate=learning_rate, seed=args.seed, threads=1,
+                workload=WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head"),
+                epsilon=args.epsilon, delta=1e-5, epochs=args.epochs, clip_bound=args.clip_bound,
+                batch_size=batch_size, learning_rate=learning_rate, base_learning_rate=learning_rate, seed=args.seed,
+                threads=1
             )
             result = run_trial(config)
             trials.append(result)

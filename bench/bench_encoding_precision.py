@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptune.contract import TrialConfig
+from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.data import features as feature_cache
 from dptune.data.features import PRECISION_ENV, PRECISIONS, TEXT_BATCH_TOKENS, cpu_flags, encode_texts
 from dptune.data.sources import load_20newsgroups
@@ -118,11 +118,14 @@ def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, s
                 EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES):
             learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5
             config = TrialConfig(
-                dataset="20newsgroups", backbone="minilm", peft="head", epsilon=epsilon, delta=1e-5,
-                epochs=epochs, clip_bound=clip, batch_size=batch, learning_rate=learning_rate,
-                base_learning_rate=base_lr, optimizer="adam", clipping="normalized", seed=seed,
-                max_tokens=max_tokens, threads=torch.get_num_threads(), diagnostics=False,
-                max_train_examples=train_examples, max_eval_examples=eval_examples)
+                workload=WorkloadSpec(
+                    dataset="20newsgroups", backbone="minilm", peft="head", max_tokens=max_tokens,
+                    max_train_examples=train_examples, max_eval_examples=eval_examples
+                ),
+                epsilon=epsilon, delta=1e-5, epochs=epochs, clip_bound=clip, batch_size=batch,
+                learning_rate=learning_rate, base_learning_rate=base_lr, optimizer="adam", clipping="normalized",
+                seed=seed, threads=torch.get_num_threads(), diagnostics=False
+            )
             result = run_trial(config)
             rows.append({"precision": precision, "epsilon": epsilon, "epochs": epochs, "clip_bound": clip,
                          "batch_size": batch, "base_learning_rate": base_lr, "status": result.status,

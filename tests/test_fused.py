@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from dptune.contract import WorkloadSpec
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine
@@ -23,31 +24,18 @@ from dptune.dp.opacus_engine import OpacusEngine
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.runners import fused, fused_group
-from dptune.runners.common import cached_workload, workload_spec
+from dptune.runners.common import cached_workload
 from dptune.runners.fused import FusedTrialsFailed, fused_refusal, max_fused_configurations, run_fused
 from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup, PoissonSteps
 from dptune.runners.heads import StackedOptimizer, augment, head_noisy_gradients, stack_heads
 from dptune.runners.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
 
 BASE = TrialConfig(
-    dataset="20newsgroups",
-    backbone="minilm",
-    peft="head",
-    epsilon=8.0,
-    delta=1e-5,
-    epochs=3,
-    clip_bound=1.0,
-    batch_size=40,
-    learning_rate=0.05,
-    base_learning_rate=0.05,
-    optimizer="adam",
-    clipping="normalized",
-    seed=1,
-    max_train_examples=200,
-    max_eval_examples=120,
-    threads=1,
-    diagnostics=False,
-    diagnostic_examples=40,
+    workload=WorkloadSpec(
+        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=200, max_eval_examples=120
+    ),
+    epsilon=8.0, delta=1e-5, epochs=3, clip_bound=1.0, batch_size=40, learning_rate=0.05, base_learning_rate=0.05,
+    optimizer="adam", clipping="normalized", seed=1, threads=1, diagnostics=False, diagnostic_examples=40
 )
 
 
@@ -60,7 +48,7 @@ def cache(dptune_cache_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def train() -> tuple[torch.Tensor, torch.Tensor]:
     """The training features (N, 384) and labels of BASE's workload (real MiniLM features)."""
-    features, labels = cached_workload(workload_spec(BASE)).train.tensors
+    features, labels = cached_workload(BASE.workload).train.tensors
     return features.float(), labels
 
 
@@ -161,7 +149,7 @@ def test_poisson_steps_include_each_example_independently_with_probability_q() -
 
 
 def _group(seeds: list[int | None]) -> FusedGroup:
-    data = DeviceWorkload.build(BASE, cached_workload(workload_spec(BASE)), torch.device("cpu"))
+    data = DeviceWorkload.build(BASE, cached_workload(BASE.workload), torch.device("cpu"))
     return FusedGroup(data, [replace(BASE, seed=s) for s in seeds], noise_multiplier=1.0)
 
 
@@ -371,10 +359,11 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         ([BASE, replace(BASE, epsilon=2.0)], ("configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
                                               "batch_size, learning_rate, base_learning_rate, seed")),
         ([BASE, replace(BASE, clipping="auto_s")], "differs from configuration 0 in clipping"),
-        ([replace(BASE, peft="film")], "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
+        ([replace(BASE, workload=replace(BASE.workload, peft="film"))],
+         "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
         ([BASE, replace(BASE, engine="opacus")], "configuration 1 cannot be fused: engine 'opacus'.*'auto' or 'film'"),
         ([replace(BASE, optimizer="lion")], "adam, sgd"),
-        ([BASE, replace(BASE, split_seed=1)], "differs from configuration 0 in split_seed"),
+        ([BASE, replace(BASE, workload=replace(BASE.workload, seed=1))], "differs from configuration 0 in split_seed"),
         ([BASE, replace(BASE, batch_size=1000)], "batch_size 1000 exceeds the 200 training examples"),
     ],
 )
@@ -415,7 +404,7 @@ def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
         "import sys\n"
         "from dataclasses import replace\n"
         "import dptune.execution, dptune.tune_adapters\n"
-        "from dptune.contract import TrialConfig\n"
+        "from dptune.contract import TrialConfig, WorkloadSpec\n"
         "from dptune.runners.fused import run_fused\n"
         f"BASE = {BASE!r}\n"
         "done = []\n"

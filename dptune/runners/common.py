@@ -7,8 +7,7 @@ The one-trial runner (:mod:`dptune.runners.trainer`) and the fused runner
 - checks, in the order a runner makes them, before any compute: :func:`check_config` (names
   against the registries, values, the device), then after loading :func:`check_fits_workload`
   (B ≤ N, δ suits N);
-- the workload: :func:`workload_spec` (a config's dataset × backbone × PEFT, knobs and public
-  split seed) and :func:`cached_workload` (loaded once per process);
+- the workload: :func:`cached_workload` of a config's ``workload`` spec (loaded once per process);
 - the diagnostics: :func:`probe_indices` (the probe rows, the same for every trial of a search)
   and :func:`diagnostic_epochs` (0, ⌈E/2⌉ and E);
 - the outcome: :class:`Evaluation` (loss, accuracy, per-class counts of one split),
@@ -29,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dptune.contract import TrialConfig
-from dptune.data import DATASETS, Workload, WorkloadSpec, load_workload
+from dptune.contract import TrialConfig, WorkloadSpec
+from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.engine import check_engine
 from dptune.dp.optimizers import check_optimizer
@@ -56,9 +55,9 @@ def check_config(config: TrialConfig) -> torch.device:
     Cheap checks only (no data, no weights). Returns the device the trial runs on.
     """
     for kind, value, registry in (
-        ("dataset", config.dataset, DATASETS),
-        ("backbone", config.backbone, BACKBONES),
-        ("peft", config.peft, PEFTS),
+        ("dataset", config.workload.dataset, DATASETS),
+        ("backbone", config.workload.backbone, BACKBONES),
+        ("peft", config.workload.peft, PEFTS),
     ):
         if value not in registry:
             raise TrialConfigError(f"{kind} {value!r} is unknown; choose one of {_choices(registry)}")
@@ -118,29 +117,12 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def workload_spec(config: TrialConfig) -> WorkloadSpec:
-    """The workload a trial trains on: its dataset × backbone × PEFT, knobs and seed."""
-    return WorkloadSpec(
-        dataset=config.dataset,
-        backbone=config.backbone,
-        peft=config.peft,
-        seed=config.split_seed,
-        fraction=config.fraction,
-        examples_per_class=config.examples_per_class,
-        classes=config.classes,
-        max_tokens=config.max_tokens,
-        validation_fraction=config.validation_fraction,
-        max_train_examples=config.max_train_examples,
-        max_eval_examples=config.max_eval_examples,
-    )
-
-
 def check_fits_workload(config: TrialConfig, num_train: int) -> None:
     """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N."""
     if config.batch_size > num_train:
         raise TrialConfigError(
             f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
-            f"{config.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
+            f"{config.workload.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
         )
     check_delta(config.delta, num_train)
 
@@ -176,7 +158,7 @@ def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.
     The probe is no coin of the mechanism: every trial of a search diagnoses the same examples (the
     public split seed picks them), so that their diagnostics compare.
     """
-    (seed,) = np.random.SeedSequence([config.split_seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
+    (seed,) = np.random.SeedSequence([config.workload.seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
     fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
     size = min(config.diagnostic_examples, num_train, fits)
     return torch.randperm(num_train, generator=torch.Generator().manual_seed(int(seed)))[:size]

@@ -55,7 +55,6 @@ heads' tensor math; :mod:`dptune.runners.common` what the one-trial runner share
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ from dptune.data import Workload
 from dptune.errors import DptuneError, TrialConfigError
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
-from dptune.runners.common import cached_workload, check_config, check_fits_workload, torch_threads, workload_spec
+from dptune.runners.common import cached_workload, check_config, check_fits_workload, torch_threads
 from dptune.runners.fused_group import FUSED_ENGINE, DeviceWorkload, FusedGroup, chunk_steps
 from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
 
@@ -101,9 +100,9 @@ def fused_refusal(config: TrialConfig) -> str | None:
     any clipping rule, optimizer adam or sgd, engine ``auto`` or ``film``. A config with unknown
     names or bad values is for :func:`~dptune.runners.common.check_config` to refuse.
     """
-    if config.peft != "head":
-        return (f"peft {config.peft!r} trains backbone parameters; the fused runner trains a linear head on "
-                f"cached features (peft 'head')")
+    if config.workload.peft != "head":
+        return (f"peft {config.workload.peft!r} trains backbone parameters; the fused runner trains a linear head "
+                f"on cached features (peft 'head')")
     if config.engine not in FUSABLE_ENGINES:
         allowed = " or ".join(map(repr, FUSABLE_ENGINES))
         return (f"engine {config.engine!r} asks for another per-example gradient engine; the fused runner "
@@ -126,19 +125,19 @@ def check_fusable(configs: Sequence[TrialConfig]) -> torch.device:
         if not isinstance(config, TrialConfig):
             raise TrialConfigError(f"configuration {index} is a {type(config).__name__}, not a TrialConfig")
     device = check_config(configs[0])
-    neutral = {name: None for name in FUSABLE_FIELDS}
-    cell = dataclasses.replace(configs[0], **neutral)
+    neutral = dict.fromkeys(FUSABLE_FIELDS)
+    first = configs[0].row()  # flat: a workload field is named as in a result row
     for index, config in enumerate(configs):
         check_config(config)
         refusal = fused_refusal(config)
         if refusal is not None:
             raise TrialConfigError(f"configuration {index} cannot be fused: {refusal}")
-        other = dataclasses.replace(config, **neutral)
-        if other != cell:
-            field = next(f.name for f in dataclasses.fields(cell) if getattr(other, f.name) != getattr(cell, f.name))
+        row = config.row()
+        field = next((name for name in first if name not in neutral and row[name] != first[name]), None)
+        if field is not None:
             raise TrialConfigError(
-                f"configuration {index} differs from configuration 0 in {field} ({getattr(config, field)!r} vs "
-                f"{getattr(configs[0], field)!r}); fused configurations may differ only in {', '.join(FUSABLE_FIELDS)}"
+                f"configuration {index} differs from configuration 0 in {field} ({row[field]!r} vs "
+                f"{first[field]!r}); fused configurations may differ only in {', '.join(FUSABLE_FIELDS)}"
             )
     return device
 
@@ -239,7 +238,7 @@ def run_fused(configs: Sequence[TrialConfig],
     device = check_fusable(configs)
     first = configs[0]
     with torch_threads(first.threads):
-        workload = cached_workload(workload_spec(first))
+        workload = cached_workload(first.workload)
         num_train = len(workload.train)
         for config in configs:
             check_fits_workload(config, num_train)

@@ -192,7 +192,8 @@ class GroupCoins:
             coins = trial_coins(config.seed)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(init_seed(coins.init))
-                head = build_model(config.backbone, config.peft, data.workload.num_classes, feature_input=True)
+                head = build_model(config.workload.backbone, config.workload.peft, data.workload.num_classes,
+                                   feature_input=True)
             weights.append(head.weight.detach())
             biases.append(head.bias.detach())
             self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))

@@ -66,7 +66,6 @@ from dptune.runners.common import (
     noisy_score,
     probe_indices,
     torch_threads,
-    workload_spec,
 )
 
 
@@ -118,10 +117,11 @@ class Trial:
         self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(
-            config.backbone, config.peft, workload.num_classes, feature_input=workload.modality == "features"
+            config.workload.backbone, config.workload.peft, workload.num_classes,
+            feature_input=workload.modality == "features",
         ).to(device)
         check_dp_compatible(self.model)
-        engine_factory = select_engine(config.engine, self.model, config.peft)  # refuses before σ is computed
+        engine_factory = select_engine(config.engine, self.model, config.workload.peft)  # refuses before σ is computed
         self.sample_rate = sample_rate(num_train, config.batch_size)
         self.steps = total_steps(num_train, config.batch_size, config.epochs)
         self.epoch_steps = epoch_steps(num_train, config.batch_size, config.epochs)
@@ -292,7 +292,7 @@ def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
     """Check ``config``, load and build everything, then train; see the module docstring."""
     device = check_config(config)
     with torch_threads(config.threads):
-        workload = cached_workload(workload_spec(config))
+        workload = cached_workload(config.workload)
         check_fits_workload(config, len(workload.train))
         trial = Trial(config, device, workload)
         try:

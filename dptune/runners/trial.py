@@ -34,7 +34,7 @@ __all__ = [
 
 
 def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
-    """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch.
+    """Fine-tune ``config.workload``'s backbone on its dataset with DP; call ``report`` per epoch.
 
     Raises ``ValueError`` (:class:`TrialConfigError`, ``WorkloadError``, ``ModelError``,
     ``PrivacyParameterError``) for bad input, always before training; any error once training
@@ -67,18 +67,17 @@ def check_trial_can_run(config: TrialConfig) -> None:
     from dptune.data.workload import check_spec
     from dptune.dp.engine_registry import select_engine
     from dptune.models import build_model, check_dp_compatible
-    from dptune.runners.common import check_config, workload_spec
+    from dptune.runners.common import check_config
 
     check_config(config)
-    check_spec(workload_spec(config))
-    classes = len(config.classes) if config.classes is not None else DATASETS[config.dataset].num_classes
+    spec = config.workload
+    check_spec(spec)
+    classes = len(spec.classes) if spec.classes is not None else DATASETS[spec.dataset].num_classes
     with torch.device("meta"):
-        model = build_model(
-            config.backbone, config.peft, classes, feature_input=config.peft == "head", pretrained=False
-        )
+        model = build_model(spec.backbone, spec.peft, classes, feature_input=spec.peft == "head", pretrained=False)
     check_dp_compatible(model)
     try:
-        select_engine(config.engine, model, config.peft)
+        select_engine(config.engine, model, spec.peft)
     except ValueError as error:
         raise TrialConfigError(str(error)) from error
 

@@ -37,6 +37,7 @@ from dptune.search.cells import (
     kept_trial_counts,
     plan_cells,
     record_pruned_grid,
+    task_workload,
     unit_size,
 )
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
@@ -290,7 +291,7 @@ def run_search(options: SearchOptions) -> str:
 
 
 def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
-    from dptune.data import DATASETS, WorkloadSpec, load_workload
+    from dptune.data import DATASETS, load_workload
 
     space = loaded.space
     private = space.privacy.private_selection is not None
@@ -315,11 +316,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         print(init_ray(options.address), flush=True)
         preflight.check_cluster_resources(space.resources)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
-    workload = load_workload(WorkloadSpec(
-        dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
-        fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
-        max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
-        max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
     preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
     if private and not options.dry_run:  # K once per search, inside the trust boundary

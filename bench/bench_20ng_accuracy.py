@@ -20,8 +20,9 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
+from dptune.contract import TrialConfig, TrialResult
 from dptune.data import WorkloadSpec, load_workload
-from dptune.trial import TrialConfig, TrialResult, run_trial
+from dptune.runners.trial import run_trial
 
 L2_GRID = (0.0, 1e-4, 1e-3, 1e-2)
 
@@ -83,9 +84,10 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         for learning_rate in args.learning_rates:
             config = TrialConfig(
-                dataset="20newsgroups", backbone="minilm", peft="head", epsilon=args.epsilon, delta=1e-5,
-                epochs=args.epochs, clip_bound=args.clip_bound, batch_size=batch_size, learning_rate=learning_rate,
-                base_learning_rate=learning_rate, seed=args.seed, threads=1,
+                workload=WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head"),
+                epsilon=args.epsilon, delta=1e-5, epochs=args.epochs, clip_bound=args.clip_bound,
+                batch_size=batch_size, learning_rate=learning_rate, base_learning_rate=learning_rate, seed=args.seed,
+                threads=1
             )
             result = run_trial(config)
             trials.append(result)

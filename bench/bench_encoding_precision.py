@@ -36,11 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.data import features as feature_cache
 from dptune.data.features import PRECISION_ENV, PRECISIONS, TEXT_BATCH_TOKENS, cpu_flags, encode_texts
 from dptune.data.sources import load_20newsgroups
 from dptune.models import BACKBONES, build_feature_extractor, load_tokenizer
-from dptune.trial import TrialConfig, run_trial
+from dptune.runners.trial import run_trial
 
 #: The default search's cells (search_spaces/default.yaml) and a spread of (C, B, η₀) in its ranges.
 EPSILONS = (1.0, 8.0)
@@ -107,21 +108,24 @@ def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int]
 
 def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
     """One row per (precision, ε, E, C, B, η₀): validation and test accuracy of the DP probe."""
-    from dptune.dp import trainer
+    from dptune.runners import common
 
     rows = []
     for precision in PRECISIONS:
         os.environ[PRECISION_ENV] = precision
-        trainer._process_workload.cache_clear()  # the memo is keyed by spec, not by precision
+        common.cached_workload.cache_clear()  # the memo is keyed by spec, not by precision
         for epsilon, epochs, clip, batch, base_lr in itertools.product(
                 EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES):
             learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5
             config = TrialConfig(
-                dataset="20newsgroups", backbone="minilm", peft="head", epsilon=epsilon, delta=1e-5,
-                epochs=epochs, clip_bound=clip, batch_size=batch, learning_rate=learning_rate,
-                base_learning_rate=base_lr, optimizer="adam", clipping="normalized", seed=seed,
-                max_tokens=max_tokens, threads=torch.get_num_threads(), diagnostics=False,
-                max_train_examples=train_examples, max_eval_examples=eval_examples)
+                workload=WorkloadSpec(
+                    dataset="20newsgroups", backbone="minilm", peft="head", max_tokens=max_tokens,
+                    max_train_examples=train_examples, max_eval_examples=eval_examples
+                ),
+                epsilon=epsilon, delta=1e-5, epochs=epochs, clip_bound=clip, batch_size=batch,
+                learning_rate=learning_rate, base_learning_rate=base_lr, optimizer="adam", clipping="normalized",
+                seed=seed, threads=torch.get_num_threads(), diagnostics=False
+            )
             result = run_trial(config)
             rows.append({"precision": precision, "epsilon": epsilon, "epochs": epochs, "clip_bound": clip,
                          "batch_size": batch, "base_learning_rate": base_lr, "status": result.status,

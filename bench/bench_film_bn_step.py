@@ -5,7 +5,7 @@ The machinery, timing and outputs are those of ``bench/bench_dp_step.py`` (see i
 interleaved rounds, best round, CPU time on the CPU, synchronised wall clock on CUDA, the
 FiLM-vs-Opacus gradient agreement column); only the cases differ. FiLM here trains the scale and
 shift of the 49 BatchNormAct2d layers (held in evaluation mode: running statistics used, never
-updated; ``dptune.dp.batch_norm``) and the head: d = 170,116 (42,016 BatchNorm scales and
+updated; ``dptune.models.batch_norm``) and the head: d = 170,116 (42,016 BatchNorm scales and
 shifts, a 1280 x 100 head). Random weights (the speed does not depend on them), 100 classes.
 
 Cases. ``--device cpu``: 64 px (the embedded MNIST-5k space's size), B = 64, float32.

@@ -33,20 +33,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dptune.dp.trainer import _process_workload, workload_spec
-from dptune.fused import run_fused
+from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
-from dptune.trial import TrialConfig, run_trial
+from dptune.runners.common import cached_workload
+from dptune.runners.fused import run_fused
+from dptune.runners.trial import run_trial
 
 
 def configurations(args: argparse.Namespace) -> list[TrialConfig]:
     """The cell's configurations: B from the list, C and η₀ log-uniform, drawn with ``--seed``."""
     rng = np.random.default_rng(args.seed)
-    base = TrialConfig(dataset="20newsgroups", backbone="minilm", peft="head", epsilon=args.epsilon, delta=1e-5,
-                       epochs=args.epochs, clip_bound=1.0, batch_size=256, learning_rate=1e-3, base_learning_rate=1e-3,
-                       max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
-                       device=args.device, threads=args.threads, diagnostics=not args.no_diagnostics)
+    base = TrialConfig(
+        workload=WorkloadSpec(
+            dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=args.max_train_examples,
+            max_eval_examples=args.max_eval_examples
+        ),
+        epsilon=args.epsilon, delta=1e-5, epochs=args.epochs, clip_bound=1.0, batch_size=256, learning_rate=1e-3,
+        base_learning_rate=1e-3, device=args.device, threads=args.threads, diagnostics=not args.no_diagnostics
+    )
     drawn = []
     for _ in range(args.configurations):
         batch_size = int(rng.choice(args.batch_sizes))
@@ -72,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
 
     configs = configurations(args)
-    workload = _process_workload(workload_spec(configs[0]))
+    workload = cached_workload(configs[0].workload)
     num_train = len(workload.train)
     batch_sizes = sorted({c.batch_size for c in configs})
     for b in batch_sizes:  # σ calibrated and cached before anything is timed

@@ -6,7 +6,7 @@ C × B × η₀ (``--clip-values`` log-spaced values in [0.01, 10], the 7 batch 
 ``--lr-values`` log-spaced values in [1e-4, 1e-1]), read twice: with √B coupling
 (η = η₀·√(B/256)) and without (η = η₀); the runs the two readings share (B = 256) run once.
 Every (C, B, η) runs ``--replicates`` times with its own coins (a seed per configuration and
-replicate, so the grid is reproducible), all through the fused runner ``dptune.fused.run_fused``,
+replicate, so the grid is reproducible), all through the fused runner ``dptune.runners.fused.run_fused``,
 without diagnostics. The grid is cached as Parquet (``--grid``), one row per (coupling, C, B,
 η₀, replicate), so the simulation reruns in seconds.
 
@@ -79,8 +79,8 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
     Writes ``args.grid`` after each replicate, and resumes from the replicates already there."""
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
-    from dptune.fused import run_fused
     from dptune.plan import coupled_learning_rate
+    from dptune.runners.fused import run_fused
     from dptune.space import load_space
 
     loaded = load_space(DEFAULT_SPACE, {"privacy.epsilons": [args.epsilon], "epochs": [args.epochs],

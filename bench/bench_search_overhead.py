@@ -47,9 +47,9 @@ def main() -> None:
 
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
+    from dptune.runners.trial import run_trial
     from dptune.search.execution import TrialContext, trial_config
     from dptune.space import load_space
-    from dptune.trial import run_trial
 
     def cell_run(points: int, storage: str) -> tuple[float, list]:
         """Wall time of one cell run of ``points`` grid points, and the trial configs it ran."""

@@ -1,7 +1,8 @@
 """The trial's contract: the plain-data types every part of dptune exchanges, and the names they take.
 
-A :class:`TrialConfig` goes in, :class:`EpochMetrics` are reported per epoch, a :class:`TrialResult`
-(with :class:`Diagnostics` per diagnosed epoch) comes out. :mod:`dptune.trial` runs one, the
+A :class:`TrialConfig` (a :class:`WorkloadSpec` and the trial's privacy, hyperparameters and
+execution) goes in, :class:`EpochMetrics` are reported per epoch, a :class:`TrialResult`
+(with :class:`Diagnostics` per diagnosed epoch) comes out. :mod:`dptune.runners.trial` runs one, the
 search sends them through Ray Tune, :mod:`dptune.records` writes them to Parquet.
 
 The name registries live here as ``Literal`` types with their tuples (``PEFT_NAMES``,
@@ -18,8 +19,8 @@ readers: space, records, analysis) can import it without a cycle.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar, get_args
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar, get_args
 
 #: Parameter-efficient fine-tuning methods (implementations: ``dptune.models.PEFTS``).
 PeftName = Literal["head", "film", "lora", "full"]
@@ -27,11 +28,11 @@ PEFT_NAMES: tuple[str, ...] = get_args(PeftName)
 #: Base optimizers a DP gradient steps (implementations: ``dptune.dp.optimizers.OPTIMIZERS``).
 OptimizerName = Literal["adam", "sgd"]
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
-#: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine.select_engine``).
+#: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine_registry.select_engine``).
 EngineName = Literal["auto", "opacus", "film"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 #: How a search trains its runs (``dptune.search.execution``): ``fused`` (many configurations as one
-#: vectorised computation, ``dptune.fused``) where it applies under ``auto``, else ``trial``.
+#: vectorised computation, ``dptune.runners.fused``) where it applies under ``auto``, else ``trial``.
 RunnerName = Literal["auto", "fused", "trial"]
 RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
 #: A cell's Optuna sampler (``dptune.search.sampler``).
@@ -58,8 +59,46 @@ def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
 
 
 @dataclass(frozen=True)
+class WorkloadSpec:
+    """Names one workload: dataset × backbone × PEFT, plus the difficulty knobs and the public split seed.
+
+    :func:`dptune.data.load_workload` resolves it to splits; a :class:`TrialConfig` trains on one.
+
+    Invariants checked by :func:`dptune.data.load_workload` before any heavy work:
+    ``0 < fraction <= 1``; ``examples_per_class >= 1``; ``fraction`` and ``examples_per_class``
+    are not both set; ``classes`` are distinct label ids of the dataset (kept in the given order
+    and relabelled ``0..k-1``); ``0 < validation_fraction < 1``; ``max_tokens >= 8`` (text);
+    ``max_train_examples``/``max_eval_examples >= 1``.
+
+    - ``fraction``: stratified share of the training split to keep (the paper's CIFAR-100 10%
+      subset is ``fraction=0.1``); the validation split is carved before it and does not shrink.
+    - ``examples_per_class``: keep exactly this many training examples per class (few-shot).
+    - ``classes``: keep only these classes, in train, validation and test.
+    - ``max_tokens``: text truncation/padding length in tokens; ``None`` = the backbone's default.
+    - ``validation_fraction``: stratified share of the (class-filtered) training split held out
+      for hyperparameter selection. Selection uses validation, never test.
+    - ``max_train_examples`` / ``max_eval_examples``: stratified caps for tests and smoke runs;
+      when set, only the kept examples are encoded (cached under their own key).
+    """
+
+    dataset: str
+    backbone: str
+    peft: PeftName
+    seed: int = 0
+    fraction: float = 1.0
+    examples_per_class: int | None = None
+    classes: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    validation_fraction: float = 0.1
+    max_train_examples: int | None = None
+    max_eval_examples: int | None = None
+
+
+@dataclass(frozen=True)
 class TrialConfig:
-    """Everything that defines a trial. Plain data: it round-trips through a dict (Tune config).
+    """Everything that defines a trial: the ``workload`` it trains on (built once from the search's
+    task, :func:`dptune.search.cells.task_workload`) and the trial's own privacy, hyperparameters
+    and execution. Plain data; :meth:`row` is its flat form in a result row.
 
     Units: ``epsilon`` and ``delta`` of (ε, δ)-DP under add/remove adjacency; ``epochs`` is the
     compute budget E (passes over the training set in expectation); ``clip_bound`` is C in
@@ -67,7 +106,8 @@ class TrialConfig:
     sampling; ``learning_rate`` is the η the optimizer uses, ``base_learning_rate`` the η₀ it was
     coupled from (η = η₀·√(B/B_ref), or η = η₀ when coupling is off).
 
-    Randomness: ``split_seed`` is public and fixes the data split, subset caps and diagnostics probe.
+    Randomness: ``workload.seed`` (the ``split_seed`` of a result row) is public and fixes the data
+    split, subset caps and diagnostics probe.
     ``seed`` roots the trial's *coins* (model initialisation, Poisson sampling, gradient noise,
     score noise): ``None`` (the default) draws them from fresh OS entropy, so
     no two trials share noise or batches and nothing stored regenerates them — what the (ε, δ)
@@ -77,9 +117,7 @@ class TrialConfig:
     correct validation predictions plus N(0, σ_s²) (sensitivity 1 under add/remove of a row).
     """
 
-    dataset: str
-    backbone: str
-    peft: PeftName
+    workload: WorkloadSpec
     epsilon: float
     delta: float
     epochs: int
@@ -90,16 +128,7 @@ class TrialConfig:
     optimizer: OptimizerName = "adam"
     clipping: ClippingRule = "normalized"
     seed: int | None = None
-    split_seed: int = 0
     score_noise_multiplier: float | None = None
-    # difficulty knobs and data sizing
-    fraction: float = 1.0
-    examples_per_class: int | None = None
-    classes: tuple[int, ...] | None = None
-    max_tokens: int | None = None
-    validation_fraction: float = 0.1
-    max_train_examples: int | None = None  # caps for quick runs and tests (seeded, stratified)
-    max_eval_examples: int | None = None
     # execution
     device: str = "auto"
     max_physical_batch_size: int = 256
@@ -108,6 +137,15 @@ class TrialConfig:
     # diagnostics: a fixed probe of ≤ diagnostic_examples training examples at a few epochs
     diagnostics: bool = True
     diagnostic_examples: int = 256
+
+    def row(self) -> dict[str, Any]:
+        """The config as one flat dict, as result rows store it: the workload's fields beside the
+        trial's, the workload's ``seed`` named ``split_seed`` (so the Parquet schema and the
+        ``config`` JSON stay those of the flat config that preceded the nested one)."""
+        flat = {"split_seed" if f.name == "seed" else f.name: getattr(self.workload, f.name)
+                for f in fields(WorkloadSpec)}
+        flat.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "workload"})
+        return flat
 
 
 @dataclass

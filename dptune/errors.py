@@ -9,8 +9,8 @@ means nothing was spent. A command's ``main()`` catches ``DptuneError`` only and
 shaped ``error: <where>: <what> (<what is allowed>)`` with exit status 2; anything else is a bug
 and keeps its traceback.
 
-The trial's errors live here too (:class:`TrialConfigError`, :class:`TrialFailed`): ``dptune.trial`` and
-its implementation ``dptune.dp.trainer`` both raise them. This module imports nothing else from
+The trial's errors live here too (:class:`TrialConfigError`, :class:`TrialFailed`): ``dptune.runners.trial`` and
+its implementation ``dptune.runners.trainer`` both raise them. This module imports nothing else from
 dptune, so every module can import it.
 """
 

@@ -329,13 +329,13 @@ def fault_injection_env(env: dict[str, str], folder: Path, condition: str, messa
     ``RuntimeError(message)`` inside ``run_trial``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
-        "import dptune.search.execution, dptune.trial\n"
-        "_real = dptune.trial.run_trial\n"
+        "import dptune.search.execution, dptune.runners.trial\n"
+        "_real = dptune.runners.trial.run_trial\n"
         "def run_trial(config, report=None):\n"
         f"    if {condition}:\n"
         f"        raise RuntimeError({message!r})\n"
         "    return _real(config, report)\n"
-        "dptune.trial.run_trial = dptune.search.execution.run_trial = run_trial\n")
+        "dptune.runners.trial.run_trial = dptune.search.execution.run_trial = run_trial\n")
     return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}
 
 

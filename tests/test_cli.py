@@ -17,11 +17,11 @@ import ray
 from conftest import REPO_ROOT, SearchRun, search_command
 from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
+from dptune.contract import EpochMetrics, TrialResult
 from dptune.records import ResultsStore, read_table, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.execution import TrialContext, configuration_id, trial_config
 from dptune.space import Cell, load_space
-from dptune.trial import EpochMetrics, TrialResult
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 

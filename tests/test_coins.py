@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import dptune.dp.trainer as trainer
-from dptune import fused
+from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.dp.coins import DeviceCoins, cpu_generator, trial_coins
-from dptune.dp.trainer import workload_spec
-from dptune.trial import TrialConfig
+from dptune.runners.common import cached_workload
+from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup
+from dptune.runners.trainer import Trial
 
 CPU = torch.device("cpu")
 LOW32 = 0x1234_5678
@@ -32,24 +32,11 @@ OLD_NOISE_COLLISION = (14375, 53572)
 OLD_SAMPLING_COLLISION = (92369, 92670)
 
 BASE = TrialConfig(
-    dataset="20newsgroups",
-    backbone="minilm",
-    peft="head",
-    epsilon=8.0,
-    delta=1e-5,
-    epochs=2,
-    clip_bound=1.0,
-    batch_size=50,
-    learning_rate=0.05,
-    base_learning_rate=0.05,
-    optimizer="adam",
-    clipping="normalized",
-    seed=1,
-    max_train_examples=100,
-    max_eval_examples=60,
-    engine="film",
-    threads=1,
-    diagnostics=False,
+    workload=WorkloadSpec(
+        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=100, max_eval_examples=60
+    ),
+    epsilon=8.0, delta=1e-5, epochs=2, clip_bound=1.0, batch_size=50, learning_rate=0.05, base_learning_rate=0.05,
+    optimizer="adam", clipping="normalized", seed=1, engine="film", threads=1, diagnostics=False
 )
 
 
@@ -110,7 +97,7 @@ def test_same_seed_same_draws_and_the_four_streams_differ() -> None:
 
 def _trial_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """run_trial's first Poisson mask (N,) and first step's noise (the gradient of an empty batch)."""
-    trial = trainer._Trial(config, CPU, trainer._process_workload(workload_spec(config)))
+    trial = Trial(config, CPU, cached_workload(config.workload))
     sampler = trial.loader.batch_sampler
     mask = torch.zeros(len(trial.workload.train), dtype=torch.bool)
     mask[next(iter(sampler))] = True
@@ -132,7 +119,7 @@ def test_trials_whose_seeds_share_low_bits_draw_different_masks_and_noise(pair: 
     assert torch.equal(mask_again, mask_a) and torch.equal(noise_again, noise_a)
 
 
-def _masks(draws: fused.Draws, num_train: int) -> torch.Tensor:
+def _masks(draws: Draws, num_train: int) -> torch.Tensor:
     """(K, steps, N) inclusion masks of a fused group's draws."""
     steps, k, _ = draws.index.shape
     mask = torch.zeros(k, steps, num_train + 1, dtype=torch.bool)
@@ -143,16 +130,15 @@ def _masks(draws: fused.Draws, num_train: int) -> torch.Tensor:
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
 def test_fused_configurations_whose_seeds_share_low_bits_draw_different_masks_and_noise(
         pair: tuple[int, int]) -> None:
-    workload = trainer._process_workload(workload_spec(BASE))
-    cell = fused._Cell.build(BASE, workload, CPU)
-    group = fused._Group(cell, [replace(BASE, seed=s) for s in pair], noise_multiplier=1.0)
-    draws = group.draw(10)
-    masks = _masks(draws, group.num_train)
+    data = DeviceWorkload.build(BASE, cached_workload(BASE.workload), CPU)
+    group = FusedGroup(data, [replace(BASE, seed=s) for s in pair], noise_multiplier=1.0)
+    draws = group.coins.draw(10)
+    masks = _masks(draws, data.num_train)
     assert not torch.equal(masks[0], masks[1])
     assert not torch.equal(draws.noise[:, 0], draws.noise[:, 1])
-    again = fused._Group(cell, [replace(BASE, seed=pair[0])], noise_multiplier=1.0).draw(10)
+    again = FusedGroup(data, [replace(BASE, seed=pair[0])], noise_multiplier=1.0).coins.draw(10)
     assert torch.equal(again.noise[:, 0], draws.noise[:, 0])
-    assert torch.equal(_masks(again, group.num_train)[0], masks[0])
+    assert torch.equal(_masks(again, data.num_train)[0], masks[0])
 
 
 class _RecordingPhilox:

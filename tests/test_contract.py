@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from dptune import contract
-from dptune.contract import CLIPPING_RULES, ENGINE_NAMES, OPTIMIZER_NAMES, PEFT_NAMES, check_registry
+from dptune.contract import (
+    CLIPPING_RULES,
+    ENGINE_NAMES,
+    OPTIMIZER_NAMES,
+    PEFT_NAMES,
+    TrialConfig,
+    WorkloadSpec,
+    check_registry,
+)
 
 PACKAGE = Path(contract.__file__).parent
 
@@ -35,22 +43,46 @@ def test_contract_imports_nothing_from_dptune_and_errors_nothing_either() -> Non
 
 
 def test_trial_and_its_implementation_do_not_import_each_other() -> None:
-    assert "dptune.trial" not in dptune_imports("dptune.dp.trainer")
-    assert "dptune.trial" not in dptune_imports("dptune.dp.diagnostics")
-    assert "dptune.dp.trainer" in dptune_imports("dptune.trial")  # the one direction: trial → trainer
+    assert "dptune.runners.trial" not in dptune_imports("dptune.runners.trainer")
+    assert "dptune.runners.trial" not in dptune_imports("dptune.dp.diagnostics")
+    assert "dptune.runners.trainer" in dptune_imports("dptune.runners.trial")  # the one direction: trial → trainer
 
 
 def test_film_engine_does_not_import_the_opacus_engine() -> None:
     assert "dptune.dp.opacus_engine" not in dptune_imports("dptune.dp.film")
 
 
+def test_engines_are_registered_by_contract_name_and_import_neither_the_registry_nor_each_other() -> None:
+    from dptune.dp.engine_registry import ENGINES
+
+    assert set(ENGINES) == set(ENGINE_NAMES) - {"auto"}
+    for entry in ENGINES.values():
+        assert "dptune.dp.engine_registry" not in dptune_imports(entry.module)
+    assert not {"dptune.dp.film", "dptune.dp.opacus_engine"} & dptune_imports("dptune.dp.engine")
+
+
 def test_trial_re_exports_the_contract_types_unchanged() -> None:
-    import dptune.trial as trial
+    import dptune.runners.trial as trial
 
     for name in ("TrialConfig", "EpochMetrics", "ClassDiagnostics", "Diagnostics", "TrialResult", "TrialStatus",
                  "Reporter"):
         assert getattr(trial, name) is getattr(contract, name)
         assert name in trial.__all__
+
+
+def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() -> None:
+    workload = WorkloadSpec("20newsgroups", "minilm", "head", seed=3, classes=(1, 2), max_train_examples=50)
+    config = TrialConfig(workload=workload, epsilon=1.0, delta=1e-5, epochs=2, clip_bound=0.5, batch_size=16,
+                         learning_rate=1e-3, base_learning_rate=1e-3, seed=7)
+    row = config.row()
+    assert set(row) == {  # the 28 fields of the flat TrialConfig the Parquet schema and config JSON were made for
+        "dataset", "backbone", "peft", "epsilon", "delta", "epochs", "clip_bound", "batch_size", "learning_rate",
+        "base_learning_rate", "optimizer", "clipping", "seed", "split_seed", "score_noise_multiplier", "fraction",
+        "examples_per_class", "classes", "max_tokens", "validation_fraction", "max_train_examples",
+        "max_eval_examples", "device", "max_physical_batch_size", "threads", "engine", "diagnostics",
+        "diagnostic_examples"}
+    assert (row["split_seed"], row["seed"], row["classes"], row["max_train_examples"]) == (3, 7, (1, 2), 50)
+    assert (row["dataset"], row["backbone"], row["peft"], row["epsilon"]) == ("20newsgroups", "minilm", "head", 1.0)
 
 
 def test_implementation_tables_are_keyed_by_the_contract_names() -> None:

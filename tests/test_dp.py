@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptune.dp.clipping import AUTO_S_STABILITY
-from dptune.dp.engine import DPStepSpec, select_engine
+from dptune.dp.engine import DPStepSpec
+from dptune.dp.engine_registry import select_engine
 from dptune.dp.film import FilmEngine
 from dptune.dp.opacus_engine import OpacusEngine, RuleDPOptimizer
 from dptune.dp.optimizers import build_optimizer

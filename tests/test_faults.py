@@ -137,7 +137,7 @@ def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dic
 _KILLER = """
 import os, pathlib, signal, sys
 if sys.argv and sys.argv[0].endswith("default_worker.py"):
-    import dptune.fused as fused
+    import dptune.runners.fused as fused
     _real = fused.run_fused
     marks = pathlib.Path(os.environ["DPTUNE_TEST_KILLS"])
     def run_fused(configs, on_done=None, **kwargs):

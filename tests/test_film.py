@@ -19,7 +19,8 @@ from timm.layers import LayerNorm2d
 from torch import nn
 
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
-from dptune.dp.engine import DPStepSpec, select_engine, summed_cross_entropy
+from dptune.dp.engine import DPStepSpec, summed_cross_entropy
+from dptune.dp.engine_registry import select_engine
 from dptune.dp.film import FilmEngine, unsupported_modules
 from dptune.dp.opacus_engine import OpacusEngine, grad_sample_hooks
 from dptune.dp.optimizers import per_example_norms

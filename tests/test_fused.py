@@ -1,4 +1,4 @@
-"""Fused trials (dptune.fused) on the embedded 20 Newsgroups + MiniLM head workload (small subsets).
+"""Fused trials (dptune.runners.fused) on the embedded 20 Newsgroups + MiniLM head workload (small subsets).
 
 Each fused configuration must be the mechanism run_trial runs: the same DP step as the FiLM and
 Opacus engines, torch's optimizers, its own independent coins, and the same accuracies in
@@ -16,46 +16,26 @@ import pytest
 import torch
 from torch import nn
 
-from dptune import fused
+from dptune.contract import WorkloadSpec
 from dptune.dp.clipping import CLIPPING_RULES, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec
 from dptune.dp.film import FilmEngine
 from dptune.dp.opacus_engine import OpacusEngine
-from dptune.dp.trainer import _process_workload, workload_spec
-from dptune.fused import (
-    FusedTrialsFailed,
-    PoissonSteps,
-    StackedOptimizer,
-    augment,
-    fused_refusal,
-    head_noisy_gradients,
-    max_fused_configurations,
-    run_fused,
-    stack_heads,
-)
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
+from dptune.runners import fused, fused_group
+from dptune.runners.common import cached_workload
+from dptune.runners.fused import FusedTrialsFailed, fused_refusal, max_fused_configurations, run_fused
+from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup, PoissonSteps
+from dptune.runners.heads import StackedOptimizer, augment, head_noisy_gradients, stack_heads
+from dptune.runners.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
 
 BASE = TrialConfig(
-    dataset="20newsgroups",
-    backbone="minilm",
-    peft="head",
-    epsilon=8.0,
-    delta=1e-5,
-    epochs=3,
-    clip_bound=1.0,
-    batch_size=40,
-    learning_rate=0.05,
-    base_learning_rate=0.05,
-    optimizer="adam",
-    clipping="normalized",
-    seed=1,
-    max_train_examples=200,
-    max_eval_examples=120,
-    threads=1,
-    diagnostics=False,
-    diagnostic_examples=40,
+    workload=WorkloadSpec(
+        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=200, max_eval_examples=120
+    ),
+    epsilon=8.0, delta=1e-5, epochs=3, clip_bound=1.0, batch_size=40, learning_rate=0.05, base_learning_rate=0.05,
+    optimizer="adam", clipping="normalized", seed=1, threads=1, diagnostics=False, diagnostic_examples=40
 )
 
 
@@ -68,7 +48,7 @@ def cache(dptune_cache_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def train() -> tuple[torch.Tensor, torch.Tensor]:
     """The training features (N, 384) and labels of BASE's workload (real MiniLM features)."""
-    features, labels = _process_workload(workload_spec(BASE)).train.tensors
+    features, labels = cached_workload(BASE.workload).train.tensors
     return features.float(), labels
 
 
@@ -168,13 +148,12 @@ def test_poisson_steps_include_each_example_independently_with_probability_q() -
     assert torch.equal(everything[1], torch.arange(num_examples).repeat(2))
 
 
-def _group(seeds: list[int | None]) -> fused._Group:
-    workload = _process_workload(workload_spec(BASE))
-    cell = fused._Cell.build(BASE, workload, torch.device("cpu"))
-    return fused._Group(cell, [replace(BASE, seed=s) for s in seeds], noise_multiplier=1.0)
+def _group(seeds: list[int | None]) -> FusedGroup:
+    data = DeviceWorkload.build(BASE, cached_workload(BASE.workload), torch.device("cpu"))
+    return FusedGroup(data, [replace(BASE, seed=s) for s in seeds], noise_multiplier=1.0)
 
 
-def _masks(draws: fused.Draws, num_train: int) -> torch.Tensor:
+def _masks(draws: Draws, num_train: int) -> torch.Tensor:
     """(K, steps, N) inclusion masks of a group's draws."""
     steps, k, _ = draws.index.shape
     mask = torch.zeros(k, steps, num_train + 1, dtype=torch.bool)
@@ -185,12 +164,12 @@ def _masks(draws: fused.Draws, num_train: int) -> torch.Tensor:
 def test_each_fused_configuration_draws_its_own_independent_coins() -> None:
     steps = 40
     group = _group([None, None, 7])
-    n = group.num_train
-    draws = group.draw(steps)
+    n = group.data.num_train
+    draws = group.coins.draw(steps)
     masks = _masks(draws, n)
     assert torch.equal(masks.sum(2), torch.from_numpy(draws.counts.T))
     trials = steps * n
-    q = group.sample_rate
+    q = group.schedule.sample_rate
     for mask in masks:
         assert abs(int(mask.sum()) - q * trials) < 5 * math.sqrt(trials * q * (1 - q))
     for a in range(3):
@@ -202,9 +181,9 @@ def test_each_fused_configuration_draws_its_own_independent_coins() -> None:
             assert abs(float(torch.corrcoef(z)[0, 1])) < 5 / math.sqrt(z.shape[1])
     assert float(draws.noise.std()) == pytest.approx(1.0, rel=0.01)
     # the same explicit seed gives the same coins, whatever the configuration's companions
-    again = _group([8, 7]).draw(steps)
+    again = _group([8, 7]).coins.draw(steps)
     assert torch.equal(_masks(again, n)[1], masks[2]) and torch.equal(again.noise[:, 1], draws.noise[:, 2])
-    fresh = _group([None, None]).draw(steps)
+    fresh = _group([None, None]).coins.draw(steps)
     assert not torch.equal(_masks(fresh, n)[0], masks[0]) and not torch.equal(fresh.noise[:, 0], draws.noise[:, 0])
 
 
@@ -370,7 +349,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("bad input reached σ calibration or training")
 
     monkeypatch.setattr(fused, "calibrate_noise_multiplier", forbidden)
-    monkeypatch.setattr(fused, "head_noisy_gradients", forbidden)
+    monkeypatch.setattr(fused_group, "head_noisy_gradients", forbidden)
 
 
 @pytest.mark.parametrize(
@@ -380,10 +359,11 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         ([BASE, replace(BASE, epsilon=2.0)], ("configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
                                               "batch_size, learning_rate, base_learning_rate, seed")),
         ([BASE, replace(BASE, clipping="auto_s")], "differs from configuration 0 in clipping"),
-        ([replace(BASE, peft="film")], "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
+        ([replace(BASE, workload=replace(BASE.workload, peft="film"))],
+         "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
         ([BASE, replace(BASE, engine="opacus")], "configuration 1 cannot be fused: engine 'opacus'.*'auto' or 'film'"),
         ([replace(BASE, optimizer="lion")], "adam, sgd"),
-        ([BASE, replace(BASE, split_seed=1)], "differs from configuration 0 in split_seed"),
+        ([BASE, replace(BASE, workload=replace(BASE.workload, seed=1))], "differs from configuration 0 in split_seed"),
         ([BASE, replace(BASE, batch_size=1000)], "batch_size 1000 exceeds the 200 training examples"),
     ],
 )
@@ -424,8 +404,8 @@ def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
         "import sys\n"
         "from dataclasses import replace\n"
         "import dptune.search.execution, dptune.search.tune_adapters\n"
-        "from dptune.contract import TrialConfig\n"
-        "from dptune.fused import run_fused\n"
+        "from dptune.contract import TrialConfig, WorkloadSpec\n"
+        "from dptune.runners.fused import run_fused\n"
         f"BASE = {BASE!r}\n"
         "done = []\n"
         "configs = [replace(BASE, diagnostics=True, epochs=1, clip_bound=c) for c in (1.0, 0.1)]\n"

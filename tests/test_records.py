@@ -10,15 +10,18 @@ import pyarrow.parquet as pq
 import pytest
 
 from dptune import records
+from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult, WorkloadSpec
 from dptune.records import SCHEMAS, TABLES, RecordsError, ResultsStore, read_table, trial_rows
-from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 
 NOW = pd.Timestamp("2026-11-30T12:00:00Z")
 
 
 def make_result(val_accuracy: float = 0.5, epochs: int = 2) -> TrialResult:
-    config = TrialConfig(dataset="20newsgroups", backbone="minilm", peft="head", epsilon=1.0, delta=1e-5,
-                         epochs=epochs, clip_bound=0.5, batch_size=64, learning_rate=2e-3, base_learning_rate=1e-3)
+    config = TrialConfig(
+        workload=WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head"),
+        epsilon=1.0, delta=1e-5, epochs=epochs, clip_bound=0.5, batch_size=64, learning_rate=2e-3,
+        base_learning_rate=1e-3
+    )
     diag = Diagnostics(epoch=epochs, clip_bound=0.5, noise_multiplier=1.1, dimension=7700,
                        grad_norms=[0.2, 0.9, 1.4], labels=[0, 1, 1], mse_bias=0.1, mse_variance=0.2,
                        optimal_clip_bound=0.8,

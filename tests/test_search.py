@@ -19,10 +19,11 @@ import ray
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, search_command
-from dptune import fused, privacy, search
+from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.report import build_report
+from dptune.runners import fused
 from dptune.search import execution
 from dptune.search.sampler import CellSampler
 from dptune.space import Cell, load_space
@@ -394,7 +395,7 @@ def _ran(root: Path) -> pd.DataFrame:
 _HOLD_LATER_GROUPS = """
 import os, pathlib, sys, time
 if sys.argv and sys.argv[0].endswith("default_worker.py"):
-    import dptune.fused as fused
+    import dptune.runners.fused as fused
     _real = fused.run_fused
     marks = pathlib.Path(os.environ["DPTUNE_TEST_MARKS"])
     def run_fused(configs, on_done=None, **kwargs):
@@ -455,7 +456,7 @@ def test_failing_trial_is_recorded_and_the_search_goes_on(search_env: dict[str, 
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import dptune.trial as t\n"
+        "import dptune.runners.trial as t\n"
         "_real = t.run_trial\n"
         "def run_trial(config, report=None):\n"
         "    if config.batch_size == 32:\n"

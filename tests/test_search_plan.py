@@ -8,13 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dptune.contract import TrialResult
 from dptune.plan import coupled_learning_rate
 from dptune.records import ResultsStore, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.cells import _trial_count
 from dptune.search.execution import TrialContext, configuration_id, trial_config
 from dptune.space import Cell, SpaceError, parse_space
-from dptune.trial import TrialResult
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
@@ -70,7 +70,8 @@ def test_trial_config_applies_sqrt_b_coupling_or_none() -> None:
     config = trial_config(context_for(space, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01})
     assert (config.clip_bound, config.batch_size, config.base_learning_rate) == (0.3, 64, 0.01)
     assert config.learning_rate == pytest.approx(coupled_learning_rate(0.01, 64, 256)) == pytest.approx(0.005)
-    assert (config.epsilon, config.epochs, config.clipping, config.dataset) == (1.0, 5, "normalized", "20newsgroups")
+    assert (config.epsilon, config.epochs, config.clipping) == (1.0, 5, "normalized")
+    assert config.workload.dataset == "20newsgroups"
     off = parse_space(DEFAULT, "d.yaml", {"coupling.rule": "none"}).space
     uncoupled = trial_config(context_for(off, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01})
     assert uncoupled.learning_rate == 0.01

@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import dptune.dp.trainer as trainer
+from dptune.contract import WorkloadSpec
 from dptune.data import load_workload
-from dptune.dp.trainer import workload_spec
 from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
-from dptune.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
+from dptune.runners import trainer
+from dptune.runners.common import cached_workload
+from dptune.runners.trainer import Trial
+from dptune.runners.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
 
 BASE = TrialConfig(
-    dataset="20newsgroups",
-    backbone="minilm",
-    peft="head",
+    workload=WorkloadSpec(
+        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=100, max_eval_examples=60
+    ),
     epsilon=8.0,
     delta=1e-5,
     epochs=4,
@@ -36,8 +38,6 @@ BASE = TrialConfig(
     optimizer="adam",
     clipping="normalized",
     seed=3,
-    max_train_examples=100,
-    max_eval_examples=60,
     engine="opacus",
     max_physical_batch_size=16,
     threads=1,
@@ -87,7 +87,7 @@ def test_trial_records_epochs_test_accuracy_and_classes(result: TrialResult, rep
     assert result.val_accuracy == reported[-1].val_accuracy
     assert all(m.examples_per_s > 0 and m.wall_time_s > 0 and math.isfinite(m.train_loss) for m in reported)
     assert result.trainable_parameters == (384 + 1) * result.num_classes
-    test_labels = load_workload(workload_spec(BASE)).test.tensors[-1]
+    test_labels = load_workload(BASE.workload).test.tensors[-1]
     counts = torch.bincount(test_labels, minlength=result.num_classes)
     assert result.num_test == len(test_labels)
     assert set(result.class_accuracy) == {c for c in range(result.num_classes) if counts[c] > 0}
@@ -134,7 +134,7 @@ def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
 def _first_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """A trial's first draws: its first Poisson batch and one step's noise (the noisy gradient of an
     empty batch is the noise alone). (The head starts at zero: its initialisation draws nothing.)"""
-    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    trial = Trial(config, torch.device("cpu"), cached_workload(config.workload))
     trainable = [p for p in trial.model.parameters() if p.requires_grad]
     features = next(iter(trial.loader))[0]
     trial.engine.noisy_gradient(iter(()))
@@ -183,7 +183,7 @@ def test_an_error_after_training_began_says_what_it_spent() -> None:
 def test_dp_selection_score_is_the_correct_count_plus_gaussian_noise() -> None:
     sigma = 4.0
     config = replace(COINS, score_noise_multiplier=sigma)
-    trial = trainer._Trial(config, torch.device("cpu"), trainer._process_workload(workload_spec(config)))
+    trial = Trial(config, torch.device("cpu"), cached_workload(config.workload))
     val = trial.evaluate(trial.workload.val)
     count, correct = val.examples_per_class.sum(), val.correct_per_class.sum()
     noise = torch.tensor([trial.noisy_score(val) for _ in range(4000)], dtype=torch.float64) * count - correct
@@ -237,9 +237,12 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"dataset": "imagenet"}, "dataset 'imagenet' is unknown; choose one of 20newsgroups, "),
-        ({"backbone": "resnet50"}, "backbone 'resnet50' is unknown; choose one of .*minilm"),
-        ({"peft": "prompt"}, "peft 'prompt' is unknown; choose one of film, full, head, lora"),
+        ({"workload": replace(BASE.workload, dataset="imagenet")},
+         "dataset 'imagenet' is unknown; choose one of 20newsgroups, "),
+        ({"workload": replace(BASE.workload, backbone="resnet50")},
+         "backbone 'resnet50' is unknown; choose one of .*minilm"),
+        ({"workload": replace(BASE.workload, peft="prompt")},
+         "peft 'prompt' is unknown; choose one of film, full, head, lora"),
         ({"clipping": "hard"}, "standard, normalized, auto_s"),
         ({"optimizer": "lion"}, "adam, sgd"),
         ({"engine": "jax"}, "auto, opacus, film"),
@@ -268,8 +271,8 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
 
 #: Modules that must stay importable without torch and Ray (readers of results, the report, the
 #: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
-TORCH_FREE_MODULES = ("dptune.contract", "dptune.trial", "dptune.records", "dptune.analysis", "dptune.report",
-                      "dptune.space")
+TORCH_FREE_MODULES = ("dptune.contract", "dptune.runners", "dptune.runners.trial", "dptune.records", "dptune.analysis",
+                      "dptune.report", "dptune.space")
 
 
 def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
@@ -299,7 +302,7 @@ def test_a_deleted_working_directory_does_not_kill_the_trial_process(tmp_path: P
               f"os.mkdir({str(tmp_path / 'gone')!r}); os.chdir({str(tmp_path / 'gone')!r}); "
               f"os.rmdir({str(tmp_path / 'gone')!r})\n"
               "if sys.argv[1] == 'guarded':\n"
-              "    from dptune.trial import leave_deleted_working_directory\n"
+              "    from dptune.runners.trial import leave_deleted_working_directory\n"
               "    leave_deleted_working_directory()\n"
               "import torch\n"
               "a = torch.randn(64, 64)\n"

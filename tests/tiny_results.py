@@ -39,8 +39,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult, WorkloadSpec
 from dptune.records import SCHEMA_VERSION, ResultsStore, replicate_trial_id, trial_rows
-from dptune.trial import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 
 MIN_STEPS = 20
 DELTA = 1e-5
@@ -161,9 +161,11 @@ def _diagnostics(task: SyntheticTask, config: TrialConfig, sigma: float, key: ob
 def _result(task: SyntheticTask, epsilon: float, epochs: int, clip_bound: float, batch_size: int,
             base_lr: float, clipping: str) -> TrialResult:
     lr = base_lr * math.sqrt(batch_size / REFERENCE_BATCH_SIZE)
-    config = TrialConfig(dataset=task.dataset, backbone=task.backbone, peft="head", epsilon=epsilon, delta=DELTA,
-                         epochs=epochs, clip_bound=clip_bound, batch_size=batch_size, learning_rate=lr,
-                         base_learning_rate=base_lr, clipping=clipping, diagnostic_examples=64)
+    config = TrialConfig(
+        workload=WorkloadSpec(dataset=task.dataset, backbone=task.backbone, peft="head"),
+        epsilon=epsilon, delta=DELTA, epochs=epochs, clip_bound=clip_bound, batch_size=batch_size, learning_rate=lr,
+        base_learning_rate=base_lr, clipping=clipping, diagnostic_examples=64
+    )
     rate = batch_size / task.num_train
     steps = _steps(task, batch_size, epochs)
     if steps < MIN_STEPS:
@@ -198,8 +200,10 @@ def _result(task: SyntheticTask, epsilon: float, epochs: int, clip_bound: float,
 
 def _failed(task: SyntheticTask, status: str, reason: str, val_accuracy: float) -> TrialResult:
     """A trial outside the grid that did not finish (ε = 1, E = 6, B = 64)."""
-    config = TrialConfig(dataset=task.dataset, backbone=task.backbone, peft="head", epsilon=1.0, delta=DELTA,
-                         epochs=6, clip_bound=3.0, batch_size=64, learning_rate=0.05, base_learning_rate=0.1)
+    config = TrialConfig(
+        workload=WorkloadSpec(dataset=task.dataset, backbone=task.backbone, peft="head"),
+        epsilon=1.0, delta=DELTA, epochs=6, clip_bound=3.0, batch_size=64, learning_rate=0.05, base_learning_rate=0.1
+    )
     rate = 64 / task.num_train
     steps = _steps(task, 64, 6)
     return TrialResult(config=config, status=status, reason=reason, sample_rate=rate, steps=steps,
@@ -299,9 +303,11 @@ def _scored_result(task: SyntheticTask, epsilon: float, epochs: int, config: Rep
                    num_val: int, num_test: int) -> TrialResult:
     """A finished trial whose accuracies are given, not modelled (train loss 1 − val accuracy)."""
     lr = config.base_learning_rate * math.sqrt(config.batch_size / REFERENCE_BATCH_SIZE)
-    trial = TrialConfig(dataset=task.dataset, backbone=task.backbone, peft="head", epsilon=epsilon, delta=DELTA,
-                        epochs=epochs, clip_bound=config.clip_bound, batch_size=config.batch_size, learning_rate=lr,
-                        base_learning_rate=config.base_learning_rate, clipping="normalized")
+    trial = TrialConfig(
+        workload=WorkloadSpec(dataset=task.dataset, backbone=task.backbone, peft="head"),
+        epsilon=epsilon, delta=DELTA, epochs=epochs, clip_bound=config.clip_bound, batch_size=config.batch_size,
+        learning_rate=lr, base_learning_rate=config.base_learning_rate, clipping="normalized"
+    )
     rate = config.batch_size / task.num_train
     steps = _steps(task, config.batch_size, epochs)
     val, test = config.val[replicate], config.test[replicate]

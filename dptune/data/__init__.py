@@ -14,8 +14,9 @@ only; ``classes`` acts on all three. For ``peft == "head"`` the inputs are the f
 features, encoded once and cached under ``dptune.paths.cache_dir("features")``.
 """
 
+from dptune.contract import WorkloadSpec
 from dptune.data.sources import DATASETS, DatasetInfo, RawDataset, list_datasets
-from dptune.data.spec import Modality, Workload, WorkloadError, WorkloadSpec
+from dptune.data.spec import Modality, Workload, WorkloadError
 from dptune.data.workload import load_workload
 
 __all__ = [

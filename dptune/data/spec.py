@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from dptune.contract import WorkloadSpec
 from dptune.errors import DptuneError
 
 Modality = Literal["text", "image", "features"]
@@ -19,40 +20,6 @@ class WorkloadError(DptuneError, ValueError):
     The message names the offending value and the valid choices (or how to provide what is
     missing: path, environment variable, cache folder).
     """
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """Names one workload: dataset × backbone × PEFT, plus the difficulty knobs and the seed.
-
-    Invariants checked by :func:`dptune.data.load_workload` before any heavy work:
-    ``0 < fraction <= 1``; ``examples_per_class >= 1``; ``fraction`` and ``examples_per_class``
-    are not both set; ``classes`` are distinct label ids of the dataset (kept in the given order
-    and relabelled ``0..k-1``); ``0 < validation_fraction < 1``; ``max_tokens >= 8`` (text);
-    ``max_train_examples``/``max_eval_examples >= 1``.
-
-    - ``fraction``: stratified share of the training split to keep (the paper's CIFAR-100 10%
-      subset is ``fraction=0.1``); the validation split is carved before it and does not shrink.
-    - ``examples_per_class``: keep exactly this many training examples per class (few-shot).
-    - ``classes``: keep only these classes, in train, validation and test.
-    - ``max_tokens``: text truncation/padding length in tokens; ``None`` = the backbone's default.
-    - ``validation_fraction``: stratified share of the (class-filtered) training split held out
-      for hyperparameter selection. Selection uses validation, never test.
-    - ``max_train_examples`` / ``max_eval_examples``: stratified caps for tests and smoke runs;
-      when set, only the kept examples are encoded (cached under their own key).
-    """
-
-    dataset: str
-    backbone: str
-    peft: str
-    seed: int = 0
-    fraction: float = 1.0
-    examples_per_class: int | None = None
-    classes: tuple[int, ...] | None = None
-    max_tokens: int | None = None
-    validation_fraction: float = 0.1
-    max_train_examples: int | None = None
-    max_eval_examples: int | None = None
 
 
 @dataclass

@@ -5,7 +5,9 @@ loader; a :class:`DPEngine` owns the per-example gradients. For each Poisson bat
 calls ``engine.noisy_gradient(physical_batches)``, then ``optimizer.step()`` and
 ``optimizer.zero_grad(set_to_none=True)``. Two engines implement the seam: the Opacus hooks
 engine (:mod:`dptune.dp.opacus_engine`, any model Opacus supports) and the fast FiLM/head engine
-(:mod:`dptune.dp.film`). Which one a trial gets is decided by :func:`select_engine`.
+(:mod:`dptune.dp.film`). They are registered by name in :mod:`dptune.dp.engine_registry`, whose
+:func:`~dptune.dp.engine_registry.select_engine` decides which one a trial gets; this module imports
+neither engine.
 
 The step every engine computes, for the Poisson batch's examples i with per-example gradients
 g_i = ∇_θ ℓ(x_i, y_i) (summed cross-entropy, so g_i is one example's gradient) and the rule's
@@ -33,11 +35,6 @@ from dptune.dp.clipping import check_rule
 #: One physical batch: ``(*inputs, labels)`` already on the engine's device; ``model(*inputs)``
 #: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
 PhysicalBatch = tuple[torch.Tensor, ...]
-
-#: PEFTs whose trainable modules (norm-layer scale and shift, the linear head) have the closed-form
-#: per-example gradients the FiLM engine computes.
-FILM_ENGINE_PEFTS: tuple[str, ...] = ("film", "head")
-
 
 @dataclass(frozen=True)
 class DPStepSpec:
@@ -109,40 +106,3 @@ def check_engine(name: str) -> EngineName:
     if name not in ENGINE_NAMES:
         raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINE_NAMES)}")
     return name  # type: ignore[return-value]
-
-
-def film_engine_refusal(model: nn.Module, peft: str) -> str | None:
-    """Why the FiLM engine cannot run ``model`` with ``peft`` (``None``: it can).
-
-    The FiLM engine (:mod:`dptune.dp.film`) exposes ``unsupported_modules(model) -> list[str]``,
-    the qualified names of trainable modules it cannot compute per-example gradients for.
-    """
-    if peft not in FILM_ENGINE_PEFTS:
-        return f"peft {peft!r} is not one of {', '.join(FILM_ENGINE_PEFTS)}"
-    from dptune.dp.film import unsupported_modules  # the FiLM engine imports this module
-
-    unsupported = unsupported_modules(model)
-    if unsupported:
-        return f"trainable modules not supported by the FiLM engine: {', '.join(unsupported)}"
-    return None
-
-
-def select_engine(requested: str, model: nn.Module, peft: str) -> EngineFactory:
-    """Pick the engine factory for a trial.
-
-    ``"auto"``: the FiLM engine when ``peft`` is film/head and it supports every trainable module
-    of ``model``, else Opacus hooks. ``"film"``: the FiLM engine or a ``ValueError`` saying why
-    not. ``"opacus"``: Opacus hooks (:class:`dptune.dp.opacus_engine.OpacusEngine`).
-    """
-    choice = check_engine(requested)
-    if choice != "opacus":
-        refusal = film_engine_refusal(model, peft)
-        if refusal is None:
-            from dptune.dp.film import FilmEngine
-
-            return FilmEngine
-        if choice == "film":
-            raise ValueError(f"engine 'film' cannot run this model: {refusal}; use engine 'opacus' or 'auto'")
-    from dptune.dp.opacus_engine import OpacusEngine  # imports this module
-
-    return OpacusEngine

@@ -10,7 +10,7 @@ and output gradient δ_i = ∂ℓ_i/∂y_i (summed loss, so δ_i is one example'
       ∇_γ ℓ_i = Σ_t x̂_{i,t} ⊙ δ_{i,t}        ∇_β ℓ_i = Σ_t δ_{i,t}
 
 - GroupNorm over channels c (spatial positions s): the same sums over s, per channel.
-- BatchNorm with frozen running statistics (evaluation mode; :mod:`dptune.dp.batch_norm`): the
+- BatchNorm with frozen running statistics (evaluation mode; :mod:`dptune.models.batch_norm`): the
   same sums over s, with x̂ from the running statistics and δ pulled back through timm's fused
   activation. A BatchNorm that normalises with batch statistics is refused (here and at run time).
 - Linear head y = W a + b::
@@ -43,7 +43,7 @@ saved input in float32 and every sum is accumulated in float32, whatever dtype �
 Only exact module types are supported (as Opacus matches its grad samplers): ``nn.LayerNorm``,
 ``nn.GroupNorm``, ``nn.Linear``, timm's ``LayerNorm``/``GroupNorm``/``GroupNorm1``
 subclasses, whose forward is the parent's, and the frozen-statistics BatchNorms of
-:func:`~dptune.dp.batch_norm.frozen_batch_norm_types`. A subclass with another layout (timm's
+:func:`~dptune.models.batch_norm.frozen_batch_norm_types`. A subclass with another layout (timm's
 ``LayerNorm2d`` normalises channels first) is refused, as is a parameter shared by two modules;
 :func:`unsupported_modules` names them and the trial falls back to Opacus.
 """
@@ -63,10 +63,10 @@ from timm.layers import GroupNorm1 as TimmGroupNorm1
 from timm.layers import LayerNorm as TimmLayerNorm
 from torch import nn
 
-from dptune.dp.batch_norm import batch_norm_refusal, frozen_batch_norm_terms, frozen_batch_norm_types
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.precision import autocast
+from dptune.models.batch_norm import batch_norm_refusal, frozen_batch_norm_terms, frozen_batch_norm_types
 
 _LAYER_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, TimmLayerNorm)
 _GROUP_NORMS: tuple[type[nn.Module], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)
@@ -74,6 +74,9 @@ _LINEARS: tuple[type[nn.Module], ...] = (nn.Linear,)
 _NORMS: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + frozen_batch_norm_types()
 #: Module types the engine computes per-example gradients for (matched exactly, not by subclass).
 SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = _NORMS + _LINEARS
+#: PEFTs whose trainable modules (norm-layer scale and shift, the linear head) have the closed-form
+#: per-example gradients this engine computes.
+ENGINE_PEFTS: tuple[str, ...] = ("film", "head")
 
 
 def _trainable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -90,7 +93,7 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     Empty means :class:`FilmEngine` computes exactly the per-example gradients of every trainable
     parameter. A module is unsupported when its type is not in :data:`SUPPORTED_MODULE_TYPES`
     (exact match), when one of its trainable parameters also belongs to another module, or when
-    it is a BatchNorm that normalises with batch statistics (see :mod:`dptune.dp.batch_norm`).
+    it is a BatchNorm that normalises with batch statistics (see :mod:`dptune.models.batch_norm`).
     """
     refused: list[str] = []
     owner: dict[int, str] = {}
@@ -105,6 +108,17 @@ def unsupported_modules(model: nn.Module) -> list[str]:
                 refused.append(f"{name} ({type(module).__name__}, shares a parameter with {owner[id(p)]})")
             owner[id(p)] = name
     return refused
+
+
+def engine_refusal(model: nn.Module, peft: str) -> str | None:
+    """Why :class:`FilmEngine` cannot run ``model`` fine-tuned with ``peft`` (``None``: it can); the
+    refusal :mod:`dptune.dp.engine_registry` asks before it picks this engine."""
+    if peft not in ENGINE_PEFTS:
+        return f"peft {peft!r} is not one of {', '.join(ENGINE_PEFTS)}"
+    unsupported = unsupported_modules(model)
+    if unsupported:
+        return f"trainable modules not supported by the FiLM engine: {', '.join(unsupported)}"
+    return None
 
 
 class _Tap(torch.autograd.Function):

@@ -38,11 +38,11 @@ from opacus.optimizers.optimizer import DPOptimizer
 from torch import nn
 
 from dptune._thirdparty import check_processed_flag, generate_noise, mark_as_processed
-from dptune.dp.batch_norm import batch_norm_refusal, frozen_batch_norm_types
 from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.optimizers import per_example_norms
 from dptune.dp.precision import autocast
+from dptune.models.batch_norm import batch_norm_refusal, frozen_batch_norm_types
 from dptune.models.opacus_support import register_opacus_grad_samplers
 
 register_opacus_grad_samplers()
@@ -57,7 +57,7 @@ class _FrozenBatchNormHooks(GradSampleHooks):
     """Opacus' hooks, recording the inputs of frozen-statistics BatchNorm layers too.
 
     Opacus records a module's inputs only when the module is in training mode; a frozen
-    BatchNorm is in evaluation mode by design (:mod:`dptune.dp.batch_norm`). For such a layer
+    BatchNorm is in evaluation mode by design (:mod:`dptune.models.batch_norm`). For such a layer
     the flag reads ``True`` during the recording only: its forward has already run, on the
     running statistics, so nothing is computed differently.
     """
@@ -80,7 +80,7 @@ def _attach(model: nn.Module) -> GradSampleHooks:
 
     Opacus' ``strict`` mode refuses every trainable module with buffers. It is relaxed only when
     each such module is a BatchNorm with frozen running statistics (its buffers are constants of
-    the pretrained model; :mod:`dptune.dp.batch_norm`), whose registered grad sampler refuses to
+    the pretrained model; :mod:`dptune.models.batch_norm`), whose registered grad sampler refuses to
     run on batch statistics.
     """
     with_buffers = [

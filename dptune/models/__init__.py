@@ -24,7 +24,7 @@ BatchNorm under DP: accepted exactly when it normalises with its running statist
 mode, buffers present). :class:`Classifier` holds every BatchNorm in evaluation mode for the whole
 trial, even under ``train()``, so the statistics of the pretraining data are used and never
 updated from private data; each BatchNorm is then a fixed per-channel affine map of each example,
-and its γ, β (FiLM, or ``full``) have per-example gradients (:mod:`dptune.dp.batch_norm`). A
+and its γ, β (FiLM, or ``full``) have per-example gradients (:mod:`dptune.models.batch_norm`). A
 BatchNorm in training mode (batch statistics mix the examples of a batch) or without running
 statistics is refused by :func:`check_dp_compatible`.
 

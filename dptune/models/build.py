@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dptune.dp.batch_norm import batch_norm_refusal, hold_batch_norm_in_eval
 from dptune.models.backbones import get_backbone
 from dptune.models.base import BackboneInfo, ModelError
+from dptune.models.batch_norm import batch_norm_refusal, hold_batch_norm_in_eval
 from dptune.models.peft import PEFTS, lora_unsupported
 
 
@@ -25,7 +25,7 @@ class Classifier(nn.Module):
     Every BatchNorm stays in eval mode too, whatever is trained: it normalises with its running
     statistics (the pretraining data's), which private data never updates, so it is a fixed
     per-channel affine map of each example and its γ, β have per-example gradients
-    (:mod:`dptune.dp.batch_norm`).
+    (:mod:`dptune.models.batch_norm`).
     """
 
     def __init__(self, backbone: nn.Module, feature_dim: int, num_classes: int) -> None:
@@ -145,7 +145,7 @@ def check_dp_compatible(model: nn.Module) -> None:
     normalises with batch statistics — in training mode, or without running statistics — since
     they mix the examples of a batch, so a per-example gradient is not a function of one example
     and clipping bounds nothing; a trained BatchNorm of a type without a per-example rule
-    (:func:`dptune.dp.batch_norm.batch_norm_refusal`); a model with no trainable parameter;
+    (:func:`dptune.models.batch_norm.batch_norm_refusal`); a model with no trainable parameter;
     anything Opacus' ``ModuleValidator`` rejects among the trainable modules (its blanket
     BatchNorm refusal aside). Accepted: a BatchNorm held in evaluation mode with running
     statistics, trained (FiLM, full) or not, as :class:`Classifier` holds every BatchNorm.

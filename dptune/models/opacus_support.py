@@ -6,17 +6,17 @@ Opacus picks a grad sampler by the *exact* module type. timm's ``LayerNorm`` sub
 so Opacus silently falls back to functorch (vmap) for every ViT norm layer — the slow path.
 Registering Opacus' own ``nn.LayerNorm`` sampler for it restores the hooks. Opacus has no
 BatchNorm sampler at all (it refuses BatchNorm); dptune registers the frozen-statistics rule of
-:mod:`dptune.dp.batch_norm`, which itself refuses a BatchNorm that uses batch statistics.
+:mod:`dptune.models.batch_norm`, which itself refuses a BatchNorm that uses batch statistics.
 """
 
 from __future__ import annotations
 
-from dptune.dp.batch_norm import compute_frozen_batch_norm_grad_sample, frozen_batch_norm_types
+from dptune.models.batch_norm import compute_frozen_batch_norm_grad_sample, frozen_batch_norm_types
 
 
 def register_opacus_grad_samplers() -> None:
     """Register Opacus' LayerNorm grad sampler for timm's ``LayerNorm`` and dptune's frozen
-    BatchNorm sampler for :func:`~dptune.dp.batch_norm.frozen_batch_norm_types` (idempotent).
+    BatchNorm sampler for :func:`~dptune.models.batch_norm.frozen_batch_norm_types` (idempotent).
 
     :mod:`dptune.dp.opacus_engine` calls it when imported (Opacus and timm are imported here, not
     with :mod:`dptune.models`); code that wraps a model in Opacus' ``GradSampleModule`` itself calls it first.

@@ -28,14 +28,14 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
     """
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
         raise RecordsError(f"trial {trial_id}: replicate must be an integer ≥ 0 (0-based), got {replicate!r}")
-    config = result.config
+    config = result.config.row()  # flat: the workload's fields beside the trial's, as the schema has them
     keys = {"search_id": search_id, "trial_id": trial_id}
     trial = {
         **keys,
         "configuration_id": trial_id if configuration_id is None else configuration_id,
         "replicate": replicate,
         "cell_id": cell_id,
-        **{name: getattr(config, name) for name in (
+        **{name: config[name] for name in (
             "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
             "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed", "split_seed",
             "score_noise_multiplier")},
@@ -46,7 +46,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
             "reason", "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
             "num_classes", "trainable_parameters", "wall_time_s", "diagnostics_wall_time_s", "examples_per_s", "device",
             "engine")},
-        "config": json.dumps(asdict(config), sort_keys=True),
+        "config": json.dumps(config, sort_keys=True),
         "versions": json.dumps(dict(versions), sort_keys=True),
         "finished_at": finished_at,
     }

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dptune.contract import TrialConfig
+from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.errors import SearchError
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
@@ -256,31 +256,38 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
     return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.configurations / max(1, slots))))
 
 
+def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_examples: int | None) -> WorkloadSpec:
+    """The workload of the search's task (the space's ``task`` and public ``seed``), with the
+    command line's subset caps: what the driver loads and every trial trains on."""
+    task = space.task
+    return WorkloadSpec(
+        dataset=task.dataset, backbone=task.backbone, peft=task.peft, seed=space.seed, fraction=task.fraction,
+        examples_per_class=task.examples_per_class, classes=task.classes, max_tokens=task.max_tokens,
+        validation_fraction=task.validation_fraction, max_train_examples=max_train_examples,
+        max_eval_examples=max_eval_examples)
+
+
 def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: int | None,
                       max_eval_examples: int | None) -> TrialConfig:
     """The part of a trial's config every trial of a cell shares."""
-    task, training = space.task, space.training
+    training = space.training
     return TrialConfig(
-        dataset=task.dataset, backbone=task.backbone, peft=task.peft,
+        workload=task_workload(space, max_train_examples, max_eval_examples),
         epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
         clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
         optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=None,
-        split_seed=space.seed,
         score_noise_multiplier=(space.privacy.private_selection.score_noise_multiplier
                                 if space.privacy.private_selection else None),
-        fraction=task.fraction, examples_per_class=task.examples_per_class, classes=task.classes,
-        max_tokens=task.max_tokens, validation_fraction=task.validation_fraction,
         max_physical_batch_size=space.resources.max_physical_batch_size,
         threads=max(1, int(space.resources.cpus)), diagnostics=training.diagnostics,
         diagnostic_examples=training.diagnostic_examples,
-        max_train_examples=max_train_examples, max_eval_examples=max_eval_examples,
     )
 
 
 def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, workload: Any) -> bool:
     """Whether the fused runner trains the search's runs (``training.runner``), checked before compute.
 
-    ``auto``: fused where it applies (``dptune.fused.fused_refusal``) and no scheduler needs
+    ``auto``: fused where it applies (``dptune.runners.fused.fused_refusal``) and no scheduler needs
     per-epoch reports; ``fused``: fused or a ``SearchError`` saying why not; ``trial``: never. A fused
     search's base configuration must pass the trial's value checks, and every feasible B must fit at
     least one configuration in the fused runner's memory budget.
@@ -288,7 +295,7 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     runner = space.training.runner
     if runner == "trial" or space.scheduler is not None:
         return False
-    from dptune import fused
+    from dptune.runners import fused
 
     refusal = fused.fused_refusal(base)
     if refusal is not None:

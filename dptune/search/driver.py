@@ -1,7 +1,7 @@
 """The search driver: checks, the results folder's lease, the workload, the cell plans, one Ray
 Tune run for every cell, the search's privacy cost from its ledger, the summary and the report.
 
-Ray appears only here and in :mod:`dptune.search.tune_adapters`: a trial (``dptune.trial.run_trial``)
+Ray appears only here and in :mod:`dptune.search.tune_adapters`: a trial (``dptune.runners.trial.run_trial``)
 is a plain function.
 """
 
@@ -24,6 +24,7 @@ from dptune.errors import (
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
 from dptune.records.ledger import charged_runs
+from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.cells import (
     CellPlan,
@@ -34,6 +35,7 @@ from dptune.search.cells import (
     kept_trial_counts,
     plan_cells,
     record_pruned_grid,
+    task_workload,
     unit_size,
 )
 from dptune.search.execution import TrialContext
@@ -41,7 +43,6 @@ from dptune.search.lease import hold_lease
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
 from dptune.search.sampler import CellSampler
 from dptune.space import LoadedSpace, SearchSpace, load_space
-from dptune.trial import check_trial_can_run
 
 if TYPE_CHECKING:
     from dptune.search.cli import SearchOptions
@@ -68,7 +69,7 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
         return "already initialised"
     # Every worker process first leaves a deleted working directory (inherited from the
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
-    runtime_env = {"worker_process_setup_hook": "dptune.trial.leave_deleted_working_directory"}
+    runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
     if target:
         try:
             ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
@@ -303,7 +304,7 @@ def run_search(options: SearchOptions) -> str:
 
 
 def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
-    from dptune.data import DATASETS, WorkloadSpec, load_workload
+    from dptune.data import DATASETS, load_workload
 
     space = loaded.space
     private = space.privacy.private_selection is not None
@@ -328,11 +329,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         print(init_ray(options.address), flush=True)
         check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
-    workload = load_workload(WorkloadSpec(
-        dataset=space.task.dataset, backbone=space.task.backbone, peft=space.task.peft, seed=space.seed,
-        fraction=space.task.fraction, examples_per_class=space.task.examples_per_class, classes=space.task.classes,
-        max_tokens=space.task.max_tokens, validation_fraction=space.task.validation_fraction,
-        max_train_examples=options.max_train_examples, max_eval_examples=options.max_eval_examples))
+    workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
     preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
     if private and not options.dry_run:  # K once per search, inside the trust boundary

@@ -6,9 +6,9 @@ times, every run with its own fresh coins; a run is a *trial* (one row in the ``
 id ``<configuration id>-r<replicate>``: ``records.replicate_trial_id``). Runs already recorded (a
 crash, a kill, a resume) are not run again: what finished is never lost and nothing runs twice.
 
-Two runners, one mechanism. ``fused`` (:mod:`dptune.fused`) trains every pending run of the unit
+Two runners, one mechanism. ``fused`` (:mod:`dptune.runners.fused`) trains every pending run of the unit
 as one vectorised computation, each run keeping its own Poisson batches, noise, clipping and
-optimizer state; ``trial`` calls :func:`dptune.trial.run_trial` once per run (any model; it can
+optimizer state; ``trial`` calls :func:`dptune.runners.trial.run_trial` once per run (any model; it can
 report each epoch, which ASHA needs). Rows are written atomically as each fused group, or each
 trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
 
@@ -35,7 +35,7 @@ from dptune.errors import TrialFailed
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
 from dptune.records.ledger import RunEnd, RunStart, record_ends, record_starts
-from dptune.trial import run_trial
+from dptune.runners.trial import run_trial
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
@@ -46,7 +46,7 @@ class TrialContext:
 
     ``base`` holds the dataset, budgets and rules (C, B, η and the seed are filled per run);
     ``replicates`` is R, the runs per configuration; ``fused`` says whether the fused runner trains
-    the runs (the driver decides once per cell: :func:`dptune.fused.fused_refusal`).
+    the runs (the driver decides once per cell: :func:`dptune.runners.fused.fused_refusal`).
     ``cell_id`` names the (ε, E) cell as the records do (``eps=1|epochs=5``); ``cell_key`` names the
     cell under its clipping rule, file-name safe (``eps1-E5``, ``eps1-E5-auto_s``): it prefixes every
     configuration id (:func:`configuration_id`), so two clipping rules of one cell never share a run.
@@ -255,7 +255,7 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
     results: dict[tuple[int, int], TrialResult] = {}  # by (index, replicate)
     run_ids = charge_runs(context, pending)
     if context.fused and pending:
-        from dptune.fused import FusedTrialsFailed, run_fused
+        from dptune.runners.fused import FusedTrialsFailed, run_fused
 
         def record(positions: list[int], finished: list[TrialResult]) -> None:
             write_results(context, [FinishedRun(pending[p].params, pending[p].replicate, result, run_ids[p])

@@ -2,7 +2,10 @@
 
 Plain Python, no Ray: Ray Tune calls it through ``dptune.search``; tests call it directly.
 The types it takes and returns live in :mod:`dptune.contract` (plain data, no torch; re-exported
-here) and its errors in :mod:`dptune.errors`; the training itself lives in :mod:`dptune.dp.trainer`.
+here) and its errors in :mod:`dptune.errors`; the training itself lives in
+:mod:`dptune.runners.trainer`, the checks and helpers it shares with the fused runner in
+:mod:`dptune.runners.common`. This module imports torch only inside its functions, so the driver
+and Ray's worker setup hook can import it before torch.
 """
 
 from __future__ import annotations
@@ -31,16 +34,16 @@ __all__ = [
 
 
 def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
-    """Fine-tune ``config.backbone`` on ``config.dataset`` with DP; call ``report`` per epoch.
+    """Fine-tune ``config.workload``'s backbone on its dataset with DP; call ``report`` per epoch.
 
     Raises ``ValueError`` (:class:`TrialConfigError`, ``WorkloadError``, ``ModelError``,
     ``PrivacyParameterError``) for bad input, always before training; any error once training
     has begun is raised as :class:`TrialFailed` (with the steps taken). A run whose loss turns
-    non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.dp.trainer` (imported
-    here on first use so that readers of these types, e.g. ``dptune.records``, stay torch-free).
+    non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.runners.trainer`
+    (imported here on first use, so that importing this module stays torch-free).
     """
     leave_deleted_working_directory()
-    from dptune.dp.trainer import run
+    from dptune.runners.trainer import run
 
     return run(config, report)
 
@@ -55,27 +58,26 @@ def check_trial_can_run(config: TrialConfig) -> None:
     BatchNorm that would use batch statistics) and that the requested engine can run it. The
     model is built with random weights on PyTorch's ``meta`` device (no memory, no compute).
     ``dptune.search`` calls this once in the driver, before Ray starts, when its runs train through
-    :func:`run_trial` (a fused search checks its configurations with ``dptune.fused.check_fusable``).
+    :func:`run_trial` (a fused search checks its configurations with ``dptune.runners.fused.check_fusable``).
     """
     leave_deleted_working_directory()
     import torch
 
     from dptune.data import DATASETS
     from dptune.data.workload import check_spec
-    from dptune.dp.engine import select_engine
-    from dptune.dp.trainer import check_config, workload_spec
+    from dptune.dp.engine_registry import select_engine
     from dptune.models import build_model, check_dp_compatible
+    from dptune.runners.common import check_config
 
     check_config(config)
-    check_spec(workload_spec(config))
-    classes = len(config.classes) if config.classes is not None else DATASETS[config.dataset].num_classes
+    spec = config.workload
+    check_spec(spec)
+    classes = len(spec.classes) if spec.classes is not None else DATASETS[spec.dataset].num_classes
     with torch.device("meta"):
-        model = build_model(
-            config.backbone, config.peft, classes, feature_input=config.peft == "head", pretrained=False
-        )
+        model = build_model(spec.backbone, spec.peft, classes, feature_input=spec.peft == "head", pretrained=False)
     check_dp_compatible(model)
     try:
-        select_engine(config.engine, model, config.peft)
+        select_engine(config.engine, model, spec.peft)
     except ValueError as error:
         raise TrialConfigError(str(error)) from error
 

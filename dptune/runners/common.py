@@ -1,0 +1,190 @@
+"""What both runners share: the checks before compute, workload loading, the diagnostics probe,
+evaluation records and the noisy selection score.
+
+The one-trial runner (:mod:`dptune.runners.trainer`) and the fused runner
+(:mod:`dptune.runners.fused`) run the same mechanism; what decides it in both is here, once:
+
+- checks, in the order a runner makes them, before any compute: :func:`check_config` (names
+  against the registries, values, the device), then after loading :func:`check_fits_workload`
+  (B ≤ N, δ suits N);
+- the workload: :func:`cached_workload` of a config's ``workload`` spec (loaded once per process);
+- the diagnostics: :func:`probe_indices` (the probe rows, the same for every trial of a search)
+  and :func:`diagnostic_epochs` (0, ⌈E/2⌉ and E);
+- the outcome: :class:`Evaluation` (loss, accuracy, per-class counts of one split),
+  :func:`noisy_score` (the DP selection score) and :func:`diverged_charge` (why a diverged run is
+  charged its planned steps).
+
+The coins of the mechanism live in :mod:`dptune.dp.coins`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dptune.contract import TrialConfig, WorkloadSpec
+from dptune.data import DATASETS, Workload, load_workload
+from dptune.dp.clipping import check_rule
+from dptune.dp.engine import check_engine
+from dptune.dp.optimizers import check_optimizer
+from dptune.errors import TrialConfigError
+from dptune.models import BACKBONES, PEFTS
+from dptune.privacy import check_delta
+
+#: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32; the
+#: summary needs about as much again): the probe shrinks below ``diagnostic_examples`` when n·d·4
+#: would exceed it.
+PROBE_MEMORY_BYTES = 1 << 30
+#: Stream of the public split seed that picks the diagnostics probe.
+_PROBE_STREAM = 7
+
+
+def _choices(registry: Mapping[str, object]) -> str:
+    return ", ".join(sorted(registry))
+
+
+def check_config(config: TrialConfig) -> torch.device:
+    """Raise :class:`TrialConfigError` (naming the value and the allowed ones) for a bad config.
+
+    Cheap checks only (no data, no weights). Returns the device the trial runs on.
+    """
+    for kind, value, registry in (
+        ("dataset", config.workload.dataset, DATASETS),
+        ("backbone", config.workload.backbone, BACKBONES),
+        ("peft", config.workload.peft, PEFTS),
+    ):
+        if value not in registry:
+            raise TrialConfigError(f"{kind} {value!r} is unknown; choose one of {_choices(registry)}")
+    try:
+        check_rule(config.clipping)
+        check_optimizer(config.optimizer)
+        check_engine(config.engine)
+    except ValueError as error:
+        raise TrialConfigError(str(error)) from error
+    positive = {
+        "epsilon": config.epsilon,
+        "epochs": config.epochs,
+        "clip_bound": config.clip_bound,
+        "batch_size": config.batch_size,
+        "learning_rate": config.learning_rate,
+        "max_physical_batch_size": config.max_physical_batch_size,
+        "diagnostic_examples": config.diagnostic_examples,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            raise TrialConfigError(f"{name} must be > 0, got {value}")
+    if not 0 < config.delta < 1:
+        raise TrialConfigError(f"delta must be in (0, 1), got {config.delta}")
+    if config.score_noise_multiplier is not None and not config.score_noise_multiplier > 0:
+        raise TrialConfigError(f"score_noise_multiplier must be > 0 or None, got {config.score_noise_multiplier}")
+    if config.seed is not None and not 0 <= config.seed < 2**128:
+        raise TrialConfigError(f"seed must be None (fresh OS entropy) or an integer in [0, 2**128), got {config.seed}")
+    if config.threads is not None and config.threads < 1:
+        raise TrialConfigError(f"threads must be ≥ 1 or None, got {config.threads}")
+    return resolve_device(config.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; ``"cpu"``, ``"cuda"``, ``"cuda:<i>"`` as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise TrialConfigError(f"device {name!r} is not a device; use auto, cpu, cuda or cuda:<index>") from error
+    if device.type not in ("cpu", "cuda"):
+        raise TrialConfigError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:<index>")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrialConfigError(f"device {name!r} requested but CUDA is not available here; use cpu or auto")
+    return device
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(threads)`` (unchanged when None), restoring it after."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_fits_workload(config: TrialConfig, num_train: int) -> None:
+    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N."""
+    if config.batch_size > num_train:
+        raise TrialConfigError(
+            f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
+            f"{config.workload.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
+        )
+    check_delta(config.delta, num_train)
+
+
+@functools.lru_cache(maxsize=2)
+def cached_workload(spec: WorkloadSpec) -> Workload:
+    """``load_workload`` memoised per process: the trials of a search that share a process (Ray
+    Tune reuses its actors) load the splits once. Trials only read the datasets."""
+    return load_workload(spec)
+
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy."""
+
+    loss: float
+    accuracy: float
+    correct_per_class: np.ndarray
+    examples_per_class: np.ndarray
+
+    def class_accuracy(self) -> dict[int, float]:
+        """Accuracy of every class present in the split."""
+        present = np.flatnonzero(self.examples_per_class)
+        return {int(c): float(self.correct_per_class[c] / self.examples_per_class[c]) for c in present}
+
+
+
+def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.Tensor:
+    """Training rows of the diagnostics probe: ≤ ``diagnostic_examples`` of them, fewer when their
+    flattened gradients (``dimension`` each, float32) would exceed ``PROBE_MEMORY_BYTES``.
+
+    The probe is no coin of the mechanism: every trial of a search diagnoses the same examples (the
+    public split seed picks them), so that their diagnostics compare.
+    """
+    (seed,) = np.random.SeedSequence([config.workload.seed, _PROBE_STREAM]).generate_state(1, dtype=np.uint64)
+    fits = max(1, PROBE_MEMORY_BYTES // (4 * dimension))
+    size = min(config.diagnostic_examples, num_train, fits)
+    return torch.randperm(num_train, generator=torch.Generator().manual_seed(int(seed)))[:size]
+
+
+def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: torch.Generator) -> float:
+    """The DP selection score: (correct validation predictions + N(0, σ_s²)) / num_val.
+
+    The count has sensitivity 1 under add/remove of one validation row, so this is the Gaussian
+    mechanism with noise multiplier σ_s = ``score_noise_multiplier`` (split sizes are treated
+    as public, as q = B/N already treats N). Its draw comes from the trial's own coins (``generator``).
+    """
+    noise = float(torch.normal(0.0, score_noise_multiplier, size=(), generator=generator))
+    return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
+
+
+def diverged_charge(planned_steps: int, private_score: bool) -> str:
+    """What a diverged run's ``reason`` adds: it is charged ε of its ``planned_steps``, not of the
+    steps it took, because when it stopped depended on the private data."""
+    why = ("its stop is data-dependent, and charging the whole planned run covers any stopping rule"
+           if private_score else "the stop read an exact, non-private loss")
+    return f"; charged its {planned_steps} planned steps because {why}"
+
+
+def diagnostic_epochs(epochs: int) -> list[int]:
+    """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
+    return sorted({0, math.ceil(epochs / 2), epochs})
+
+

@@ -1,0 +1,465 @@
+"""One fused group: K configurations of one batch size B trained in lock-step (the fused runner's
+unit of work; :mod:`dptune.runners.fused` plans the groups and runs them).
+
+A :class:`FusedGroup` is put together from named parts:
+
+- :class:`DeviceWorkload`: what every group of one ``run_fused`` call shares, the augmented
+  training features, labels and the probe on the device;
+- :class:`GroupSchedule`: what the group's configurations share because they share B: q = B/N,
+  T, the epoch split, σ, and the ε of a number of steps;
+- :class:`GroupCoins`: each configuration's own coins (initial head, Poisson sampler, Gaussian
+  noise, score noise), and :meth:`GroupCoins.draw`, the :class:`Draws` of the next steps;
+- :class:`LockStep`: the stacked heads and their optimizer, stepping every configuration that has
+  not diverged, and how many steps each took;
+- :class:`FusedGroup` itself: the epochs (train, then evaluate and record, then diagnose), the
+  divergence rules and the :class:`~dptune.contract.TrialResult` of each configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
+from dptune.data import Workload
+from dptune.dp.clipping import ClippingRule, noise_std, update_scale
+from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
+from dptune.dp.diagnostics import diagnose
+from dptune.models import build_model
+from dptune.plan import epoch_steps, sample_rate, total_steps
+from dptune.privacy import epsilon_spent
+from dptune.runners.common import Evaluation, diagnostic_epochs, diverged_charge, noisy_score, probe_indices
+from dptune.runners.heads import (
+    StackedOptimizer,
+    augment,
+    head_noisy_gradients,
+    head_probe_gradients,
+    stack_heads,
+    stacked_evaluations,
+)
+
+#: The ``TrialResult.engine`` of a fused configuration.
+FUSED_ENGINE = "fused"
+#: Noise drawn per configuration per call: as many steps as fit this many bytes (float32).
+NOISE_CHUNK_BYTES = 1 << 20
+#: Most steps whose noise and Poisson batches are drawn in one call.
+MAX_CHUNK_STEPS = 64
+
+
+def chunk_steps(parameters: int) -> int:
+    """Steps whose noise (``parameters`` float32 values each) and Poisson batches are drawn at once."""
+    return max(1, min(MAX_CHUNK_STEPS, NOISE_CHUNK_BYTES // (4 * parameters)))
+
+
+class PoissonSteps:
+    """The Poisson batches of one configuration: at every step each of the N examples is included
+    independently with probability q, drawn from the configuration's own (CPU) generator.
+
+    Exactness. Number the (step, example) pairs of the coming steps in order, position
+    p = step·N + example. Inclusion of each pair is an independent Bernoulli(q) trial, so the
+    included positions are a Bernoulli process, whose gaps (failures before each success) are
+    i.i.d. Geometric(q): P(F ≥ k) = (1 − q)^k. A gap is drawn by inversion from a float64 uniform
+    U ∈ [0, 1): F = ⌊log(1 − U) / log(1 − q)⌋ has P(F ≥ k) = P(1 − U ≤ (1 − q)^k) = (1 − q)^k, exact
+    up to the 2⁻⁵³ resolution of U (Opacus' loader compares float32 uniforms with q, a 2⁻²⁴
+    resolution). Gaps are drawn in batches; when a batch ends before the last position, the process
+    restarts at the next position with fresh gaps, which by the independence of the Bernoulli trials
+    (the geometric law's memorylessness) is the same process. Draws past the last position are
+    discarded, so the batches of disjoint steps are independent. Expected cost: q·N + O(1) uniforms
+    per step instead of N.
+    """
+
+    def __init__(self, num_examples: int, sample_rate: float, generator: torch.Generator) -> None:
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        self.num_examples = num_examples
+        self.sample_rate = sample_rate
+        self.generator = generator
+        self._log_miss = math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
+
+    def draw(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``steps`` steps' batches: (step, example) int64 tensors of every inclusion, in
+        order of step then example (steps counted from 0 at this call)."""
+        end = steps * self.num_examples
+        if self.sample_rate == 1:  # full batch: every pair, no coin is drawn
+            positions = torch.arange(end)
+            return positions // self.num_examples, positions % self.num_examples
+        found: list[torch.Tensor] = []
+        start = 0  # the first position not yet decided
+        while start < end:
+            expected = (end - start) * self.sample_rate
+            count = int(expected + 6 * math.sqrt(expected) + 16)
+            uniforms = torch.rand(count, generator=self.generator, dtype=torch.float64)
+            gaps = torch.floor(torch.log1p(-uniforms) / self._log_miss).clamp_(max=end).long()
+            positions = start + torch.cumsum(gaps + 1, 0) - 1
+            inside = positions[positions < end]
+            found.append(inside)
+            start = end if len(inside) < count else int(positions[-1]) + 1
+        positions = torch.cat(found)
+        return positions // self.num_examples, positions % self.num_examples
+
+
+
+@dataclass(frozen=True)
+class DeviceWorkload:
+    """What every group of one ``run_fused`` call shares: the workload's training split on the device."""
+
+    workload: Workload
+    device: torch.device
+    features: torch.Tensor  # (N + 1, dim + 1) augmented training features x̃ on the device; row N is zeros (padding)
+    square_norms: torch.Tensor  # (N + 1,) ‖x̃_i‖² = ‖x_i‖² + 1
+    labels: torch.Tensor  # (N + 1,) int64; row N is 0 (padding)
+    probe: tuple[torch.Tensor, torch.Tensor] | None  # augmented probe features and labels on the device
+
+    @classmethod
+    def build(cls, config: TrialConfig, workload: Workload, device: torch.device) -> DeviceWorkload:
+        features, labels = workload.train.tensors
+        features = augment(features.to(device))
+        features = torch.cat([features, features.new_zeros(1, features.shape[1])])
+        labels = torch.cat([labels, labels.new_zeros(1)]).to(device)
+        probe = None
+        if config.diagnostics:
+            rows = probe_indices(config, len(workload.train), features.shape[1] * workload.num_classes).to(device)
+            probe = (features[rows], labels[rows])
+        return cls(workload=workload, device=device, features=features,
+                   square_norms=features.square().sum(1), labels=labels, probe=probe)
+
+    @property
+    def num_train(self) -> int:
+        """N, the training examples (the padding row excluded)."""
+        return len(self.workload.train)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """A group's coins for S steps. ``index[t, k, r]`` (S, K, width; on the device) is the r-th
+    training row in configuration k's Poisson batch at step t, in increasing order, padded with N
+    (the zero row); ``counts[t, k]`` (numpy) its batch size; ``noise[t, k]`` (S, K, classes,
+    dim + 1; on the device) the standard normal draws of its Gaussian noise."""
+
+    index: torch.Tensor
+    counts: np.ndarray
+    noise: torch.Tensor
+
+
+
+@dataclass(frozen=True)
+class GroupSchedule:
+    """What a group's configurations share because they share B: q = B/N (``sample_rate``), the T
+    planned steps (``steps``) cut into epochs (``epoch_steps``), σ (``noise_multiplier``) and the
+    expected batch size q·N (examples) of every step; δ for the ε they spend."""
+
+    sample_rate: float
+    steps: int
+    epoch_steps: tuple[int, ...]
+    noise_multiplier: float
+    expected_batch_size: float
+    delta: float
+
+    @classmethod
+    def of(cls, config: TrialConfig, num_train: int, noise_multiplier: float) -> GroupSchedule:
+        """The schedule of ``config``'s batch size on ``num_train`` examples with σ = ``noise_multiplier``."""
+        rate = sample_rate(num_train, config.batch_size)
+        return cls(sample_rate=rate, steps=total_steps(num_train, config.batch_size, config.epochs),
+                   epoch_steps=tuple(epoch_steps(num_train, config.batch_size, config.epochs)),
+                   noise_multiplier=noise_multiplier, expected_batch_size=rate * num_train, delta=config.delta)
+
+    def epsilon_spent(self, steps_taken: int) -> float:
+        """ε of ``steps_taken`` of these steps (0 before the first)."""
+        if not steps_taken:
+            return 0.0
+        return epsilon_spent(self.noise_multiplier, self.sample_rate, steps_taken, self.delta)
+
+
+class GroupCoins:
+    """Each configuration's own coins, as a trial draws them (:func:`~dptune.dp.coins.trial_coins`
+    of its seed): its initial head (built under ``torch.manual_seed`` of its init stream, without
+    touching the global generator), its Poisson sampler, its Gaussian noise and its score noise."""
+
+    def __init__(self, configs: Sequence[TrialConfig], schedule: GroupSchedule, data: DeviceWorkload) -> None:
+        self.num_train = data.num_train
+        self.device = data.device
+        weights, biases = [], []
+        self.samplers: list[PoissonSteps] = []
+        self.noise_coins: list[DeviceCoins] = []
+        self.score_generators: list[torch.Generator] = []
+        for config in configs:
+            coins = trial_coins(config.seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed(coins.init))
+                head = build_model(config.workload.backbone, config.workload.peft, data.workload.num_classes,
+                                   feature_input=True)
+            weights.append(head.weight.detach())
+            biases.append(head.bias.detach())
+            self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))
+            self.noise_coins.append(DeviceCoins(coins.noise, data.device))
+            self.score_generators.append(cpu_generator(coins.score))
+        #: (K, classes, dim + 1) on the device: every configuration's initial head (:func:`stack_heads`).
+        self.initial_heads = stack_heads(weights, biases).to(data.device)
+
+    def draw(self, steps: int) -> Draws:
+        """The coins of the next ``steps`` steps, each configuration's from its own generators."""
+        k, num_train = len(self.samplers), self.num_train
+        draws = [sampler.draw(steps) for sampler in self.samplers]
+        noise = []
+        for coins in self.noise_coins:
+            coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
+            noise.append(torch.randn(steps, *self.initial_heads.shape[1:], generator=coins.generator,
+                                     device=self.device))
+        stacked = torch.stack(noise, dim=1)
+        counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
+        index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
+        for column, (step, example) in enumerate(draws):
+            starts = np.concatenate([[0], np.cumsum(counts[:, column])[:-1]])
+            rank = torch.arange(len(step)) - torch.from_numpy(starts)[step]
+            index[step, column, rank] = example
+        return Draws(index=index.to(self.device), counts=counts, noise=stacked)
+
+    def noisy_score(self, index: int, val: Evaluation, score_noise_multiplier: float) -> float:
+        """Configuration ``index``'s DP selection score of ``val`` (:func:`~dptune.runners.common.noisy_score`)."""
+        return noisy_score(val, score_noise_multiplier, self.score_generators[index])
+
+
+class LockStep:
+    """The K stacked heads of a group and their optimizer, stepped together on each configuration's
+    own batch, clip bound C_k, noise std s_k and learning rate η_k. A configuration that stops
+    (:meth:`stop`, or a non-finite step loss when ``stop_on_loss``) keeps its head from then on."""
+
+    def __init__(self, configs: Sequence[TrialConfig], heads: torch.Tensor, schedule: GroupSchedule,
+                 stop_on_loss: bool) -> None:
+        first = configs[0]
+        device = heads.device
+        k = len(configs)
+        self.heads = heads  # (K, classes, dim + 1), updated in place
+        self.rule: ClippingRule = first.clipping
+        self.stop_on_loss = stop_on_loss
+        clip_bounds = [c.clip_bound for c in configs]
+        self.clip_bounds = torch.tensor(clip_bounds, device=device)
+        self.noise_stds = torch.tensor([noise_std(schedule.noise_multiplier, c, self.rule) for c in clip_bounds],
+                                       device=device)
+        self.scales = torch.tensor([update_scale(c, self.rule, schedule.expected_batch_size) for c in clip_bounds],
+                                   device=device)
+        self.optimizer = StackedOptimizer(first.optimizer, [self.heads],
+                                          torch.tensor([c.learning_rate for c in configs], device=device))
+        self.active = torch.ones(k, dtype=torch.bool, device=device)  # not stopped
+        self.last_step = torch.zeros(k, dtype=torch.int64, device=device)  # steps taken by each configuration
+        self.divergent_loss = torch.zeros(k, device=device)  # the non-finite step loss that stopped a configuration
+        self.steps_done = 0  # steps the group ran
+
+    def train(self, data: DeviceWorkload, draws: Draws, losses: torch.Tensor) -> None:
+        """Every step of ``draws``; adds each active configuration's step losses to ``losses`` (K,)."""
+        num_train = data.num_train
+        for t in range(draws.index.shape[0]):
+            rows = draws.index[t, :, : max(1, int(draws.counts[t].max()))]
+            flat = rows.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
+            gradients = head_noisy_gradients(
+                self.heads, data.features.index_select(0, flat).view(*rows.shape, -1),
+                data.labels.index_select(0, flat).view(rows.shape), rows < num_train, self.clip_bounds, self.rule,
+                draws.noise[t], self.noise_stds, self.scales, data.square_norms.index_select(0, flat).view(rows.shape))
+            self.steps_done += 1
+            self.last_step.add_(self.active.long())  # the step counts for every configuration that ran it
+            if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
+                finite = torch.isfinite(gradients.losses)
+                self.divergent_loss = torch.where(self.active & ~finite, gradients.losses, self.divergent_loss)
+                self.active &= finite
+            losses += torch.where(self.active, gradients.losses, torch.zeros_like(gradients.losses)).double()
+            self.optimizer.step([gradients.heads], self.active)
+
+    def steps_taken(self) -> list[int]:
+        """Steps each configuration took (a stopped one: up to the step where it stopped)."""
+        return self.last_step.tolist()
+
+    def finite(self, index: int) -> bool:
+        """Whether configuration ``index``'s head is finite: a function of the DP outputs only."""
+        return bool(torch.isfinite(self.heads[index]).all())
+
+    def stop(self, index: int) -> None:
+        """Configuration ``index`` takes no further step."""
+        self.active[index] = False
+
+
+@dataclass
+class _EpochTraining:
+    """What one epoch's training left to record: each configuration's steps taken, summed loss and
+    examples seen (those live at the epoch's start), the training time (s) and each live
+    configuration's share of it (s)."""
+
+    steps_taken: list[int]
+    losses: np.ndarray
+    examples: dict[int, int]
+    train_time: float
+    share: float
+
+
+class FusedGroup:
+    """K configurations with one batch size B, trained in lock-step (see :mod:`dptune.runners.fused`)."""
+
+    def __init__(self, data: DeviceWorkload, configs: Sequence[TrialConfig], noise_multiplier: float) -> None:
+        self.data = data
+        self.configs = list(configs)
+        first = self.configs[0]
+        self.schedule = GroupSchedule.of(first, data.num_train, noise_multiplier)
+        self.private_score = first.score_noise_multiplier is not None
+        self.coins = GroupCoins(self.configs, self.schedule, data)
+        self.lock_step = LockStep(self.configs, self.coins.initial_heads, self.schedule,
+                                  stop_on_loss=not self.private_score)
+        self.parameters = self.lock_step.heads[0].numel()
+        self.results = [self._new_result(config) for config in self.configs]
+
+    def _new_result(self, config: TrialConfig) -> TrialResult:
+        workload, schedule = self.data.workload, self.schedule
+        return TrialResult(
+            config=config, status="ok", noise_multiplier=schedule.noise_multiplier,
+            sample_rate=schedule.sample_rate, steps=schedule.steps, num_train=self.data.num_train,
+            num_val=len(workload.val), num_test=len(workload.test), num_classes=workload.num_classes,
+            trainable_parameters=self.parameters, device=str(self.data.device), engine=FUSED_ENGINE,
+            class_names=dict(enumerate(workload.class_names)),
+        )
+
+    def run(self) -> list[TrialResult]:
+        """Train the group's T steps epoch by epoch, as a trial does; one result per configuration."""
+        k = len(self.configs)
+        epochs = self.configs[0].epochs
+        probe_epochs = diagnostic_epochs(epochs) if self.configs[0].diagnostics else []
+        start = time.perf_counter()
+        train_time = 0.0
+        examples_seen = np.zeros(k)
+        live = list(range(k))  # not diverged: still recorded
+        if 0 in probe_epochs:
+            self._diagnose(live, 0)
+        for epoch, epoch_length in enumerate(self.schedule.epoch_steps, start=1):
+            epoch_start = time.perf_counter()
+            trained = self._train_epoch(live, epoch_length)
+            train_time += trained.train_time
+            for i in live:
+                examples_seen[i] += trained.examples[i]
+            live = self._check_training(live, trained, epoch)
+            if not live:
+                break
+            live = self._record_epoch(live, trained, epoch, epoch_start)
+            if epoch in probe_epochs:
+                self._diagnose(live, epoch)
+        self._finish(time.perf_counter() - start, train_time, examples_seen)
+        return self.results
+
+    def _train_epoch(self, live: list[int], epoch_length: int) -> _EpochTraining:
+        """One epoch's ``epoch_length`` steps, drawn and trained in chunks of :func:`chunk_steps`."""
+        k = len(self.configs)
+        start = time.perf_counter()
+        examples = np.zeros((epoch_length, k), dtype=np.int64)
+        losses = torch.zeros(k, dtype=torch.float64, device=self.data.device)
+        first_step = self.lock_step.steps_done
+        chunk = chunk_steps(self.parameters)
+        for offset in range(0, epoch_length, chunk):
+            draws = self.coins.draw(min(chunk, epoch_length - offset))
+            examples[offset : offset + len(draws.counts)] += draws.counts
+            self.lock_step.train(self.data, draws, losses)
+        taken = self.lock_step.steps_taken()
+        train_time = time.perf_counter() - start
+        return _EpochTraining(
+            steps_taken=taken, losses=losses.cpu().numpy(), train_time=train_time, share=train_time / len(live),
+            examples={i: int(examples[: taken[i] - first_step, i].sum()) for i in live})
+
+    def _check_training(self, live: list[int], trained: _EpochTraining, epoch: int) -> list[int]:
+        """Apply the trial's divergence rules after training an epoch; the configurations still live."""
+        divergent_losses = self.lock_step.divergent_loss.tolist()
+        for i in live:
+            if trained.steps_taken[i] < self.lock_step.steps_done:
+                loss = divergent_losses[i]
+                self._diverge(i, f"non-finite training loss ({loss}) at step {trained.steps_taken[i]} (epoch {epoch})")
+            elif self.private_score and not self.lock_step.finite(i):
+                self._diverge(i, f"non-finite parameters after epoch {epoch}")
+        return [i for i in live if self.results[i].status != "diverged"]
+
+    def _record_epoch(self, live: list[int], trained: _EpochTraining, epoch: int, epoch_start: float) -> list[int]:
+        """Evaluate the live heads (validation; test after the last epoch) and record each one's
+        :class:`EpochMetrics`; the configurations still live (a non-finite validation loss diverges)."""
+        workload, heads = self.data.workload, self.lock_step.heads
+        last = epoch == self.configs[0].epochs
+        val = stacked_evaluations(heads, *workload.val.tensors, workload.num_classes)
+        test = stacked_evaluations(heads, *workload.test.tensors, workload.num_classes) if last else None
+        epoch_time = time.perf_counter() - epoch_start
+        still = []
+        for i in live:
+            if not math.isfinite(val[i].loss) and not self.private_score:
+                self._diverge(i, f"non-finite validation loss ({val[i].loss}) after epoch {epoch}")
+                continue
+            still.append(i)
+            result = self.results[i]
+            metrics = EpochMetrics(
+                epoch=epoch, steps=trained.steps_taken[i],
+                train_loss=float(trained.losses[i]) / max(trained.examples[i], 1),
+                val_loss=val[i].loss, val_accuracy=val[i].accuracy, wall_time_s=epoch_time / len(live),
+                examples_per_s=trained.examples[i] / trained.share,
+                test_accuracy=None if test is None else test[i].accuracy)
+            result.epochs.append(metrics)
+            if test is not None:
+                result.val_accuracy = val[i].accuracy
+                result.test_accuracy = test[i].accuracy
+                result.train_loss = metrics.train_loss
+                result.class_accuracy = test[i].class_accuracy()
+                result.class_val_accuracy = val[i].class_accuracy()
+                sigma = self.configs[i].score_noise_multiplier
+                if sigma is not None:
+                    result.noisy_val_accuracy = self.coins.noisy_score(i, val[i], sigma)
+        return still
+
+    def _diagnose(self, live: list[int], epoch: int) -> None:
+        """Append the probe's diagnostics at ``epoch`` to the results of configurations ``live``."""
+        assert self.data.probe is not None
+        features, labels = self.data.probe
+        for k in live:
+            start = time.perf_counter()
+            record: Diagnostics = diagnose(
+                head_probe_gradients(self.lock_step.heads[k], features, labels), epoch=epoch,
+                clip_bound=self.configs[k].clip_bound, noise_multiplier=self.schedule.noise_multiplier,
+                expected_batch_size=self.schedule.expected_batch_size)
+            record.wall_time_s = time.perf_counter() - start
+            self.results[k].diagnostics.append(record)
+
+    def _finish(self, wall: float, train_time: float, examples_seen: np.ndarray) -> None:
+        """Each result's share of the group's time, its steps taken and its ε spent."""
+        k = len(self.configs)
+        diagnostics_time = [sum(d.wall_time_s for d in r.diagnostics) for r in self.results]
+        shared_time = (wall - sum(diagnostics_time)) / k
+        for i, (result, steps) in enumerate(zip(self.results, self.lock_step.steps_taken(), strict=True)):
+            result.wall_time_s = shared_time + diagnostics_time[i]
+            result.diagnostics_wall_time_s = diagnostics_time[i]
+            result.examples_per_s = examples_seen[i] / (train_time / k) if train_time > 0 else 0.0
+            result.steps_taken = steps
+            # a diverged configuration stopped on the data (see _diverge): charged its planned steps
+            result.epsilon_spent = self.schedule.epsilon_spent(self.schedule.steps if result.status == "diverged"
+                                                               else steps)
+
+    def _diverge(self, index: int, reason: str) -> None:
+        """Mark configuration ``index`` diverged: its head stops updating, its result says why and
+        that it is charged its planned steps (:func:`~dptune.runners.common.diverged_charge`)."""
+        self.results[index].status = "diverged"
+        self.results[index].reason = reason + diverged_charge(self.schedule.steps, self.private_score)
+        self.lock_step.stop(index)
+
+    def failed(self, error: BaseException) -> list[TrialResult]:
+        """The results of this group after ``error`` interrupted it: ``error`` with the steps each took,
+        except a configuration that had diverged before, which keeps its record and its charge of
+        the planned steps."""
+        results = []
+        active = self.lock_step.active.tolist()
+        planned = self.schedule.steps
+        for index, (config, steps) in enumerate(zip(self.configs, self.lock_step.steps_taken(), strict=True)):
+            if not active[index] and self.results[index].status != "diverged":  # its loss stopped it mid-epoch
+                loss = self.lock_step.divergent_loss[index].item()
+                self._diverge(index, f"non-finite training loss ({loss}) at step {steps}")
+            if self.results[index].status == "diverged":  # stopped on the data: keeps its planned-steps charge
+                results.append(dataclasses.replace(self.results[index], steps_taken=steps,
+                                                   epsilon_spent=self.schedule.epsilon_spent(planned)))
+                continue
+            results.append(dataclasses.replace(
+                self._new_result(config), status="error", steps_taken=steps,
+                epsilon_spent=self.schedule.epsilon_spent(steps),
+                reason=f"{type(error).__name__}: {error} (after {steps} of {planned} steps)"[:2000]))
+        return results

@@ -1,0 +1,188 @@
+"""K linear heads as one stacked tensor: the closed-form DP step, the stacked optimizer, evaluation
+and the probe's gradients of the fused runner (:mod:`dptune.runners.fused`).
+
+A head y = W x + b over features x (dim,) is stored as [W | b], a (classes, dim + 1) matrix acting
+on the augmented features x̃ = (x, 1); K heads are a (K, classes, dim + 1) tensor
+(:func:`stack_heads`). With δ_i = softmax(W x_i + b) − onehot(y_i) the per-example gradient is
+g_i = δ_i x̃_iᵀ, so ‖g_i‖ = ‖δ_i‖·√(‖x_i‖² + 1) and the clipped sum Σ_i f_i g_i = (f ⊙ δ)ᵀ X̃ is one
+batched matrix product (:func:`head_noisy_gradients`; the FiLM engine's head path,
+:mod:`dptune.dp.film`, for K heads at once). Everything here is float32 (float64 sums) and
+Ray-free; nothing draws a coin (the noise comes in as standard normal draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dptune.dp.clipping import ClippingRule, clip_factors
+from dptune.dp.diagnostics import ProbeGradients
+from dptune.runners.common import Evaluation
+
+#: Optimizers :class:`StackedOptimizer` steps (a subset of ``dptune.dp.optimizers.OPTIMIZERS``).
+FUSABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
+#: Evaluation rows scored at once (all configurations of a group together).
+EVALUATION_ROWS = 4096
+#: Adam's defaults in torch.optim.Adam.
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPSILON = 1e-8
+
+
+@dataclass
+class HeadGradients:
+    """One step's released gradients of K stacked heads and what the trial reads off them.
+
+    ``heads`` (K, classes, dim + 1) is ``update_scale_k · (Σ_i f_i g_i + s_k·z_k)`` in the layout
+    of :func:`stack_heads`; ``losses`` (K,) Σ_i ℓ_i over each configuration's batch; ``norms``
+    (K, n) ‖g_i‖ (0 at padding).
+    """
+
+    heads: torch.Tensor
+    losses: torch.Tensor
+    norms: torch.Tensor
+
+
+def stack_heads(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]) -> torch.Tensor:
+    """K heads y = W x + b as one (K, classes, dim + 1) float32 tensor [W | b]: column ``dim`` is b.
+
+    With features augmented by a constant 1 (:func:`augment`), x̃ = (x, 1), a head is the linear
+    map y = [W | b] x̃, its per-example gradient is δ x̃ᵀ (weight and bias at once) and
+    ‖g_i‖ = ‖δ_i‖·‖x̃_i‖ = ‖δ_i‖·√(‖x_i‖² + 1).
+    """
+    return torch.cat([torch.stack(list(weights)), torch.stack(list(biases)).unsqueeze(2)], dim=2).float()
+
+
+def augment(features: torch.Tensor) -> torch.Tensor:
+    """x̃ = (x, 1) for every row of ``features`` (…, dim) → (…, dim + 1), float32."""
+    return torch.cat([features.float(), features.new_ones(*features.shape[:-1], 1, dtype=torch.float32)], dim=-1)
+
+
+def head_deltas(heads: torch.Tensor, features: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ_i = ∂ℓ_i/∂logits = softmax([W | b] x̃_i) − onehot(y_i) and ℓ_i (cross-entropy), float32.
+
+    ``heads`` (K, classes, dim + 1), augmented ``features`` (K, n, dim + 1), ``labels`` (K, n)
+    → δ of shape (K, n, classes) and ℓ of shape (K, n).
+    """
+    log_probs = F.log_softmax(torch.bmm(features, heads.transpose(1, 2)), dim=2)
+    losses = -log_probs.gather(2, labels.unsqueeze(2)).squeeze(2)
+    deltas = log_probs.exp()
+    deltas.scatter_add_(2, labels.unsqueeze(2), torch.full_like(losses, -1.0).unsqueeze(2))
+    return deltas, losses
+
+
+def head_noisy_gradients(
+    heads: torch.Tensor,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    clip_bounds: torch.Tensor,
+    rule: ClippingRule,
+    noise: torch.Tensor,
+    noise_stds: torch.Tensor,
+    scales: torch.Tensor,
+    feature_square_norms: torch.Tensor | None = None,
+) -> HeadGradients:
+    """The DP step of :mod:`dptune.dp.engine` for K linear heads on K padded batches at once.
+
+    Shapes: ``heads`` (K, classes, dim + 1) (:func:`stack_heads`), ``features`` (K, n, dim + 1)
+    augmented (:func:`augment`), ``labels`` (K, n) int64, ``mask`` (K, n) bool (False: padding,
+    contributes nothing); ``clip_bounds``, ``noise_stds`` (s_k) and ``scales``
+    (``update_scale``) are (K,); ``noise`` (K, classes, dim + 1) standard normal draws, one per
+    parameter; ``feature_square_norms`` (K, n) ‖x̃_i‖² when already known. Per configuration k::
+
+        released_k = scales_k · (Σ_i f_i g_i + noise_stds_k · noise_k),  f = clip_factors(‖g‖, C_k, rule)
+
+    with g_i = δ_i x̃_iᵀ and ‖g_i‖ = ‖δ_i‖·‖x̃_i‖; the clipped sum is one batched product (f ⊙ δ)ᵀ X̃.
+    """
+    k = heads.shape[0]
+    deltas, losses = head_deltas(heads, features, labels)
+    deltas = deltas * mask.unsqueeze(2)
+    if feature_square_norms is None:
+        feature_square_norms = features.square().sum(2)
+    norms = (deltas.square().sum(2) * feature_square_norms).sqrt()
+    factors = clip_factors(norms, clip_bounds.unsqueeze(1), rule) * mask
+    clipped = torch.bmm((deltas * factors.unsqueeze(2)).transpose(1, 2), features)
+    released = torch.addcmul(clipped, noise_stds.view(k, 1, 1), noise).mul_(scales.view(k, 1, 1))
+    return HeadGradients(heads=released, losses=torch.where(mask, losses, torch.zeros_like(losses)).sum(1), norms=norms)
+
+
+class StackedOptimizer:
+    """Adam or SGD over K stacked parameter sets, each with its own learning rate η_k.
+
+    Matches ``torch.optim.Adam(params, lr=η_k)`` (betas (0.9, 0.999), eps 1e-8, bias correction,
+    no weight decay) and ``torch.optim.SGD(params, lr=η_k)`` (no momentum) stepping each
+    configuration's parameters on its gradient. ``params`` are tensors with the configurations on
+    their first axis, updated in place; ``step(grads, active)`` leaves the rows where ``active``
+    (K,) is False untouched (a configuration that diverged stops updating).
+    """
+
+    def __init__(self, name: str, params: Sequence[torch.Tensor], learning_rates: torch.Tensor) -> None:
+        if name not in FUSABLE_OPTIMIZERS:
+            raise ValueError(f"optimizer {name!r} is not one of {', '.join(FUSABLE_OPTIMIZERS)}")
+        self.name = name
+        self.params = list(params)
+        self.learning_rates = learning_rates
+        self.steps = 0
+        self.first_moments = [torch.zeros_like(p) for p in self.params] if name == "adam" else []
+        self.second_moments = [torch.zeros_like(p) for p in self.params] if name == "adam" else []
+
+    def step(self, grads: Sequence[torch.Tensor], active: torch.Tensor) -> None:
+        """One optimizer step of every active configuration on ``grads`` (shapes as ``params``)."""
+        self.steps += 1
+        beta1, beta2 = ADAM_BETAS
+        for index, (param, grad) in enumerate(zip(self.params, grads, strict=True)):
+            rows = (-1, *([1] * (param.dim() - 1)))
+            rate = self.learning_rates.view(rows)
+            if self.name == "sgd":
+                update = rate * grad
+            else:
+                first, second = self.first_moments[index], self.second_moments[index]
+                first.lerp_(grad, 1 - beta1)
+                second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denominator = (second.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(ADAM_EPSILON)
+                update = (rate / (1 - beta1**self.steps)) * first / denominator
+            param.sub_(torch.where(active.view(rows), update, torch.zeros_like(update)))
+
+
+def stacked_evaluations(heads: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
+                        num_classes: int) -> list[Evaluation]:
+    """Mean cross-entropy, accuracy and per-class counts of each of K heads (K, classes, dim + 1)
+    on one split. ``features`` (rows, dim) and ``labels`` (rows,) may live on the CPU; they are
+    scored ``EVALUATION_ROWS`` at a time on the heads' device, all K heads in one matrix product.
+    """
+    k, classes, _ = heads.shape
+    device = heads.device
+    flat = heads.reshape(k * classes, -1)
+    loss = torch.zeros(k, dtype=torch.float64, device=device)
+    correct = torch.zeros(k, num_classes, dtype=torch.float64, device=device)
+    for rows, row_labels in zip(features.split(EVALUATION_ROWS), labels.split(EVALUATION_ROWS), strict=True):
+        rows, row_labels = augment(rows.to(device)), row_labels.to(device)
+        logits = (rows @ flat.T).view(-1, k, classes).transpose(0, 1)  # (K, rows, classes)
+        loss += F.cross_entropy(logits.transpose(1, 2), row_labels.expand(k, -1), reduction="none").sum(1).double()
+        correct.index_add_(1, row_labels, (logits.argmax(2) == row_labels).double())
+    examples = torch.bincount(labels, minlength=num_classes).numpy()
+    total = int(examples.sum())
+    loss_np, correct_np = loss.cpu().numpy(), correct.cpu().numpy().round().astype(np.int64)
+    return [
+        Evaluation(loss=float(loss_np[i]) / total, accuracy=float(correct_np[i].sum()) / total,
+                   correct_per_class=correct_np[i], examples_per_class=examples)
+        for i in range(k)
+    ]
+
+
+def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: torch.Tensor) -> ProbeGradients:
+    """The probe's per-example gradients g_i = δ_i x̃_iᵀ of one head (classes, dim + 1) on augmented
+    ``features`` (n, dim + 1), summarised for the diagnostics, which depend on them only through
+    inner products: g_iᵀg_j = (δ_iᵀδ_j)(x̃_iᵀx̃_j), an (n, n) Gram matrix in O(n²·(classes + dim))
+    instead of n gradients of classes·(dim + 1) entries."""
+    deltas, _ = head_deltas(head.unsqueeze(0), features.unsqueeze(0), labels.unsqueeze(0))
+    deltas, features = deltas[0].double(), features.double()
+    return ProbeGradients.from_gram((deltas @ deltas.T) * (features @ features.T), labels,
+                                    head.shape[0] * head.shape[1])
+

@@ -1,0 +1,132 @@
+"""The shape of the package, read from its source with ``ast`` (nothing is imported).
+
+Which imports count: every ``import dptune.x`` and ``from dptune.x import y`` anywhere in a module,
+at module level and inside functions (including ``if TYPE_CHECKING:`` blocks) alike. A function-level
+import defers the cycle to the first call but does not remove it: the two modules still cannot be
+read, tested or moved apart, which is what a circle costs. An import adds one edge, to the module it
+names (``from dptune.a import b`` names ``dptune.a.b`` when that is a module, else ``dptune.a``); the
+parent packages Python initialises on the way are not edges, since a package's ``__init__``
+re-exporting its submodules is not a circle of dependencies. Relative imports are resolved against
+the importing module's package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dptune"
+#: The most lines a module of dptune may have.
+MAX_MODULE_LINES = 600
+#: The most ``.py`` files that may sit directly in ``dptune/`` (the rest live in subpackages).
+MAX_ROOT_MODULES = 8
+
+
+def module_name(path: Path) -> str:
+    """``dptune/a/b.py`` → ``dptune.a.b``; ``dptune/a/__init__.py`` → ``dptune.a``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of dptune by dotted name."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(name: str, source: str, known: set[str], is_package: bool = False) -> set[str]:
+    """The modules of ``known`` that module ``name`` (its text ``source``; a package's
+    ``__init__`` when ``is_package``) imports, anywhere in its body."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import dptune.a.b` of a name inside dptune.a
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the dptune modules it imports."""
+    paths = modules()
+    known = set(paths)
+    return {
+        name: imported(name, path.read_text(encoding="utf-8"), known, path.name == "__init__.py")
+        for name, path in paths.items()
+    }
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_reader_counts_function_level_and_relative_imports() -> None:
+    source = "import os\nimport dptune.d.name\nfrom . import b\n\ndef f():\n    from .c import name\n"
+    known = {"dptune.a", "dptune.a.b", "dptune.a.c", "dptune.d"}
+    assert imported("dptune.a", source, known, is_package=True) == {"dptune.a.b", "dptune.a.c", "dptune.d"}
+    assert imported("dptune.a.b", "from .c import name\nfrom dptune.a import c\n", known) == {"dptune.a.c"}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_dptune_modules() -> None:
+    found = circles(import_graph())
+    assert not found, "import circles among dptune's modules (module-level and function-level imports): " + "; ".join(
+        " <-> ".join(component) for component in found
+    )
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {
+        name: lines
+        for name, path in modules().items()
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their sections): {long}"
+
+
+def test_at_most_eight_modules_sit_directly_in_the_package() -> None:
+    root = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} .py files in dptune/ (at most {MAX_ROOT_MODULES}): {root}"

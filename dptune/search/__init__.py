@@ -3,7 +3,8 @@
 ``python -m dptune.search --space search_spaces/default.yaml`` on a laptop (embedded local Ray),
 ``ray job submit -- python -m dptune.search ...`` on a cluster (joins it through RAY_ADDRESS).
 
-Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`) → every check
+Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`, into
+:class:`~dptune.search.options.SearchOptions`) → every check
 that needs no data (:mod:`~dptune.search.preflight`), then the results folder's lease
 (:mod:`~dptune.search.lease`) → load the workload once in the driver (fills the feature cache) →
 plan each cell (steps, σ, min-step pruning; :mod:`~dptune.search.cells`) → one Ray Tune run for
@@ -15,7 +16,7 @@ and the summary (:mod:`~dptune.search.outcome`) → report. Ray appears only in 
 Tune adapters.
 
 The command line answers a mistake before anything heavy is imported: this package imports only
-:mod:`~dptune.search.cli`; every other name below loads its module on first use (PEP 562).
+:mod:`~dptune.search.cli` and its options; every other name below loads its module on first use (PEP 562).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dptune.search.cli import SearchOptions, main, parse_args
+from dptune.search.cli import main, parse_args
+from dptune.search.options import SearchOptions
 
 #: The public names of the heavier modules, loaded on first access.
 _LAZY: dict[str, str] = {

@@ -7,7 +7,6 @@ imports the driver (:mod:`dptune.search.driver`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +21,8 @@ from dptune.errors import (
 )
 from dptune.paths import check_name
 from dptune.search import preflight
+from dptune.search.options import SearchOptions
 from dptune.space import SpaceError, load_space, parse_override
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """Command-line options after validation."""
-
-    space_path: Path
-    storage: str
-    name: str | None
-    address: str | None
-    resume: bool
-    dry_run: bool
-    report: bool
-    overrides: dict[str, Any]
-    max_train_examples: int | None
-    max_eval_examples: int | None
-    quarantine_corrupt: bool = False
-    report_dir: str | None = None  # None: <storage>/<name>/report
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:

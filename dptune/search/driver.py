@@ -45,7 +45,7 @@ from dptune.search.sampler import CellSampler
 from dptune.space import LoadedSpace, SearchSpace, load_space
 
 if TYPE_CHECKING:
-    from dptune.search.cli import SearchOptions
+    from dptune.search.options import SearchOptions
 
 
 #: Seconds to wait before the one retry of an embedded Ray start that timed out (an overloaded machine).

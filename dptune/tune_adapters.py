@@ -23,6 +23,7 @@ import signal
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
 from dptune.cell_sampler import CellSampler
-from dptune.contract import EpochMetrics, TrialResult
+from dptune.contract import EpochMetrics, TrialResult, TrialStatus
 from dptune.errors import storage_error
 from dptune.execution import (
     TrialContext,
@@ -112,17 +113,19 @@ class CellMultiplexer(Searcher):
         self.owner: dict[str, tuple[str, list[dict[str, Any]]]] = {}
         self.turn = 0
 
-    def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
         return True
 
-    def suggest(self, trial_id: str) -> dict | None:
+    # Ray annotates Searcher.suggest as returning Optional[Dict] but documents (and handles) the
+    # string Searcher.FINISHED as its end-of-search answer.
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:  # type: ignore[override]
         while open_cells := [k for k in self.samplers if self.suggested[k] < self.budgets[k]]:
             key = open_cells[self.turn % len(open_cells)]
             self.turn += 1
             context = self.contexts[key]
             count = min(self.unit_sizes[key], self.budgets[key] - self.suggested[key])
             configurations = self.samplers[key].ask(
-                count, lambda params, c=context: record_pruned(c, params, self.num_train, self.min_steps))
+                count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps))
             if not configurations:  # a grid ran out early: close the cell
                 self.budgets[key] = self.suggested[key]
                 continue
@@ -131,7 +134,7 @@ class CellMultiplexer(Searcher):
             return {CELL_KEY: key, CONFIGURATIONS_KEY: configurations}
         return Searcher.FINISHED
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
         owned = self.owner.pop(trial_id, None)
         if owned is None:  # a unit restarted on --resume after it errored: its sampler was told then
             return
@@ -194,10 +197,10 @@ class PerCellASHA(FIFOScheduler):
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
 
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         return self._of(trial).on_trial_result(tune_controller, trial, result)
 
-    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
 
     def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
@@ -259,7 +262,7 @@ class RecordAndReport(Callback):
         print(f"[{label}] {self.finished[key]}/{budget} configurations{replicates}: runs {counts}{now}{best}",
               flush=True)
 
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         try:
             self._complete(trial)
         except Exception as error:  # never raise inside Tune's loop
@@ -282,21 +285,22 @@ class RecordAndReport(Callback):
                 self.best[trial.config[CELL_KEY]] = (score, params)
         self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
-    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
         if result.get(STORAGE_ERROR_KEY):
             stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
-    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(trial, f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
                                   "planned steps and run again")
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(trial, f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
                                   "and run again on --resume")
 
-    def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
+    def _record_unfinished(self, trial: Any, status: TrialStatus, reason: str) -> None:
         context, _, _, sigmas, num_train = self.cells[trial.config[CELL_KEY]]
         store = ResultsStore(context.results_root)
         last = trial.last_result or {}
@@ -321,8 +325,8 @@ def _failure_line(error: BaseException, doing: str) -> str:
     return f"{doing}: {storage_error(error) or f'{type(error).__name__}: {error}'}"
 
 
-def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: str, reason: str,
-                       last: dict[str, Any], sigmas: dict[int, float], num_train: int) -> TrialResult:
+def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: TrialStatus,
+                       reason: str, last: dict[str, Any], sigmas: dict[int, float], num_train: int) -> TrialResult:
     """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
     trainables block in ``report()``, so it took the steps of its last report and no more."""
     config = trial_config(context, params, replicate)

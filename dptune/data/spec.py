@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, TypeAlias
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from dptune.errors import DptuneError
 
@@ -55,6 +55,22 @@ class WorkloadSpec:
     max_eval_examples: int | None = None
 
 
+class LazyImages(Protocol):
+    """A split of images read from files when an item is asked for
+    (:class:`dptune.data.workload.LabelledImages`): item = ``(uint8 image, int64 label)``; its
+    ``labels`` are in memory, in item order."""
+
+    labels: torch.Tensor
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+#: One split of a :class:`Workload`: in memory (features, tokens, in-memory images) or read lazily.
+Split: TypeAlias = TensorDataset | LazyImages
+
+
 @dataclass
 class Workload:
     """The resolved splits of a :class:`WorkloadSpec`.
@@ -77,9 +93,9 @@ class Workload:
     spec: WorkloadSpec
     num_classes: int
     class_names: list[str]
-    train: Dataset
-    val: Dataset
-    test: Dataset
+    train: Split
+    val: Split
+    test: Split
     modality: Modality
     feature_dim: int | None = None
     max_tokens: int | None = None

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dptune.cell_sampler import CellSpec
-from dptune.contract import TrialConfig
+from dptune.contract import ClippingRule, TrialConfig
 from dptune.errors import SearchError
 from dptune.execution import TrialContext, record_pruned
 from dptune.paths import read_file, write_file_atomic
@@ -40,7 +40,7 @@ class CellPlan:
     """What a cell will run: the B values that pass the min-step rule and σ for each."""
 
     cell: Cell
-    clipping: str
+    clipping: ClippingRule
     num_train: int
     feasible_batch_sizes: tuple[int, ...]
     pruned_batch_sizes: tuple[int, ...]
@@ -79,7 +79,7 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
         raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
     if space.privacy.private_selection is not None:
         return [_plan_private_cell(space, candidates, num_train)]
-    variants = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
+    variants: list[ClippingRule] = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
     plans = []
     for cell in space.cells():
         feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeAlias
+from typing import Literal, TypeAlias
 
+import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from dptune.errors import DptuneError
 
@@ -55,20 +56,22 @@ class WorkloadSpec:
     max_eval_examples: int | None = None
 
 
-class LazyImages(Protocol):
-    """A split of images read from files when an item is asked for
-    (:class:`dptune.data.workload.LabelledImages`): item = ``(uint8 image, int64 label)``; its
-    ``labels`` are in memory, in item order."""
+class LabelledImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows ``rows`` of lazily read images with their (relabelled) labels: item = ``(image, label)``."""
 
-    labels: torch.Tensor
+    def __init__(self, images: Dataset[tuple[torch.Tensor]], rows: np.ndarray, labels: torch.Tensor) -> None:
+        self.images, self.rows, self.labels = images, rows, labels
 
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        return len(self.rows)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (*self.images[int(self.rows[index])], self.labels[index])
 
 
-#: One split of a :class:`Workload`: in memory (features, tokens, in-memory images) or read lazily.
-Split: TypeAlias = TensorDataset | LazyImages
+#: One split of a :class:`Workload`: in memory (features, tokens, in-memory images) or images read
+#: from files when an item is asked for.
+Split: TypeAlias = TensorDataset | LabelledImages
 
 
 @dataclass

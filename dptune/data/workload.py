@@ -8,28 +8,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from dptune.data import splits
 from dptune.data.features import cached_features
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
-from dptune.data.spec import Split, Workload, WorkloadError, WorkloadSpec
+from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError, WorkloadSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-class LabelledImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Rows ``rows`` of lazily read images with their (relabelled) labels: item = ``(image, label)``."""
-
-    def __init__(self, images: ImageFiles, rows: np.ndarray, labels: torch.Tensor) -> None:
-        self.images, self.rows, self.labels = images, rows, labels
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (*self.images[int(self.rows[index])], self.labels[index])
 
 
 @dataclass(frozen=True)

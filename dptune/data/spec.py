@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -20,6 +21,24 @@ class WorkloadError(DptuneError, ValueError):
     The message names the offending value and the valid choices (or how to provide what is
     missing: path, environment variable, cache folder).
     """
+
+
+class LabelledImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows ``rows`` of lazily read images with their (relabelled) labels: item = ``(image, label)``."""
+
+    def __init__(self, images: Dataset[tuple[torch.Tensor]], rows: np.ndarray, labels: torch.Tensor) -> None:
+        self.images, self.rows, self.labels = images, rows, labels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (*self.images[int(self.rows[index])], self.labels[index])
+
+
+#: One split of a :class:`Workload`: in memory (features, tokens, in-memory images) or images read
+#: from files when an item is asked for.
+Split: TypeAlias = TensorDataset | LabelledImages
 
 
 @dataclass
@@ -44,9 +63,9 @@ class Workload:
     spec: WorkloadSpec
     num_classes: int
     class_names: list[str]
-    train: Dataset
-    val: Dataset
-    test: Dataset
+    train: Split
+    val: Split
+    test: Split
     modality: Modality
     feature_dim: int | None = None
     max_tokens: int | None = None

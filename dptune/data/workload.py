@@ -8,28 +8,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from dptune.data import splits
 from dptune.data.features import cached_features
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
-from dptune.data.spec import Workload, WorkloadError, WorkloadSpec
+from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError, WorkloadSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-class LabelledImages(Dataset):
-    """Rows ``rows`` of lazily read images with their (relabelled) labels: item = ``(image, label)``."""
-
-    def __init__(self, images: ImageFiles, rows: np.ndarray, labels: torch.Tensor) -> None:
-        self.images, self.rows, self.labels = images, rows, labels
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (*self.images[int(self.rows[index])], self.labels[index])
 
 
 @dataclass(frozen=True)
@@ -185,11 +172,10 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
         for name in ("train", "val", "test")
     }
     max_tokens = spec.max_tokens or backbone.max_tokens
-    common = {
-        "spec": spec,
-        "num_classes": len(rows.kept),
-        "class_names": [raw.class_names[c] for c in rows.kept],
-    }
+    common = (spec, len(rows.kept), [raw.class_names[c] for c in rows.kept])
+    train: Split
+    val: Split
+    test: Split
     if spec.peft == "head":
         capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
         needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
@@ -199,22 +185,20 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
         position = (
             np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
         )
-        datasets = {
-            name: TensorDataset(
-                torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]
-            )
+        train, val, test = (
+            TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name])
             for name in labels
-        }
-        return Workload(**common, **datasets, modality="features", feature_dim=backbone.feature_dim)
+        )
+        return Workload(*common, train, val, test, modality="features", feature_dim=backbone.feature_dim)
     if raw.modality == "text":
         tokenizer = load_tokenizer(spec.backbone)
-        datasets = {
-            name: _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name])
+        train, val, test = (
+            _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name])
             for name in labels
-        }
-        return Workload(**common, **datasets, modality="text", max_tokens=max_tokens)
-    datasets = {name: _images(raw, getattr(rows, name), labels[name]) for name in labels}
-    return Workload(**common, **datasets, modality="image", image_size=backbone.image_size)
+        )
+        return Workload(*common, train, val, test, modality="text", max_tokens=max_tokens)
+    train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)
+    return Workload(*common, train, val, test, modality="image", image_size=backbone.image_size)
 
 
 def _positions(needed: np.ndarray, total: int) -> np.ndarray:
@@ -228,10 +212,11 @@ def _tokenized(
     raw: RawDataset,
     rows: np.ndarray,
     tokenizer: PreTrainedTokenizerBase,
-    max_tokens: int,
+    max_tokens: int | None,
     labels: torch.Tensor,
 ) -> TensorDataset:
-    """``(input_ids, attention_mask, label)`` rows, truncated and padded to ``max_tokens``."""
+    """``(input_ids, attention_mask, label)`` rows, truncated and padded to ``max_tokens`` (None: the
+    tokenizer's own limit)."""
     encoded = tokenizer(
         [raw.inputs[row] for row in rows],
         truncation=True,
@@ -242,7 +227,8 @@ def _tokenized(
     return TensorDataset(encoded["input_ids"].long(), encoded["attention_mask"].long(), labels)
 
 
-def _images(raw: RawDataset, rows: np.ndarray, labels: torch.Tensor) -> Dataset:
+def _images(raw: RawDataset, rows: np.ndarray, labels: torch.Tensor) -> Split:
     if isinstance(raw.inputs, torch.Tensor):
         return TensorDataset(raw.inputs[torch.from_numpy(rows)], labels)
+    assert isinstance(raw.inputs, ImageFiles), "an image dataset's inputs are a tensor or ImageFiles"
     return LabelledImages(raw.inputs, rows, labels)

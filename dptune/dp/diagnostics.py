@@ -157,7 +157,9 @@ def per_example_gradients(
             with autocast(device_type, autocast_dtype):
                 logits = model(*inputs)
             summed_cross_entropy(logits, batch_labels).backward()
-            rows.append(torch.cat([p.grad_sample.reshape(len(batch_labels), -1).float() for p in params], dim=1))
+            # Opacus' hooks set each parameter's .grad_sample, an attribute torch's Parameter does not declare.
+            grad_samples = [p.grad_sample for p in params]  # type: ignore[attr-defined]
+            rows.append(torch.cat([g.reshape(len(batch_labels), -1).float() for g in grad_samples], dim=1))
             labels.append(batch_labels)
             hooks.set_grad_sample_to_none()
     for p in params:

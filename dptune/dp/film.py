@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -62,16 +64,18 @@ from timm.layers import GroupNorm as TimmGroupNorm
 from timm.layers import GroupNorm1 as TimmGroupNorm1
 from timm.layers import LayerNorm as TimmLayerNorm
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.precision import autocast
 from dptune.models.batch_norm import batch_norm_refusal, frozen_batch_norm_terms, frozen_batch_norm_types
 
-_LAYER_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, TimmLayerNorm)
-_GROUP_NORMS: tuple[type[nn.Module], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)
-_LINEARS: tuple[type[nn.Module], ...] = (nn.Linear,)
-_NORMS: tuple[type[nn.Module], ...] = _LAYER_NORMS + _GROUP_NORMS + frozen_batch_norm_types()
+_Norm: TypeAlias = nn.LayerNorm | nn.GroupNorm | _BatchNorm
+_LAYER_NORMS: tuple[type[nn.LayerNorm], ...] = (nn.LayerNorm, TimmLayerNorm)
+_GROUP_NORMS: tuple[type[nn.GroupNorm], ...] = (nn.GroupNorm, TimmGroupNorm, TimmGroupNorm1)
+_LINEARS: tuple[type[nn.Linear], ...] = (nn.Linear,)
+_NORMS: tuple[type[_Norm], ...] = _LAYER_NORMS + _GROUP_NORMS + frozen_batch_norm_types()
 #: Module types the engine computes per-example gradients for (matched exactly, not by subclass).
 SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = _NORMS + _LINEARS
 #: PEFTs whose trainable modules (norm-layer scale and shift, the linear head) have the closed-form
@@ -125,7 +129,7 @@ class _Tap(torch.autograd.Function):
     """Identity on a module's output whose backward hands (module input, δ) to the module's slot."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, output: torch.Tensor, layer_input: torch.Tensor, anchor: torch.Tensor, slot: _Slot
     ) -> torch.Tensor:
         ctx.save_for_backward(layer_input)
@@ -133,10 +137,15 @@ class _Tap(torch.autograd.Function):
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (layer_input,) = ctx.saved_tensors
         ctx.slot.receive(layer_input, grad_output)  # no graph is recorded in a backward
         return grad_output, None, None, None
+
+
+def _total(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of one or more tensors, added in order (``sum`` would start from the int 0)."""
+    return functools.reduce(operator.add, tensors)
 
 
 class _Slot(abc.ABC):
@@ -149,13 +158,11 @@ class _Slot(abc.ABC):
     def __init__(self, name: str, module: nn.Module, offset: int) -> None:
         self.name = name
         self.module = module
-        self.train_weight = module.weight is not None and module.weight.requires_grad
-        self.train_bias = module.bias is not None and module.bias.requires_grad
-        self.params: list[nn.Parameter] = []
-        if self.train_weight:
-            self.params.append(module.weight)
-        if self.train_bias:
-            self.params.append(module.bias)
+        # weight and bias are parameters, or None (a norm layer without affine, a Linear without bias)
+        weight, bias = module.weight, module.bias
+        self.train_weight = isinstance(weight, nn.Parameter) and weight.requires_grad
+        self.train_bias = isinstance(bias, nn.Parameter) and bias.requires_grad
+        self.params = [p for p in (weight, bias) if isinstance(p, nn.Parameter) and p.requires_grad]
         self.offset = offset
         self.numel = sum(p.numel() for p in self.params)
 
@@ -172,10 +179,10 @@ class _NormSlot(_Slot):
     """LayerNorm, GroupNorm or frozen-statistics BatchNorm: per-example γ and β gradients,
     materialised as (n, size) float32 pieces, one per trainable parameter (weight then bias)."""
 
-    def __init__(self, name: str, module: nn.Module, offset: int) -> None:
+    module: _Norm
+
+    def __init__(self, name: str, module: _Norm, offset: int) -> None:
         super().__init__(name, module, offset)
-        self.group_norm = isinstance(module, nn.GroupNorm)
-        self.batch_norm = isinstance(module, frozen_batch_norm_types())
         self.pieces: list[torch.Tensor] = []
 
     def reset(self) -> None:
@@ -184,11 +191,11 @@ class _NormSlot(_Slot):
     def receive(self, layer_input: torch.Tensor, grad_output: torch.Tensor) -> None:
         m = self.module
         n = layer_input.shape[0]
-        if self.batch_norm:
+        if isinstance(m, _BatchNorm):  # one of frozen_batch_norm_types()
             # (n, C, *spatial): x̂ from the running statistics, sum over positions, per channel
             x_hat, delta = frozen_batch_norm_terms(m, layer_input, grad_output)
             reduce_dim = 2
-        elif self.group_norm:
+        elif isinstance(m, nn.GroupNorm):
             # (n, C, *spatial): sum over positions, per channel
             x_hat = F.group_norm(layer_input.float(), m.num_groups, eps=m.eps).reshape(n, m.num_channels, -1)
             delta = grad_output.float().reshape(n, m.num_channels, -1)
@@ -211,7 +218,9 @@ class _NormSlot(_Slot):
 class _LinearSlot(_Slot):
     """Linear layer: norms and clipped sums from (input a, output gradient δ), weight never per example."""
 
-    def __init__(self, name: str, module: nn.Module, offset: int) -> None:
+    module: nn.Linear
+
+    def __init__(self, name: str, module: nn.Linear, offset: int) -> None:
         super().__init__(name, module, offset)
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.per_example_weight: torch.Tensor | None = None
@@ -234,7 +243,7 @@ class _LinearSlot(_Slot):
             return torch.zeros(n, device=device)
         squared = torch.zeros(n, device=device)
         if self.train_bias:
-            bias_grad = sum(delta.sum(1) for _, delta in self.calls)
+            bias_grad = _total(delta.sum(1) for _, delta in self.calls)
             squared = squared + bias_grad.square().sum(1)
         if self.train_weight:
             if len(self.calls) == 1 and self._ghost_is_cheaper(*self.calls[0]):
@@ -245,7 +254,7 @@ class _LinearSlot(_Slot):
                     gram = torch.bmm(delta, delta.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))
                     squared = squared + gram.sum((1, 2))
             else:
-                self.per_example_weight = sum(torch.einsum("nto,nti->noi", delta, a) for a, delta in self.calls)
+                self.per_example_weight = _total(torch.einsum("nto,nti->noi", delta, a) for a, delta in self.calls)
                 squared = squared + self.per_example_weight.square().sum((1, 2))
         return squared
 

@@ -38,7 +38,8 @@ from opacus.optimizers.optimizer import DPOptimizer
 from torch import nn
 
 from dptune._thirdparty import check_processed_flag, generate_noise, mark_as_processed
-from dptune.dp.clipping import AUTO_S_STABILITY, ClippingRule, check_rule, clip_factors, noise_std, update_scale
+from dptune.contract import ClippingRule
+from dptune.dp.clipping import AUTO_S_STABILITY, check_rule, clip_factors, noise_std, update_scale
 from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.optimizers import per_example_norms
 from dptune.dp.precision import autocast
@@ -159,7 +160,7 @@ class RuleDPOptimizer(DPOptimizer):
             optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=clip_bound,
-            expected_batch_size=expected_batch_size,  # type: ignore[arg-type]  # B = q·N need not be an int
+            expected_batch_size=expected_batch_size,  # B = q·N need not be an int
             loss_reduction="mean",
             generator=generator,
         )

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from opacus.data_loader import DPDataLoader
 
 
-def poisson_loader(dataset: Dataset, sample_rate: float, steps: int, generator: torch.Generator) -> DPDataLoader:
+def poisson_loader(
+    dataset: Dataset[tuple[torch.Tensor, ...]], sample_rate: float, steps: int, generator: torch.Generator
+) -> DPDataLoader:
     """Opacus' Poisson loader over ``dataset``: one pass yields exactly ``steps`` batches.
 
     ``sample_rate`` is q = B/N; ``generator`` (CPU) fixes the draws. A trial makes one pass of

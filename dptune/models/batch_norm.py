@@ -32,7 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 @cache
-def frozen_batch_norm_types() -> tuple[type[nn.Module], ...]:
+def frozen_batch_norm_types() -> tuple[type[_BatchNorm], ...]:
     """BatchNorm types whose per-example γ/β gradients :func:`frozen_batch_norm_terms` computes:
     torch's ``BatchNorm1d/2d/3d`` and timm's ``BatchNormAct2d`` (timm is imported on the first
     call, not with this module: a model without BatchNorm never needs it)."""
@@ -74,7 +74,7 @@ def hold_batch_norm_in_eval(model: nn.Module) -> None:
 
 
 def frozen_batch_norm_terms(
-    module: nn.Module, layer_input: torch.Tensor, grad_output: torch.Tensor
+    module: _BatchNorm, layer_input: torch.Tensor, grad_output: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x̂, δ) of one call of a frozen-statistics BatchNorm, float32, shape (n, C, positions).
 
@@ -83,7 +83,7 @@ def frozen_batch_norm_terms(
     recomputed pre-activation γ x̂ + β. Per-example gradients: ∇_γ = Σ_s x̂ δ, ∇_β = Σ_s δ.
     Raises ``RuntimeError`` for a module that uses batch statistics.
     """
-    if uses_batch_statistics(module):
+    if uses_batch_statistics(module) or module.running_mean is None or module.running_var is None:
         raise RuntimeError(
             f"{type(module).__name__} ran with batch statistics during a DP step: per-example "
             f"gradients do not exist; hold it in evaluation mode (dptune.models.Classifier does)"
@@ -97,23 +97,26 @@ def frozen_batch_norm_terms(
     if type(module).__name__ == "BatchNormAct2d" and type(module) in frozen_batch_norm_types() and not (
         isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity)
     ):
-        weight = module.weight.float().view(shape) if module.weight is not None else 1.0
-        bias = module.bias.float().view(shape) if module.bias is not None else 0.0
+        act, drop = module.get_submodule("act"), module.get_submodule("drop")
+        # A BatchNorm's weight and bias are parameters, or None when it is not affine.
+        weight = module.weight.float().view(shape) if isinstance(module.weight, nn.Parameter) else 1.0
+        bias = module.bias.float().view(shape) if isinstance(module.bias, nn.Parameter) else 0.0
         with torch.enable_grad():  # a backward pass runs with grad mode off
             pre_activation = (x_hat * weight + bias).detach().requires_grad_(True)
-            output = module.act(module.drop(pre_activation.clone()))  # clone: the act may be in place
+            output = act(drop(pre_activation.clone()))  # clone: the act may be in place
             (delta,) = torch.autograd.grad(output, pre_activation, delta)
     return x_hat.reshape(n, channels, -1), delta.reshape(n, channels, -1)
 
 
 def compute_frozen_batch_norm_grad_sample(
-    layer: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor
+    layer: _BatchNorm, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Opacus grad sampler for :func:`frozen_batch_norm_types` (summed loss, batch first)."""
     x_hat, delta = frozen_batch_norm_terms(layer, activations[0], backprops)
     grad_sample: dict[nn.Parameter, torch.Tensor] = {}
-    if layer.weight is not None and layer.weight.requires_grad:
+    # A BatchNorm's weight and bias are parameters, or None when it is not affine.
+    if isinstance(layer.weight, nn.Parameter) and layer.weight.requires_grad:
         grad_sample[layer.weight] = torch.linalg.vecdot(x_hat, delta, dim=2).to(layer.weight.dtype)
-    if layer.bias is not None and layer.bias.requires_grad:
+    if isinstance(layer.bias, nn.Parameter) and layer.bias.requires_grad:
         grad_sample[layer.bias] = delta.sum(2).to(layer.bias.dtype)
     return grad_sample

@@ -38,7 +38,7 @@ def film(model: nn.Module, info: BackboneInfo) -> None:
     _freeze_all_but_head(model)
     norms = [
         m
-        for m in model.backbone.modules()
+        for m in model.get_submodule("backbone").modules()
         if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))
     ]
     if not norms:
@@ -59,9 +59,9 @@ def lora(model: nn.Module, info: BackboneInfo) -> None:
     config = LoraConfig(
         r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(info.lora_targets)
     )
-    model.backbone = inject_adapter_in_model(config, model.backbone)
+    model.backbone = inject_adapter_in_model(config, model.get_submodule("backbone"))
     _freeze_all_but_head(model)
-    for name, parameter in model.backbone.named_parameters():
+    for name, parameter in model.get_submodule("backbone").named_parameters():
         parameter.requires_grad_("lora_" in name)
 
 

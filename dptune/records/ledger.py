@@ -115,9 +115,9 @@ def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
 def record_ends(runs_root: str, ends: Iterable[RunEnd]) -> None:
     """Append how ``ends`` ended (one file). Not fsynced: an end entry lost to a crash leaves its run
     charged its planned steps, which never undercounts."""
-    ends = [vars(end) for end in ends]
-    if ends:
-        _write(runs_root, "end", ends, durable=False)
+    entries = [vars(end) for end in ends]
+    if entries:
+        _write(runs_root, "end", entries, durable=False)
 
 
 def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -160,9 +160,9 @@ def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = N
     starts, ends = _entries(runs_root)
     by_run = {end["run"]: end for end in ends if end.get("run")}
     by_trial: dict[str, list[dict[str, Any]]] = {}
-    for end in ends:
-        if not end.get("run"):
-            by_trial.setdefault(end["trial_id"], []).append(end)
+    for entry in ends:
+        if not entry.get("run"):
+            by_trial.setdefault(entry["trial_id"], []).append(entry)
     rows = []
     for start in starts:
         if start.get("search_id") != search_id:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dptune.contract import TrialConfig, WorkloadSpec
+from dptune.contract import ClippingRule, TrialConfig, WorkloadSpec
 from dptune.errors import SearchError
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
@@ -45,7 +45,7 @@ class CellPlan:
     """
 
     cell: Cell
-    clipping: str
+    clipping: ClippingRule
     num_train: int
     feasible_batch_sizes: tuple[int, ...]
     pruned_batch_sizes: tuple[int, ...]
@@ -87,7 +87,7 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
         raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
     if space.privacy.private_selection is not None:
         return [_plan_private_cell(space, candidates, num_train)]
-    variants = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
+    variants: list[ClippingRule] = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
     plans = []
     for cell in space.cells():
         feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)

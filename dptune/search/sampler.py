@@ -69,7 +69,7 @@ class CellSpec:
                 distributions[name] = FloatDistribution(spec["low"], spec["high"], log=spec["log"])
         return distributions
 
-    def grid(self) -> dict[str, list]:
+    def grid(self) -> dict[str, list[float]]:
         """The grid of a ``grid`` sampler (every hyperparameter categorical)."""
         listed = {name: list(spec["values"]) for name, spec in self.ranges.items()}
         return {"batch_size": list(self.batch_sizes), **listed}

@@ -24,6 +24,7 @@ import signal
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
-from dptune.contract import EpochMetrics, TrialResult
+from dptune.contract import EpochMetrics, TrialResult, TrialStatus
 from dptune.errors import storage_error
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
@@ -145,17 +146,19 @@ class CellMultiplexer(Searcher):
         self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
         self.turn = 0
 
-    def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
         return True
 
-    def suggest(self, trial_id: str) -> dict | None:
+    # Ray annotates Searcher.suggest as returning Optional[Dict] but documents (and handles) the
+    # string Searcher.FINISHED as its end-of-search answer.
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:  # type: ignore[override]
         while open_cells := [key for key in self.samplers if self.suggested[key] < self.budgets[key]]:
             cell_key = open_cells[self.turn % len(open_cells)]
             self.turn += 1
             context = self.contexts[cell_key]
             count = min(self.unit_sizes[cell_key], self.budgets[cell_key] - self.suggested[cell_key])
             configurations = self.samplers[cell_key].ask(
-                count, lambda params, c=context: record_pruned(c, params, self.num_train, self.min_steps))
+                count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps))
             if not configurations:  # a grid ran out early: close the cell
                 self.budgets[cell_key] = self.suggested[cell_key]
                 continue
@@ -164,7 +167,7 @@ class CellMultiplexer(Searcher):
             return unit.config()
         return Searcher.FINISHED
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
         unit = self.owner.pop(trial_id, None)
         if unit is None:  # a unit restarted on --resume after it errored: its sampler was told then
             return
@@ -231,10 +234,10 @@ class PerCellASHA(FIFOScheduler):
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
 
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         return self._of(trial).on_trial_result(tune_controller, trial, result)
 
-    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
 
     def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
@@ -295,7 +298,7 @@ class RecordAndReport(Callback):
         print(f"[{cell.label}] {self.finished[unit.cell_key]}/{cell.budget} configurations{replicates}: "
               f"runs {counts}{now}{best}", flush=True)
 
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         try:
             self._complete(trial)
         except Exception as error:  # never raise inside Tune's loop
@@ -318,21 +321,22 @@ class RecordAndReport(Callback):
                 self.best[unit.cell_key] = (score, params)
         self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
-    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
         if result.get(STORAGE_ERROR_KEY):
             stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
-    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(trial, f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
                                   "planned steps and run again")
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(trial, f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
                                   "and run again on --resume")
 
-    def _record_unfinished(self, trial: Any, status: str, reason: str) -> None:
+    def _record_unfinished(self, trial: Any, status: TrialStatus, reason: str) -> None:
         unit = Unit.of(trial.config)
         context = self.cells[unit.cell_key].context
         store = ResultsStore(context.results_root)
@@ -357,8 +361,8 @@ def _failure_line(error: BaseException, doing: str) -> str:
     return f"{doing}: {storage_error(error) or f'{type(error).__name__}: {error}'}"
 
 
-def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: str, reason: str,
-                       last: dict[str, Any]) -> TrialResult:
+def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: TrialStatus,
+                       reason: str, last: dict[str, Any]) -> TrialResult:
     """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
     trainables block in ``report()``, so it took the steps of its last report (``last``) and no more."""
     num_train, sigmas = context.num_train, context.noise_multipliers

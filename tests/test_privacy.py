@@ -222,14 +222,14 @@ def test_accounting_follows_prv_accountant_and_runs_where_it_refuses() -> None:
         accountant = PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier),
                                    eps_error=EPSILON_ERROR, delta_error=delta_error, max_self_compositions=steps)
         _, _, expected = accountant.compute_epsilon(DELTA, [steps])
-        got = prv._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR)
+        got = prv.prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR)
         assert got == pytest.approx(expected, rel=1e-4)
 
     noise_multiplier, sample_rate, steps = 0.735, 32 / 300, 27
     with pytest.raises(RuntimeError, match="Discrete mean differs"):
         PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier), eps_error=EPSILON_ERROR,
                       delta_error=delta_error, max_self_compositions=steps)
-    assert prv._prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
+    assert prv.prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
         _opacus_epsilon(OpacusPRVAccountant, noise_multiplier, sample_rate, steps), rel=1e-3)
 
 
@@ -302,14 +302,14 @@ def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(monkeypatch: pytest.
     """σ and its certified ε with the fast CDF and cell masses equal those with prv_accountant's to 1e-9."""
     privacy.clear_memory_cache()
     fast = calibration._calibrate(epsilon, DELTA, sample_rate, steps)
-    fast_epsilon = prv._certified_epsilon(fast, sample_rate, steps, DELTA)
+    fast_epsilon = prv.certified_epsilon(fast, sample_rate, steps, DELTA)
     privacy.clear_memory_cache()
     prv_class = prv._TruncatedSubsampledGaussianPRV
     monkeypatch.setattr(prv_class, "cdf", lambda self, t: float(self.truncated.cdf(t)))
     monkeypatch.setattr(prv_class, "probability", lambda self, lower, upper: self.truncated.probability(lower, upper))
     library = calibration._calibrate(epsilon, DELTA, sample_rate, steps)
     assert fast == pytest.approx(library, rel=1e-9)
-    assert fast_epsilon == pytest.approx(prv._certified_epsilon(fast, sample_rate, steps, DELTA), rel=1e-9)
+    assert fast_epsilon == pytest.approx(prv.certified_epsilon(fast, sample_rate, steps, DELTA), rel=1e-9)
     privacy.clear_memory_cache()
 
 
@@ -480,8 +480,8 @@ def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError(f"accounting ran for {args}")
 
     for module in (prv, calibration):
-        monkeypatch.setattr(module, "_prv_epsilon", forbidden)
-        monkeypatch.setattr(module, "_certified_epsilon", forbidden)
+        monkeypatch.setattr(module, "prv_epsilon", forbidden)
+        monkeypatch.setattr(module, "certified_epsilon", forbidden)
 
 
 @pytest.mark.usefixtures("no_accounting")

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from dptune.contract import WorkloadSpec
 from dptune.data import splits
 from dptune.data.features import cached_features
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
-from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError, WorkloadSpec
+from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

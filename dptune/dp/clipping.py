@@ -47,13 +47,15 @@ def check_rule(rule: str) -> ClippingRule:
 
 def clip_factors(
     per_example_norms: torch.Tensor,
-    clip_bound: float,
+    clip_bound: float | torch.Tensor,
     rule: ClippingRule,
     stability: float = AUTO_S_STABILITY,
 ) -> torch.Tensor:
     """Per-example factors f_i that multiply g_i before summation (see module table).
 
-    ``per_example_norms`` are ‖g_i‖ over all trainable parameters (flat clipping), shape (n,).
+    ``per_example_norms`` are ‖g_i‖ over all trainable parameters (flat clipping), shape (n,);
+    ``clip_bound`` is C, or a tensor of C values that broadcasts against them (the fused runner's
+    ``(k, 1)`` bounds of k configurations against ``(k, n)`` norms).
     """
     if rule == "auto_s":
         return 1.0 / (per_example_norms + stability)

@@ -78,6 +78,6 @@ __all__ = [
 def clear_memory_cache() -> None:
     """Forget in-process results (the on-disk cache stays); for tests and long-lived processes."""
     cache.forget()
-    prv._certified_epsilon.cache_clear()
+    prv.certified_epsilon.cache_clear()
     prv._safe_half_width.cache_clear()
     composition._self_composed_pld.cache_clear()

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
@@ -117,7 +117,7 @@ def _write_cached(path: Path, key: dict[str, object], value: float) -> None:
         raise
 
 
-def cached(kind: str, inputs: dict[str, float | int | str], compute: Callable[[], float]) -> float:
+def cached(kind: str, inputs: Mapping[str, float | int | str], compute: Callable[[], float]) -> float:
     """``compute()`` once per exact inputs: in-process memo, then the on-disk cache, then compute."""
     memo_key = (kind, *inputs.values())
     if memo_key in _memo:

@@ -37,7 +37,7 @@ from dptune.privacy.checks import (
     checked_sample_rate,
     checked_steps,
 )
-from dptune.privacy.prv import _certified_epsilon, _prv_epsilon
+from dptune.privacy.prv import certified_epsilon, prv_epsilon
 
 _MAX_CERTIFIED_EVALUATIONS = 40
 _MAX_COARSE_EVALUATIONS = 12
@@ -148,11 +148,11 @@ def _calibrate(epsilon: float, delta: float, sample_rate: float, steps: int) -> 
     shift = COARSE_EPSILON_ERROR - EPSILON_ERROR  # coarse upper bound → estimate of the certified one
 
     def coarse(x: float) -> float:
-        return math.log(max(_prv_epsilon(math.exp(x), sample_rate, steps, delta, COARSE_EPSILON_ERROR) - shift,
+        return math.log(max(prv_epsilon(math.exp(x), sample_rate, steps, delta, COARSE_EPSILON_ERROR) - shift,
                             1e-12)) - log_target
 
     def certified(x: float) -> float:
-        return math.log(_certified_epsilon(math.exp(x), sample_rate, steps, delta)) - log_target
+        return math.log(certified_epsilon(math.exp(x), sample_rate, steps, delta)) - log_target
 
     start = float(np.clip(math.log(guess), x_min, x_max))
     root, slope = _coarse_root(coarse, start, min(slope, -0.1), x_min, x_max)
@@ -170,10 +170,7 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sample_rate: float,
     [MIN_EPSILON, MAX_EPSILON], δ outside (0, 1), q outside (0, 1], T not an integer ≥ 1, and when the target
     needs σ outside [MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER]. Memoised and cached on disk.
     """
-    inputs = {
-        "epsilon": checked_epsilon(epsilon),
-        "delta": checked_delta(delta),
-        "sample_rate": checked_sample_rate(sample_rate),
-        "steps": checked_steps(steps),
-    }
-    return cached("noise_multiplier", inputs, lambda: _calibrate(*inputs.values()))
+    epsilon, delta = checked_epsilon(epsilon), checked_delta(delta)
+    sample_rate, steps = checked_sample_rate(sample_rate), checked_steps(steps)
+    inputs = {"epsilon": epsilon, "delta": delta, "sample_rate": sample_rate, "steps": steps}
+    return cached("noise_multiplier", inputs, lambda: _calibrate(epsilon, delta, sample_rate, steps))

@@ -82,8 +82,10 @@ def composed_epsilon(mechanisms: Sequence[TrialMechanism], delta: float) -> floa
     delta = checked_delta(delta)
     merged = _merged(mechanisms)
     require(len(merged) > 0, "mechanisms", mechanisms, "a non-empty list of trials that took steps")
-    inputs = {"mechanisms": json.dumps([[m.noise_multiplier, m.sample_rate, m.steps] for m in merged]),
-              "delta": delta, "dp_accounting": version("dp-accounting"), "pld_interval": SEARCH_PLD_INTERVAL}
+    mechanisms_json = json.dumps([[m.noise_multiplier, m.sample_rate, m.steps] for m in merged])
+    inputs: dict[str, float | int | str] = {"mechanisms": mechanisms_json, "delta": delta,
+                                            "dp_accounting": version("dp-accounting"),
+                                            "pld_interval": SEARCH_PLD_INTERVAL}
     return cached("composed_epsilon", inputs, lambda: _composed_epsilon(merged, delta))
 
 

@@ -330,7 +330,7 @@ def _truncated_prv(noise_multiplier: float, sample_rate: float, t_min: float,
                                            noise_multiplier, sample_rate)
 
 
-def _prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, eps_error: float) -> float:
+def prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, eps_error: float) -> float:
     """Upper bound on ε of T-fold Poisson-subsampled Gaussian by the PRV accountant (Gopi et al. 2021).
 
     prv_accountant's ``PRVAccountant`` pipeline, step by step, from the library's parts: the PRV
@@ -351,8 +351,8 @@ def _prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta:
 
 
 @lru_cache(maxsize=4096)
-def _certified_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    return _prv_epsilon(noise_multiplier, sample_rate, steps, delta, EPSILON_ERROR)
+def certified_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+    return prv_epsilon(noise_multiplier, sample_rate, steps, delta, EPSILON_ERROR)
 
 
 def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
@@ -361,10 +361,7 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
     The PRV accountant's upper bound (eps_error = ``EPSILON_ERROR``, delta_error = δ/1000), for
     (ε, δ)-DP under add/remove adjacency. Memoised and cached on disk.
     """
-    inputs = {
-        "noise_multiplier": checked_noise_multiplier(noise_multiplier),
-        "sample_rate": checked_sample_rate(sample_rate),
-        "steps": checked_steps(steps),
-        "delta": checked_delta(delta),
-    }
-    return cached("epsilon", inputs, lambda: _certified_epsilon(*inputs.values()))
+    noise_multiplier, sample_rate = checked_noise_multiplier(noise_multiplier), checked_sample_rate(sample_rate)
+    steps, delta = checked_steps(steps), checked_delta(delta)
+    inputs = {"noise_multiplier": noise_multiplier, "sample_rate": sample_rate, "steps": steps, "delta": delta}
+    return cached("epsilon", inputs, lambda: certified_epsilon(noise_multiplier, sample_rate, steps, delta))

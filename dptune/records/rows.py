@@ -63,7 +63,7 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
             "class_name": result.class_names.get(label, str(label)),
             "val_accuracy": result.class_val_accuracy.get(label),
             "test_accuracy": result.class_accuracy.get(label),
-            "diagnostic_epoch": last.epoch if diag else None,
+            "diagnostic_epoch": last.epoch if last is not None and diag else None,
             "probe_examples": diag.examples if diag else None,
             **{f"grad_norm_{q}": diag.grad_norm_quantiles.get(q) if diag else None for q in QUANTILES},
             "clipped_fraction": diag.clipped_fraction if diag else None,

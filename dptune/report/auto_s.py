@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _percent, _points, _sig
-from dptune.report.plotting import _figure_legend, _label_panel, _log_axis, _task_epoch_panels
+from dptune.report.document import Context, Section, format_percent, format_points, format_sig
+from dptune.report.plotting import figure_legend, label_panel, log_axis, task_epoch_panels
 
 
 def auto_s(ctx: Context) -> Section:
@@ -17,7 +17,7 @@ def auto_s(ctx: Context) -> Section:
     if table.empty:
         section.note("Missing: no cell has both a finished AUTO-S and a finished tuned-C trial.")
         return section
-    figure, axes, panels = _task_epoch_panels(ctx, table)
+    figure, axes, panels = task_epoch_panels(ctx, table)
     lines = (("tuned", "test_accuracy", "-", "o", "tuned C, all classes"),
              ("auto_s", "test_accuracy", "--", "o", "AUTO-S, all classes"),
              ("tuned", an.HARD, "-", "s", "tuned C, hard classes"),
@@ -27,13 +27,13 @@ def auto_s(ctx: Context) -> Section:
         for method, measure, style, marker, label in lines:
             ax.plot(part["epsilon"], 100 * part[f"{method}_{measure}"].astype(float), linestyle=style,
                     marker=marker, color="black" if method == "tuned" else "grey", label=label)
-        _log_axis(ax, "x", part["epsilon"])
-        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)", "test accuracy (%)")
-    _figure_legend(figure, axes, 2)
+        log_axis(ax, "x", part["epsilon"])
+        label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)", "test accuracy (%)")
+    figure_legend(figure, axes, 2)
     figure.suptitle("Best tuned-C trial against best AUTO-S trial (both selected on validation)", fontsize=10)
     ctx.writer.figure(section, figure, "fig5-auto-s")
     shown = table[[*an.CELL, "tuned_test_accuracy", "auto_s_test_accuracy", "gap", "tuned_hard", "auto_s_hard"]]
-    section.table(shown, {"epsilon": _sig, "tuned_test_accuracy": _percent, "auto_s_test_accuracy": _percent,
-                          "gap": _points, "tuned_hard": _percent, "auto_s_hard": _percent},
+    section.table(shown, {"epsilon": format_sig, "tuned_test_accuracy": format_percent, "auto_s_test_accuracy": format_percent,
+                          "gap": format_points, "tuned_hard": format_percent, "auto_s_hard": format_percent},
                   "Test accuracy (%) of the best tuned-C and AUTO-S trials; gap in points (positive: tuning C helps).")
     return section

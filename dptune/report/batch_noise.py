@@ -8,8 +8,8 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _budgets, _percent, _points, _sig
-from dptune.report.plotting import _MARKERS, _empty_panel, _log_axis, _new_figure, _series_colors
+from dptune.report.document import Context, Section, budgets_of, format_percent, format_points, format_sig
+from dptune.report.plotting import MARKERS, empty_panel, log_axis, new_figure, series_colors
 
 
 def batch_noise(ctx: Context) -> Section:
@@ -29,24 +29,24 @@ def batch_noise(ctx: Context) -> Section:
             continue
         if task not in bounds:
             section.note(f"{task}: the search spec states no min_steps; the min-step bound is not drawn.")
-        epsilons, epochs = _budgets(part, task)
-        colors = dict(zip(epsilons, _series_colors(len(epsilons)), strict=True))
-        figure, axes = _new_figure(2, len(epochs), width=4.2, height=3.0)
+        epsilons, epochs = budgets_of(part, task)
+        colors = dict(zip(epsilons, series_colors(len(epsilons)), strict=True))
+        figure, axes = new_figure(2, len(epochs), width=4.2, height=3.0)
         for column, n_epochs in enumerate(epochs):
             top, bottom = axes[0, column], axes[1, column]
             per_step = top.twinx()
             both = part[part["epochs"] == n_epochs]
             if not np.isfinite(both["cumulative_noise"]).any():  # every B of this E was pruned
                 per_step.set_axis_off()
-                _empty_panel(top, f"E = {n_epochs}: no trial ran")
-                _empty_panel(bottom, f"E = {n_epochs}")
+                empty_panel(top, f"E = {n_epochs}: no trial ran")
+                empty_panel(bottom, f"E = {n_epochs}")
                 continue
             for k, epsilon in enumerate(epsilons):
                 line = both[both["epsilon"] == epsilon].sort_values("batch_size")
                 if line.empty:  # this (ε, E) is not in the results
                     continue
                 noisy = line[np.isfinite(line["cumulative_noise"])]
-                marker = _MARKERS[k % len(_MARKERS)]
+                marker = MARKERS[k % len(MARKERS)]
                 top.plot(noisy["batch_size"], noisy["cumulative_noise"], color=colors[epsilon], marker=marker)
                 per_step.plot(noisy["batch_size"], noisy["per_step_noise"], color=colors[epsilon], linestyle=":",
                               linewidth=1.2)
@@ -66,16 +66,16 @@ def batch_noise(ctx: Context) -> Section:
                 for ax in (top, bottom):
                     ax.axvspan(edge, float(both["batch_size"].max()) * 1.5, color="grey", alpha=0.25, hatch="..")
             for ax in (top, bottom):
-                _log_axis(ax, "x", both["batch_size"].unique())
+                log_axis(ax, "x", both["batch_size"].unique())
                 ax.set_xlabel("batch size B (examples, log scale)")
                 ax.grid(True, alpha=0.3)
-            _log_axis(per_step, "y", data=both["per_step_noise"])
+            log_axis(per_step, "y", data=both["per_step_noise"])
             per_step.set_ylabel("per-step noise σ/B (dotted, log)", fontsize=8)
             top.set_ylabel("cumulative noise σ√T")
             bottom.set_ylabel("test accuracy (%) at B\n(C, η chosen on validation)")
             top.set_title(f"E = {n_epochs}" + (f" (T_min = {bounds[task]}; shaded: T < T_min)"
                                                if task in bounds else ""), fontsize=8)
-        handles = [Line2D([], [], color=colors[e], marker=_MARKERS[k % len(_MARKERS)], label=f"ε = {e:g}")
+        handles = [Line2D([], [], color=colors[e], marker=MARKERS[k % len(MARKERS)], label=f"ε = {e:g}")
                    for k, e in enumerate(epsilons)]
         handles += [Line2D([], [], color="black", linestyle=":", label="σ/B, old per-step rule (right axis)"),
                     Line2D([], [], color="white", marker="v", markeredgecolor="black", markersize=10,
@@ -86,8 +86,8 @@ def batch_noise(ctx: Context) -> Section:
         figure.suptitle(f"{task}: cumulative DP noise and measured accuracy against B", fontsize=10)
         ctx.writer.figure(section, figure, "fig6-cumulative-noise", task)
     summary = an.batch_size_rule_check(table)
-    section.table(summary, {"epsilon": _sig, "recommended_accuracy": _percent, "best_accuracy": _percent,
-                            "accuracy_gap": _points},
+    section.table(summary, {"epsilon": format_sig, "recommended_accuracy": format_percent, "best_accuracy": format_percent,
+                            "accuracy_gap": format_points},
                   "Does the rule's recommended B match the measured best B (selected on validation)? Accuracies "
                   "are test accuracies (%) of the best trial at that B; gap in points.")
     return section

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _budgets, _percent, _sig
+from dptune.report.document import Context, Section, budgets_of, format_percent, format_sig
 from dptune.report.plotting import (
-    _empty_panel,
-    _figure_legend,
-    _label_panel,
-    _log_axis,
-    _new_figure,
-    _task_epoch_panels,
+    empty_panel,
+    figure_legend,
+    label_panel,
+    log_axis,
+    new_figure,
+    task_epoch_panels,
 )
 
 
@@ -26,7 +26,7 @@ def clipping(ctx: Context) -> Section:
                  "(Theorem 5.2, no sampling noise); it needs the true gradients, so it explains the tuned C "
                  "rather than picking it privately. Lower MSE tightens the per-step progress bound (Theorem 5.4).")
     best = an.optimal_settings(ctx.results, ctx.options.near_optimal)
-    figure, axes, panels = _task_epoch_panels(ctx, table)
+    figure, axes, panels = task_epoch_panels(ctx, table)
     for ax, task, n_epochs, part in panels:
         part = part.sort_values("epsilon")
         tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
@@ -38,25 +38,25 @@ def clipping(ctx: Context) -> Section:
         ax.errorbar(tuned["epsilon"], y, yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float),
                                                          tuned["clip_high"].to_numpy(dtype=float) - y]),
                     color="black", marker="o", capsize=3, label="tuned C (near-optimal range)")
-        _log_axis(ax, "x", part["epsilon"])
-        _log_axis(ax, "y", data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"],
+        log_axis(ax, "x", part["epsilon"])
+        log_axis(ax, "y", data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"],
                                  *tuned["clip_high"]])
-        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)",
+        label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)",
                      "clip bound (gradient norm, log scale)")
-    _figure_legend(figure, axes, 3)
+    figure_legend(figure, axes, 3)
     figure.suptitle("Optimal clip bound C* (Theorem 5.2) against the tuned C", fontsize=10)
     ctx.writer.figure(section, figure, "fig7a-optimal-clip")
     points = an.mse_split(ctx.results)
     for task in [t for t in ctx.tasks if t in set(table["task"])]:
         part = points[points["task"] == task]
-        epsilons, epoch_list = _budgets(part, task)
-        figure, axes = _new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9)
+        epsilons, epoch_list = budgets_of(part, task)
+        figure, axes = new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9)
         for row, n_epochs in enumerate(epoch_list):
             for column, epsilon in enumerate(epsilons):
                 ax = axes[row, column]
                 cell = part[(part["epochs"] == n_epochs) & (part["epsilon"] == epsilon)].sort_values("clip_bound")
                 if not (cell[["mse_bias", "mse_variance"]].to_numpy() > 0).any():
-                    _empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
+                    empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
                     continue
                 for measure, marker, color, label in (("mse_bias", "v", "black", "clipping bias"),
                                                       ("mse_variance", "^", "grey", "noise variance"),
@@ -71,19 +71,19 @@ def clipping(ctx: Context) -> Section:
                                label="tuned C")
                     ax.axvline(float(row_best["optimal_clip_median"].iloc[0]), color="black", linestyle=":",
                                label="median C*")
-                _log_axis(ax, "x", None if ctx.results.clip_binned else part["clip_bound"].unique(),
+                log_axis(ax, "x", None if ctx.results.clip_binned else part["clip_bound"].unique(),
                           [*cell["clip_bound"],
                            *row_best[["tuned_clip_bound", "optimal_clip_median"]].to_numpy().ravel()])
-                _log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
-                _label_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}", "trial clip bound C (log scale)",
+                log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
+                label_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}", "trial clip bound C (log scale)",
                              "per-step MSE (squared gradient norm)")
-        _figure_legend(figure, axes, 3)
+        figure_legend(figure, axes, 3)
         figure.suptitle(f"{task}: MSE of the clipped noisy gradient, one point per trial", fontsize=10)
         ctx.writer.figure(section, figure, "fig7b-mse-split", task)
     section.table(table.drop(columns=["trial_id"]),
-                  {"epsilon": _sig, "tuned_clip_bound": _sig, "optimal_clip_bound": _sig, "optimal_clip_low": _sig,
-                   "optimal_clip_median": _sig, "optimal_clip_high": _sig, "mse_bias": _sig, "mse_variance": _sig,
-                   "bias_share": _percent},
+                  {"epsilon": format_sig, "tuned_clip_bound": format_sig, "optimal_clip_bound": format_sig, "optimal_clip_low": format_sig,
+                   "optimal_clip_median": format_sig, "optimal_clip_high": format_sig, "mse_bias": format_sig, "mse_variance": format_sig,
+                   "bias_share": format_percent},
                   "Tuned C (best trial on validation) against C* (Theorem 5.2) at the last diagnostic epoch; MSE "
                   "split of the best trial at its C (bias share in %).")
     return section

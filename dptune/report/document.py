@@ -7,7 +7,7 @@ import html
 import io
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,22 +18,22 @@ from matplotlib.figure import Figure
 
 from dptune import __version__
 from dptune import analysis as an
-from dptune.report.figures import _FIGURE, DPI
+from dptune.report.figures import DPI, FIGURE_BY_KEY
 
 
-def _percent(value: float) -> str:
+def format_percent(value: float) -> str:
     return "–" if value is None or not np.isfinite(value) else f"{100 * value:.1f}"
 
 
-def _points(value: float) -> str:
+def format_points(value: float) -> str:
     return "–" if value is None or not np.isfinite(value) else f"{100 * value:+.1f}"
 
 
-def _sig(value: float) -> str:
+def format_sig(value: float) -> str:
     return "–" if value is None or not np.isfinite(value) else f"{value:.3g}"
 
 
-def _int(value: float) -> str:
+def format_int(value: float) -> str:
     return "–" if value is None or not np.isfinite(value) else f"{int(value)}"
 
 
@@ -63,7 +63,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def _level(value: float, binned: bool) -> str:
+def format_level(value: float, binned: bool) -> str:
     return f"≈{value:.2g}" if binned else f"{value:g}"
 
 
@@ -81,7 +81,7 @@ class Section:
     def note(self, body: str) -> None:
         self.blocks.append(f'<p class="missing">{html.escape(body)}</p>')
 
-    def table(self, frame: pd.DataFrame, formats: dict[str, Callable[[float], str]] | None = None,
+    def table(self, frame: pd.DataFrame, formats: Mapping[str, Callable[[float], str]] | None = None,
               caption: str = "") -> None:
         shown = frame.copy()
         for column, formatter in (formats or {}).items():
@@ -100,7 +100,7 @@ class ReportWriter:
 
     def figure(self, section: Section, figure: Figure, key: str, task: str | None = None) -> None:
         """Save ``figure`` as ``<key>[-<task>].png`` and embed it with its ``FIGURES`` caption."""
-        info = _FIGURE[key]
+        info = FIGURE_BY_KEY[key]
         name = f"{key}-{_slug(task)}.png" if task else f"{key}.png"
         buffer = io.BytesIO()
         FigureCanvasAgg(figure)  # render with Agg: no pyplot, no GUI backend, no global state
@@ -136,7 +136,7 @@ class Context:
     writer: ReportWriter
 
 
-def _budgets(frame: pd.DataFrame, task: str) -> tuple[list[float], list[int]]:
+def budgets_of(frame: pd.DataFrame, task: str) -> tuple[list[float], list[int]]:
     """The ε and the E values ``frame`` holds for ``task``, ascending."""
     part = frame[frame["task"] == task]
     return sorted(part["epsilon"].unique()), sorted(part["epochs"].unique())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _int, _percent, _sig
+from dptune.report.document import Context, Section, format_int, format_percent, format_sig
 from dptune.report.figures import BOOTSTRAP_RESAMPLES
-from dptune.report.plotting import _figure_legend, _label_panel, _series_colors, _task_epoch_panels
+from dptune.report.plotting import figure_legend, label_panel, series_colors, task_epoch_panels
 
 
 def efficiency(ctx: Context) -> Section:
@@ -25,18 +25,18 @@ def efficiency(ctx: Context) -> Section:
                  f"score; it comes within {100 * tolerance:g} point when its pick's mean test accuracy is at most "
                  f"{100 * tolerance:g} point under the best's. Shares over {BOOTSTRAP_RESAMPLES:,} bootstrap draw "
                  "orders.")
-    figure, axes, panels = _task_epoch_panels(ctx, curves)
+    figure, axes, panels = task_epoch_panels(ctx, curves)
     for ax, task, n_epochs, part in panels:
         epsilons = sorted(part["epsilon"].unique())
-        for color, epsilon in zip(_series_colors(len(epsilons)), epsilons, strict=True):
+        for color, epsilon in zip(series_colors(len(epsilons)), epsilons, strict=True):
             line = part[part["epsilon"] == epsilon]
             ax.plot(line["trials"], line["within_share"], color=color, marker="o", markersize=3,
                     label=f"ε = {epsilon:g}")
         ax.axhline(0.9, color="grey", linestyle=":", label="90 % of draw orders")
         ax.set_ylim(0, 1.02)
-        _label_panel(ax, f"{task}\nE = {n_epochs}", "trials of the random search (k)",
+        label_panel(ax, f"{task}\nE = {n_epochs}", "trials of the random search (k)",
                      f"share within {100 * tolerance:g} point of the grid's best")
-    _figure_legend(figure, axes, 4)
+    figure_legend(figure, axes, 4)
     figure.suptitle("Random search against the replicated full grid", fontsize=10)
     ctx.writer.figure(section, figure, "fig9-search-efficiency")
     rows = []
@@ -44,8 +44,8 @@ def efficiency(ctx: Context) -> Section:
         needed = an.trials_needed(curves, share).rename(columns={"trials_needed": f"trials for {share:.0%} of orders"})
         rows.append(needed.set_index([*an.CELL, "configurations", "target_test_accuracy"]))
     table = pd.concat(rows, axis=1).reset_index()
-    section.table(table, {"epsilon": _sig, "target_test_accuracy": _percent,
-                          **{c: _int for c in table.columns if c.startswith("trials for")}},
+    section.table(table, {"epsilon": format_sig, "target_test_accuracy": format_percent,
+                          **{c: format_int for c in table.columns if c.startswith("trials for")}},
                   f"Trials a random search needs to come within {100 * tolerance:g} point of the grid's best (target: "
                   "its mean test accuracy, %) for half and for 90 % of draw orders ('–': not even the whole grid, "
                   "one replicate each, gets there that often).")

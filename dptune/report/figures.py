@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from matplotlib.typing import LineStyleType
+
 from dptune import analysis as an
 
 #: Colour map for ordered series (ε) and heatmaps: perceptually uniform, prints in grey.
 COLOR_MAP = "viridis"
 #: Line styles and markers of the strata (distinguishable without colour).
-STRATUM_STYLE = {an.EASY: ("-", "o"), an.HARD: ("--", "s")}
+STRATUM_STYLE: dict[str, tuple[LineStyleType, str]] = {an.EASY: ("-", "o"), an.HARD: ("--", "s")}
 DPI = 110
 #: Bootstrap rounds of the optimal-(C, B) intervals (``analysis.optimal_setting_intervals``).
 BOOTSTRAP_RESAMPLES = 1000
@@ -72,7 +74,7 @@ FIGURES: tuple[FigureInfo, ...] = (
                "comes within 1 accuracy point of the mean test accuracy of the grid's best configuration, "
                "against k.", needs="a replicated full grid"),
 )
-_FIGURE = {info.key: info for info in FIGURES}
+FIGURE_BY_KEY = {info.key: info for info in FIGURES}
 
 
 def figure_index() -> str:

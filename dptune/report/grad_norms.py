@@ -5,8 +5,8 @@ from __future__ import annotations
 from matplotlib.patches import Patch
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _int, _sig
-from dptune.report.plotting import _label_panel, _log_axis, _task_epoch_panels
+from dptune.report.document import Context, Section, format_int, format_sig
+from dptune.report.plotting import label_panel, log_axis, task_epoch_panels
 
 
 def grad_norms(ctx: Context) -> Section:
@@ -18,7 +18,7 @@ def grad_norms(ctx: Context) -> Section:
     if "stratum" not in samples:
         samples["stratum"] = "all"
     samples["stratum"] = samples["stratum"].fillna("all")
-    figure, _, panels = _task_epoch_panels(ctx, samples, width=4.2, height=3.2)
+    figure, _, panels = task_epoch_panels(ctx, samples, width=4.2, height=3.2)
     strata = [s for s in (*an.STRATA, "all") if s in set(samples["stratum"])]
     width = 0.8 / len(strata)
     for ax, task, n_epochs, part in panels:
@@ -38,8 +38,8 @@ def grad_norms(ctx: Context) -> Section:
             for median in boxes["medians"]:
                 median.set_color("black")
         ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
-        _log_axis(ax, "y", data=part["grad_norm"])
-        _label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε", "per-example gradient norm ‖g_i‖ (log)",
+        log_axis(ax, "y", data=part["grad_norm"])
+        label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε", "per-example gradient norm ‖g_i‖ (log)",
                      grid_axis="y")
     handles = [Patch(facecolor="white" if s == an.EASY else "lightgrey",
                                         hatch="" if s == an.EASY else "//", edgecolor="black", label=f"{s} classes")
@@ -51,6 +51,6 @@ def grad_norms(ctx: Context) -> Section:
         percentiles=[0.25, 0.5, 0.75])[["count", "25%", "50%", "75%"]].reset_index()
     summary = summary.rename(columns={"count": "probe examples", "25%": "q25 ‖g‖", "50%": "median ‖g‖",
                                       "75%": "q75 ‖g‖"})
-    section.table(summary, {"epsilon": _sig, "probe examples": _int, "q25 ‖g‖": _sig, "median ‖g‖": _sig,
-                            "q75 ‖g‖": _sig}, "Quartiles of the probe gradient norms per cell and stratum.")
+    section.table(summary, {"epsilon": format_sig, "probe examples": format_int, "q25 ‖g‖": format_sig, "median ‖g‖": format_sig,
+                            "q75 ‖g‖": format_sig}, "Quartiles of the probe gradient norms per cell and stratum.")
     return section

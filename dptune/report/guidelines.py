@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _level, _percent, _points, _sig
+from dptune.report.document import Context, Section, format_level, format_percent, format_points, format_sig
 
 
 def guidelines(ctx: Context) -> Section:
@@ -24,24 +24,24 @@ def guidelines(ctx: Context) -> Section:
     else:
         hard = table["hard_loss"].mean()
         section.text(
-            f"Fixed setting: C {_level(setting.clip_bin, binned)}, "
-            f"B {_level(setting.batch_bin, ctx.results.batch_binned)} "
+            f"Fixed setting: C {format_level(setting.clip_bin, binned)}, "
+            f"B {format_level(setting.batch_bin, ctx.results.batch_binned)} "
             f"— among the (C, B) evaluated in all {setting.cells} cells, the one with the best mean validation "
-            f"accuracy ({_percent(setting.mean_val_accuracy)} %), with η chosen per cell on validation. Using it "
-            f"everywhere instead of tuning per cell loses {_points(table['loss'].mean())} points of test accuracy "
-            f"on average (largest loss {_points(table['loss'].max())}), and "
-            + (f"{_points(hard)} points on the hard classes." if np.isfinite(hard) else
+            f"accuracy ({format_percent(setting.mean_val_accuracy)} %), with η chosen per cell on validation. Using it "
+            f"everywhere instead of tuning per cell loses {format_points(table['loss'].mean())} points of test accuracy "
+            f"on average (largest loss {format_points(table['loss'].max())}), and "
+            + (f"{format_points(hard)} points on the hard classes." if np.isfinite(hard) else
                "an unknown amount on the hard classes (no strata)."))
     shown = table.assign(
-        test_interval=[f"[{_percent(low)}, {_percent(high)}]"
+        test_interval=[f"[{format_percent(low)}, {format_percent(high)}]"
                        for low, high in zip(table["test_low"], table["test_high"], strict=True)],
         noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"], strict=True)])
     columns = [*an.CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "replicates",
                "val_accuracy", "test_accuracy", "test_interval", "noise_set", an.EASY, an.HARD, "fixed_test_accuracy",
                "loss", "hard_loss"]
     percent = ["val_accuracy", "test_accuracy", an.EASY, an.HARD, "fixed_test_accuracy"]
-    formats = {"epsilon": _sig, "clip_bound": _sig, "learning_rate": _sig, "base_learning_rate": _sig,
-               **{c: _percent for c in percent}, "loss": _points, "hard_loss": _points}
+    formats = {"epsilon": format_sig, "clip_bound": format_sig, "learning_rate": format_sig, "base_learning_rate": format_sig,
+               **{c: format_percent for c in percent}, "loss": format_points, "hard_loss": format_points}
     section.table(shown[columns], formats,
                   "Per cell: the best (C, B, η) selected on mean validation accuracy over its R replicates, its mean "
                   f"test accuracy with its {100 * an.CONFIDENCE:g} % interval (section 2 says how it is made), how "

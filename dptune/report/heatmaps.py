@@ -6,9 +6,9 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _budgets, _level
+from dptune.report.document import Context, Section, budgets_of, format_level
 from dptune.report.figures import COLOR_MAP
-from dptune.report.plotting import _empty_panel, _new_figure
+from dptune.report.plotting import empty_panel, new_figure
 
 
 def heatmaps(ctx: Context) -> Section:
@@ -27,10 +27,10 @@ def heatmaps(ctx: Context) -> Section:
         if part.empty:
             continue
         others = unfinished[unfinished["task"] == task]
-        epsilons, epochs = _budgets(part, task)
+        epsilons, epochs = budgets_of(part, task)
         clips = sorted(set(part["clip_bin"]) | set(others["clip_bin"]))
         batches = sorted(set(part["batch_bin"]) | set(others["batch_bin"]))
-        figure, axes = _new_figure(len(epochs), len(epsilons), width=0.6 * len(batches) + 1.6,
+        figure, axes = new_figure(len(epochs), len(epsilons), width=0.6 * len(batches) + 1.6,
                                    height=0.42 * len(clips) + 1.3)
         low, high = 100 * part["test_accuracy"].min(), 100 * part["test_accuracy"].max()
         image = None
@@ -39,7 +39,7 @@ def heatmaps(ctx: Context) -> Section:
                 ax = axes[row, column]
                 cell = part[(part["epsilon"] == epsilon) & (part["epochs"] == n_epochs)]
                 if cell.empty:
-                    _empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
+                    empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
                     continue
                 matrix = np.full((len(clips), len(batches)), np.nan)
                 for item in cell.itertuples(index=False):
@@ -58,9 +58,9 @@ def heatmaps(ctx: Context) -> Section:
                 i, j = clips.index(best["clip_bin"]), batches.index(best["batch_bin"])
                 for color, width in (("white", 3.5), ("black", 1.5)):
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=color, linewidth=width))
-                ax.set_xticks(range(len(batches)), [_level(b, results.batch_binned) for b in batches],
+                ax.set_xticks(range(len(batches)), [format_level(b, results.batch_binned) for b in batches],
                               rotation=45, fontsize=7)
-                ax.set_yticks(range(len(clips)), [_level(c, results.clip_binned) for c in clips], fontsize=7)
+                ax.set_yticks(range(len(clips)), [format_level(c, results.clip_binned) for c in clips], fontsize=7)
                 ax.set_title(f"ε = {epsilon:g}, E = {n_epochs}", fontsize=9)
                 ax.set_xlabel("batch size B (examples, log-spaced)", fontsize=8)
                 ax.set_ylabel("clip bound C (gradient norm, log-spaced)", fontsize=8)

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _int, _percent, _sig
+from dptune.report.document import Context, Section, format_int, format_percent, format_sig
 from dptune.report.figures import BOOTSTRAP_RESAMPLES
-from dptune.report.plotting import _MARKERS, _figure_legend, _log_axis, _new_figure, _series_colors
+from dptune.report.plotting import MARKERS, figure_legend, log_axis, new_figure, series_colors
 
 
 def _interval(value: float, low: float, high: float, formatter: Callable[[float], str]) -> str:
@@ -25,8 +25,8 @@ def _uncertainty_rule(best: pd.DataFrame, resamples: int | None = None) -> list[
     level = f"{100 * an.CONFIDENCE:g} %"
     p, n_val = best["val_accuracy"].astype(float), best["num_val"].astype(float)
     binomial = an.normal_quantile(an.CONFIDENCE) * np.sqrt(p * (1 - p) / n_val)
-    split = (f"the validation split's binomial noise √(p(1 − p)/n_val) (n_val = {_int(n_val.median())} rows: "
-             f"±{_percent(float(binomial.median()))} points at the {level} level for the best's accuracy, the median "
+    split = (f"the validation split's binomial noise √(p(1 − p)/n_val) (n_val = {format_int(n_val.median())} rows: "
+             f"±{format_percent(float(binomial.median()))} points at the {level} level for the best's accuracy, the median "
              "over cells)")
     if replicates.max() < 2:
         lines = [f"Each configuration ran once (R = 1): no replicate spread exists. Its score is its validation "
@@ -71,7 +71,7 @@ def _paper_checks(section: Section, intervals: pd.DataFrame) -> None:
         return
     rows = []
     for row in checks.itertuples(index=False):
-        shown = _sig if row.quantity == "C" else _int
+        shown = format_sig if row.quantity == "C" else format_int
         rows.append({"condition": row.condition, "task": row.task, "held": row.group, "quantity": row.quantity,
                      "optimal, harder side": f"{row.harder}: "
                                              f"{_interval(row.harder_value, row.harder_low, row.harder_high, shown)}",
@@ -105,10 +105,10 @@ def optimal(ctx: Context) -> Section:
         section.note("Only one ε in the results: the trend against ε needs two or more privacy budgets.")
     for line in _uncertainty_rule(best, BOOTSTRAP_RESAMPLES):
         section.text(line)
-    figure, axes = _new_figure(1, 2, width=4.6, height=3.6)
+    figure, axes = new_figure(1, 2, width=4.6, height=3.6)
     series = [(task, n) for task in ctx.tasks
               for n in sorted(intervals.loc[intervals["task"] == task, "epochs"].unique())]
-    colors = _series_colors(len(series))
+    colors = series_colors(len(series))
     for k, (task, n_epochs) in enumerate(series):
         part = intervals[(intervals["task"] == task) & (intervals["epochs"] == n_epochs)].sort_values("epsilon")
         x = part["epsilon"].to_numpy() * (1 + 0.04 * (k - (len(series) - 1) / 2))  # dodge overlapping bars
@@ -116,19 +116,19 @@ def optimal(ctx: Context) -> Section:
                                      (axes[0, 1], "batch_size", "batch_low", "batch_high")):
             y = part[value].to_numpy(dtype=float)
             errors = np.vstack([y - part[low].to_numpy(dtype=float), part[high].to_numpy(dtype=float) - y])
-            ax.errorbar(x, y, yerr=errors, color=colors[k], marker=_MARKERS[k % len(_MARKERS)], capsize=3,
+            ax.errorbar(x, y, yerr=errors, color=colors[k], marker=MARKERS[k % len(MARKERS)], capsize=3,
                         linestyle="-" if n_epochs == max(intervals["epochs"]) else "--",
                         label=f"{task}, E = {n_epochs}")
     for ax, column, low_col, high_col, name, unit in (
             (axes[0, 0], "clip_bound", "clip_low", "clip_high", "optimal clip bound C", "gradient norm"),
             (axes[0, 1], "batch_size", "batch_low", "batch_high", "optimal batch size B", "examples")):
-        _log_axis(ax, "x", intervals["epsilon"].unique())
+        log_axis(ax, "x", intervals["epsilon"].unique())
         spread = intervals[[column, low_col, high_col]].to_numpy(dtype=float).ravel()
-        _log_axis(ax, "y", np.unique(spread), spread)
+        log_axis(ax, "y", np.unique(spread), spread)
         ax.set_xlabel("privacy budget ε (log scale)")
         ax.set_ylabel(f"{name} ({unit}, log scale)")
         ax.grid(True, which="major", alpha=0.3)
-    _figure_legend(figure, axes, 2)
+    figure_legend(figure, axes, 2)
     figure.suptitle(f"Optimal (C, B) per cell, selected on validation; bars: {100 * an.CONFIDENCE:g} % bootstrap "
                     "intervals", fontsize=10)
     ctx.writer.figure(section, figure, "fig2-optimal-c-b")
@@ -147,14 +147,14 @@ def _best_table(best: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
                         on=an.CELL, suffixes=("", "_ci"))
     rows = []
     for row in joined.itertuples(index=False):
-        rows.append({"task": row.task, "ε": _sig(row.epsilon), "E": row.epochs, "best C": _sig(row.clip_bound),
-                     "best B": _int(row.batch_size), "η": _sig(row.learning_rate), "R": row.replicates,
-                     "val % [interval]": _interval(row.val_accuracy, row.val_low, row.val_high, _percent),
-                     "test % [interval]": _interval(row.test_accuracy, row.test_low, row.test_high, _percent),
+        rows.append({"task": row.task, "ε": format_sig(row.epsilon), "E": row.epochs, "best C": format_sig(row.clip_bound),
+                     "best B": format_int(row.batch_size), "η": format_sig(row.learning_rate), "R": row.replicates,
+                     "val % [interval]": _interval(row.val_accuracy, row.val_low, row.val_high, format_percent),
+                     "test % [interval]": _interval(row.test_accuracy, row.test_low, row.test_high, format_percent),
                      "within noise": f"{row.within_noise} of {row.configurations}",
-                     "C within noise": f"{_sig(row.clip_low)}–{_sig(row.clip_high)}",
-                     "B within noise": f"{_int(row.batch_low)}–{_int(row.batch_high)}",
-                     "optimal C [bootstrap]": f"[{_sig(row.clip_low_ci)}, {_sig(row.clip_high_ci)}]",
-                     "optimal B [bootstrap]": f"[{_int(row.batch_low_ci)}, {_int(row.batch_high_ci)}]",
-                     "bootstrap picks best %": _percent(row.selected_share)})
+                     "C within noise": f"{format_sig(row.clip_low)}–{format_sig(row.clip_high)}",
+                     "B within noise": f"{format_int(row.batch_low)}–{format_int(row.batch_high)}",
+                     "optimal C [bootstrap]": f"[{format_sig(row.clip_low_ci)}, {format_sig(row.clip_high_ci)}]",
+                     "optimal B [bootstrap]": f"[{format_int(row.batch_low_ci)}, {format_int(row.batch_high_ci)}]",
+                     "bootstrap picks best %": format_percent(row.selected_share)})
     return pd.DataFrame(rows)

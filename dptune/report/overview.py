@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dptune import analysis as an
-from dptune.report.document import Context, Section, _percent, _sig
+from dptune.report.document import Context, Section, format_percent, format_sig
 
 
 def overview(ctx: Context) -> Section:
@@ -24,19 +24,19 @@ def overview(ctx: Context) -> Section:
                    "base_learning_rate": "η₀", "learning_rate": "η", "noisy_val_accuracy": "noisy val acc (max, %)",
                    "test_accuracy": "test acc (%)", "epsilon_total": "ε total", "delta_total": "δ"}
         section.table(results.release[list(columns)].rename(columns=columns),
-                      {"noisy val acc (max, %)": _percent, "test acc (%)": _percent, "ε total": _sig, "δ": _sig},
+                      {"noisy val acc (max, %)": format_percent, "test acc (%)": format_percent, "ε total": format_sig, "δ": format_sig},
                       "Releases of end-to-end private searches: the selected configuration, its noisy validation "
                       "score (the maximum of the runs' noisy scores: biased upward, not an accuracy estimate) and "
                       "its test accuracy where the test split is public (else withheld). Their runs are not in "
                       "this report: the per-run records stay inside the data owner's trust boundary.")
     if not results.trials.empty:
         coverage = an.coverage(results)
-        section.table(coverage.drop(columns=["search_id"]), {"epsilon": _sig},
+        section.table(coverage.drop(columns=["search_id"]), {"epsilon": format_sig},
                       "Trials per search cell: planned (scheduled; configurations pruned by the min-step rule are "
                       "recorded besides them), recorded by status, remaining.")
     difficulty = an.task_difficulty(results)
     if len(difficulty):
-        section.table(difficulty, {"mean_best_val_accuracy": _percent, "median_grad_norm": _sig},
+        section.table(difficulty, {"mean_best_val_accuracy": format_percent, "median_grad_norm": format_sig},
                       "Tasks ranked by difficulty (1 = easiest): mean best validation accuracy (%) over shared "
                       "(ε, E) cells; median probe gradient norm of the best diagnosed trials.")
     if ctx.strata.empty:
@@ -57,7 +57,7 @@ def overview(ctx: Context) -> Section:
                 members = part[part["stratum"] == stratum]
                 rows.append({"task": task, "stratum": stratum, "classes": len(members),
                              "members (reference accuracy %)": ", ".join(
-                                 f"{n} ({_percent(a)})" for n, a in zip(members["class_name"],
+                                 f"{n} ({format_percent(a)})" for n, a in zip(members["class_name"],
                                                                        members["reference_accuracy"], strict=True)),
                              "reference trial": members["reference_trial"].iloc[0] if len(members) else "–"})
         section.table(pd.DataFrame(rows), caption="Easy and hard classes per task.")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from typing import Literal
 
 import matplotlib
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -16,15 +18,15 @@ from dptune.report.document import Context
 from dptune.report.figures import COLOR_MAP
 
 
-def _series_colors(count: int) -> list[tuple[float, ...]]:
+def series_colors(count: int) -> list[tuple[float, float, float, float]]:
     cmap = matplotlib.colormaps[COLOR_MAP]
     return [cmap(x) for x in np.linspace(0.0, 0.85, max(count, 1))]
 
 
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def _new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2) -> tuple[Figure, np.ndarray]:
+def new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2) -> tuple[Figure, np.ndarray]:
     figure = Figure(figsize=(max(width * columns + 0.6, 7.0), height * rows + 0.5), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False)
     return figure, axes
@@ -38,7 +40,7 @@ def _tick(value: float) -> str:
     return np.format_float_positional(value, precision=3, unique=False, fractional=False, trim="-")
 
 
-def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
+def log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
               data: Collection[float] | None = None) -> None:
     """Log scale with plain-number labels.
 
@@ -47,7 +49,7 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     """
     target = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
-    chosen = []
+    chosen: list[float] = []
     for value in sorted({float(v) for v in (ticks if ticks is not None else ()) if np.isfinite(v) and v > 0}):
         if not chosen or value >= 1.5 * chosen[-1]:  # labels closer than 1.5x would overlap
             chosen.append(value)
@@ -66,7 +68,7 @@ def _log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
     target.set_minor_formatter(FuncFormatter(minor) if labelled else NullFormatter())
 
 
-def _empty_panel(ax: Axes, title: str) -> None:
+def empty_panel(ax: Axes, title: str) -> None:
     """A panel whose (task, ε, E) the results do not hold: say so instead of drawing axes."""
     ax.set_axis_off()
     ax.set_title(title, fontsize=8)
@@ -77,26 +79,26 @@ def _empty_panel(ax: Axes, title: str) -> None:
 Panel = tuple[Axes, str, int, pd.DataFrame]
 
 
-def _task_epoch_panels(ctx: Context, frame: pd.DataFrame, width: float = 4.0,
+def task_epoch_panels(ctx: Context, frame: pd.DataFrame, width: float = 4.0,
                        height: float = 3.1) -> tuple[Figure, np.ndarray, list[Panel]]:
     """A figure with one panel per (task, E) of ``frame``: rows are the tasks in report order,
     columns the E values ascending. A panel ``frame`` has no rows for is marked empty; the others
     are returned for the caller to draw."""
     tasks = [t for t in ctx.tasks if t in set(frame["task"])]
     epochs = sorted(frame["epochs"].unique())
-    figure, axes = _new_figure(len(tasks), len(epochs), width=width, height=height)
+    figure, axes = new_figure(len(tasks), len(epochs), width=width, height=height)
     panels: list[Panel] = []
     for row, task in enumerate(tasks):
         for column, n_epochs in enumerate(epochs):
             part = frame[(frame["task"] == task) & (frame["epochs"] == n_epochs)]
             if part.empty:
-                _empty_panel(axes[row, column], f"{task}\nE = {n_epochs}")
+                empty_panel(axes[row, column], f"{task}\nE = {n_epochs}")
             else:
                 panels.append((axes[row, column], task, n_epochs, part))
     return figure, axes, panels
 
 
-def _label_panel(ax: Axes, title: str, xlabel: str, ylabel: str, grid_axis: str = "both") -> None:
+def label_panel(ax: Axes, title: str, xlabel: str, ylabel: str, grid_axis: Literal["both", "x", "y"] = "both") -> None:
     """Axis labels, a small title and a light grid: the dress every line and box panel shares."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -104,9 +106,9 @@ def _label_panel(ax: Axes, title: str, xlabel: str, ylabel: str, grid_axis: str 
     ax.grid(True, axis=grid_axis, alpha=0.3)
 
 
-def _figure_legend(figure: Figure, axes: np.ndarray, columns: int) -> None:
+def figure_legend(figure: Figure, axes: np.ndarray, columns: int) -> None:
     """One legend below the panels with every labelled artist of ``axes`` (first of each label)."""
-    entries: dict[str, object] = {}
+    entries: dict[str, Artist] = {}
     for ax in axes.ravel():
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(label, handle)

@@ -7,8 +7,8 @@ from matplotlib.lines import Line2D
 
 from dptune import analysis as an
 from dptune.report.document import Context, Section
-from dptune.report.figures import _FIGURE, STRATUM_STYLE
-from dptune.report.plotting import _MARKERS, _label_panel, _log_axis, _series_colors, _task_epoch_panels
+from dptune.report.figures import FIGURE_BY_KEY, STRATUM_STYLE
+from dptune.report.plotting import MARKERS, label_panel, log_axis, series_colors, task_epoch_panels
 
 
 def retention(ctx: Context) -> Section:
@@ -37,8 +37,8 @@ def _stratum_lines(ctx: Context, section: Section, frame: pd.DataFrame, x: str, 
                    ylabel: str, key: str) -> None:
     """Panels per (task, E): one line per (ε, stratum) of ``y`` against log ``x``."""
     epsilons = sorted(frame["epsilon"].unique())
-    colors = dict(zip(epsilons, _series_colors(len(epsilons)), strict=True))
-    figure, _, panels = _task_epoch_panels(ctx, frame)
+    colors = dict(zip(epsilons, series_colors(len(epsilons)), strict=True))
+    figure, _, panels = task_epoch_panels(ctx, frame)
     for ax, task, n_epochs, part in panels:
         for epsilon in epsilons:
             for stratum, (style, marker) in STRATUM_STYLE.items():
@@ -46,11 +46,11 @@ def _stratum_lines(ctx: Context, section: Section, frame: pd.DataFrame, x: str, 
                 if len(line):
                     ax.plot(line[x], scale * line[y], linestyle=style, marker=marker, color=colors[epsilon],
                             markersize=4)
-        _log_axis(ax, "x", part[x].unique())
-        _label_panel(ax, f"{task}\nE = {n_epochs}", "clip bound C (gradient norm, log scale)", ylabel)
-    handles = [Line2D([], [], color=colors[e], marker=_MARKERS[0], label=f"ε = {e:g}") for e in epsilons]
+        log_axis(ax, "x", part[x].unique())
+        label_panel(ax, f"{task}\nE = {n_epochs}", "clip bound C (gradient norm, log scale)", ylabel)
+    handles = [Line2D([], [], color=colors[e], marker=MARKERS[0], label=f"ε = {e:g}") for e in epsilons]
     handles += [Line2D([], [], color="black", linestyle=s, marker=m, label=f"{name} classes")
                 for name, (s, m) in STRATUM_STYLE.items()]
     figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    figure.suptitle(_FIGURE[key].title, fontsize=10)
+    figure.suptitle(FIGURE_BY_KEY[key].title, fontsize=10)
     ctx.writer.figure(section, figure, key)

@@ -76,9 +76,9 @@ def check_config(config: TrialConfig) -> torch.device:
         "max_physical_batch_size": config.max_physical_batch_size,
         "diagnostic_examples": config.diagnostic_examples,
     }
-    for name, value in positive.items():
-        if not value > 0:
-            raise TrialConfigError(f"{name} must be > 0, got {value}")
+    for name, number in positive.items():
+        if not number > 0:
+            raise TrialConfigError(f"{name} must be > 0, got {number}")
     if not 0 < config.delta < 1:
         raise TrialConfigError(f"delta must be in (0, 1), got {config.delta}")
     if config.score_noise_multiplier is not None and not config.score_noise_multiplier > 0:

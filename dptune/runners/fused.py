@@ -191,14 +191,17 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
 
     Raises :class:`TrialConfigError` for a batch size of which not one configuration fits ``memory_bytes``.
     """
-    num_train = len(workload.train)
+    num_train, feature_dim = len(workload.train), workload.feature_dim
+    if feature_dim is None:
+        raise TrialConfigError("the fused runner trains heads on cached features; this workload has none "
+                               "(peft must be 'head')")
     by_batch_size: dict[int, list[int]] = {}
     for index, config in enumerate(configs):
         by_batch_size.setdefault(config.batch_size, []).append(index)
     plans: list[GroupPlan] = []
     for batch_size, members in by_batch_size.items():
         first = configs[members[0]]
-        fits = max_fused_configurations(first, num_train, workload.feature_dim, workload.num_classes, memory_bytes)
+        fits = max_fused_configurations(first, num_train, feature_dim, workload.num_classes, memory_bytes)
         if fits < 1:
             raise TrialConfigError(
                 f"not one configuration at batch_size {batch_size} fits the fused memory budget of {memory_bytes} "

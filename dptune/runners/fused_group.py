@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
-from dptune.contract import Diagnostics, EpochMetrics, TrialConfig, TrialResult
+from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrialConfig, TrialResult
 from dptune.data import Workload
-from dptune.dp.clipping import ClippingRule, noise_std, update_scale
+from dptune.data.spec import Split
+from dptune.dp.clipping import noise_std, update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
 from dptune.dp.diagnostics import diagnose
 from dptune.models import build_model
@@ -105,6 +107,14 @@ class PoissonSteps:
 
 
 
+
+def feature_tensors(split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features, labels)`` of a split of cached features, the only kind a fused group trains on."""
+    if not isinstance(split, TensorDataset):
+        raise TypeError(f"the fused runner trains heads on cached features, not on {type(split).__name__}")
+    features, labels = split.tensors
+    return features, labels
+
 @dataclass(frozen=True)
 class DeviceWorkload:
     """What every group of one ``run_fused`` call shares: the workload's training split on the device."""
@@ -118,7 +128,7 @@ class DeviceWorkload:
 
     @classmethod
     def build(cls, config: TrialConfig, workload: Workload, device: torch.device) -> DeviceWorkload:
-        features, labels = workload.train.tensors
+        features, labels = feature_tensors(workload.train)
         features = augment(features.to(device))
         features = torch.cat([features, features.new_zeros(1, features.shape[1])])
         labels = torch.cat([labels, labels.new_zeros(1)]).to(device)
@@ -194,8 +204,8 @@ class GroupCoins:
                 torch.manual_seed(init_seed(coins.init))
                 head = build_model(config.workload.backbone, config.workload.peft, data.workload.num_classes,
                                    feature_input=True)
-            weights.append(head.weight.detach())
-            biases.append(head.bias.detach())
+            weights.append(head.get_parameter("weight").detach())
+            biases.append(head.get_parameter("bias").detach())
             self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))
             self.noise_coins.append(DeviceCoins(coins.noise, data.device))
             self.score_generators.append(cpu_generator(coins.score))
@@ -381,8 +391,8 @@ class FusedGroup:
         :class:`EpochMetrics`; the configurations still live (a non-finite validation loss diverges)."""
         workload, heads = self.data.workload, self.lock_step.heads
         last = epoch == self.configs[0].epochs
-        val = stacked_evaluations(heads, *workload.val.tensors, workload.num_classes)
-        test = stacked_evaluations(heads, *workload.test.tensors, workload.num_classes) if last else None
+        val = stacked_evaluations(heads, *feature_tensors(workload.val), workload.num_classes)
+        test = stacked_evaluations(heads, *feature_tensors(workload.test), workload.num_classes) if last else None
         epoch_time = time.perf_counter() - epoch_start
         still = []
         for i in live:

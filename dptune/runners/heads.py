@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dptune.dp.clipping import ClippingRule, clip_factors
+from dptune.contract import ClippingRule
+from dptune.dp.clipping import clip_factors
 from dptune.dp.diagnostics import ProbeGradients
 from dptune.runners.common import Evaluation
 

@@ -41,10 +41,11 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.data import Workload
+from dptune.data.spec import Split
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
 from dptune.dp.engine import DPEngine, DPStepSpec, summed_cross_entropy
@@ -72,7 +73,7 @@ from dptune.runners.common import (
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    dataset: Dataset,
+    dataset: Split,
     num_classes: int,
     batch_size: int,
     device: torch.device,
@@ -184,7 +185,7 @@ class Trial:
         record.wall_time_s = time.perf_counter() - start
         return record
 
-    def evaluate(self, dataset: Dataset) -> Evaluation:
+    def evaluate(self, dataset: Split) -> Evaluation:
         return evaluate(
             self.model,
             dataset,

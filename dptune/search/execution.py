@@ -128,8 +128,10 @@ class PendingRun:
 @dataclass(frozen=True)
 class FinishedRun:
     """A run that ended, to be recorded: replicate ``replicate`` of configuration ``params`` and its
-    ``result``. ``run_id`` is the id of its start entry in the privacy ledger (:func:`charge_runs`);
-    ``None`` when its end entry should name only its trial (a run charged before run ids, or none)."""
+    ``result``. ``run_id`` is the id of its start entry in the privacy ledger (:func:`charge_runs`),
+    ``None`` where the writer does not know it (the driver recording a run ASHA stopped: its end
+    entry then names its trial, and closes that trial's open start) or it has none (a pruned
+    configuration, never charged)."""
 
     params: dict[str, Any]
     replicate: int

@@ -64,8 +64,9 @@ RUN_STATUSES_KEY = "run_statuses"
 STORAGE_ERROR_KEY = "storage_error"
 
 #: What went wrong in this driver process that must end the search: one line each (a results write
-#: that failed in a callback, or a unit's ``STORAGE_ERROR_KEY``). Read by ``dptune.search`` after
-#: Tune returns; module-level because a resumed Tuner unpickles its own callback objects.
+#: that failed in a callback, or a unit's ``STORAGE_ERROR_KEY``). Read by the driver
+#: (:func:`dptune.search.driver.run_cells`) after Tune returns; module-level because a resumed
+#: Tuner unpickles its own callback objects.
 DRIVER_FAILURES: list[str] = []
 
 

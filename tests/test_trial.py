@@ -111,7 +111,16 @@ def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: 
         assert record.mse_variance == pytest.approx(
             result.noise_multiplier**2 * BASE.clip_bound**2 * record.dimension / BASE.batch_size**2
         )
-        assert record.optimal_clip_bound >= 0 and record.mse_bias >= 0
+        # the clipping bias at C: zero exactly when no probe gradient is clipped, and never above the
+        # square of the mean norm removed by clipping (triangle inequality over (min(1, C/‖g‖) − 1)·g)
+        clipped = [norm - BASE.clip_bound for norm in record.grad_norms if norm > BASE.clip_bound]
+        assert (record.mse_bias > 0) == bool(clipped)
+        assert record.mse_bias <= (sum(clipped) / len(record.grad_norms)) ** 2 * (1 + 1e-6)
+        # C* minimises bias + σ²C²d/B², so its noise term alone is at most the MSE at C; and beyond the
+        # largest norm nothing is clipped, so a larger C only adds noise
+        assert 0 < record.optimal_clip_bound <= max(record.grad_norms)
+        assert record.mse_variance * (record.optimal_clip_bound / BASE.clip_bound) ** 2 <= (
+            (record.mse_bias + record.mse_variance) * (1 + 1e-9))
         assert sum(c.examples for c in record.classes) == len(record.grad_norms)
     assert result.diagnostics_wall_time_s == pytest.approx(sum(d.wall_time_s for d in result.diagnostics))
     assert result.diagnostics_wall_time_s < result.wall_time_s

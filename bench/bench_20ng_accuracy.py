@@ -85,25 +85,40 @@ def main() -> None:
         for learning_rate in args.learning_rates:
             config = TrialConfig(
                 workload=WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head"),
-                epsilon=args.epsilon, delta=1e-5, epochs=args.epochs, clip_bound=args.clip_bound,
-                batch_size=batch_size, learning_rate=learning_rate, base_learning_rate=learning_rate, seed=args.seed,
-                threads=1
+                epsilon=args.epsilon,
+                delta=1e-5,
+                epochs=args.epochs,
+                clip_bound=args.clip_bound,
+                batch_size=batch_size,
+                learning_rate=learning_rate,
+                base_learning_rate=learning_rate,
+                seed=args.seed,
+                threads=1,
             )
             result = run_trial(config)
             trials.append(result)
-            summary = {k: v for k, v in asdict(result).items()
-                       if k not in ("config", "epochs", "diagnostics", "class_accuracy", "class_names")}
+            summary = {
+                k: v
+                for k, v in asdict(result).items()
+                if k not in ("config", "epochs", "diagnostics", "class_accuracy", "class_names")
+            }
             print(json.dumps({"batch_size": batch_size, "learning_rate": learning_rate, **summary}))
     best = max((t for t in trials if t.status == "ok"), key=lambda t: t.val_accuracy)
     print("\n| probe | B | η | val acc | test acc | wall s (1 thread) | diagnostics s | engine |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| non-private (L-BFGS, l2={baseline['l2']}) | full | - | {baseline['val_accuracy']:.4f} | "
-          f"{baseline['test_accuracy']:.4f} | {baseline['fit_seconds_all_l2']:.1f} (all l2) | - | - |")
-    print(f"| DP ε={args.epsilon:g} (best of {len(trials)} on val) | {best.config.batch_size} | "
-          f"{best.config.learning_rate:g} | {best.val_accuracy:.4f} | {best.test_accuracy:.4f} | "
-          f"{best.wall_time_s:.1f} | {best.diagnostics_wall_time_s:.2f} | {best.engine} |")
-    print(f"\nσ = {best.noise_multiplier:.4f}, q = {best.sample_rate:.5f}, T = {best.steps}, "
-          f"ε spent = {best.epsilon_spent:.4f}")
+    print(
+        f"| non-private (L-BFGS, l2={baseline['l2']}) | full | - | {baseline['val_accuracy']:.4f} | "
+        f"{baseline['test_accuracy']:.4f} | {baseline['fit_seconds_all_l2']:.1f} (all l2) | - | - |"
+    )
+    print(
+        f"| DP ε={args.epsilon:g} (best of {len(trials)} on val) | {best.config.batch_size} | "
+        f"{best.config.learning_rate:g} | {best.val_accuracy:.4f} | {best.test_accuracy:.4f} | "
+        f"{best.wall_time_s:.1f} | {best.diagnostics_wall_time_s:.2f} | {best.engine} |"
+    )
+    print(
+        f"\nσ = {best.noise_multiplier:.4f}, q = {best.sample_rate:.5f}, T = {best.steps}, "
+        f"ε spent = {best.epsilon_spent:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,17 @@ def measure(num_examples: int) -> dict[str, object]:
                 steps = plan.total_steps(num_examples, batch_size, epochs)
                 began = time.perf_counter()
                 sigma = privacy.calibrate_noise_multiplier(epsilon, DELTA, rate, steps)
-                calibrations.append({"epsilon": epsilon, "epochs": epochs, "batch_size": batch_size,
-                                     "sample_rate": rate, "steps": steps, "noise_multiplier": sigma,
-                                     "seconds": round(time.perf_counter() - began, 3)})
+                calibrations.append(
+                    {
+                        "epsilon": epsilon,
+                        "epochs": epochs,
+                        "batch_size": batch_size,
+                        "sample_rate": rate,
+                        "steps": steps,
+                        "noise_multiplier": sigma,
+                        "seconds": round(time.perf_counter() - began, 3),
+                    }
+                )
                 cells[epsilon, epochs] += [privacy.TrialMechanism(sigma, rate, steps)] * trials
     calibration_seconds = time.perf_counter() - start
 
@@ -73,13 +81,26 @@ def measure(num_examples: int) -> dict[str, object]:
     for (epsilon, epochs), mechanisms in [*cells.items(), (("all", "all"), sum(cells.values(), []))]:
         began = time.perf_counter()
         composed = privacy.composed_epsilon(mechanisms, DELTA)
-        compositions.append({"epsilon": epsilon, "epochs": epochs, "trials": len(mechanisms),
-                             "epsilon_composed": composed, "seconds": round(time.perf_counter() - began, 3)})
+        compositions.append(
+            {
+                "epsilon": epsilon,
+                "epochs": epochs,
+                "trials": len(mechanisms),
+                "epsilon_composed": composed,
+                "seconds": round(time.perf_counter() - began, 3),
+            }
+        )
     composition_seconds = time.perf_counter() - start
 
-    return {"num_examples": num_examples, "delta": DELTA, "cpu_count": os.cpu_count(),
-            "calibration_seconds": round(calibration_seconds, 2), "composition_seconds": round(composition_seconds, 2),
-            "calibrations": calibrations, "compositions": compositions}
+    return {
+        "num_examples": num_examples,
+        "delta": DELTA,
+        "cpu_count": os.cpu_count(),
+        "calibration_seconds": round(calibration_seconds, 2),
+        "composition_seconds": round(composition_seconds, 2),
+        "calibrations": calibrations,
+        "compositions": compositions,
+    }
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ def main() -> None:
         key, offset = (int(x) for x in stream.integers(0, 2**64, size=2, dtype=np.uint64))
         _ = offset - offset % 4, key
 
-    rounds: dict[str, list[float]] = {k: [] for k in ("build_old", "build_new", "step_old", "step_new",
-                                                        "cuda_refresh_host")}
+    rounds: dict[str, list[float]] = {
+        k: [] for k in ("build_old", "build_new", "step_old", "step_new", "cuda_refresh_host")
+    }
     for _ in range(args.repeats):
         rounds["build_old"].append(per_call_us(build_old, args.trials))
         rounds["build_new"].append(per_call_us(build_new, args.trials))

@@ -122,12 +122,14 @@ def make_batch(case: Case, device: torch.device, generator: torch.Generator) -> 
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def step_function(method: str, model: nn.Module, batch: tuple[torch.Tensor, ...], spec: DPStepSpec,
-                  device: torch.device) -> Callable[[], float]:
+def step_function(
+    method: str, model: nn.Module, batch: tuple[torch.Tensor, ...], spec: DPStepSpec, device: torch.device
+) -> Callable[[], float]:
     """One training step of ``method`` (``plain`` or an engine name); returns the summed loss."""
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     *inputs, labels = batch
     if method == PLAIN:
+
         def plain() -> float:
             with autocast(device.type, spec.autocast_dtype):
                 logits = model(*inputs)
@@ -171,8 +173,9 @@ def time_steps(step: Callable[[], float], steps: int, device: torch.device) -> f
     return (clock() - start) / steps
 
 
-def run_case(case: Case, methods: list[str], args: argparse.Namespace,
-             device: torch.device) -> tuple[list[Timing], float | None, int]:
+def run_case(
+    case: Case, methods: list[str], args: argparse.Namespace, device: torch.device
+) -> tuple[list[Timing], float | None, int]:
     """Time every method on ``case``; also return the FiLM engine's relative gap to Opacus (when
     both are timed) and the number of trainable parameters d."""
     torch.manual_seed(0)
@@ -181,10 +184,18 @@ def run_case(case: Case, methods: list[str], args: argparse.Namespace,
     models = {method: copy.deepcopy(model).to(device).train() for method in methods}
     del model
     batch = make_batch(case, device, torch.Generator().manual_seed(0))
-    spec = DPStepSpec(noise_multiplier=1.0, clip_bound=1.0, rule="normalized", expected_batch_size=case.batch_size,
-                      autocast_dtype=torch.bfloat16 if case.precision == "bf16" else None)
-    agreement = (film_vs_opacus(models["film"], models["opacus"], batch, spec, device)  # before any step
-                 if {"film", "opacus"} <= set(methods) else None)
+    spec = DPStepSpec(
+        noise_multiplier=1.0,
+        clip_bound=1.0,
+        rule="normalized",
+        expected_batch_size=case.batch_size,
+        autocast_dtype=torch.bfloat16 if case.precision == "bf16" else None,
+    )
+    agreement = (
+        film_vs_opacus(models["film"], models["opacus"], batch, spec, device)  # before any step
+        if {"film", "opacus"} <= set(methods)
+        else None
+    )
     timings = {m: Timing(m) for m in methods}
     steps: dict[str, Callable[[], float]] = {}
     for method in methods:  # build and warm up every method first
@@ -221,8 +232,13 @@ def run_case(case: Case, methods: list[str], args: argparse.Namespace,
     return list(timings.values()), agreement, dimension
 
 
-def film_vs_opacus(film_model: nn.Module, opacus_model: nn.Module, batch: tuple[torch.Tensor, ...],
-                   spec: DPStepSpec, device: torch.device) -> float:
+def film_vs_opacus(
+    film_model: nn.Module,
+    opacus_model: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    spec: DPStepSpec,
+    device: torch.device,
+) -> float:
     """‖g_film − g_opacus‖ / ‖g_opacus‖ of the noise-free clipped gradient on the case's batch, in
     the case's precision, on two copies of one model: the timed engine computes what Opacus does."""
     noise_free = replace(spec, noise_multiplier=0.0)
@@ -263,10 +279,15 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, obj
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
         **{name: package_version(name) for name in ("torch", "timm", "transformers", "opacus")},
-        "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
         "clock": "wall clock" if device.type == "cuda" else "process CPU time",
-        "tf32": device.type == "cuda", "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-        "case_cap_s": args.case_cap_s, "total_cap_s": args.total_cap_s,
+        "tf32": device.type == "cuda",
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "case_cap_s": args.case_cap_s,
+        "total_cap_s": args.total_cap_s,
     }
 
 
@@ -294,8 +315,10 @@ def markdown(env: dict[str, object], methods: list[str], results: list[dict[str,
     for result in results:
         case = result["case"]
         if "skipped" in result:
-            lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | | {result['skipped']} |"
-                         + " |" * (len(methods) + 1))
+            lines.append(
+                f"| {case['label']} | {case['batch_size']} | {case['precision']} | | {result['skipped']} |"
+                + " |" * (len(methods) + 1)
+            )
             continue
         timings = {t["method"]: t for t in result["timings"]}
 
@@ -303,10 +326,12 @@ def markdown(env: dict[str, object], methods: list[str], results: list[dict[str,
             "–" if timings[m]["peak_memory_gib"] is None else f"{timings[m]['peak_memory_gib']:.1f}" for m in methods
         )
         agreement = result["film_vs_opacus_relative_difference"]
-        lines.append(f"| {case['label']} | {case['batch_size']} | {case['precision']} | "
-                     f"{result['trainable_parameters']} | "
-                     f"{' | '.join(timing_cell(m, timings[m]) for m in methods)} | {memory} | "
-                     f"{'–' if agreement is None else f'{agreement:.1e}'} |")
+        lines.append(
+            f"| {case['label']} | {case['batch_size']} | {case['precision']} | "
+            f"{result['trainable_parameters']} | "
+            f"{' | '.join(timing_cell(m, timings[m]) for m in methods)} | {memory} | "
+            f"{'–' if agreement is None else f'{agreement:.1e}'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -320,16 +345,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, required=True, help="output prefix: writes <out>.json and <out>.md")
-    parser.add_argument("--engines", nargs="+", choices=tuple(ENGINES), default=list(ENGINES),
-                        help="DP engines timed against the plain step (default: all)")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=tuple(ENGINES),
+        default=list(ENGINES),
+        help="DP engines timed against the plain step (default: all)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method and round (at most)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case")
-    parser.add_argument("--case-cap-s", type=float, default=None,
-                        help="seconds of timed steps per method and case (default 12 cuda, 60 cpu)")
-    parser.add_argument("--total-cap-s", type=float, default=None,
-                        help="no new case starts after this many seconds (default 200 cuda, 1200 cpu)")
+    parser.add_argument(
+        "--case-cap-s",
+        type=float,
+        default=None,
+        help="seconds of timed steps per method and case (default 12 cuda, 60 cpu)",
+    )
+    parser.add_argument(
+        "--total-cap-s",
+        type=float,
+        default=None,
+        help="no new case starts after this many seconds (default 200 cuda, 1200 cpu)",
+    )
     args = parser.parse_args(argv)
     for name in ("threads", "warmup", "steps", "repeats"):
         value = getattr(args, name)
@@ -375,10 +413,15 @@ def main(argv: list[str] | None = None, cases: Callable[[str], list[Case]] = cas
                     torch.cuda.empty_cache()
             else:
                 failed = failed or any(t.error for t in timings)
-                results.append({"case": asdict(case), "trainable_parameters": dimension,
-                                "timings": [asdict(t) for t in timings],
-                                "film_vs_opacus_relative_difference": agreement,
-                                "wall_s": time.perf_counter() - case_start})
+                results.append(
+                    {
+                        "case": asdict(case),
+                        "trainable_parameters": dimension,
+                        "timings": [asdict(t) for t in timings],
+                        "film_vs_opacus_relative_difference": agreement,
+                        "wall_s": time.perf_counter() - case_start,
+                    }
+                )
         write(args.out, env, methods, results)
         print(markdown(env, methods, results).splitlines()[-1], flush=True)
     print(markdown(env, methods, results))

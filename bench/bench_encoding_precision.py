@@ -102,8 +102,10 @@ def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int]
                     rates[precision][budget].append(docs / (time.perf_counter() - wall))
     finally:
         feature_cache.TEXT_BATCH_TOKENS["cpu"] = default
-    return {p: {str(b): {"median_docs_per_s": float(np.median(r)), "docs_per_s": r} for b, r in by_budget.items()}
-            for p, by_budget in rates.items()}
+    return {
+        p: {str(b): {"median_docs_per_s": float(np.median(r)), "docs_per_s": r} for b, r in by_budget.items()}
+        for p, by_budget in rates.items()
+    }
 
 
 def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
@@ -115,21 +117,45 @@ def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, s
         os.environ[PRECISION_ENV] = precision
         common.cached_workload.cache_clear()  # the memo is keyed by spec, not by precision
         for epsilon, epochs, clip, batch, base_lr in itertools.product(
-                EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES):
+            EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES
+        ):
             learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5
             config = TrialConfig(
                 workload=WorkloadSpec(
-                    dataset="20newsgroups", backbone="minilm", peft="head", max_tokens=max_tokens,
-                    max_train_examples=train_examples, max_eval_examples=eval_examples
+                    dataset="20newsgroups",
+                    backbone="minilm",
+                    peft="head",
+                    max_tokens=max_tokens,
+                    max_train_examples=train_examples,
+                    max_eval_examples=eval_examples,
                 ),
-                epsilon=epsilon, delta=1e-5, epochs=epochs, clip_bound=clip, batch_size=batch,
-                learning_rate=learning_rate, base_learning_rate=base_lr, optimizer="adam", clipping="normalized",
-                seed=seed, threads=torch.get_num_threads(), diagnostics=False
+                epsilon=epsilon,
+                delta=1e-5,
+                epochs=epochs,
+                clip_bound=clip,
+                batch_size=batch,
+                learning_rate=learning_rate,
+                base_learning_rate=base_lr,
+                optimizer="adam",
+                clipping="normalized",
+                seed=seed,
+                threads=torch.get_num_threads(),
+                diagnostics=False,
             )
             result = run_trial(config)
-            rows.append({"precision": precision, "epsilon": epsilon, "epochs": epochs, "clip_bound": clip,
-                         "batch_size": batch, "base_learning_rate": base_lr, "status": result.status,
-                         "val_accuracy": result.val_accuracy, "test_accuracy": result.test_accuracy})
+            rows.append(
+                {
+                    "precision": precision,
+                    "epsilon": epsilon,
+                    "epochs": epochs,
+                    "clip_bound": clip,
+                    "batch_size": batch,
+                    "base_learning_rate": base_lr,
+                    "status": result.status,
+                    "val_accuracy": result.val_accuracy,
+                    "test_accuracy": result.test_accuracy,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     os.environ.pop(PRECISION_ENV)
     return rows
@@ -144,17 +170,24 @@ def compare(rows: list[dict]) -> dict:
     paired = frame.pivot_table(index=config, columns="precision", values=["val_accuracy", "test_accuracy"])
     best = {}
     for (epsilon, epochs), cell in frame.groupby(["epsilon", "epochs"]):
-        picks = {p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0]
-                 for p in PRECISIONS}
+        picks = {
+            p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0] for p in PRECISIONS
+        }
         best[f"eps={epsilon:g}|epochs={epochs}"] = {
-            p: {k: pick[k].item() if isinstance(pick[k], np.generic) else pick[k]
-                for k in ("val_accuracy", "test_accuracy", "clip_bound", "batch_size", "base_learning_rate")}
-            for p, pick in picks.items()}
+            p: {
+                k: pick[k].item() if isinstance(pick[k], np.generic) else pick[k]
+                for k in ("val_accuracy", "test_accuracy", "clip_bound", "batch_size", "base_learning_rate")
+            }
+            for p, pick in picks.items()
+        }
     return {
         "best_per_cell": best,
-        **{f"max_abs_{split}_gap_points": float(100 * (paired[f"{split}_accuracy"]["bf16"]
-                                                        - paired[f"{split}_accuracy"]["fp32"]).abs().max())
-           for split in ("test", "val")},
+        **{
+            f"max_abs_{split}_gap_points": float(
+                100 * (paired[f"{split}_accuracy"]["bf16"] - paired[f"{split}_accuracy"]["fp32"]).abs().max()
+            )
+            for split in ("test", "val")
+        },
         "configurations": len(paired),
     }
 
@@ -167,40 +200,57 @@ def main() -> None:
     parser.add_argument("--eval-examples", type=int, default=1500, help="validation and test caps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-accuracy", action="store_true", help="time the encoding only")
-    parser.add_argument("--batch-tokens", default="", help="also time CPU encoding at these tokens-per-batch "
-                        "budgets, comma-separated (e.g. 4096,16384)")
+    parser.add_argument(
+        "--batch-tokens",
+        default="",
+        help="also time CPU encoding at these tokens-per-batch budgets, comma-separated (e.g. 4096,16384)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --batch-tokens comparison")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
     flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16"})
     figures: dict = {"cpu_bf16_flags": flags, "speed": encoding_speed(args.docs, args.max_tokens, args.seed)}
     speed = figures["speed"]
-    print(f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, "
-          f"{args.max_tokens} tokens")
+    print(
+        f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, {args.max_tokens} tokens"
+    )
     print("| precision | docs/s (wall) | docs/s (process CPU) |\n|---|---|---|")
     for precision in PRECISIONS:
         print(f"| {precision} | {speed[precision]['docs_per_s']:.1f} | {speed[precision]['docs_per_cpu_s']:.1f} |")
-    print(f"bf16/fp32: {speed['speedup_wall']:.2f}x wall, {speed['speedup_cpu']:.2f}x CPU; "
-          f"cosine(bf16, fp32) min {speed['cosine_min']:.6f}, median {speed['cosine_median']:.6f}")
+    print(
+        f"bf16/fp32: {speed['speedup_wall']:.2f}x wall, {speed['speedup_cpu']:.2f}x CPU; "
+        f"cosine(bf16, fp32) min {speed['cosine_min']:.6f}, median {speed['cosine_median']:.6f}"
+    )
     if args.batch_tokens:
         budgets = [int(b) for b in args.batch_tokens.split(",")]
         figures["batch_tokens"] = batch_budget_speed(args.docs, args.max_tokens, args.seed, budgets, args.rounds)
         print(f"\n| tokens per batch | {' | '.join(f'{p} docs/s (median of {args.rounds})' for p in PRECISIONS)} |")
         print("|---|" + "---|" * len(PRECISIONS))
         for budget in budgets:
-            print(f"| {budget} | " + " | ".join(f"{figures['batch_tokens'][p][str(budget)]['median_docs_per_s']:.1f}"
-                                                for p in PRECISIONS) + " |")
+            print(
+                f"| {budget} | "
+                + " | ".join(f"{figures['batch_tokens'][p][str(budget)]['median_docs_per_s']:.1f}" for p in PRECISIONS)
+                + " |"
+            )
     if not args.skip_accuracy:
-        figures["accuracy"] = compare(probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens,
-                                                       args.seed))
+        figures["accuracy"] = compare(
+            probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens, args.seed)
+        )
         print("\n| cell | fp32 val / test | bf16 val / test |\n|---|---|---|")
         for cell, picks in figures["accuracy"]["best_per_cell"].items():
-            print(f"| {cell} | " + " | ".join(f"{100 * picks[p]['val_accuracy']:.2f} / "
-                                               f"{100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS) + " |")
+            print(
+                f"| {cell} | "
+                + " | ".join(
+                    f"{100 * picks[p]['val_accuracy']:.2f} / {100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS
+                )
+                + " |"
+            )
         accuracy = figures["accuracy"]
-        print(f"largest |bf16 − fp32| over {accuracy['configurations']} configurations: "
-              f"test {accuracy['max_abs_test_gap_points']:.2f} points, "
-              f"val {accuracy['max_abs_val_gap_points']:.2f} points")
+        print(
+            f"largest |bf16 − fp32| over {accuracy['configurations']} configurations: "
+            f"test {accuracy['max_abs_test_gap_points']:.2f} points, "
+            f"val {accuracy['max_abs_val_gap_points']:.2f} points"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1))

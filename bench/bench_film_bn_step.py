@@ -28,8 +28,11 @@ def efficientnet_cases(device: str) -> list[Case]:
     """The cases of ``device`` (module docstring)."""
     if device == "cpu":
         return [Case("EfficientNet-Lite0 FiLM 64px", BACKBONE, 64, "fp32", image_size=64)]
-    return [Case("EfficientNet-Lite0 FiLM 224px", BACKBONE, batch_size, precision, image_size=224)
-            for precision in ("bf16", "fp32") for batch_size in (128, 256)]
+    return [
+        Case("EfficientNet-Lite0 FiLM 224px", BACKBONE, batch_size, precision, image_size=224)
+        for precision in ("bf16", "fp32")
+        for batch_size in (128, 256)
+    ]
 
 
 if __name__ == "__main__":

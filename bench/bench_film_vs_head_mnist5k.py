@@ -25,8 +25,18 @@ from pathlib import Path
 from dptune.records import read_table
 
 SPACE = "search_spaces/mnist5k_efficientnet_film.yaml"
-COLUMNS = ["epsilon", "status", "clip_bound", "batch_size", "base_learning_rate", "val_accuracy", "test_accuracy",
-           "epsilon_spent", "wall_time_s", "engine"]
+COLUMNS = [
+    "epsilon",
+    "status",
+    "clip_bound",
+    "batch_size",
+    "base_learning_rate",
+    "val_accuracy",
+    "test_accuracy",
+    "epsilon_spent",
+    "wall_time_s",
+    "engine",
+]
 
 
 def run(command: list[str]) -> float:
@@ -38,8 +48,23 @@ def run(command: list[str]) -> float:
 
 def search(storage: Path, peft: str, extra: list[str]) -> tuple[float, list[dict]]:
     """Wall time and trial rows of the image space's search with ``peft``."""
-    seconds = run([sys.executable, "-m", "dptune.search", "--space", SPACE, "--storage", str(storage), "--name", peft,
-                   "--set", f"task.peft={peft}", "--no-report", *extra])
+    seconds = run(
+        [
+            sys.executable,
+            "-m",
+            "dptune.search",
+            "--space",
+            SPACE,
+            "--storage",
+            str(storage),
+            "--name",
+            peft,
+            "--set",
+            f"task.peft={peft}",
+            "--no-report",
+            *extra,
+        ]
+    )
     trials = read_table(str(storage / peft), "trials")
     return seconds, trials[COLUMNS].to_dict("records")
 
@@ -55,20 +80,26 @@ def best_per_epsilon(rows: list[dict]) -> dict[float, dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| ε | method | best val acc | its test acc | its (C, B, η₀) | trials ok | max ε spent "
-             "| search wall time |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| ε | method | best val acc | its test acc | its (C, B, η₀) | trials ok | max ε spent | search wall time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for epsilon in sorted({row["epsilon"] for row in results["film"]["trials"]}):
         for method in ("film", "head"):
             rows = [row for row in results[method]["trials"] if row["epsilon"] == epsilon]
             best = best_per_epsilon(rows).get(epsilon)
             ok = sum(row["status"] == "ok" for row in rows)
             spent = max(row["epsilon_spent"] for row in rows)
-            setting = ("—" if best is None
-                       else f"({best['clip_bound']:.3g}, {best['batch_size']}, {best['base_learning_rate']:.3g})")
+            setting = (
+                "—"
+                if best is None
+                else f"({best['clip_bound']:.3g}, {best['batch_size']}, {best['base_learning_rate']:.3g})"
+            )
             val, test = ("—", "—") if best is None else (f"{best['val_accuracy']:.4f}", f"{best['test_accuracy']:.4f}")
-            lines.append(f"| {epsilon:g} | {method} | {val} | {test} | {setting} | {ok}/{len(rows)} | {spent:.4f} | "
-                         f"{results[method]['wall_s']:.0f} s |")
+            lines.append(
+                f"| {epsilon:g} | {method} | {val} | {test} | {setting} | {ok}/{len(rows)} | {spent:.4f} | "
+                f"{results[method]['wall_s']:.0f} s |"
+            )
     lines.append(f"\nreport of the FiLM search built in {results['report_wall_s']:.0f} s")
     return "\n".join(lines)
 
@@ -80,14 +111,18 @@ def main() -> None:
     parser.add_argument("--max-train-examples", type=int, help="cap the training set (a quick check)")
     args = parser.parse_args()
     storage = Path(args.storage)
-    extra = (["--max-train-examples", str(args.max_train_examples), "--set", "min_steps=5"]
-             if args.max_train_examples else [])
+    extra = (
+        ["--max-train-examples", str(args.max_train_examples), "--set", "min_steps=5"]
+        if args.max_train_examples
+        else []
+    )
     results: dict = {}
     for peft in ("film", "head"):
         wall_s, trials = search(storage, peft, extra)
         results[peft] = {"wall_s": wall_s, "trials": trials}
-    results["report_wall_s"] = run([sys.executable, "-m", "dptune.report", str(storage / "film"),
-                                    "--out", str(storage / "report-film")])
+    results["report_wall_s"] = run(
+        [sys.executable, "-m", "dptune.report", str(storage / "film"), "--out", str(storage / "report-film")]
+    )
     results["report_figures"] = sorted(p.name for p in (storage / "report-film").glob("*.png"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

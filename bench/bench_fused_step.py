@@ -46,18 +46,36 @@ def configurations(args: argparse.Namespace) -> list[TrialConfig]:
     rng = np.random.default_rng(args.seed)
     base = TrialConfig(
         workload=WorkloadSpec(
-            dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=args.max_train_examples,
-            max_eval_examples=args.max_eval_examples
+            dataset="20newsgroups",
+            backbone="minilm",
+            peft="head",
+            max_train_examples=args.max_train_examples,
+            max_eval_examples=args.max_eval_examples,
         ),
-        epsilon=args.epsilon, delta=1e-5, epochs=args.epochs, clip_bound=1.0, batch_size=256, learning_rate=1e-3,
-        base_learning_rate=1e-3, device=args.device, threads=args.threads, diagnostics=not args.no_diagnostics
+        epsilon=args.epsilon,
+        delta=1e-5,
+        epochs=args.epochs,
+        clip_bound=1.0,
+        batch_size=256,
+        learning_rate=1e-3,
+        base_learning_rate=1e-3,
+        device=args.device,
+        threads=args.threads,
+        diagnostics=not args.no_diagnostics,
     )
     drawn = []
     for _ in range(args.configurations):
         batch_size = int(rng.choice(args.batch_sizes))
         base_rate = float(10 ** rng.uniform(-4, -1))
-        drawn.append(replace(base, batch_size=batch_size, clip_bound=float(10 ** rng.uniform(-1, 1)),
-                             base_learning_rate=base_rate, learning_rate=base_rate * math.sqrt(batch_size / 256)))
+        drawn.append(
+            replace(
+                base,
+                batch_size=batch_size,
+                clip_bound=float(10 ** rng.uniform(-1, 1)),
+                base_learning_rate=base_rate,
+                learning_rate=base_rate * math.sqrt(batch_size / 256),
+            )
+        )
     return drawn
 
 

@@ -66,8 +66,15 @@ def baseline_objective(trial: Any, epsilon: float, data: dict[str, Any]) -> floa
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     loader = DataLoader(data["train"], batch_size=batch_size, shuffle=True)
     model, optimizer, loader = PrivacyEngine(accountant="prv").make_private_with_epsilon(
-        module=model, optimizer=optimizer, data_loader=loader, target_epsilon=epsilon,
-        target_delta=DELTA, epochs=EPOCHS, max_grad_norm=clip_bound, poisson_sampling=True)
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        target_epsilon=epsilon,
+        target_delta=DELTA,
+        epochs=EPOCHS,
+        max_grad_norm=clip_bound,
+        poisson_sampling=True,
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
     model.train()
     for _ in range(EPOCHS):
@@ -95,13 +102,25 @@ def run_baseline(trials: int, seed: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # Opacus' secure-RNG and hook notices, once per trial
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     task = load_space(Path.cwd() / SPACE_FILE).space.task
-    workload = load_workload(WorkloadSpec(
-        dataset=task.dataset, backbone=task.backbone, peft=task.peft, seed=0, fraction=task.fraction,
-        max_tokens=task.max_tokens, validation_fraction=task.validation_fraction))
+    workload = load_workload(
+        WorkloadSpec(
+            dataset=task.dataset,
+            backbone=task.backbone,
+            peft=task.peft,
+            seed=0,
+            fraction=task.fraction,
+            max_tokens=task.max_tokens,
+            validation_fraction=task.validation_fraction,
+        )
+    )
     train_features, train_labels = workload.train.tensors
     val_features, val_labels = workload.val.tensors
-    data = {"train": TensorDataset(train_features, train_labels), "val": (val_features, val_labels),
-            "feature_dim": train_features.shape[1], "num_classes": workload.num_classes}
+    data = {
+        "train": TensorDataset(train_features, train_labels),
+        "val": (val_features, val_labels),
+        "feature_dim": train_features.shape[1],
+        "num_classes": workload.num_classes,
+    }
     started = time.perf_counter()
     best = {}
     for epsilon in EPSILONS:
@@ -109,8 +128,14 @@ def run_baseline(trials: int, seed: int) -> dict[str, Any]:
         study.optimize(lambda trial, epsilon=epsilon: baseline_objective(trial, epsilon, data), n_trials=trials)
         best[f"{epsilon:g}"] = {"val_accuracy": round(study.best_value, 4), **study.best_params}
     loop_s = time.perf_counter() - started
-    return {"trials": trials * len(EPSILONS), "trial_loop_s": round(loop_s, 2), "best": best,
-            "num_train": len(train_labels), "num_val": len(val_labels), "torch_threads": torch.get_num_threads()}
+    return {
+        "trials": trials * len(EPSILONS),
+        "trial_loop_s": round(loop_s, 2),
+        "best": best,
+        "num_train": len(train_labels),
+        "num_val": len(val_labels),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def service_space(repo: Path, trials_per_cell: int, sampler: str, replicates: int, legacy: bool) -> str:
@@ -139,8 +164,7 @@ def timed(command: list[str], repo: Path, log: Path, check: bool = True) -> tupl
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     with log.open("w") as output:
-        done = subprocess.run(command, cwd=repo, env=environment, stdout=output, stderr=subprocess.STDOUT,
-                              check=False)
+        done = subprocess.run(command, cwd=repo, env=environment, stdout=output, stderr=subprocess.STDOUT, check=False)
     elapsed = time.perf_counter() - started
     if check and done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed with exit status {done.returncode}; see {log}")
@@ -167,16 +191,25 @@ def measure_service(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ok = run[run["status"] == "ok"]
     best = ok.loc[ok.groupby("cell_id")["val_accuracy"].idxmax()] if len(ok) else ok
     return {
-        "space": space.read_text(), "command": " ".join(command), "exit_status": exit_status,
+        "space": space.read_text(),
+        "command": " ".join(command),
+        "exit_status": exit_status,
         "wall_s": round(wall_s, 2),
-        "search_s": int(search_s.group(1)) if search_s else None, "configurations": int(configurations),
-        "rows": len(run), "rows_ok": len(ok),
+        "search_s": int(search_s.group(1)) if search_s else None,
+        "configurations": int(configurations),
+        "rows": len(run),
+        "rows_ok": len(ok),
         "max_epsilon_spent_over_target": float((run["epsilon_spent"] / run["epsilon"]).max()) if len(run) else None,
-        "best": {str(row.cell_id): {"val_accuracy": round(float(row.val_accuracy), 4),
-                                    "test_accuracy": round(float(row.test_accuracy), 4),
-                                    "clip_bound": float(row.clip_bound), "batch_size": int(row.batch_size),
-                                    "base_learning_rate": float(row.base_learning_rate)}
-                 for row in best.itertuples()},
+        "best": {
+            str(row.cell_id): {
+                "val_accuracy": round(float(row.val_accuracy), 4),
+                "test_accuracy": round(float(row.test_accuracy), 4),
+                "clip_bound": float(row.clip_bound),
+                "batch_size": int(row.batch_size),
+                "base_learning_rate": float(row.base_learning_rate),
+            }
+            for row in best.itertuples()
+        },
     }
 
 
@@ -185,10 +218,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="bench-fused-throughput-"))
     baseline_json = folder / "baseline.json"
     load_before = os.getloadavg()
-    baseline_wall_s, _ = timed([sys.executable, str(Path(__file__).resolve()), "--role", "baseline",
-                                "--baseline-trials",
-                             str(args.baseline_trials), "--seed", str(args.seed), "--out", str(baseline_json)],
-                            args.repo, folder / "baseline.log")
+    baseline_wall_s, _ = timed(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--role",
+            "baseline",
+            "--baseline-trials",
+            str(args.baseline_trials),
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(baseline_json),
+        ],
+        args.repo,
+        folder / "baseline.log",
+    )
     baseline = {**json.loads(baseline_json.read_text()), "wall_s": round(baseline_wall_s, 2)}
     load_between = os.getloadavg()
     service = measure_service(args, folder)
@@ -196,12 +241,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     baseline_command_rate = baseline["trials"] / baseline["wall_s"] * 60
     service_rate = service["configurations"] / service["wall_s"] * 60
     return {
-        "machine": {"cpus": os.cpu_count(), "load_average_1_5_15": {"before": load_before, "between": load_between,
-                                                                    "after": os.getloadavg()}},
-        "repo": str(args.repo), "epsilons": list(EPSILONS), "epochs": EPOCHS, "legacy": args.legacy,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1_5_15": {"before": load_before, "between": load_between, "after": os.getloadavg()},
+        },
+        "repo": str(args.repo),
+        "epsilons": list(EPSILONS),
+        "epochs": EPOCHS,
+        "legacy": args.legacy,
         "folder": str(folder),
-        "baseline": {**baseline, "trials_per_min_trial_loop": round(baseline_loop_rate, 2),
-                     "trials_per_min_whole_command": round(baseline_command_rate, 2)},
+        "baseline": {
+            **baseline,
+            "trials_per_min_trial_loop": round(baseline_loop_rate, 2),
+            "trials_per_min_whole_command": round(baseline_command_rate, 2),
+        },
         "service": {**service, "configurations_per_min_whole_command": round(service_rate, 2)},
         "ratio_service_command_to_baseline_loop": round(service_rate / baseline_loop_rate, 2),
         "ratio_service_command_to_baseline_command": round(service_rate / baseline_command_rate, 2),
@@ -211,35 +264,47 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(figures: dict[str, Any]) -> str:
     """A Markdown table of the two sides and the ratio."""
     baseline, service = figures["baseline"], figures["service"]
-    return "\n".join([
-        "| side | configurations | trial loop s | whole command s | per min (loop) | per min (whole command) |",
-        "|---|---|---|---|---|---|",
-        f"| baseline: Optuna TPE + Opacus, sequential | {baseline['trials']} | {baseline['trial_loop_s']} | "
-        f"{baseline['wall_s']} | {baseline['trials_per_min_trial_loop']} | "
-        f"{baseline['trials_per_min_whole_command']} |",
-        f"| service: python -m dptune.search | {service['configurations']} | {service['search_s']} | "
-        f"{service['wall_s']} | – | {service['configurations_per_min_whole_command']} |",
-        *([f"(the service exited {service['exit_status']}: its whole command ended in that failure)"]
-          if service["exit_status"] else []),
-        "",
-        f"service (whole command) ÷ baseline (trial loop): {figures['ratio_service_command_to_baseline_loop']}x; "
-        f"÷ baseline (whole command): {figures['ratio_service_command_to_baseline_command']}x",
-    ])
+    return "\n".join(
+        [
+            "| side | configurations | trial loop s | whole command s | per min (loop) | per min (whole command) |",
+            "|---|---|---|---|---|---|",
+            f"| baseline: Optuna TPE + Opacus, sequential | {baseline['trials']} | {baseline['trial_loop_s']} | "
+            f"{baseline['wall_s']} | {baseline['trials_per_min_trial_loop']} | "
+            f"{baseline['trials_per_min_whole_command']} |",
+            f"| service: python -m dptune.search | {service['configurations']} | {service['search_s']} | "
+            f"{service['wall_s']} | – | {service['configurations_per_min_whole_command']} |",
+            *(
+                [f"(the service exited {service['exit_status']}: its whole command ended in that failure)"]
+                if service["exit_status"]
+                else []
+            ),
+            "",
+            f"service (whole command) ÷ baseline (trial loop): {figures['ratio_service_command_to_baseline_loop']}x; "
+            f"÷ baseline (whole command): {figures['ratio_service_command_to_baseline_command']}x",
+        ]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-trials", type=int, default=20, help="baseline trials per ε (default: %(default)s)")
-    parser.add_argument("--trials-per-cell", type=int, default=250,
-                        help="service configurations per ε (default: %(default)s, i.e. 500 in all)")
+    parser.add_argument(
+        "--trials-per-cell",
+        type=int,
+        default=250,
+        help="service configurations per ε (default: %(default)s, i.e. 500 in all)",
+    )
     parser.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="service sampler (default: tpe)")
     parser.add_argument("--replicates", type=int, default=1, help="service replicates per configuration")
-    parser.add_argument("--legacy", action="store_true",
-                        help="leave out replicates and resources.configurations_per_trial "
-                             "(a service without fused trials)")
+    parser.add_argument(
+        "--legacy",
+        action="store_true",
+        help="leave out replicates and resources.configurations_per_trial (a service without fused trials)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the baseline's TPE seed")
-    parser.add_argument("--repo", type=Path, default=ROOT,
-                        help="the checkout whose dptune is measured (default: this one)")
+    parser.add_argument(
+        "--repo", type=Path, default=ROOT, help="the checkout whose dptune is measured (default: this one)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fused_throughput.json")
     parser.add_argument("--role", choices=["both", "baseline"], default="both", help=argparse.SUPPRESS)
     args = parser.parse_args()

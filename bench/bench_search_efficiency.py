@@ -83,13 +83,30 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
     from dptune.runners.fused import run_fused
     from dptune.space import load_space
 
-    loaded = load_space(DEFAULT_SPACE, {"privacy.epsilons": [args.epsilon], "epochs": [args.epochs],
-                                        "training.diagnostics": False, "training.compare_auto_s": False})
+    loaded = load_space(
+        DEFAULT_SPACE,
+        {
+            "privacy.epsilons": [args.epsilon],
+            "epochs": [args.epochs],
+            "training.diagnostics": False,
+            "training.compare_auto_s": False,
+        },
+    )
     space = loaded.space
     task = space.task
-    num_train = len(load_workload(WorkloadSpec(
-        dataset=task.dataset, backbone=task.backbone, peft=task.peft, seed=space.seed, fraction=task.fraction,
-        max_tokens=task.max_tokens, validation_fraction=task.validation_fraction)).train)
+    num_train = len(
+        load_workload(
+            WorkloadSpec(
+                dataset=task.dataset,
+                backbone=task.backbone,
+                peft=task.peft,
+                seed=space.seed,
+                fraction=task.fraction,
+                max_tokens=task.max_tokens,
+                validation_fraction=task.validation_fraction,
+            )
+        ).train
+    )
     plan = search.plan_cells(space, num_train, progress=False)[0]
     base = search.base_trial_config(space, plan, None, None)
     if args.threads is not None:
@@ -99,8 +116,13 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
     lr_values = np.geomspace(1e-4, 1e-1, args.lr_values).tolist()
     batch_sizes = sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes)
     points = [
-        {"coupling": coupling, "clip_bound": c, "batch_size": b, "base_learning_rate": lr0,
-         "learning_rate": coupled_learning_rate(lr0, b, reference) if coupling == "sqrt" else lr0}
+        {
+            "coupling": coupling,
+            "clip_bound": c,
+            "batch_size": b,
+            "base_learning_rate": lr0,
+            "learning_rate": coupled_learning_rate(lr0, b, reference) if coupling == "sqrt" else lr0,
+        }
         for coupling, c, b, lr0 in itertools.product(COUPLINGS, clip_values, batch_sizes, lr_values)
     ]
     runs = sorted({(p["clip_bound"], p["batch_size"], p["learning_rate"]) for p in points})
@@ -109,24 +131,49 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
     for replicate in range(args.replicates):
         if len(done) and replicate in set(done["replicate"]):
             continue
-        configs = [replace(base, clip_bound=c, batch_size=b, learning_rate=lr, base_learning_rate=lr,
-                           seed=run_seed(c, b, lr, replicate)) for c, b, lr in runs]
+        configs = [
+            replace(
+                base,
+                clip_bound=c,
+                batch_size=b,
+                learning_rate=lr,
+                base_learning_rate=lr,
+                seed=run_seed(c, b, lr, replicate),
+            )
+            for c, b, lr in runs
+        ]
         started = time.perf_counter()
         results = run_fused(configs)
         elapsed = time.perf_counter() - started
-        print(f"replicate {replicate}: {len(configs)} runs in {elapsed:.0f} s "
-              f"({len(configs) / elapsed * 60:.0f} runs/min, fused)", flush=True)
+        print(
+            f"replicate {replicate}: {len(configs)} runs in {elapsed:.0f} s "
+            f"({len(configs) / elapsed * 60:.0f} runs/min, fused)",
+            flush=True,
+        )
         by_run = {run: result for run, result in zip(runs, results, strict=True)}
         rows = []
         for point in points:
             result = by_run[(point["clip_bound"], point["batch_size"], point["learning_rate"])]
-            rows.append({**point, "replicate": replicate, "seed": result.config.seed, "status": result.status,
-                         "val_accuracy": result.val_accuracy, "test_accuracy": result.test_accuracy,
-                         "steps": result.steps, "noise_multiplier": result.noise_multiplier,
-                         "epsilon_spent": result.epsilon_spent, "num_val": result.num_val,
-                         "pruned_by_min_steps": point["batch_size"] in plan.pruned_batch_sizes,
-                         "epsilon": args.epsilon, "epochs": args.epochs, "min_steps": space.min_steps,
-                         "fused_seconds_of_replicate": elapsed, "runs_in_replicate": len(configs)})
+            rows.append(
+                {
+                    **point,
+                    "replicate": replicate,
+                    "seed": result.config.seed,
+                    "status": result.status,
+                    "val_accuracy": result.val_accuracy,
+                    "test_accuracy": result.test_accuracy,
+                    "steps": result.steps,
+                    "noise_multiplier": result.noise_multiplier,
+                    "epsilon_spent": result.epsilon_spent,
+                    "num_val": result.num_val,
+                    "pruned_by_min_steps": point["batch_size"] in plan.pruned_batch_sizes,
+                    "epsilon": args.epsilon,
+                    "epochs": args.epochs,
+                    "min_steps": space.min_steps,
+                    "fused_seconds_of_replicate": elapsed,
+                    "runs_in_replicate": len(configs),
+                }
+            )
         frames.append(pd.DataFrame(rows))
         args.grid.parent.mkdir(parents=True, exist_ok=True)
         pd.concat(frames, ignore_index=True).to_parquet(args.grid, index=False)
@@ -154,8 +201,9 @@ class Lookup:
 
     @classmethod
     def of(cls, grid: pd.DataFrame, coupling: str) -> Lookup:
-        rows = grid[grid["coupling"] == coupling].sort_values(["clip_bound", "batch_size", "base_learning_rate",
-                                                               "replicate"])
+        rows = grid[grid["coupling"] == coupling].sort_values(
+            ["clip_bound", "batch_size", "base_learning_rate", "replicate"]
+        )
         axes = [tuple(sorted(rows[name].unique())) for name in ("clip_bound", "batch_size", "base_learning_rate")]
         shape = (*map(len, axes), rows["replicate"].nunique())
         if len(rows) != math.prod(shape):
@@ -197,13 +245,19 @@ def simulate(spec: SamplerSpec, lookup: Lookup, seed: int, max_trials: int) -> n
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    sampler = (optuna.samplers.RandomSampler(seed=seed) if spec.kind == "random"
-               else optuna.samplers.TPESampler(seed=seed, n_startup_trials=TPE_STARTUP_TRIALS,
-                                               constant_liar=spec.asked_together > 1))
+    sampler = (
+        optuna.samplers.RandomSampler(seed=seed)
+        if spec.kind == "random"
+        else optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=TPE_STARTUP_TRIALS, constant_liar=spec.asked_together > 1
+        )
+    )
     study = optuna.create_study(direction="maximize", sampler=sampler)
-    distributions = {"clip_bound": CategoricalDistribution(list(range(len(lookup.clip_values)))),
-                     "batch_size": CategoricalDistribution(list(range(len(lookup.batch_sizes)))),
-                     "base_learning_rate": CategoricalDistribution(list(range(len(lookup.lr_values))))}
+    distributions = {
+        "clip_bound": CategoricalDistribution(list(range(len(lookup.clip_values)))),
+        "batch_size": CategoricalDistribution(list(range(len(lookup.batch_sizes)))),
+        "base_learning_rate": CategoricalDistribution(list(range(len(lookup.lr_values)))),
+    }
     replicate_draws = np.random.default_rng(seed)
     choice_truth = np.full(max_trials, np.nan)
     best_val, best_truth, used, proposals = -np.inf, np.nan, 0, 0
@@ -227,7 +281,7 @@ def simulate(spec: SamplerSpec, lookup: Lookup, seed: int, max_trials: int) -> n
             if value > best_val:
                 best_val, best_truth = value, float(lookup.truth[c, b, lr])
             cost = min(spec.replicates_per_query, max_trials - used)
-            choice_truth[used:used + cost] = best_truth
+            choice_truth[used : used + cost] = best_truth
             used += cost
     return choice_truth
 
@@ -243,11 +297,16 @@ def summarise(name: str, curves: list[np.ndarray], target: float) -> dict[str, A
     needed = np.array([first_success(curve, target) for curve in curves])
     quartiles = np.percentile(needed, [25, 50, 75], method="lower")
     return {
-        "sampler": name, "seeds": len(curves),
-        "trials_needed_median": float(quartiles[1]), "trials_needed_iqr": [float(quartiles[0]), float(quartiles[2])],
+        "sampler": name,
+        "seeds": len(curves),
+        "trials_needed_median": float(quartiles[1]),
+        "trials_needed_iqr": [float(quartiles[0]), float(quartiles[2])],
         "never_within_budget": int(np.isinf(needed).sum()),
-        **{f"success_at_{n}": round(float(np.mean([curve[n - 1] >= target for curve in curves])), 3)
-           for n in CHECKPOINTS if n <= len(curves[0])},
+        **{
+            f"success_at_{n}": round(float(np.mean([curve[n - 1] >= target for curve in curves])), 3)
+            for n in CHECKPOINTS
+            if n <= len(curves[0])
+        },
     }
 
 
@@ -264,11 +323,22 @@ def full_grid_rows(lookups: dict[str, Lookup], target: float, seeds: int) -> lis
             val = np.take_along_axis(lookup.val, picked[..., None], axis=3)[..., 0]
             hits.append(lookup.truth.flat[int(np.argmax(val))] >= target)
         mean_choice = lookup.truth.flat[int(np.argmax(lookup.val.mean(axis=3)))]
-        rows.append({"sampler": f"full grid, {reading(coupling)}, one replicate each", "trials": size,
-                     "success_probability": round(float(np.mean(hits)), 3), "seeds": seeds})
-        rows.append({"sampler": f"full grid, {reading(coupling)}, mean of {lookup.val.shape[3]} replicates",
-                     "trials": size * lookup.val.shape[3], "success_probability": float(mean_choice >= target),
-                     "choice_true_test_accuracy": round(float(mean_choice), 4)})
+        rows.append(
+            {
+                "sampler": f"full grid, {reading(coupling)}, one replicate each",
+                "trials": size,
+                "success_probability": round(float(np.mean(hits)), 3),
+                "seeds": seeds,
+            }
+        )
+        rows.append(
+            {
+                "sampler": f"full grid, {reading(coupling)}, mean of {lookup.val.shape[3]} replicates",
+                "trials": size * lookup.val.shape[3],
+                "success_probability": float(mean_choice >= target),
+                "choice_true_test_accuracy": round(float(mean_choice), 4),
+            }
+        )
     return rows
 
 
@@ -282,7 +352,8 @@ def selection_noise(grid: pd.DataFrame) -> dict[str, Any]:
     best = means.idxmax()
     top = means.nlargest(10).index
     return {
-        "num_val": num_val, "best_mean_val_accuracy": round(float(means[best]), 4),
+        "num_val": num_val,
+        "best_mean_val_accuracy": round(float(means[best]), 4),
         "binomial_sd_at_best": round(math.sqrt(means[best] * (1 - means[best]) / num_val), 4),
         "replicate_sd_val_at_best": round(float(sds[best]), 4),
         "replicate_sd_val_median_top10": round(float(sds[top].median()), 4),
@@ -297,8 +368,10 @@ def evaluate(grid: pd.DataFrame, args: argparse.Namespace) -> dict[str, Any]:
     lookups = {coupling: Lookup.of(grid, coupling) for coupling in COUPLINGS}
     best_truth = max(float(lookup.truth.max()) for lookup in lookups.values())
     target = best_truth - args.tolerance
-    specs = [SamplerSpec(kind, coupling, pruning)
-             for kind, coupling, pruning in itertools.product(("random", "tpe"), COUPLINGS, (True, False))]
+    specs = [
+        SamplerSpec(kind, coupling, pruning)
+        for kind, coupling, pruning in itertools.product(("random", "tpe"), COUPLINGS, (True, False))
+    ]
     replicates = int(grid["replicate"].nunique())
     specs += [SamplerSpec(kind, "sqrt", True, replicates) for kind in ("random", "tpe")] if replicates > 1 else []
     specs += [SamplerSpec("tpe", "sqrt", True, asked_together=n) for n in args.asked_together]
@@ -310,19 +383,34 @@ def evaluate(grid: pd.DataFrame, args: argparse.Namespace) -> dict[str, Any]:
         rows.append({**summarise(spec.name, curves, target), "seconds": round(time.perf_counter() - started, 1)})
         print(json.dumps(rows[-1]), flush=True)
     return {
-        "cell": {"epsilon": float(grid["epsilon"].iloc[0]), "epochs": int(grid["epochs"].iloc[0]),
-                 "min_steps": int(grid["min_steps"].iloc[0]), "pruned_batch_sizes": pruned},
-        "grid": {"clip_values": list(lookups["sqrt"].clip_values), "batch_sizes": list(lookups["sqrt"].batch_sizes),
-                 "base_learning_rates": list(lookups["sqrt"].lr_values), "replicates": replicates,
-                 "rows": len(grid), "runs": int(len(grid.drop_duplicates(
-                     ["clip_bound", "batch_size", "learning_rate", "replicate"])))},
-        "best_true_test_accuracy": {coupling: round(float(lookup.truth.max()), 4)
-                                    for coupling, lookup in lookups.items()},
-        "tolerance": args.tolerance, "target_true_test_accuracy": round(target, 4),
-        "samplers": rows, "full_grid": full_grid_rows(lookups, target, args.seeds),
+        "cell": {
+            "epsilon": float(grid["epsilon"].iloc[0]),
+            "epochs": int(grid["epochs"].iloc[0]),
+            "min_steps": int(grid["min_steps"].iloc[0]),
+            "pruned_batch_sizes": pruned,
+        },
+        "grid": {
+            "clip_values": list(lookups["sqrt"].clip_values),
+            "batch_sizes": list(lookups["sqrt"].batch_sizes),
+            "base_learning_rates": list(lookups["sqrt"].lr_values),
+            "replicates": replicates,
+            "rows": len(grid),
+            "runs": int(len(grid.drop_duplicates(["clip_bound", "batch_size", "learning_rate", "replicate"]))),
+        },
+        "best_true_test_accuracy": {
+            coupling: round(float(lookup.truth.max()), 4) for coupling, lookup in lookups.items()
+        },
+        "tolerance": args.tolerance,
+        "target_true_test_accuracy": round(target, 4),
+        "samplers": rows,
+        "full_grid": full_grid_rows(lookups, target, args.seeds),
         "selection_noise": selection_noise(grid),
-        "note_pruning": ("no batch size is pruned at this cell (T ≥ min_steps for every B): the variants with and "
-                         "without min-step pruning are the same search") if not pruned else "",
+        "note_pruning": (
+            "no batch size is pruned at this cell (T ≥ min_steps for every B): the variants with and "
+            "without min-step pruning are the same search"
+        )
+        if not pruned
+        else "",
     }
 
 
@@ -331,24 +419,32 @@ def format_markdown(figures: dict[str, Any]) -> str:
     checkpoints = [n for n in CHECKPOINTS if f"success_at_{n}" in figures["samplers"][0]]
     lines = [
         "| sampler | trials needed, median [IQR] | never (of seeds) | "
-        + " | ".join(f"P(success) at {n}" for n in checkpoints) + " |",
+        + " | ".join(f"P(success) at {n}" for n in checkpoints)
+        + " |",
         "|---|---|---|" + "---|" * len(checkpoints),
     ]
     for row in figures["samplers"]:
         low, high = row["trials_needed_iqr"]
-        lines.append(f"| {row['sampler']} | {row['trials_needed_median']:g} [{low:g}, {high:g}] | "
-                     f"{row['never_within_budget']}/{row['seeds']} | "
-                     + " | ".join(f"{row[f'success_at_{n}']:.2f}" for n in checkpoints) + " |")
+        lines.append(
+            f"| {row['sampler']} | {row['trials_needed_median']:g} [{low:g}, {high:g}] | "
+            f"{row['never_within_budget']}/{row['seeds']} | "
+            + " | ".join(f"{row[f'success_at_{n}']:.2f}" for n in checkpoints)
+            + " |"
+        )
     lines += ["", "| full grid | trials | P(success) |", "|---|---|---|"]
-    lines += [f"| {row['sampler']} | {row['trials']} | {row['success_probability']:.2f} |"
-              for row in figures["full_grid"]]
+    lines += [
+        f"| {row['sampler']} | {row['trials']} | {row['success_probability']:.2f} |" for row in figures["full_grid"]
+    ]
     noise = figures["selection_noise"]
-    lines += ["", f"Best true test accuracy: {figures['best_true_test_accuracy']}; target "
-              f"{figures['target_true_test_accuracy']} (tolerance {figures['tolerance']}). Validation split: "
-              f"{noise['num_val']} rows; binomial sd at the best mean val accuracy {noise['best_mean_val_accuracy']}: "
-              f"{noise['binomial_sd_at_best']}; replicate sd of val accuracy at the best "
-              f"{noise['replicate_sd_val_at_best']}, median over the top 10 {noise['replicate_sd_val_median_top10']}, "
-              f"over all {noise['replicate_sd_val_median_all']}."]
+    lines += [
+        "",
+        f"Best true test accuracy: {figures['best_true_test_accuracy']}; target "
+        f"{figures['target_true_test_accuracy']} (tolerance {figures['tolerance']}). Validation split: "
+        f"{noise['num_val']} rows; binomial sd at the best mean val accuracy {noise['best_mean_val_accuracy']}: "
+        f"{noise['binomial_sd_at_best']}; replicate sd of val accuracy at the best "
+        f"{noise['replicate_sd_val_at_best']}, median over the top 10 {noise['replicate_sd_val_median_top10']}, "
+        f"over all {noise['replicate_sd_val_median_all']}.",
+    ]
     if figures["note_pruning"]:
         lines.append(figures["note_pruning"])
     return "\n".join(lines)
@@ -362,16 +458,25 @@ def main() -> None:
     parser.add_argument("--lr-values", type=int, default=6, help="log-spaced η₀ values in [1e-4, 1e-1]")
     parser.add_argument("--replicates", type=int, default=3, help="runs per (C, B, η) with their own coins")
     parser.add_argument("--threads", type=int, help="torch threads of the fused runner (default: the space's)")
-    parser.add_argument("--grid", type=Path, help="the grid's Parquet cache (default: bench/results/"
-                        "search_efficiency_grid_eps<ε>_E<E>.parquet)")
+    parser.add_argument(
+        "--grid",
+        type=Path,
+        help="the grid's Parquet cache (default: bench/results/search_efficiency_grid_eps<ε>_E<E>.parquet)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="recompute the grid even if the cache exists")
     parser.add_argument("--seeds", type=int, default=20, help="sampler seeds per sampler")
     parser.add_argument("--max-trials", type=int, default=64, help="trials per simulated search")
-    parser.add_argument("--asked-together", type=int, nargs="*", default=[8, 32],
-                        help="also TPE asked this many configurations at a time (the service's batches)")
+    parser.add_argument(
+        "--asked-together",
+        type=int,
+        nargs="*",
+        default=[8, 32],
+        help="also TPE asked this many configurations at a time (the service's batches)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.01, help="success: within this of the best (accuracy)")
-    parser.add_argument("--out", type=Path,
-                        help="JSON figures (default: bench/results/search_efficiency_eps<ε>_E<E>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON figures (default: bench/results/search_efficiency_eps<ε>_E<E>.json)"
+    )
     args = parser.parse_args()
     for name in ("clip_values", "lr_values", "replicates", "seeds", "max_trials"):
         if getattr(args, name) < 1:

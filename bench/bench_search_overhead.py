@@ -54,27 +54,41 @@ def main() -> None:
     def cell_run(points: int, storage: str) -> tuple[float, list]:
         """Wall time of one cell run of ``points`` grid points, and the trial configs it ran."""
         overrides = {
-            "privacy.epsilons": [args.epsilon], "epochs": [args.epochs], "sampler.name": "grid",
-            "clip_bound": {"values": [0.1, 1.0]}, "batch_size": {"values": [256]},
+            "privacy.epsilons": [args.epsilon],
+            "epochs": [args.epochs],
+            "sampler.name": "grid",
+            "clip_bound": {"values": [0.1, 1.0]},
+            "batch_size": {"values": [256]},
             "base_learning_rate": {"values": LEARNING_RATES[: (points + 1) // 2]},
-            "resources.cpus": os.cpu_count(), "resources.max_concurrent_trials": 1,
+            "resources.cpus": os.cpu_count(),
+            "resources.max_concurrent_trials": 1,
             "training.compare_auto_s": False,
         }
         space = load_space(ROOT / "search_spaces/default.yaml", overrides).space
         plan = search.plan_cells(space, num_train, progress=False)[0]
         plan = replace(plan, configurations=points)
         context = TrialContext(
-            base=search.base_trial_config(space, plan, args.max_train_examples, None), results_root=storage,
-            search_id="bench", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling=space.coupling.rule,
-            reference_batch_size=space.coupling.reference_batch_size)
+            base=search.base_trial_config(space, plan, args.max_train_examples, None),
+            results_root=storage,
+            search_id="bench",
+            cell_id=plan.cell.cell_id,
+            cell_key=plan.cell_key,
+            coupling=space.coupling.rule,
+            reference_batch_size=space.coupling.reference_batch_size,
+        )
         started = time.perf_counter()
         search.run_cells(space, [plan], [context], resume=False)
         elapsed = time.perf_counter() - started
         from dptune.records import read_table
+
         ran = read_table(storage, "trials")
-        configs = [trial_config(context, {"clip_bound": r.clip_bound, "batch_size": r.batch_size,
-                                          "base_learning_rate": r.base_learning_rate})
-                   for r in ran.itertuples()]
+        configs = [
+            trial_config(
+                context,
+                {"clip_bound": r.clip_bound, "batch_size": r.batch_size, "base_learning_rate": r.base_learning_rate},
+            )
+            for r in ran.itertuples()
+        ]
         return elapsed, configs
 
     def baseline(configs: list) -> float:
@@ -83,8 +97,15 @@ def main() -> None:
             run_trial(config)
         return time.perf_counter() - started
 
-    workload = load_workload(WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head",
-                                          max_train_examples=args.max_train_examples, max_tokens=128))
+    workload = load_workload(
+        WorkloadSpec(
+            dataset="20newsgroups",
+            backbone="minilm",
+            peft="head",
+            max_train_examples=args.max_train_examples,
+            max_tokens=128,
+        )
+    )
     num_train = len(workload.train)
     started = time.perf_counter()
     print(search.init_ray(None), file=sys.stderr)
@@ -98,12 +119,18 @@ def main() -> None:
     marginal = ((service_large - service_small) - (baseline_large - baseline_small)) / (args.large - args.small)
     fixed = service_small - baseline_small - args.small * marginal
     figures = {
-        "num_train": num_train, "epochs": args.epochs, "trials_small": len(configs_small),
-        "trials_large": len(configs_large), "ray_start_s": round(ray_start_s, 2),
-        "service_small_s": round(service_small, 2), "service_large_s": round(service_large, 2),
-        "baseline_small_s": round(baseline_small, 2), "baseline_large_s": round(baseline_large, 2),
+        "num_train": num_train,
+        "epochs": args.epochs,
+        "trials_small": len(configs_small),
+        "trials_large": len(configs_large),
+        "ray_start_s": round(ray_start_s, 2),
+        "service_small_s": round(service_small, 2),
+        "service_large_s": round(service_large, 2),
+        "baseline_small_s": round(baseline_small, 2),
+        "baseline_large_s": round(baseline_large, 2),
         "trial_compute_mean_s": round(baseline_large / len(configs_large), 2),
-        "overhead_per_trial_s": round(marginal, 2), "overhead_per_tune_run_s": round(fixed, 2),
+        "overhead_per_trial_s": round(marginal, 2),
+        "overhead_per_tune_run_s": round(fixed, 2),
         "overhead_ratio_per_trial": round(marginal / (baseline_large / len(configs_large)), 3),
         "overhead_ratio_large_run": round(service_large / baseline_large - 1, 3),
     }

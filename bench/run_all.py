@@ -23,8 +23,15 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 COMMANDS: list[list[str]] = [
-    ["bench_dp_step.py", "--device", "cpu", "--threads", "1",
-     "--out", str(BENCH.parent / "build" / "bench" / "dp_step_cpu")],
+    [
+        "bench_dp_step.py",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--out",
+        str(BENCH.parent / "build" / "bench" / "dp_step_cpu"),
+    ],
     ["bench_20ng_accuracy.py", "--epsilon", "8"],
     ["bench_search_efficiency.py"],
 ]

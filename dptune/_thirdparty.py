@@ -52,9 +52,11 @@ def version_problem(distribution: str, installed: str) -> str | None:
     match = re.match(r"(\d+)\.(\d+)", installed)
     if match is not None and low <= (int(match[1]), int(match[2])) < high:
         return None
-    return (f"{distribution} {installed} is installed; dptune calls its private API ({PRIVATE_NAMES[distribution]}), "
-            f"tested with versions >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}: "
-            "install the version pyproject.toml pins")
+    return (
+        f"{distribution} {installed} is installed; dptune calls its private API ({PRIVATE_NAMES[distribution]}), "
+        f"tested with versions >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}: "
+        "install the version pyproject.toml pins"
+    )
 
 
 @functools.cache
@@ -72,12 +74,15 @@ def check_version(distribution: str) -> None:
 
 def _checked(distribution: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
     """Decorate a function that uses ``distribution``'s private API: check its version on every call (cached)."""
+
     def decorate(function: Callable[..., Result]) -> Callable[..., Result]:
         @functools.wraps(function)
         def checked(*args: Any, **kwargs: Any) -> Result:
             check_version(distribution)
             return function(*args, **kwargs)
+
         return checked
+
     return decorate
 
 
@@ -102,8 +107,9 @@ def mark_as_processed(tensor: torch.Tensor) -> None:
 
 
 @_checked("opacus")
-def generate_noise(std: float, reference: torch.Tensor, generator: torch.Generator | None,
-                   secure_mode: bool) -> torch.Tensor:
+def generate_noise(
+    std: float, reference: torch.Tensor, generator: torch.Generator | None, secure_mode: bool
+) -> torch.Tensor:
     """N(0, std² I) shaped like ``reference``, drawn from ``generator`` (Opacus' noise, including its
     ``secure_mode`` that sums several draws against floating-point attacks)."""
     from opacus.optimizers.optimizer import _generate_noise

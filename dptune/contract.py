@@ -142,8 +142,9 @@ class TrialConfig:
         """The config as one flat dict, as result rows store it: the workload's fields beside the
         trial's, the workload's ``seed`` named ``split_seed`` (so the Parquet schema and the
         ``config`` JSON stay those of the flat config that preceded the nested one)."""
-        flat = {"split_seed" if f.name == "seed" else f.name: getattr(self.workload, f.name)
-                for f in fields(WorkloadSpec)}
+        flat = {
+            "split_seed" if f.name == "seed" else f.name: getattr(self.workload, f.name) for f in fields(WorkloadSpec)
+        }
         flat.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "workload"})
         return flat
 

@@ -76,8 +76,16 @@ class TrialFailed(DptuneError, RuntimeError):
     (the ``__cause__``); ``epsilon_spent`` is their ε at the trial's δ.
     """
 
-    def __init__(self, message: str, *, noise_multiplier: float, sample_rate: float, steps: int, steps_taken: int,
-                 epsilon_spent: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int,
+        steps_taken: int,
+        epsilon_spent: float,
+    ) -> None:
         super().__init__(message)
         self.noise_multiplier = noise_multiplier
         self.sample_rate = sample_rate

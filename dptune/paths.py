@@ -59,8 +59,9 @@ def check_name(name: str, where: str = "name") -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise LocationError(f"{where} {shown(name)}: use {allowed}")
     if set(name) == {"."}:
-        raise LocationError(f"{where} {name!r}: names the folder itself or its parent, not a folder inside it "
-                            f"(use {allowed})")
+        raise LocationError(
+            f"{where} {name!r}: names the folder itself or its parent, not a folder inside it (use {allowed})"
+        )
     if len(name) > MAX_NAME_CHARS:
         raise LocationError(f"{where} {shown(name)}: {len(name)} characters is too long (use {allowed})")
     return name
@@ -76,14 +77,17 @@ def filesystem(location: str, where: str | None = None) -> tuple[pafs.FileSystem
 
     where = where or shown(location)
     if not location or not location.strip():
-        raise LocationError(f"{where}: an empty location (give a folder, e.g. results, or a URI such as "
-                            "s3://bucket/prefix)")
+        raise LocationError(
+            f"{where}: an empty location (give a folder, e.g. results, or a URI such as s3://bucket/prefix)"
+        )
     if "://" not in location:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(location))
     scheme = location.split("://", 1)[0].lower()
     if scheme not in ALLOWED_SCHEMES:
-        raise LocationError(f"{where} {shown(location)}: unknown URI scheme {shown(scheme)} "
-                            f"(allowed: a local path or {', '.join(s + '://' for s in ALLOWED_SCHEMES)})")
+        raise LocationError(
+            f"{where} {shown(location)}: unknown URI scheme {shown(scheme)} "
+            f"(allowed: a local path or {', '.join(s + '://' for s in ALLOWED_SCHEMES)})"
+        )
     try:
         return pafs.FileSystem.from_uri(location)
     except (pa.ArrowException, OSError) as exc:
@@ -111,8 +115,9 @@ def probe_writable(location: str, where: str | None = None) -> None:
             stream.write(b"dptune write probe\n")
         fs.delete_file(probe)
     except (pa.ArrowException, OSError) as exc:
-        raise LocationError(f"{where} {shown(location)}: not writable: {_first_line(exc)} "
-                            "(a folder this user can create files in)") from None
+        raise LocationError(
+            f"{where} {shown(location)}: not writable: {_first_line(exc)} (a folder this user can create files in)"
+        ) from None
     finally:
         for folder in reversed(created):  # innermost first
             try:

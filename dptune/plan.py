@@ -151,8 +151,13 @@ class PlanRow:
     learning_rate: float  # η₀·√(B/B_ref)
 
 
-def recommended_batch_size(batch_sizes: Sequence[int], cumulative_noise: Sequence[float], steps: Sequence[int],
-                           min_steps: int, tolerance: float) -> int | None:
+def recommended_batch_size(
+    batch_sizes: Sequence[int],
+    cumulative_noise: Sequence[float],
+    steps: Sequence[int],
+    min_steps: int,
+    tolerance: float,
+) -> int | None:
     """The smallest B with T ≥ ``min_steps`` and σ√T ≤ (1 + ``tolerance``)·min{σ√T : T ≥ min_steps}.
 
     None when no B meets the min-step rule.
@@ -168,21 +173,31 @@ class PlanError(DptuneError, ValueError):
     """A planning input out of range; the message names the parameter, its flag and what is allowed."""
 
 
-def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,
-              batch_sizes: Sequence[int] | None, min_steps: int, tolerance: float, base_learning_rate: float,
-              reference_batch_size: int) -> None:
+def _validate(
+    num_examples: int,
+    epsilons: Sequence[float],
+    delta: float,
+    epochs: int,
+    batch_sizes: Sequence[int] | None,
+    min_steps: int,
+    tolerance: float,
+    base_learning_rate: float,
+    reference_batch_size: int,
+) -> None:
     if not _is_count(num_examples):
         raise PlanError(f"num_examples (--n) must be an integer ≥ 1, got {num_examples!r}")
     if not epsilons or not all(MIN_EPSILON <= e <= MAX_EPSILON for e in epsilons):
-        raise PlanError(f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], "
-                        f"got {list(epsilons)}")
+        raise PlanError(
+            f"epsilons (--eps) must be one or more values in [{MIN_EPSILON:g}, {MAX_EPSILON:g}], got {list(epsilons)}"
+        )
     if not 0 < delta < 1:
         raise PlanError(f"delta (--delta) must be in (0, 1), got {delta!r}")
     if not _is_count(epochs):
         raise PlanError(f"epochs (--epochs) must be an integer ≥ 1, got {epochs!r}")
     if batch_sizes is not None and not (batch_sizes and all(_is_count(b) and b <= num_examples for b in batch_sizes)):
-        raise PlanError(f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], "
-                        f"got {list(batch_sizes)}")
+        raise PlanError(
+            f"batch sizes (--batch-sizes) must be integers in [1, N={num_examples}], got {list(batch_sizes)}"
+        )
     if not _is_count(min_steps):
         raise PlanError(f"min_steps (--min-steps) must be an integer ≥ 1, got {min_steps!r}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -190,10 +205,12 @@ def _validate(num_examples: int, epsilons: Sequence[float], delta: float, epochs
     if not (math.isfinite(base_learning_rate) and base_learning_rate > 0):
         raise PlanError(f"base learning rate (--base-lr) must be > 0, got {base_learning_rate!r}")
     if not _is_count(reference_batch_size):
-        raise PlanError(f"reference batch size (--reference-batch-size) must be an integer ≥ 1, "
-                        f"got {reference_batch_size!r}")
-    check_max_steps(num_examples, min(batch_sizes or default_batch_sizes(num_examples)), epochs,
-                    "--n, --epochs, --batch-sizes")
+        raise PlanError(
+            f"reference batch size (--reference-batch-size) must be an integer ≥ 1, got {reference_batch_size!r}"
+        )
+    check_max_steps(
+        num_examples, min(batch_sizes or default_batch_sizes(num_examples)), epochs, "--n, --epochs, --batch-sizes"
+    )
 
 
 def check_max_steps(num_examples: int, batch_size: int, epochs: int, where: str) -> None:
@@ -202,15 +219,26 @@ def check_max_steps(num_examples: int, batch_size: int, epochs: int, where: str)
     if steps > MAX_STEPS:
         smallest = math.ceil(epochs * num_examples / MAX_STEPS)
         fix = f"batch sizes B ≥ {smallest} or fewer epochs" if smallest <= num_examples else "fewer epochs"
-        raise PlanError(f"{where}: B = {batch_size} gives T = E·N/B = {steps} steps (N = {num_examples}, "
-                        f"E = {epochs}), more than the {MAX_STEPS} steps σ can be calibrated for in bounded time "
-                        f"(use {fix})")
+        raise PlanError(
+            f"{where}: B = {batch_size} gives T = E·N/B = {steps} steps (N = {num_examples}, "
+            f"E = {epochs}), more than the {MAX_STEPS} steps σ can be calibrated for in bounded time "
+            f"(use {fix})"
+        )
 
 
-def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int,
-         batch_sizes: Sequence[int] | None = None, min_steps: int = DEFAULT_MIN_STEPS,
-         tolerance: float = DEFAULT_TOLERANCE, *, base_learning_rate: float = DEFAULT_BASE_LEARNING_RATE,
-         reference_batch_size: int = DEFAULT_REFERENCE_BATCH_SIZE, progress: bool = False) -> list[PlanRow]:
+def plan(
+    num_examples: int,
+    epsilons: Sequence[float],
+    delta: float,
+    epochs: int,
+    batch_sizes: Sequence[int] | None = None,
+    min_steps: int = DEFAULT_MIN_STEPS,
+    tolerance: float = DEFAULT_TOLERANCE,
+    *,
+    base_learning_rate: float = DEFAULT_BASE_LEARNING_RATE,
+    reference_batch_size: int = DEFAULT_REFERENCE_BATCH_SIZE,
+    progress: bool = False,
+) -> list[PlanRow]:
     """One row per (ε, B), distinct ε in the given order and B ascending; exactly one row per ε is
     ``recommended`` unless no B meets T ≥ ``min_steps``.
 
@@ -218,14 +246,29 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
     accounting; a δ above 1/N is warned about. ``progress`` shows a tqdm bar on stderr while σ is
     calibrated (calibrations are cached, so a repeated plan is fast).
     """
-    _validate(num_examples, epsilons, delta, epochs, batch_sizes, min_steps, tolerance, base_learning_rate,
-              reference_batch_size)
+    _validate(
+        num_examples,
+        epsilons,
+        delta,
+        epochs,
+        batch_sizes,
+        min_steps,
+        tolerance,
+        base_learning_rate,
+        reference_batch_size,
+    )
     sizes = sorted(set(default_batch_sizes(num_examples) if batch_sizes is None else batch_sizes))
     epsilons = list(dict.fromkeys(epsilons))
     check_delta(delta, num_examples)
     rows = []
-    with tqdm(total=len(epsilons) * len(sizes), desc="calibrating σ", unit="σ", disable=not progress,
-              file=sys.stderr, leave=False) as bar:
+    with tqdm(
+        total=len(epsilons) * len(sizes),
+        desc="calibrating σ",
+        unit="σ",
+        disable=not progress,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
         for epsilon in epsilons:
             block = []
             for batch_size in sizes:
@@ -233,15 +276,32 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
                 sigma = calibrate_noise_multiplier(epsilon, delta, sample_rate(num_examples, batch_size), steps)
                 bar.update()
                 block.append((batch_size, steps, sigma))
-            pick = recommended_batch_size([b for b, _, _ in block], [s * math.sqrt(t) for _, t, s in block],
-                                          [t for _, t, _ in block], min_steps, tolerance)
-            rows += [PlanRow(
-                epsilon=float(epsilon), delta=delta, num_examples=num_examples, epochs=epochs, batch_size=b,
-                sample_rate=sample_rate(num_examples, b), steps=t, passes=t * sample_rate(num_examples, b),
-                noise_multiplier=s, noise_std_per_step=s / b, cumulative_noise=s * math.sqrt(t),
-                meets_min_steps=t >= min_steps, recommended=b == pick,
-                learning_rate=coupled_learning_rate(base_learning_rate, b, reference_batch_size),
-            ) for b, t, s in block]
+            pick = recommended_batch_size(
+                [b for b, _, _ in block],
+                [s * math.sqrt(t) for _, t, s in block],
+                [t for _, t, _ in block],
+                min_steps,
+                tolerance,
+            )
+            rows += [
+                PlanRow(
+                    epsilon=float(epsilon),
+                    delta=delta,
+                    num_examples=num_examples,
+                    epochs=epochs,
+                    batch_size=b,
+                    sample_rate=sample_rate(num_examples, b),
+                    steps=t,
+                    passes=t * sample_rate(num_examples, b),
+                    noise_multiplier=s,
+                    noise_std_per_step=s / b,
+                    cumulative_noise=s * math.sqrt(t),
+                    meets_min_steps=t >= min_steps,
+                    recommended=b == pick,
+                    learning_rate=coupled_learning_rate(base_learning_rate, b, reference_batch_size),
+                )
+                for b, t, s in block
+            ]
     return rows
 
 
@@ -250,8 +310,9 @@ def plan(num_examples: int, epsilons: Sequence[float], delta: float, epochs: int
 RECOMMENDED_MARK = "◀ recommended"
 
 
-def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_learning_rate: float,
-                reference_batch_size: int) -> str:
+def format_plan(
+    rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_learning_rate: float, reference_batch_size: int
+) -> str:
     """Aligned table, one block per ε, the recommended row marked with ``RECOMMENDED_MARK``."""
     header = ("B", "q", "T", "passes", "σ", "σ/B", "σ√T", "σ√T/min", f"T≥{min_steps}", "η", "")
     blocks = []
@@ -260,25 +321,41 @@ def format_plan(rows: Sequence[PlanRow], min_steps: int, tolerance: float, base_
         floor = min((row.cumulative_noise for row in block if row.meets_min_steps), default=math.nan)
         pick = next((row.batch_size for row in block if row.recommended), None)
         first = block[0]
-        title = (f"ε = {epsilon:g}, δ = {first.delta:g}, N = {first.num_examples}, E = {first.epochs}: "
-                 + (f"recommended B = {pick}" if pick is not None else
-                    f"no B gives T ≥ {min_steps}; lower --min-steps or raise --epochs"))
-        table = [header] + [(
-            str(row.batch_size), f"{row.sample_rate:.4g}", str(row.steps), f"{row.passes:.2f}",
-            f"{row.noise_multiplier:.4f}", f"{row.noise_std_per_step:.3e}", f"{row.cumulative_noise:.2f}",
-            f"{row.cumulative_noise / floor:.3f}", "yes" if row.meets_min_steps else "no",
-            f"{row.learning_rate:.3g}", RECOMMENDED_MARK if row.recommended else "",
-        ) for row in block]
+        title = f"ε = {epsilon:g}, δ = {first.delta:g}, N = {first.num_examples}, E = {first.epochs}: " + (
+            f"recommended B = {pick}"
+            if pick is not None
+            else f"no B gives T ≥ {min_steps}; lower --min-steps or raise --epochs"
+        )
+        table = [header] + [
+            (
+                str(row.batch_size),
+                f"{row.sample_rate:.4g}",
+                str(row.steps),
+                f"{row.passes:.2f}",
+                f"{row.noise_multiplier:.4f}",
+                f"{row.noise_std_per_step:.3e}",
+                f"{row.cumulative_noise:.2f}",
+                f"{row.cumulative_noise / floor:.3f}",
+                "yes" if row.meets_min_steps else "no",
+                f"{row.learning_rate:.3g}",
+                RECOMMENDED_MARK if row.recommended else "",
+            )
+            for row in block
+        ]
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-        lines = ["  ".join(cell.rjust(width) for cell, width in zip(line[:-1], widths[:-1], strict=True))
-                 + "  " + line[-1] for line in table]
+        lines = [
+            "  ".join(cell.rjust(width) for cell, width in zip(line[:-1], widths[:-1], strict=True)) + "  " + line[-1]
+            for line in table
+        ]
         blocks.append("\n".join([title, *(line.rstrip() for line in lines)]))
     legend = textwrap.fill(
         "T = round(E·N/B): steps; passes = T·q: expected passes over the data (E up to rounding). "
         f"σ: noise multiplier (PRV accountant, add/remove adjacency). σ/B: per-step noise std on the averaged "
         f"gradient, σ√T: cumulative noise, both for C = 1. σ√T/min: relative to the minimum over B with "
         f"T ≥ {min_steps}. Rule: the smallest B with T ≥ {min_steps} within {tolerance:.0%} of that minimum. "
-        f"η = {base_learning_rate:g}·√(B/{reference_batch_size}).", width=100)
+        f"η = {base_learning_rate:g}·√(B/{reference_batch_size}).",
+        width=100,
+    )
     return "\n\n".join(blocks + [legend])
 
 
@@ -301,25 +378,45 @@ def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m dptune.plan",
         description="Batch-size plan before any compute (Rehn et al. 2026): per ε and B, the noise multiplier σ "
-                    "(PRV accountant), steps T = round(E·N/B), per-step noise σ/B, cumulative noise σ√T, "
-                    "the min-step rule T ≥ T_min, the recommended B (smallest B on the σ√T plateau) and the "
-                    "√B-coupled learning rate.",
+        "(PRV accountant), steps T = round(E·N/B), per-step noise σ/B, cumulative noise σ√T, "
+        "the min-step rule T ≥ T_min, the recommended B (smallest B on the σ√T plateau) and the "
+        "√B-coupled learning rate.",
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     parser.add_argument("--n", type=int, required=True, help="number of training examples N (≥ 1)")
     parser.add_argument("--eps", type=float, nargs="+", required=True, help="one or more ε targets, each > 0")
     parser.add_argument("--delta", type=float, default=DEFAULT_DELTA, help="δ, in (0, 1) (default %(default)g)")
     parser.add_argument("--epochs", type=int, required=True, help="epoch budget E (≥ 1)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+",
-                        help="batch sizes B in [1, N] (default: powers of two from 16 up to N, plus N)")
-    parser.add_argument("--min-steps", type=int, default=DEFAULT_MIN_STEPS,
-                        help="T_min of the min-step rule (default %(default)s, the paper's value on one dataset)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help="relative width of the σ√T plateau, ≥ 0 (default %(default)s = 5%%)")
-    parser.add_argument("--base-lr", type=float, default=DEFAULT_BASE_LEARNING_RATE,
-                        help="base learning rate η₀ of the √B coupling (default %(default)g)")
-    parser.add_argument("--reference-batch-size", type=int, default=DEFAULT_REFERENCE_BATCH_SIZE,
-                        help="B_ref of the √B coupling, η = η₀·√(B/B_ref) (default %(default)s)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        help="batch sizes B in [1, N] (default: powers of two from 16 up to N, plus N)",
+    )
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=DEFAULT_MIN_STEPS,
+        help="T_min of the min-step rule (default %(default)s, the paper's value on one dataset)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="relative width of the σ√T plateau, ≥ 0 (default %(default)s = 5%%)",
+    )
+    parser.add_argument(
+        "--base-lr",
+        type=float,
+        default=DEFAULT_BASE_LEARNING_RATE,
+        help="base learning rate η₀ of the √B coupling (default %(default)g)",
+    )
+    parser.add_argument(
+        "--reference-batch-size",
+        type=int,
+        default=DEFAULT_REFERENCE_BATCH_SIZE,
+        help="B_ref of the √B coupling, η = η₀·√(B/B_ref) (default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows to this .csv or .parquet file")
     return parser
 
@@ -336,8 +433,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.out is not None:
             probe_writable(str(args.out.parent), "--out")
-        rows = plan(args.n, args.eps, args.delta, args.epochs, args.batch_sizes, args.min_steps, args.tolerance,
-                    base_learning_rate=args.base_lr, reference_batch_size=args.reference_batch_size, progress=True)
+        rows = plan(
+            args.n,
+            args.eps,
+            args.delta,
+            args.epochs,
+            args.batch_sizes,
+            args.min_steps,
+            args.tolerance,
+            base_learning_rate=args.base_lr,
+            reference_batch_size=args.reference_batch_size,
+            progress=True,
+        )
     except DptuneError as error:  # bad flags (checked before any accounting) or an unreachable ε
         report_and_exit(error)
     print(format_plan(rows, args.min_steps, args.tolerance, args.base_lr, args.reference_batch_size))

@@ -37,8 +37,9 @@ MAX_SPEC_BYTES = 1_000_000
 #: file of nested anchors (a "billion laughs") would otherwise expand to gigabytes.
 MAX_SPEC_NODES = 10_000
 #: YAML tags a spec may resolve to: plain mappings, lists and scalars (and ``<<`` merge keys).
-_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in (
-    "map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp"))
+_PLAIN_TAGS = frozenset(
+    f"tag:yaml.org,2002:{name}" for name in ("map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp")
+)
 
 
 class SpaceError(DptuneError, ValueError):
@@ -75,10 +76,12 @@ class PrivateSelectionSpec(_Strict):
     releases only the best one.
     """
 
-    epsilon: float = Field(ge=MIN_EPSILON, le=MAX_EPSILON,
-                           description="ε_total of the tuning and the released model, at privacy.delta")
+    epsilon: float = Field(
+        ge=MIN_EPSILON, le=MAX_EPSILON, description="ε_total of the tuning and the released model, at privacy.delta"
+    )
     score_noise_multiplier: float = Field(
-        5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions")
+        5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions"
+    )
     trial_count_shape: float = Field(1.0, gt=0, le=100, description="η of the random trial count (1 = geometric)")
 
 
@@ -103,8 +106,10 @@ class PrivacySpec(_Strict):
     @model_validator(mode="after")
     def _one_budget(self) -> Self:
         if (self.epsilons is None) == (self.private_selection is None):
-            raise ValueError("give exactly one of epsilons (per-trial budgets, one cell each) or private_selection "
-                             "(one total budget for the tuning and the released model)")
+            raise ValueError(
+                "give exactly one of epsilons (per-trial budgets, one cell each) or private_selection "
+                "(one total budget for the tuning and the released model)"
+            )
         return self
 
 
@@ -187,18 +192,23 @@ class SamplerSpec(_Strict):
     """Optuna sampler per cell: ``tpe``, ``random`` or ``grid`` (the paper's exhaustive grids)."""
 
     name: SamplerName = "tpe"
-    trials_per_cell: int | None = Field(None, ge=1, le=MAX_TRIALS_PER_CELL,
-                                        description="required for tpe/random; grid runs every point")
+    trials_per_cell: int | None = Field(
+        None, ge=1, le=MAX_TRIALS_PER_CELL, description="required for tpe/random; grid runs every point"
+    )
     random_trial_count: bool = Field(
-        False, description="draw each cell's number of trials secretly from a geometric distribution with mean "
+        False,
+        description="draw each cell's number of trials secretly from a geometric distribution with mean "
         "trials_per_cell (sampler random only): one assumption of Papernot & Steinke's private-selection bound; "
-        "the bound as a whole holds only with privacy.private_selection")
+        "the bound as a whole holds only with privacy.private_selection",
+    )
 
     @model_validator(mode="after")
     def _random_count(self) -> Self:
         if self.random_trial_count and self.name != "random":
-            raise ValueError("random_trial_count needs sampler 'random' (the selection bound assumes "
-                             "hyperparameters drawn independently of earlier trials)")
+            raise ValueError(
+                "random_trial_count needs sampler 'random' (the selection bound assumes "
+                "hyperparameters drawn independently of earlier trials)"
+            )
         return self
 
 
@@ -218,12 +228,18 @@ class ResourcesSpec(_Strict):
     max_concurrent_trials: int | None = Field(None, ge=1)
     max_physical_batch_size: int = Field(256, ge=1)
     configurations_per_trial: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_TRIALS_PER_CELL)] = Field(
-        "auto", description="configurations one Ray Tune trial carries (× replicates): auto = the cell's budget "
-        "spread over the trial slots when the fused runner trains them, else 1")
+        "auto",
+        description="configurations one Ray Tune trial carries (× replicates): auto = the cell's budget "
+        "spread over the trial slots when the fused runner trains them, else 1",
+    )
     max_retries: int = Field(
-        2, ge=0, le=100, description="times Ray Tune runs a unit again whose trial process was lost (killed, out of "
+        2,
+        ge=0,
+        le=100,
+        description="times Ray Tune runs a unit again whose trial process was lost (killed, out of "
         "memory, node gone); each lost attempt stays charged in the privacy ledger. Runs still unfinished after "
-        "that make the command exit non-zero, and --resume runs them again")
+        "that make the command exit non-zero, and --resume runs them again",
+    )
 
     @field_validator("gpu")
     @classmethod
@@ -239,11 +255,15 @@ class TrainingSpec(_Strict):
     optimizer: OptimizerName = "adam"
     clipping: ClippingRule = "normalized"
     engine: EngineName = Field(
-        "auto", description="per-example gradients: dptune's FiLM engine for film/head where it supports "
-        "every trainable module (auto), or Opacus hooks")
+        "auto",
+        description="per-example gradients: dptune's FiLM engine for film/head where it supports "
+        "every trainable module (auto), or Opacus hooks",
+    )
     runner: RunnerName = Field(
-        "auto", description="how runs are trained: fused (many configurations as one vectorised computation: a "
-        "head on cached features) where it applies, else one trial per run (trial)")
+        "auto",
+        description="how runs are trained: fused (many configurations as one vectorised computation: a "
+        "head on cached features) where it applies, else one trial per run (trial)",
+    )
     compare_auto_s: bool = Field(False, description="also run AUTO-S trials per cell (paper Fig. 5)")
     diagnostics: bool = True
     diagnostic_examples: int = Field(256, ge=8, le=512)
@@ -261,20 +281,33 @@ class SearchSpace(_Strict):
     batch_size: BatchSizeSpec
     base_learning_rate: RangeSpec
     coupling: CouplingSpec = CouplingSpec()
-    min_steps: int = Field(DEFAULT_MIN_STEPS, ge=1,
-                           description="T_min: configurations with E·N/B steps below it never run")
+    min_steps: int = Field(
+        DEFAULT_MIN_STEPS, ge=1, description="T_min: configurations with E·N/B steps below it never run"
+    )
     training: TrainingSpec = TrainingSpec()
     sampler: SamplerSpec = SamplerSpec()
     scheduler: SchedulerSpec | None = None
     resources: ResourcesSpec = ResourcesSpec()
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="public: the data split, subset caps and the sampler's "
-                      "proposals; never the trials' noise or batches (unless reproducible)")
-    replicates: int = Field(1, ge=1, le=100, description="runs per configuration, each with fresh coins; "
-                            "samplers and the analysis rank configurations by their mean validation accuracy")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="public: the data split, subset caps and the sampler's "
+        "proposals; never the trials' noise or batches (unless reproducible)",
+    )
+    replicates: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="runs per configuration, each with fresh coins; "
+        "samplers and the analysis rank configurations by their mean validation accuracy",
+    )
     reproducible: bool = Field(
-        False, description="derive every trial's noise, Poisson batches and initialisation from seed and the "
+        False,
+        description="derive every trial's noise, Poisson batches and initialisation from seed and the "
         "trial's id (research, tests). Off: fresh OS entropy per trial, never stored. On: the DP guarantees "
-        "assume secret coins and do not hold for released results")
+        "assume secret coins and do not hold for released results",
+    )
 
     @field_validator("name")
     @classmethod
@@ -289,11 +322,16 @@ class SearchSpace(_Strict):
                     raise ValueError(f"sampler 'grid' needs {key}.values (a list), not a range")
             if self.batch_size.values is None and self.batch_size.powers_of_two is None:
                 raise ValueError("sampler 'grid' needs batch_size values")
-            points = (len(self.clip_bound.values or ()) * len(self.base_learning_rate.values or ())
-                      * len(self.batch_size.candidates(2**62)))
+            points = (
+                len(self.clip_bound.values or ())
+                * len(self.base_learning_rate.values or ())
+                * len(self.batch_size.candidates(2**62))
+            )
             if points > MAX_TRIALS_PER_CELL:
-                raise ValueError(f"the grid has {points} points per cell, more than the {MAX_TRIALS_PER_CELL} "
-                                 "trials a cell may run; use fewer values or sampler 'tpe'/'random'")
+                raise ValueError(
+                    f"the grid has {points} points per cell, more than the {MAX_TRIALS_PER_CELL} "
+                    "trials a cell may run; use fewer values or sampler 'tpe'/'random'"
+                )
         elif self.sampler.trials_per_cell is None:
             raise ValueError(f"sampler '{self.sampler.name}' needs sampler.trials_per_cell")
         if len(set(self.epochs)) != len(self.epochs):
@@ -306,30 +344,52 @@ class SearchSpace(_Strict):
 
     def _check_scheduler(self) -> None:
         """ASHA stops a Ray Tune trial as a whole, on its per-epoch reports: one run per trial."""
-        problems = [f"{key} {why}" for key, bad, why in (
-            ("replicates", self.replicates > 1, "must be 1"),
-            ("resources.configurations_per_trial", self.resources.configurations_per_trial not in ("auto", 1),
-             "must be 1 or auto"),
-            ("training.runner", self.training.runner == "fused", "must be auto or trial (fused runs report no epochs)"),
-        ) if bad]
+        problems = [
+            f"{key} {why}"
+            for key, bad, why in (
+                ("replicates", self.replicates > 1, "must be 1"),
+                (
+                    "resources.configurations_per_trial",
+                    self.resources.configurations_per_trial not in ("auto", 1),
+                    "must be 1 or auto",
+                ),
+                (
+                    "training.runner",
+                    self.training.runner == "fused",
+                    "must be auto or trial (fused runs report no epochs)",
+                ),
+            )
+            if bad
+        ]
         if problems:
-            raise ValueError("scheduler (ASHA stops a whole Ray Tune trial on its per-epoch reports, so each trial "
-                             "carries one run): " + "; ".join(problems))
+            raise ValueError(
+                "scheduler (ASHA stops a whole Ray Tune trial on its per-epoch reports, so each trial "
+                "carries one run): " + "; ".join(problems)
+            )
 
     def _check_private_selection(self) -> None:
         """Refuse what voids the private-selection bound (Papernot & Steinke 2022), before any compute."""
         voids = {
-            "sampler.name": (self.sampler.name != "random", f"'{self.sampler.name}' must be 'random': the bound "
-                             "assumes hyperparameters drawn independently of the data and of earlier trials (TPE "
-                             "adapts to private scores, a grid fixes the trial count)"),
-            "scheduler": (self.scheduler is not None, "must be absent: ASHA stops trials on other trials' private "
-                          "scores"),
-            "training.diagnostics": (self.training.diagnostics, "must be false: diagnostics release exact gradient "
-                                     "norms and labels of training examples"),
+            "sampler.name": (
+                self.sampler.name != "random",
+                f"'{self.sampler.name}' must be 'random': the bound "
+                "assumes hyperparameters drawn independently of the data and of earlier trials (TPE "
+                "adapts to private scores, a grid fixes the trial count)",
+            ),
+            "scheduler": (
+                self.scheduler is not None,
+                "must be absent: ASHA stops trials on other trials' private scores",
+            ),
+            "training.diagnostics": (
+                self.training.diagnostics,
+                "must be false: diagnostics release exact gradient norms and labels of training examples",
+            ),
             "training.compare_auto_s": (self.training.compare_auto_s, "must be false: one selection per search"),
             "epochs": (len(self.epochs) != 1, "must hold one epoch budget: one selection per search"),
-            "sampler.trials_per_cell": ((self.sampler.trials_per_cell or 0) < 2,
-                                        "must be ≥ 2: the mean of the random trial count"),
+            "sampler.trials_per_cell": (
+                (self.sampler.trials_per_cell or 0) < 2,
+                "must be ≥ 2: the mean of the random trial count",
+            ),
             "replicates": (self.replicates != 1, "must be 1: the bound counts each run as one candidate"),
         }
         problems = [f"{key} {why}" for key, (bad, why) in voids.items() if bad]
@@ -406,8 +466,11 @@ class _SpecLoader(yaml.SafeLoader):
                 continue  # PyYAML's own check reports it
             if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {shown(key)} is given twice (first on line {first_line[key] + 1}); "
-                    "give each key once", key_node.start_mark)
+                    None,
+                    None,
+                    f"key {shown(key)} is given twice (first on line {first_line[key] + 1}); give each key once",
+                    key_node.start_mark,
+                )
             first_line[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -420,8 +483,10 @@ def _check_nodes(root: yaml.Node, where: str) -> None:
         if id(node) in expanded:
             return expanded[id(node)]
         if node.tag not in _PLAIN_TAGS:
-            raise SpaceError(f"{where}: line {node.start_mark.line + 1}: YAML tag {shown(node.tag)} is not allowed "
-                             "(plain YAML only: mappings, lists, strings, numbers, booleans, null)")
+            raise SpaceError(
+                f"{where}: line {node.start_mark.line + 1}: YAML tag {shown(node.tag)} is not allowed "
+                "(plain YAML only: mappings, lists, strings, numbers, booleans, null)"
+            )
         children: list[yaml.Node] = []
         if isinstance(node, yaml.SequenceNode):
             children = node.value
@@ -431,8 +496,10 @@ def _check_nodes(root: yaml.Node, where: str) -> None:
         for child in children:
             total += size(child)
             if total > MAX_SPEC_NODES:
-                raise SpaceError(f"{where}: expands to more than {MAX_SPEC_NODES} YAML nodes (aliases count at "
-                                 "each use); a search space needs a few hundred: write the values out")
+                raise SpaceError(
+                    f"{where}: expands to more than {MAX_SPEC_NODES} YAML nodes (aliases count at "
+                    "each use); a search space needs a few hundred: write the values out"
+                )
         expanded[id(node)] = total
         return total
 
@@ -523,8 +590,10 @@ def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             section = ".".join(parts[:depth])
-            raise SpaceError(f"--set {shown(dotted)}: {section} is a value ({shown(child)}), not a section with "
-                             f"keys (set {section}=VALUE instead)")
+            raise SpaceError(
+                f"--set {shown(dotted)}: {section} is a value ({shown(child)}), not a section with "
+                f"keys (set {section}=VALUE instead)"
+            )
         node = child
     node[parts[-1]] = value
 
@@ -566,8 +635,10 @@ def spec_differences(old_text: str, new_text: str) -> list[str]:
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key, missing), after.get(key, missing)
         if old != new:
-            changes.append(f"{key}: {'(not set)' if old is missing else shown(old, 40)} → "
-                           f"{'(not set)' if new is missing else shown(new, 40)}")
+            changes.append(
+                f"{key}: {'(not set)' if old is missing else shown(old, 40)} → "
+                f"{'(not set)' if new is missing else shown(new, 40)}"
+            )
     return changes
 
 

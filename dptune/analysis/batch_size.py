@@ -27,15 +27,32 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     same function applied to σ/B and no step bound: the smallest B within the tolerance of the
     least per-step noise.
     """
-    columns = [*CELL, "batch_size", "num_train", "noise_multiplier", "steps", "cumulative_noise", "per_step_noise",
-               "pruned", "val_accuracy", "test_accuracy", "trial_id", "measured_best",
-               "largest_feasible_batch_size", "recommended_batch_size", "per_step_rule_batch_size"]
+    columns = [
+        *CELL,
+        "batch_size",
+        "num_train",
+        "noise_multiplier",
+        "steps",
+        "cumulative_noise",
+        "per_step_noise",
+        "pruned",
+        "val_accuracy",
+        "test_accuracy",
+        "trial_id",
+        "measured_best",
+        "largest_feasible_batch_size",
+        "recommended_batch_size",
+        "per_step_rule_batch_size",
+    ]
     trials = results.trials[results.trials["clipping"] != AUTO_S]
     if trials.empty:
         return pd.DataFrame(columns=columns)
     keys = [*CELL, "batch_size"]
-    table = trials.groupby(keys).agg(num_train=("num_train", "max"), noise_multiplier=("noise_multiplier", "median"),
-                                     steps=("steps", "max")).reset_index()
+    table = (
+        trials.groupby(keys)
+        .agg(num_train=("num_train", "max"), noise_multiplier=("noise_multiplier", "median"), steps=("steps", "max"))
+        .reset_index()
+    )
     pruned = trials[trials["status"] == "pruned_min_steps"].groupby(keys).size().rename("pruned_trials")
     table = table.merge(pruned.reset_index(), on=keys, how="left")
     table["pruned"] = table.pop("pruned_trials").fillna(0) > 0
@@ -49,8 +66,11 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
     bounds = min_steps(results)
     table["min_steps"] = table["task"].map(bounds)
     feasible = table[table["steps"] >= table["min_steps"]]
-    table = table.merge(feasible.groupby(CELL)["batch_size"].max().rename("largest_feasible_batch_size").reset_index(),
-                        on=CELL, how="left")
+    table = table.merge(
+        feasible.groupby(CELL)["batch_size"].max().rename("largest_feasible_batch_size").reset_index(),
+        on=CELL,
+        how="left",
+    )
     table["recommended_batch_size"] = table["per_step_rule_batch_size"] = np.nan
     for _, cell in table.groupby(CELL):
         rows = cell[np.isfinite(cell["cumulative_noise"])]
@@ -58,10 +78,12 @@ def batch_size_noise(results: Results) -> pd.DataFrame:
             continue
         sizes, steps = rows["batch_size"].tolist(), rows["steps"].tolist()
         table.loc[cell.index, "per_step_rule_batch_size"] = recommended_batch_size(
-            sizes, rows["per_step_noise"].tolist(), steps, 1, PLATEAU_TOLERANCE)
+            sizes, rows["per_step_noise"].tolist(), steps, 1, PLATEAU_TOLERANCE
+        )
         if np.isfinite(cell["min_steps"].iloc[0]):
-            choice = recommended_batch_size(sizes, rows["cumulative_noise"].tolist(), steps,
-                                            int(cell["min_steps"].iloc[0]), PLATEAU_TOLERANCE)
+            choice = recommended_batch_size(
+                sizes, rows["cumulative_noise"].tolist(), steps, int(cell["min_steps"].iloc[0]), PLATEAU_TOLERANCE
+            )
             table.loc[cell.index, "recommended_batch_size"] = np.nan if choice is None else choice
     return table.sort_values(keys).reset_index(drop=True)[columns]
 
@@ -83,13 +105,31 @@ def batch_size_rule_check(noise: pd.DataFrame) -> pd.DataFrame:
         rec_b = int(recommended.iloc[0]) if len(recommended) else None
         best_acc = float(best["test_accuracy"].iloc[0]) if len(best) else np.nan
         rec_acc = float(chosen["test_accuracy"].iloc[0]) if len(chosen) else np.nan
-        rows.append({**dict(zip(CELL, key, strict=True)), "recommended_batch_size": rec_b, "best_batch_size": best_b,
-                     "match": None if rec_b is None or best_b is None else rec_b == best_b,
-                     "recommended_accuracy": rec_acc, "best_accuracy": best_acc, "accuracy_gap": best_acc - rec_acc,
-                     "per_step_rule_batch_size": int(old.iloc[0]) if len(old) else None})
-    return pd.DataFrame(rows, columns=[*CELL, "recommended_batch_size", "best_batch_size", "match",
-                                       "recommended_accuracy", "best_accuracy", "accuracy_gap",
-                                       "per_step_rule_batch_size"])
+        rows.append(
+            {
+                **dict(zip(CELL, key, strict=True)),
+                "recommended_batch_size": rec_b,
+                "best_batch_size": best_b,
+                "match": None if rec_b is None or best_b is None else rec_b == best_b,
+                "recommended_accuracy": rec_acc,
+                "best_accuracy": best_acc,
+                "accuracy_gap": best_acc - rec_acc,
+                "per_step_rule_batch_size": int(old.iloc[0]) if len(old) else None,
+            }
+        )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            *CELL,
+            "recommended_batch_size",
+            "best_batch_size",
+            "match",
+            "recommended_accuracy",
+            "best_accuracy",
+            "accuracy_gap",
+            "per_step_rule_batch_size",
+        ],
+    )
 
 
 def min_steps(results: Results) -> dict[str, int]:

@@ -38,15 +38,27 @@ def clipping_diagnostics(results: Results) -> pd.DataFrame:
     trial (squared gradient units) and ``bias_share`` = bias / (bias + variance).
     """
     diagnosed = last_diagnostics(results)
-    columns = [*CELL, "trial_id", "tuned_clip_bound", "optimal_clip_bound", "optimal_clip_low",
-               "optimal_clip_median", "optimal_clip_high", "mse_bias", "mse_variance", "bias_share",
-               "diagnosed_trials"]
+    columns = [
+        *CELL,
+        "trial_id",
+        "tuned_clip_bound",
+        "optimal_clip_bound",
+        "optimal_clip_low",
+        "optimal_clip_median",
+        "optimal_clip_high",
+        "mse_bias",
+        "mse_variance",
+        "bias_share",
+        "diagnosed_trials",
+    ]
     if diagnosed.empty:
         return pd.DataFrame(columns=columns)
     best = select_best(diagnosed, CELL).rename(columns={"clip_bound": "tuned_clip_bound"})
-    spread = diagnosed.groupby(CELL)["optimal_clip_bound"].agg(
-        optimal_clip_low="min", optimal_clip_median="median", optimal_clip_high="max",
-        diagnosed_trials="size").reset_index()
+    spread = (
+        diagnosed.groupby(CELL)["optimal_clip_bound"]
+        .agg(optimal_clip_low="min", optimal_clip_median="median", optimal_clip_high="max", diagnosed_trials="size")
+        .reset_index()
+    )
     table = best.merge(spread, on=CELL)
     table["bias_share"] = table["mse_bias"] / (table["mse_bias"] + table["mse_variance"])
     return table[columns]
@@ -58,7 +70,17 @@ def mse_split(results: Results) -> pd.DataFrame:
     The paper's MSE(C) = bias²(C) + variance(C) trade-off, one point per trial at its own C.
     """
     diagnosed = last_diagnostics(results)
-    table = diagnosed[[*CELL, "trial_id", "clip_bound", "batch_size", "optimal_clip_bound", "mse_bias",
-                       "mse_variance", "val_accuracy"]].copy()
+    table = diagnosed[
+        [
+            *CELL,
+            "trial_id",
+            "clip_bound",
+            "batch_size",
+            "optimal_clip_bound",
+            "mse_bias",
+            "mse_variance",
+            "val_accuracy",
+        ]
+    ].copy()
     table["mse_total"] = table["mse_bias"] + table["mse_variance"]
     return table.reset_index(drop=True)

@@ -21,8 +21,9 @@ def _check_confidence(confidence: float) -> None:
         raise AnalysisError(f"confidence must lie strictly between 0 and 1 (e.g. 0.95), got {confidence}")
 
 
-def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
-                        means: Sequence[str] = ()) -> pd.DataFrame:
+def rank_configurations(
+    trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE, means: Sequence[str] = ()
+) -> pd.DataFrame:
     """One row per configuration of finished ``trials``, ranked within each group of ``by``.
 
     A configuration is ``[*by, "configuration_id"]``: the replicates (fresh-coin runs) of one
@@ -59,12 +60,46 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
     key = [*by, "configuration_id"]
     if "configuration_id" not in trials:  # a frame built without the schema-3 keys: trials are configurations
         trials = trials.assign(configuration_id=trials["trial_id"], replicate=0)
-    params = [c for c in ("clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "optimizer",
-                          "clip_bin", "batch_bin", "epsilon", "epochs", "task", "cell_id", "search_id", "trial_id")
-              if c in trials and c not in key]
-    columns = [*key, *params, "replicates", "val_accuracy", "val_std", "val_se", "test_accuracy", "test_std",
-               "test_se", "train_loss", "num_val", "num_test", *means, "noise_se", "rank", "gap", "noise_threshold",
-               "within_noise"]
+    params = [
+        c
+        for c in (
+            "clip_bound",
+            "batch_size",
+            "learning_rate",
+            "base_learning_rate",
+            "clipping",
+            "optimizer",
+            "clip_bin",
+            "batch_bin",
+            "epsilon",
+            "epochs",
+            "task",
+            "cell_id",
+            "search_id",
+            "trial_id",
+        )
+        if c in trials and c not in key
+    ]
+    columns = [
+        *key,
+        *params,
+        "replicates",
+        "val_accuracy",
+        "val_std",
+        "val_se",
+        "test_accuracy",
+        "test_std",
+        "test_se",
+        "train_loss",
+        "num_val",
+        "num_test",
+        *means,
+        "noise_se",
+        "rank",
+        "gap",
+        "noise_threshold",
+        "within_noise",
+    ]
     if trials.empty:
         return _empty_with(trials[[*key, *params]], columns)
     ordered = trials.sort_values(["replicate", "search_id", "trial_id"], kind="mergesort")
@@ -83,8 +118,12 @@ def rank_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
     table = table.reset_index()
     binomial = np.sqrt(table["val_accuracy"] * (1 - table["val_accuracy"]) / table["num_val"]).fillna(0.0)
     table["noise_se"] = np.where(table["replicates"] >= 2, table["val_se"], binomial)
-    table = table.sort_values([*by, "val_accuracy", "train_loss", "configuration_id"],
-                              ascending=[True] * len(by) + [False, True, True], na_position="last", kind="mergesort")
+    table = table.sort_values(
+        [*by, "val_accuracy", "train_loss", "configuration_id"],
+        ascending=[True] * len(by) + [False, True, True],
+        na_position="last",
+        kind="mergesort",
+    )
     table["rank"] = table.groupby(by, sort=False).cumcount() + 1
     best = table.groupby(by, sort=False)[["val_accuracy", "noise_se"]].transform("first")
     table["gap"] = best["val_accuracy"] - table["val_accuracy"]
@@ -102,8 +141,9 @@ def _empty_with(frame: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     return empty[list(columns)]
 
 
-def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series,
-                   confidence: float) -> tuple[np.ndarray, np.ndarray]:
+def _mean_interval(
+    mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series, confidence: float
+) -> tuple[np.ndarray, np.ndarray]:
     """(low, high) of the interval of a mean accuracy, clipped to [0, 1] (see ``best_configurations``)."""
     r = replicates.to_numpy(dtype=float)
     p = mean.to_numpy(dtype=float)
@@ -115,8 +155,9 @@ def _mean_interval(mean: pd.Series, std: pd.Series, replicates: pd.Series, rows:
     return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0)
 
 
-def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE,
-                        means: Sequence[str] = ()) -> pd.DataFrame:
+def best_configurations(
+    trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), confidence: float = CONFIDENCE, means: Sequence[str] = ()
+) -> pd.DataFrame:
     """The best configuration of each group of ``by`` (``rank_configurations``'s rank 1), with intervals.
 
     Columns of ``rank_configurations`` for the best, plus ``val_low``/``val_high`` and
@@ -132,25 +173,42 @@ def best_configurations(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), c
     """
     ranked = rank_configurations(trials, by, confidence, means)
     by = list(by)
-    extra = ["val_low", "val_high", "test_low", "test_high", "interval_source", "configurations", "within_noise",
-             "clip_low", "clip_high", "batch_low", "batch_high"]
+    extra = [
+        "val_low",
+        "val_high",
+        "test_low",
+        "test_high",
+        "interval_source",
+        "configurations",
+        "within_noise",
+        "clip_low",
+        "clip_high",
+        "batch_low",
+        "batch_high",
+    ]
     if ranked.empty:
         return _empty_with(ranked.drop(columns="within_noise"), [*ranked.columns.drop("within_noise"), *extra])
     near = ranked[ranked["within_noise"]]
-    spread = near.groupby(by).agg(within_noise=("configuration_id", "size"), clip_low=("clip_bound", "min"),
-                                  clip_high=("clip_bound", "max"), batch_low=("batch_size", "min"),
-                                  batch_high=("batch_size", "max"))
+    spread = near.groupby(by).agg(
+        within_noise=("configuration_id", "size"),
+        clip_low=("clip_bound", "min"),
+        clip_high=("clip_bound", "max"),
+        batch_low=("batch_size", "min"),
+        batch_high=("batch_size", "max"),
+    )
     spread["configurations"] = ranked.groupby(by).size()
     best = ranked[ranked["rank"] == 1].drop(columns="within_noise").merge(spread.reset_index(), on=by)
     for measure, rows in (("val", "num_val"), ("test", "num_test")):
         best[f"{measure}_low"], best[f"{measure}_high"] = _mean_interval(
-            best[f"{measure}_accuracy"], best[f"{measure}_std"], best["replicates"], best[rows], confidence)
+            best[f"{measure}_accuracy"], best[f"{measure}_std"], best["replicates"], best[rows], confidence
+        )
     best["interval_source"] = np.where(best["replicates"] >= 2, "replicates", "binomial")
     return best.sort_values(by).reset_index(drop=True)[[*[c for c in ranked.columns if c != "within_noise"], *extra]]
 
 
-def _resampled_scores(group: pd.DataFrame, ranked: pd.DataFrame, resamples: int,
-                      rng: np.random.Generator) -> np.ndarray:
+def _resampled_scores(
+    group: pd.DataFrame, ranked: pd.DataFrame, resamples: int, rng: np.random.Generator
+) -> np.ndarray:
     """(resamples, K) bootstrap mean validation accuracies of the K configurations of ``ranked``."""
     columns = []
     values = group.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))
@@ -165,8 +223,13 @@ def _resampled_scores(group: pd.DataFrame, ranked: pd.DataFrame, resamples: int,
     return np.column_stack(columns)
 
 
-def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), resamples: int = 1000,
-                              confidence: float = CONFIDENCE, seed: int = 0) -> pd.DataFrame:
+def optimal_setting_intervals(
+    trials: pd.DataFrame,
+    by: Sequence[str] = tuple(CELL),
+    resamples: int = 1000,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Paper Fig. 2 with uncertainty: bootstrap intervals of the optimal C and B of each group of ``by``.
 
     Each of ``resamples`` rounds redraws every configuration's validation score and selects the
@@ -189,8 +252,22 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
     if resamples < 1:
         raise AnalysisError(f"resamples must be ≥ 1, got {resamples}")
     by = list(by)
-    columns = [*by, "clip_bound", "batch_size", "configurations", "replicates", "clip_low", "clip_high",
-               "batch_low", "batch_high", "selected_share", "clip_share", "batch_share", "resamples", "source"]
+    columns = [
+        *by,
+        "clip_bound",
+        "batch_size",
+        "configurations",
+        "replicates",
+        "clip_low",
+        "clip_high",
+        "batch_low",
+        "batch_high",
+        "selected_share",
+        "clip_share",
+        "batch_share",
+        "resamples",
+        "source",
+    ]
     ranked = rank_configurations(trials, by, confidence)
     if ranked.empty:
         return pd.DataFrame(columns=columns)
@@ -210,11 +287,19 @@ def optimal_setting_intervals(trials: pd.DataFrame, by: Sequence[str] = tuple(CE
         for name, picked in (("clip", clips[chosen]), ("batch", batches[chosen])):
             low, high = np.quantile(picked, [tail, 1 - tail], method="inverted_cdf")
             interval[f"{name}_low"], interval[f"{name}_high"] = float(low), float(high)
-        rows.append({**dict(zip(by, key, strict=True)),
-                     "clip_bound": best["clip_bound"], "batch_size": best["batch_size"],
-                     "configurations": len(cell), "replicates": int(best["replicates"]), **interval,
-                     "selected_share": float(np.mean(chosen == 0)),
-                     "clip_share": float(np.mean(clips[chosen] == best["clip_bound"])),
-                     "batch_share": float(np.mean(batches[chosen] == best["batch_size"])), "resamples": resamples,
-                     "source": "replicates" if replicated.all() else "binomial" if not replicated.any() else "mixed"})
+        rows.append(
+            {
+                **dict(zip(by, key, strict=True)),
+                "clip_bound": best["clip_bound"],
+                "batch_size": best["batch_size"],
+                "configurations": len(cell),
+                "replicates": int(best["replicates"]),
+                **interval,
+                "selected_share": float(np.mean(chosen == 0)),
+                "clip_share": float(np.mean(clips[chosen] == best["clip_bound"])),
+                "batch_share": float(np.mean(batches[chosen] == best["batch_size"])),
+                "resamples": resamples,
+                "source": "replicates" if replicated.all() else "binomial" if not replicated.any() else "mixed",
+            }
+        )
     return pd.DataFrame(rows, columns=columns)

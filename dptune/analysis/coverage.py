@@ -40,8 +40,10 @@ def missing_data(results: Results) -> list[str]:
     notes: list[str] = []
     trials = results.trials
     if trials.empty and not results.release.empty:
-        return ["per-run records: an end-to-end private search keeps them inside the data owner's trust boundary, "
-                "so only its release is shown"]
+        return [
+            "per-run records: an end-to-end private search keeps them inside the data owner's trust boundary, "
+            "so only its release is shown"
+        ]
     if trials.empty:
         return ["no trial has finished yet: the datasets hold no trials rows"]
     if results.finished.empty:
@@ -76,8 +78,10 @@ def privacy_statements(results: Results) -> list[str]:
         if rows["guarantee"].notna().any():
             text = rows["guarantee"].dropna().iloc[0]
         elif (rows["schema_version"] < 2).any():
-            text = ("written by dptune before schema 2, whose trials all drew their noise and batches from the "
-                    "search's one seed: no DP guarantee and no composition bound holds for them.")
+            text = (
+                "written by dptune before schema 2, whose trials all drew their noise and batches from the "
+                "search's one seed: no DP guarantee and no composition bound holds for them."
+            )
         else:
             text = "no statement of what (ε, δ) covers was recorded with this search."
         statements.append(f"{search_id}: {text}")
@@ -100,8 +104,11 @@ def task_difficulty(results: Results) -> pd.DataFrame:
     shared = set.intersection(*budgets) if len(budgets) else set()
     in_shared = [(e, n) in shared for e, n in zip(best["epsilon"], best["epochs"], strict=True)]
     used = best[in_shared] if shared else best
-    table = used.groupby("task").agg(cells=("val_accuracy", "size"),
-                                     mean_best_val_accuracy=("val_accuracy", "mean")).reset_index()
+    table = (
+        used.groupby("task")
+        .agg(cells=("val_accuracy", "size"), mean_best_val_accuracy=("val_accuracy", "mean"))
+        .reset_index()
+    )
     norms = grad_norm_samples(results)
     medians = norms.groupby("task")["grad_norm"].median() if not norms.empty else pd.Series(dtype=float)
     table["median_grad_norm"] = table["task"].map(medians)

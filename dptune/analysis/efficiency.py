@@ -23,14 +23,23 @@ def replicated_grid_cells(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL))
     for key, cell in ranked.groupby(by, sort=True):
         size = int(np.prod([cell[c].nunique() for c in ("clip_bound", "batch_size", "base_learning_rate")]))
         if len(cell) == size >= 2 and (cell["replicates"] >= 2).all():
-            rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
-                         "configurations": len(cell),
-                         "replicates": int(cell["replicates"].min())})
+            rows.append(
+                {
+                    **dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
+                    "configurations": len(cell),
+                    "replicates": int(cell["replicates"].min()),
+                }
+            )
     return pd.DataFrame(rows, columns=[*by, "configurations", "replicates"])
 
 
-def search_efficiency(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), tolerance: float = NEAR_OPTIMAL,
-                      draw_orders: int = 1000, seed: int = 0) -> pd.DataFrame:
+def search_efficiency(
+    trials: pd.DataFrame,
+    by: Sequence[str] = tuple(CELL),
+    tolerance: float = NEAR_OPTIMAL,
+    draw_orders: int = 1000,
+    seed: int = 0,
+) -> pd.DataFrame:
     """How many trials a random search needs to come within ``tolerance`` of a replicated full grid's best.
 
     Per cell of ``replicated_grid_cells``: the grid's best is its best configuration on mean
@@ -72,9 +81,16 @@ def search_efficiency(trials: pd.DataFrame, by: Sequence[str] = tuple(CELL), tol
             better = seen[:, k] > best_seen  # ties keep the earlier draw
             best_seen = np.where(better, seen[:, k], best_seen)
             chosen = np.where(better, order[:, k], chosen)
-            rows.append({**key, "trials": k + 1,
-                         "within_share": float(np.mean(quality[chosen] >= target - tolerance - 1e-12)),
-                         "target_test_accuracy": target, "configurations": count, "replicates": cell.replicates})
+            rows.append(
+                {
+                    **key,
+                    "trials": k + 1,
+                    "within_share": float(np.mean(quality[chosen] >= target - tolerance - 1e-12)),
+                    "target_test_accuracy": target,
+                    "configurations": count,
+                    "replicates": cell.replicates,
+                }
+            )
     return pd.DataFrame(rows, columns=columns)
 
 

@@ -24,8 +24,17 @@ def diagnosed_best(results: Results) -> pd.DataFrame:
 def last_diagnostics(results: Results) -> pd.DataFrame:
     """Tuned finished trials joined with their last diagnostic row (latest probe epoch)."""
     diagnostics = results.diagnostics.sort_values("epoch").drop_duplicates(["search_id", "trial_id"], keep="last")
-    columns = ["search_id", "trial_id", "epoch", "grad_norms", "labels", "optimal_clip_bound", "mse_bias",
-               "mse_variance", "dimension"]
+    columns = [
+        "search_id",
+        "trial_id",
+        "epoch",
+        "grad_norms",
+        "labels",
+        "optimal_clip_bound",
+        "mse_bias",
+        "mse_variance",
+        "dimension",
+    ]
     last = diagnostics[columns].rename(columns={"epoch": "diagnostic_epoch"})
     return results.tuned.merge(last, on=["search_id", "trial_id"])
 
@@ -42,15 +51,21 @@ def grad_norm_samples(results: Results, strata: pd.DataFrame | None = None) -> p
         return pd.DataFrame(columns=[*columns, "stratum"] if strata is not None else columns)
     long = best[[*CELL, "search_id", "trial_id", "diagnostic_epoch", "grad_norms", "labels"]]
     long = long.explode(["grad_norms", "labels"]).dropna(subset=["grad_norms"])
-    long = long.rename(columns={"grad_norms": "grad_norm", "labels": "label"}).astype(
-        {"grad_norm": float, "label": "int64"})[columns].reset_index(drop=True)
+    long = (
+        long.rename(columns={"grad_norms": "grad_norm", "labels": "label"})
+        .astype({"grad_norm": float, "label": "int64"})[columns]
+        .reset_index(drop=True)
+    )
     if strata is not None:
         long = long.merge(strata[["task", "label", "stratum"]], on=["task", "label"], how="left")
     return long
 
 
-def retention_weights(grad_norms: Sequence[float] | np.ndarray, labels: Sequence[int] | np.ndarray,
-                      clip_bounds: Sequence[float] | np.ndarray) -> pd.DataFrame:
+def retention_weights(
+    grad_norms: Sequence[float] | np.ndarray,
+    labels: Sequence[int] | np.ndarray,
+    clip_bounds: Sequence[float] | np.ndarray,
+) -> pd.DataFrame:
     """Per-class retention weights of clipping (paper Eq. 3) at each clip bound.
 
     w_y(C) = (1/n_y) Σ_{i: y_i = y} min(1, C/‖g_i‖), with min(1, C/0) = 1. Returns one row per
@@ -72,8 +87,9 @@ def retention_weights(grad_norms: Sequence[float] | np.ndarray, labels: Sequence
     return table
 
 
-def retention_curves(results: Results, strata: pd.DataFrame,
-                     clip_bounds: Sequence[float] | None = None) -> pd.DataFrame:
+def retention_curves(
+    results: Results, strata: pd.DataFrame, clip_bounds: Sequence[float] | None = None
+) -> pd.DataFrame:
     """Paper Fig. 4: mean w_y(C) over the easy and the hard classes of each cell's best diagnosed trial.
 
     ``clip_bounds`` default to the task's C grid (the ``clip_bin`` values of its tuned trials).
@@ -86,8 +102,11 @@ def retention_curves(results: Results, strata: pd.DataFrame,
         return pd.DataFrame(columns=columns)
     rows = []
     for trial in best.itertuples(index=False):
-        grid = clip_bounds if clip_bounds is not None else sorted(
-            results.tuned.loc[results.tuned["task"] == trial.task, "clip_bin"].unique())
+        grid = (
+            clip_bounds
+            if clip_bounds is not None
+            else sorted(results.tuned.loc[results.tuned["task"] == trial.task, "clip_bin"].unique())
+        )
         weights = retention_weights(trial.grad_norms, trial.labels, grid)
         weights = weights.merge(strata[strata["task"] == trial.task][["label", "stratum"]], on="label")
         means = weights.groupby(["clip_bound", "stratum"])["retention_weight"].mean().reset_index()

@@ -24,9 +24,21 @@ def accuracy_grid(results: Results, accuracy: pd.DataFrame | None = None) -> pd.
     best = rank_configurations(with_strata(tuned, accuracy) if means else tuned, keys, means=means)
     best = best[best["rank"] == 1]
     counts = tuned.groupby(keys).size().rename("trials").reset_index()
-    return best.merge(counts, on=keys)[[*keys, "val_accuracy", "test_accuracy", "train_loss", "learning_rate",
-                                        "base_learning_rate", "replicates", *means, "search_id", "trial_id",
-                                        "trials"]].reset_index(drop=True)
+    return best.merge(counts, on=keys)[
+        [
+            *keys,
+            "val_accuracy",
+            "test_accuracy",
+            "train_loss",
+            "learning_rate",
+            "base_learning_rate",
+            "replicates",
+            *means,
+            "search_id",
+            "trial_id",
+            "trials",
+        ]
+    ].reset_index(drop=True)
 
 
 def unfinished_bins(results: Results) -> pd.DataFrame:
@@ -56,15 +68,44 @@ def optimal_settings(results: Results, near_optimal: float = NEAR_OPTIMAL) -> pd
     tuned = results.tuned
     best = select_best(tuned, CELL)
     if best.empty:
-        return pd.DataFrame(columns=[*CELL, "clip_bound", "batch_size", "learning_rate", "val_accuracy",
-                                     "test_accuracy", "clip_low", "clip_high", "batch_low", "batch_high",
-                                     "near_optimal_trials"])
+        return pd.DataFrame(
+            columns=[
+                *CELL,
+                "clip_bound",
+                "batch_size",
+                "learning_rate",
+                "val_accuracy",
+                "test_accuracy",
+                "clip_low",
+                "clip_high",
+                "batch_low",
+                "batch_high",
+                "near_optimal_trials",
+            ]
+        )
     threshold = best[[*CELL, "val_accuracy"]].rename(columns={"val_accuracy": "best_val"})
     near = tuned.merge(threshold, on=CELL)
     near = near[near["val_accuracy"] >= near["best_val"] - near_optimal - 1e-9]  # inclusive, float-safe
-    spread = near.groupby(CELL).agg(clip_low=("clip_bound", "min"), clip_high=("clip_bound", "max"),
-                                    batch_low=("batch_size", "min"), batch_high=("batch_size", "max"),
-                                    near_optimal_trials=("trial_id", "size")).reset_index()
-    columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "val_accuracy",
-               "test_accuracy", "search_id", "trial_id"]
+    spread = (
+        near.groupby(CELL)
+        .agg(
+            clip_low=("clip_bound", "min"),
+            clip_high=("clip_bound", "max"),
+            batch_low=("batch_size", "min"),
+            batch_high=("batch_size", "max"),
+            near_optimal_trials=("trial_id", "size"),
+        )
+        .reset_index()
+    )
+    columns = [
+        *CELL,
+        "clip_bound",
+        "batch_size",
+        "learning_rate",
+        "base_learning_rate",
+        "val_accuracy",
+        "test_accuracy",
+        "search_id",
+        "trial_id",
+    ]
     return best[columns].merge(spread, on=CELL)

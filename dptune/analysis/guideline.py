@@ -35,15 +35,21 @@ def fixed_setting(grid: pd.DataFrame) -> FixedSetting | None:
     if grid.empty:
         return None
     cells = grid[CELL].drop_duplicates().shape[0]
-    means = grid.groupby(["clip_bin", "batch_bin"]).agg(cells=("val_accuracy", "size"),
-                                                        mean_val_accuracy=("val_accuracy", "mean")).reset_index()
+    means = (
+        grid.groupby(["clip_bin", "batch_bin"])
+        .agg(cells=("val_accuracy", "size"), mean_val_accuracy=("val_accuracy", "mean"))
+        .reset_index()
+    )
     eligible = means[means["cells"] == cells]
     if eligible.empty:
         return None
-    best = eligible.sort_values(["mean_val_accuracy", "clip_bin", "batch_bin"],
-                                ascending=[False, True, True]).iloc[0]
-    return FixedSetting(clip_bin=float(best["clip_bin"]), batch_bin=float(best["batch_bin"]),
-                        mean_val_accuracy=float(best["mean_val_accuracy"]), cells=int(cells))
+    best = eligible.sort_values(["mean_val_accuracy", "clip_bin", "batch_bin"], ascending=[False, True, True]).iloc[0]
+    return FixedSetting(
+        clip_bin=float(best["clip_bin"]),
+        batch_bin=float(best["batch_bin"]),
+        mean_val_accuracy=float(best["mean_val_accuracy"]),
+        cells=int(cells),
+    )
 
 
 def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFrame, FixedSetting | None]:
@@ -60,9 +66,25 @@ def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFram
     """
     accuracy = stratum_accuracy(results, strata)
     best = best_configurations(with_strata(results.tuned, accuracy), CELL, means=STRATA)
-    columns = [*CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping",
-               "optimizer", "replicates", "val_accuracy", "test_accuracy", "test_low", "test_high", "within_noise",
-               "configurations", *STRATA, "search_id", "trial_id"]
+    columns = [
+        *CELL,
+        "clip_bound",
+        "batch_size",
+        "learning_rate",
+        "base_learning_rate",
+        "clipping",
+        "optimizer",
+        "replicates",
+        "val_accuracy",
+        "test_accuracy",
+        "test_low",
+        "test_high",
+        "within_noise",
+        "configurations",
+        *STRATA,
+        "search_id",
+        "trial_id",
+    ]
     table = best[columns].copy()
     grid = accuracy_grid(results, accuracy)
     setting = fixed_setting(grid)
@@ -72,8 +94,9 @@ def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFram
         return table, None
     fixed = grid[(grid["clip_bin"] == setting.clip_bin) & (grid["batch_bin"] == setting.batch_bin)]
     fixed = fixed[[*CELL, "test_accuracy", HARD]]
-    table = table.merge(fixed.rename(columns={"test_accuracy": "fixed_test_accuracy", HARD: "fixed_hard"}),
-                        on=CELL, how="left")
+    table = table.merge(
+        fixed.rename(columns={"test_accuracy": "fixed_test_accuracy", HARD: "fixed_hard"}), on=CELL, how="left"
+    )
     table["loss"] = table["test_accuracy"] - table["fixed_test_accuracy"]
     table["hard_loss"] = table[HARD] - table["fixed_hard"]
     return table, setting

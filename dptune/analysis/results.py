@@ -118,8 +118,12 @@ def task_label(dataset: str, fraction: float, backbone: str, peft: str) -> str:
     return f"{dataset}{share} · {backbone} · {peft}"
 
 
-def log_bins(values: pd.Series, continuous: bool | None = None, max_levels: int = MAX_EXACT_LEVELS,
-             bins_per_decade: int = BINS_PER_DECADE) -> tuple[pd.Series, bool]:
+def log_bins(
+    values: pd.Series,
+    continuous: bool | None = None,
+    max_levels: int = MAX_EXACT_LEVELS,
+    bins_per_decade: int = BINS_PER_DECADE,
+) -> tuple[pd.Series, bool]:
     """Map positive ``values`` to log-grid bins; return (representatives, whether binned).
 
     ``continuous`` says whether the values were sampled from a range (bin them) or a list (keep
@@ -149,11 +153,15 @@ def load_results(paths: Sequence[str]) -> Results:
     check_results_paths(paths)
     tables = {name: pd.concat([read_table(path, name) for path in paths], ignore_index=True) for name in TABLES}
     trials = tables["trials"].drop_duplicates(["search_id", "trial_id"], keep="last").reset_index(drop=True)
-    trials["task"] = pd.Series([task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)],
-                               index=trials.index, dtype="str")
+    trials["task"] = pd.Series(
+        [task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)],
+        index=trials.index,
+        dtype="str",
+    )
     tuned = trials["clipping"] != AUTO_S
-    trials["clip_bin"], clip_binned = log_bins(trials["clip_bound"].where(tuned, np.nan),
-                                               _sampled_from_range(tables["search"], "clip_bound"))
+    trials["clip_bin"], clip_binned = log_bins(
+        trials["clip_bound"].where(tuned, np.nan), _sampled_from_range(tables["search"], "clip_bound")
+    )
     trials["batch_bin"], batch_binned = log_bins(trials["batch_size"].astype(float))
     dedupe = {"epochs": ["epoch"], "classes": ["label"], "diagnostics": ["epoch"]}
     joined = {
@@ -161,9 +169,15 @@ def load_results(paths: Sequence[str]) -> Results:
         for name, extra in dedupe.items()
     }
     search = tables["search"].drop_duplicates().reset_index(drop=True)
-    return Results(sources=tuple(paths), trials=trials, search=search, clip_binned=clip_binned,
-                   batch_binned=batch_binned, release=tables["release"].drop_duplicates().reset_index(drop=True),
-                   **joined)
+    return Results(
+        sources=tuple(paths),
+        trials=trials,
+        search=search,
+        clip_binned=clip_binned,
+        batch_binned=batch_binned,
+        release=tables["release"].drop_duplicates().reset_index(drop=True),
+        **joined,
+    )
 
 
 def _sampled_from_range(search: pd.DataFrame, key: str) -> bool | None:

@@ -10,8 +10,9 @@ import pandas as pd
 from dptune.analysis.results import EASY, HARD, STRATA, AnalysisError, Results, select_best
 
 
-def class_strata(results: Results, hard_fraction: float = 0.5,
-                 hard_classes: Collection[str] | None = None) -> pd.DataFrame:
+def class_strata(
+    results: Results, hard_fraction: float = 0.5, hard_classes: Collection[str] | None = None
+) -> pd.DataFrame:
     """Split each task's classes into ``easy`` and ``hard``.
 
     Default: the reference trial of a task is its best (validation) finished trial at the
@@ -28,8 +29,9 @@ def class_strata(results: Results, hard_fraction: float = 0.5,
         raise AnalysisError(f"hard_fraction must lie strictly between 0 and 1, got {hard_fraction}")
     columns = ["task", "label", "class_name", "reference_accuracy", "reference_trial", "stratum"]
     classes = results.classes[results.classes["val_accuracy"].notna()]
-    with_classes = results.finished.merge(classes[["search_id", "trial_id"]].drop_duplicates(),
-                                          on=["search_id", "trial_id"])
+    with_classes = results.finished.merge(
+        classes[["search_id", "trial_id"]].drop_duplicates(), on=["search_id", "trial_id"]
+    )
     if with_classes.empty:
         if hard_classes:
             raise AnalysisError("hard classes were given but the results hold no per-class accuracies")
@@ -44,8 +46,9 @@ def class_strata(results: Results, hard_fraction: float = 0.5,
         known = set(table["label"].astype(str)) | set(table["class_name"].astype(str))
         unknown = sorted(wanted - known)
         if unknown:
-            raise AnalysisError(f"hard classes {', '.join(unknown)} are in no task; known labels and names: "
-                                f"{', '.join(sorted(known))}")
+            raise AnalysisError(
+                f"hard classes {', '.join(unknown)} are in no task; known labels and names: {', '.join(sorted(known))}"
+            )
         hard = table["label"].astype(str).isin(wanted) | table["class_name"].astype(str).isin(wanted)
     else:
         rank = table.groupby("task").cumcount()
@@ -66,8 +69,9 @@ def stratum_accuracy(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
     classes = results.classes.merge(strata[["task", "label", "stratum"]], on=["task", "label"])
     if classes.empty:
         return pd.DataFrame(columns=["search_id", "trial_id", *STRATA])
-    table = classes.pivot_table(index=["search_id", "trial_id"], columns="stratum", values="test_accuracy",
-                                aggfunc="mean").reindex(columns=list(STRATA))
+    table = classes.pivot_table(
+        index=["search_id", "trial_id"], columns="stratum", values="test_accuracy", aggfunc="mean"
+    ).reindex(columns=list(STRATA))
     table.columns.name = None
     return table.reset_index()
 

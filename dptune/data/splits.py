@@ -27,9 +27,7 @@ def allocate(class_sizes: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
-def stratified_sample(
-    rows: np.ndarray, labels: np.ndarray, total: int, rng: np.random.Generator
-) -> np.ndarray:
+def stratified_sample(rows: np.ndarray, labels: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
     """``total`` of ``rows`` drawn without replacement, stratified by ``labels[rows]``; sorted."""
     classes, inverse = np.unique(labels[rows], return_inverse=True)
     counts = allocate(np.bincount(inverse, minlength=len(classes)), total)
@@ -50,18 +48,14 @@ def carve(
     return held, np.setdiff1d(rows, held)
 
 
-def cap(
-    rows: np.ndarray, labels: np.ndarray, limit: int | None, rng: np.random.Generator
-) -> np.ndarray:
+def cap(rows: np.ndarray, labels: np.ndarray, limit: int | None, rng: np.random.Generator) -> np.ndarray:
     """At most ``limit`` of ``rows``, stratified (all of them when ``limit`` is None or larger)."""
     if limit is None or limit >= len(rows):
         return rows
     return stratified_sample(rows, labels, limit, rng)
 
 
-def per_class(
-    rows: np.ndarray, labels: np.ndarray, count: int, rng: np.random.Generator
-) -> np.ndarray:
+def per_class(rows: np.ndarray, labels: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
     """Exactly ``count`` random rows of each class present in ``labels[rows]``; sorted.
 
     The caller checks that every class has at least ``count`` rows.

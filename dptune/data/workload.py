@@ -60,16 +60,12 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
         raise WorkloadError(f"fraction must be in (0, 1], got {spec.fraction}")
     if spec.examples_per_class is not None:
         if spec.examples_per_class < 1:
-            raise WorkloadError(
-                f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}"
-            )
+            raise WorkloadError(f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}")
         if spec.fraction < 1.0:
             raise WorkloadError("give either fraction < 1 or examples_per_class, not both")
     if spec.classes is not None:
         valid = range(info.num_classes)
-        unknown = [
-            c for c in spec.classes if not isinstance(c, (int, np.integer)) or c not in valid
-        ]
+        unknown = [c for c in spec.classes if not isinstance(c, (int, np.integer)) or c not in valid]
         if unknown:
             raise WorkloadError(
                 f"unknown class ids {unknown} for {spec.dataset!r}; valid ids are 0..{info.num_classes - 1}"
@@ -77,14 +73,10 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
         if len(set(spec.classes)) != len(spec.classes) or len(spec.classes) < 2:
             raise WorkloadError(f"classes must be at least 2 distinct ids, got {spec.classes}")
     if not 0.0 < spec.validation_fraction < 1.0:
-        raise WorkloadError(
-            f"validation_fraction must be in (0, 1), got {spec.validation_fraction}"
-        )
+        raise WorkloadError(f"validation_fraction must be in (0, 1), got {spec.validation_fraction}")
     if spec.max_tokens is not None:
         if info.modality != "text":
-            raise WorkloadError(
-                f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}"
-            )
+            raise WorkloadError(f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}")
         if spec.max_tokens < 8:
             raise WorkloadError(f"max_tokens must be >= 8, got {spec.max_tokens}")
     for name in ("max_train_examples", "max_eval_examples"):
@@ -94,9 +86,7 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     return info
 
 
-def split_rows(
-    labels: np.ndarray, num_classes: int, num_official_train: int | None, spec: WorkloadSpec
-) -> SplitRows:
+def split_rows(labels: np.ndarray, num_classes: int, num_official_train: int | None, spec: WorkloadSpec) -> SplitRows:
     """Seeded stratified splits of a dataset's rows under ``spec`` (see ``dptune.data``).
 
     ``labels`` are the raw class ids (``0..num_classes-1``) of every row, official training rows
@@ -112,17 +102,11 @@ def split_rows(
     else:
         train, test = everything[:num_official_train], everything[num_official_train:]
     label_map = np.full(num_classes, -1, dtype=np.int64)
-    kept = (
-        tuple(int(c) for c in spec.classes)
-        if spec.classes is not None
-        else tuple(range(num_classes))
-    )
+    kept = tuple(int(c) for c in spec.classes) if spec.classes is not None else tuple(range(num_classes))
     label_map[list(kept)] = np.arange(len(kept))
     train, test = train[label_map[labels[train]] >= 0], test[label_map[labels[test]] >= 0]
 
-    val, train = splits.carve(
-        train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION)
-    )
+    val, train = splits.carve(train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION))
     if spec.fraction < 1.0:
         train = splits.stratified_sample(
             train,
@@ -144,13 +128,9 @@ def split_rows(
             spec.examples_per_class,
             splits.stream(spec.seed, splits._EXAMPLES_PER_CLASS),
         )
-    train = splits.cap(
-        train, labels, spec.max_train_examples, splits.stream(spec.seed, splits._CAP)
-    )
+    train = splits.cap(train, labels, spec.max_train_examples, splits.stream(spec.seed, splits._CAP))
     val = splits.cap(val, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 1))
-    test = splits.cap(
-        test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2)
-    )
+    test = splits.cap(test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2))
     return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
 
 
@@ -169,8 +149,7 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     raw = info.load(data_dir, backbone.image_size)
     rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
     labels = {
-        name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]])
-        for name in ("train", "val", "test")
+        name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
     }
     max_tokens = spec.max_tokens or backbone.max_tokens
     common = (spec, len(rows.kept), [raw.class_names[c] for c in rows.kept])
@@ -180,22 +159,16 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     if spec.peft == "head":
         capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
         needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
-        features = cached_features(
-            raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size
-        )
-        position = (
-            np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
-        )
+        features = cached_features(raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size)
+        position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
         train, val, test = (
-            TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name])
-            for name in labels
+            TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]) for name in labels
         )
         return Workload(*common, train, val, test, modality="features", feature_dim=backbone.feature_dim)
     if raw.modality == "text":
         tokenizer = load_tokenizer(spec.backbone)
         train, val, test = (
-            _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name])
-            for name in labels
+            _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name]) for name in labels
         )
         return Workload(*common, train, val, test, modality="text", max_tokens=max_tokens)
     train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)

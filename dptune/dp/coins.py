@@ -99,8 +99,10 @@ def _check_state_layout() -> None:
     """Refuse (rather than mis-seed) a torch whose CPU generator state has another size."""
     size = torch.Generator().get_state().numel()
     if size != _STATE_BYTES:
-        raise RuntimeError(f"torch's CPU generator state has {size} bytes, expected {_STATE_BYTES}; "
-                           f"dptune.dp.coins must be updated for this torch version")
+        raise RuntimeError(
+            f"torch's CPU generator state has {size} bytes, expected {_STATE_BYTES}; "
+            f"dptune.dp.coins must be updated for this torch version"
+        )
 
 
 def cpu_generator(coins: np.random.SeedSequence) -> torch.Generator:

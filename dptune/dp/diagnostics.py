@@ -120,21 +120,39 @@ class ProbeGradients:
         sorted_gram = gram[descending][:, descending]
         inverse = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))[descending]
         forms = torch.zeros(3, n + 1, dtype=torch.float64, device=gram.device)  # column n: I_n = ∅
-        for form, matrix in zip(forms, (inverse[:, None] * sorted_gram * inverse[None, :],
-                                        inverse[:, None] * sorted_gram, sorted_gram), strict=True):
+        for form, matrix in zip(
+            forms,
+            (inverse[:, None] * sorted_gram * inverse[None, :], inverse[:, None] * sorted_gram, sorted_gram),
+            strict=True,
+        ):
             form[:n] = matrix.cumsum(0).cumsum(1).diagonal()
         return cls._summary(forms, norms, descending, labels, dimension, gram=gram)
 
     @classmethod
-    def _summary(cls, forms: torch.Tensor, norms: torch.Tensor, descending: torch.Tensor, labels: torch.Tensor,
-                 dimension: int, **gradients: torch.Tensor) -> ProbeGradients:
+    def _summary(
+        cls,
+        forms: torch.Tensor,
+        norms: torch.Tensor,
+        descending: torch.Tensor,
+        labels: torch.Tensor,
+        dimension: int,
+        **gradients: torch.Tensor,
+    ) -> ProbeGradients:
         """The record from running forms whose entry j covers the j + 1 largest norms."""
         n = len(norms)
         forms[:, :n] = forms[:, :n].flip(1)  # entry k ↔ I_k, the examples from the k-th smallest up
         nn_form, ng_form, gg_form = forms.cpu().numpy()
         norms_np = norms.cpu().numpy()
-        return cls(labels=labels.cpu().numpy(), norms=norms_np, sorted_norms=norms_np[descending.flip(0).cpu().numpy()],
-                   nn=nn_form, ng=ng_form, gg=gg_form, dimension=dimension, **gradients)
+        return cls(
+            labels=labels.cpu().numpy(),
+            norms=norms_np,
+            sorted_norms=norms_np[descending.flip(0).cpu().numpy()],
+            nn=nn_form,
+            ng=ng_form,
+            gg=gg_form,
+            dimension=dimension,
+            **gradients,
+        )
 
 
 def per_example_gradients(

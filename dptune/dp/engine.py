@@ -36,6 +36,7 @@ from dptune.dp.clipping import check_rule
 #: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
 PhysicalBatch = tuple[torch.Tensor, ...]
 
+
 @dataclass(frozen=True)
 class DPStepSpec:
     """What defines one DP step's gradient, shared by every engine.

@@ -232,10 +232,12 @@ class _LinearSlot(_Slot):
     def receive(self, layer_input: torch.Tensor, grad_output: torch.Tensor) -> None:
         n = layer_input.shape[0]
         # (n, tokens, features) in float32; no token axis is one token
-        self.calls.append((
-            layer_input.detach().float().reshape(n, -1, layer_input.shape[-1]),
-            grad_output.float().reshape(n, -1, grad_output.shape[-1]),
-        ))
+        self.calls.append(
+            (
+                layer_input.detach().float().reshape(n, -1, layer_input.shape[-1]),
+                grad_output.float().reshape(n, -1, grad_output.shape[-1]),
+            )
+        )
 
     def squared_norms(self, n: int, device: torch.device) -> torch.Tensor:
         """‖∇_W ℓ_i‖² + ‖∇_b ℓ_i‖² of the trainable ones, shape (n,)."""
@@ -334,7 +336,8 @@ class FilmEngine:
         self._device = first.device
         if generator.device.type != self._device.type:
             raise ValueError(
-                f"the noise generator is on {generator.device}, the model on {self._device}; they must match")
+                f"the noise generator is on {generator.device}, the model on {self._device}; they must match"
+            )
         self._anchor = torch.zeros((), device=self._device, requires_grad=True)
         self.last_grad_norms = torch.zeros(0, device=self._device)
 
@@ -347,7 +350,8 @@ class FilmEngine:
             def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
                 if not args:
                     raise ValueError(
-                        f"module {slot.name} was called without a positional input; the FiLM engine needs one")
+                        f"module {slot.name} was called without a positional input; the FiLM engine needs one"
+                    )
                 return _Tap.apply(output, args[0], anchor, slot)
 
             return hook

@@ -18,7 +18,8 @@ from dptune.contract import OPTIMIZER_NAMES, check_registry
 #: Base optimizers by name (the implementations of ``dptune.contract.OPTIMIZER_NAMES``): DP-Adam and
 #: DP-SGD are these stepping on a released DP gradient.
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = check_registry(
-    "optimizer", OPTIMIZER_NAMES, {"adam": torch.optim.Adam, "sgd": torch.optim.SGD})
+    "optimizer", OPTIMIZER_NAMES, {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+)
 
 
 def check_optimizer(name: str) -> str:

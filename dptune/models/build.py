@@ -52,9 +52,7 @@ def new_head(feature_dim: int, num_classes: int) -> nn.Linear:
     return head
 
 
-def build_feature_extractor(
-    backbone: str, *, pretrained: bool = True, image_size: int | None = None
-) -> nn.Module:
+def build_feature_extractor(backbone: str, *, pretrained: bool = True, image_size: int | None = None) -> nn.Module:
     """The frozen-or-not feature extractor of ``backbone``: ``forward(*inputs) -> (n, feature_dim)``.
 
     ``image_size`` (px, image backbones only) overrides the backbone's default input side
@@ -83,14 +81,10 @@ def build_model(
     PEFT's parameters have ``requires_grad`` (see ``dptune.models``). All names and values are
     checked (:func:`check_model_request`) before any weights are loaded.
     """
-    info = check_model_request(
-        backbone, peft, num_classes, feature_input=feature_input, image_size=image_size
-    )
+    info = check_model_request(backbone, peft, num_classes, feature_input=feature_input, image_size=image_size)
     if feature_input:
         return new_head(info.feature_dim, num_classes)
-    model = Classifier(
-        info.create(pretrained, image_size or info.image_size), info.feature_dim, num_classes
-    )
+    model = Classifier(info.create(pretrained, image_size or info.image_size), info.feature_dim, num_classes)
     PEFTS[peft](model, info)
     return model.train()  # the mode DP training runs in: BatchNorm held in eval mode
 
@@ -171,9 +165,7 @@ def check_dp_compatible(model: nn.Module) -> None:
     finally:
         model.train(was_training)
     if batch_norms:
-        shown = ", ".join(batch_norms[:3]) + (
-            f" and {len(batch_norms) - 3} more" if len(batch_norms) > 3 else ""
-        )
+        shown = ", ".join(batch_norms[:3]) + (f" and {len(batch_norms) - 3} more" if len(batch_norms) > 3 else "")
         raise ModelError(
             f"BatchNorm cannot be trained under DP: its batch statistics mix examples, so "
             f"per-example clipping does not bound one example's influence ({len(batch_norms)} "
@@ -186,9 +178,7 @@ def check_dp_compatible(model: nn.Module) -> None:
     if trainable_parameter_count(model) == 0:
         raise ModelError("model has no trainable parameter; nothing to fine-tune")
     if opacus_errors:
-        raise ModelError(
-            "Opacus cannot compute per-example gradients: " + "; ".join(map(str, opacus_errors))
-        )
+        raise ModelError("Opacus cannot compute per-example gradients: " + "; ".join(map(str, opacus_errors)))
 
 
 def _check_image_size(backbone: str, modality: str, image_size: int | None) -> None:

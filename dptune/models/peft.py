@@ -42,9 +42,7 @@ def film(model: nn.Module, info: BackboneInfo) -> None:
         if isinstance(m, NORM_LAYERS) and any(True for _ in m.parameters(recurse=False))
     ]
     if not norms:
-        raise ModelError(
-            f"peft 'film' needs affine normalisation layers; backbone {info.name!r} has none"
-        )
+        raise ModelError(f"peft 'film' needs affine normalisation layers; backbone {info.name!r} has none")
     for module in norms:
         module.requires_grad_(True)
 
@@ -56,9 +54,7 @@ def lora(model: nn.Module, info: BackboneInfo) -> None:
 
     if not info.lora_targets:
         raise ModelError(lora_unsupported(info.name))
-    config = LoraConfig(
-        r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(info.lora_targets)
-    )
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(info.lora_targets))
     model.backbone = inject_adapter_in_model(config, model.get_submodule("backbone"))
     _freeze_all_but_head(model)
     for name, parameter in model.get_submodule("backbone").named_parameters():
@@ -81,9 +77,13 @@ def lora_unsupported(backbone: str) -> str:
 
 
 #: PEFT methods by name: the implementations of ``dptune.contract.PEFT_NAMES``, in its order.
-PEFTS: dict[str, Callable[[nn.Module, BackboneInfo], None]] = check_registry("PEFT", PEFT_NAMES, {
-    "head": head_only,
-    "film": film,
-    "lora": lora,
-    "full": full,
-})
+PEFTS: dict[str, Callable[[nn.Module, BackboneInfo], None]] = check_registry(
+    "PEFT",
+    PEFT_NAMES,
+    {
+        "head": head_only,
+        "film": film,
+        "lora": lora,
+        "full": full,
+    },
+)

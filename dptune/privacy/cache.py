@@ -97,8 +97,12 @@ def _read_cached(path: Path, key: dict[str, object]) -> float | None:
     try:
         record = json.loads(path.read_text())
         value = record["value"]
-        if record["key"] == key and isinstance(value, float) and math.isfinite(value) and hmac.compare_digest(
-                str(record["hmac"]), _signature(key, value)):
+        if (
+            record["key"] == key
+            and isinstance(value, float)
+            and math.isfinite(value)
+            and hmac.compare_digest(str(record["hmac"]), _signature(key, value))
+        ):
             return value
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, partial (crash), foreign or tampered file: a miss; it is rewritten below

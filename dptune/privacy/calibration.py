@@ -72,8 +72,9 @@ def _gaussian_dp_guess(epsilon: float, delta: float, sample_rate: float, steps: 
     return sigma, dlogeps_dlogmu * dlogmu_dlogsigma
 
 
-def _coarse_root(log_excess: Callable[[float], float], x: float, slope: float, x_min: float,
-                 x_max: float) -> tuple[float, float]:
+def _coarse_root(
+    log_excess: Callable[[float], float], x: float, slope: float, x_min: float, x_max: float
+) -> tuple[float, float]:
     """Secant iterations on a decreasing g(x), x = log σ, from x and an initial slope; returns
     (root estimate, slope)."""
     y = log_excess(x)
@@ -90,8 +91,15 @@ def _coarse_root(log_excess: Callable[[float], float], x: float, slope: float, x
     return float(np.clip(x - y / slope, x_min, x_max)), slope
 
 
-def _certified_bracket(log_excess: Callable[[float], float], x: float, slope: float, tolerance: float,
-                       x_min: float, x_max: float, describe: Callable[[str], str]) -> float:
+def _certified_bracket(
+    log_excess: Callable[[float], float],
+    x: float,
+    slope: float,
+    tolerance: float,
+    x_min: float,
+    x_max: float,
+    describe: Callable[[str], str],
+) -> float:
     """Bracket the root of a decreasing g(x) to width ``tolerance``; return the passing end x_hi.
 
     Invariant: g(x_lo) > 0 ≥ g(x_hi). Each step is a secant estimate shifted tolerance/2 towards the
@@ -118,8 +126,9 @@ def _certified_bracket(log_excess: Callable[[float], float], x: float, slope: fl
         elif hi is None and x >= x_max:
             raise PrivacyParameterError(describe(f"unreachable: it needs noise_multiplier > {math.exp(x_max):g}"))
         elif lo is None and x <= x_min:
-            raise PrivacyParameterError(describe(
-                f"too large: noise_multiplier = {math.exp(x_min):g} already meets it (no meaningful privacy)"))
+            raise PrivacyParameterError(
+                describe(f"too large: noise_multiplier = {math.exp(x_min):g} already meets it (no meaningful privacy)")
+            )
         estimate = x - y / slope
         if hi is not None and estimate >= hi - tolerance and (lo is None or hi - tolerance > lo):
             x = hi - tolerance  # closes the bracket if the estimate is right
@@ -137,8 +146,10 @@ def _certified_bracket(log_excess: Callable[[float], float], x: float, slope: fl
 
 def _calibrate(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     def describe(problem: str) -> str:
-        return (f"epsilon={epsilon:g} at delta={delta:g}, sample_rate={sample_rate:g}, steps={steps} is {problem}; "
-                f"noise_multiplier is searched in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}]")
+        return (
+            f"epsilon={epsilon:g} at delta={delta:g}, sample_rate={sample_rate:g}, steps={steps} is {problem}; "
+            f"noise_multiplier is searched in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}]"
+        )
 
     guess, slope = _gaussian_dp_guess(epsilon, delta, sample_rate, steps)
     if guess > 1.1 * MAX_NOISE_MULTIPLIER:  # Gaussian DP is exact for q = 1 and accurate at large σ
@@ -148,8 +159,10 @@ def _calibrate(epsilon: float, delta: float, sample_rate: float, steps: int) -> 
     shift = COARSE_EPSILON_ERROR - EPSILON_ERROR  # coarse upper bound → estimate of the certified one
 
     def coarse(x: float) -> float:
-        return math.log(max(prv_epsilon(math.exp(x), sample_rate, steps, delta, COARSE_EPSILON_ERROR) - shift,
-                            1e-12)) - log_target
+        return (
+            math.log(max(prv_epsilon(math.exp(x), sample_rate, steps, delta, COARSE_EPSILON_ERROR) - shift, 1e-12))
+            - log_target
+        )
 
     def certified(x: float) -> float:
         return math.log(certified_epsilon(math.exp(x), sample_rate, steps, delta)) - log_target

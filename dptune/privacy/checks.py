@@ -53,8 +53,12 @@ def require(ok: bool, name: str, value: object, allowed: str) -> None:
 def checked_epsilon(epsilon: object, name: str = "epsilon") -> float:
     """The ε target, in [MIN_EPSILON, MAX_EPSILON]; else ``PrivacyParameterError``."""
     number = _real(name, epsilon)
-    require(MIN_EPSILON <= number <= MAX_EPSILON, name, epsilon,
-            f"in [{MIN_EPSILON:g}, {MAX_EPSILON:g}] (the accountant certifies ε to within {EPSILON_ERROR:g})")
+    require(
+        MIN_EPSILON <= number <= MAX_EPSILON,
+        name,
+        epsilon,
+        f"in [{MIN_EPSILON:g}, {MAX_EPSILON:g}] (the accountant certifies ε to within {EPSILON_ERROR:g})",
+    )
     return number
 
 
@@ -82,8 +86,12 @@ def checked_steps(steps: object) -> int:
 def checked_noise_multiplier(noise_multiplier: object) -> float:
     """The σ, in [MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER]; else ``PrivacyParameterError``."""
     number = _real("noise_multiplier", noise_multiplier)
-    require(MIN_NOISE_MULTIPLIER <= number <= MAX_NOISE_MULTIPLIER, "noise_multiplier", noise_multiplier,
-            f"in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}] (σ, noise std in units of the clip bound)")
+    require(
+        MIN_NOISE_MULTIPLIER <= number <= MAX_NOISE_MULTIPLIER,
+        "noise_multiplier",
+        noise_multiplier,
+        f"in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}] (σ, noise std in units of the clip bound)",
+    )
     return number
 
 
@@ -94,8 +102,9 @@ def check_delta(delta: float, num_examples: int) -> None:
     rule is δ ≪ 1/N; the paper uses δ = 1e-5.
     """
     delta = checked_delta(delta)
-    require(isinstance(num_examples, numbers.Integral) and num_examples >= 1, "num_examples", num_examples,
-            "an integer ≥ 1")
+    require(
+        isinstance(num_examples, numbers.Integral) and num_examples >= 1, "num_examples", num_examples, "an integer ≥ 1"
+    )
     if delta > 1.0 / num_examples:
         warnings.warn(
             f"delta={delta:g} is larger than 1/num_examples = 1/{num_examples} = {1.0 / num_examples:.3g}: "
@@ -103,4 +112,3 @@ def check_delta(delta: float, num_examples: int) -> None:
             UserWarning,
             stacklevel=2,
         )
-

@@ -49,8 +49,11 @@ class TrialMechanism:
     steps: int
 
     def checked(self) -> TrialMechanism:
-        return TrialMechanism(checked_noise_multiplier(self.noise_multiplier), checked_sample_rate(self.sample_rate),
-                              checked_steps(self.steps))
+        return TrialMechanism(
+            checked_noise_multiplier(self.noise_multiplier),
+            checked_sample_rate(self.sample_rate),
+            checked_steps(self.steps),
+        )
 
 
 def _merged(mechanisms: Sequence[TrialMechanism]) -> list[TrialMechanism]:
@@ -83,9 +86,12 @@ def composed_epsilon(mechanisms: Sequence[TrialMechanism], delta: float) -> floa
     merged = _merged(mechanisms)
     require(len(merged) > 0, "mechanisms", mechanisms, "a non-empty list of trials that took steps")
     mechanisms_json = json.dumps([[m.noise_multiplier, m.sample_rate, m.steps] for m in merged])
-    inputs: dict[str, float | int | str] = {"mechanisms": mechanisms_json, "delta": delta,
-                                            "dp_accounting": version("dp-accounting"),
-                                            "pld_interval": SEARCH_PLD_INTERVAL}
+    inputs: dict[str, float | int | str] = {
+        "mechanisms": mechanisms_json,
+        "delta": delta,
+        "dp_accounting": version("dp-accounting"),
+        "pld_interval": SEARCH_PLD_INTERVAL,
+    }
     return cached("composed_epsilon", inputs, lambda: _composed_epsilon(merged, delta))
 
 
@@ -101,11 +107,17 @@ def _self_composed_pld(noise_multiplier: float, sample_rate: float, steps: int) 
     from dp_accounting.pld import privacy_loss_distribution
 
     return privacy_loss_distribution.from_gaussian_mechanism(
-        noise_multiplier, pessimistic_estimate=True, value_discretization_interval=SEARCH_PLD_INTERVAL,
-        sampling_prob=sample_rate, use_connect_dots=True).self_compose(steps)
+        noise_multiplier,
+        pessimistic_estimate=True,
+        value_discretization_interval=SEARCH_PLD_INTERVAL,
+        sampling_prob=sample_rate,
+        use_connect_dots=True,
+    ).self_compose(steps)
 
 
 def _composed_epsilon(merged: list[TrialMechanism], delta: float) -> float:
-    composed = reduce(lambda left, right: left.compose(right), [
-        _self_composed_pld(m.noise_multiplier, m.sample_rate, m.steps) for m in merged])
+    composed = reduce(
+        lambda left, right: left.compose(right),
+        [_self_composed_pld(m.noise_multiplier, m.sample_rate, m.steps) for m in merged],
+    )
     return float(composed.get_epsilon_for_delta(delta))

@@ -91,10 +91,12 @@ def _fractional_order_log_a(orders: np.ndarray, noise_multiplier: float, sample_
         j = alpha - i
         coef = binom(alpha, i)
         log_coef = np.log(np.abs(coef))
-        log_s0 = (log_coef + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma**2)
-                  + log_ndtr((z0 - i) / sigma))
-        log_s1 = (log_coef + j * math.log(q) + i * math.log(1 - q) + (j * j - j) / (2 * sigma**2)
-                  + log_ndtr((j - z0) / sigma))
+        log_s0 = (
+            log_coef + i * math.log(q) + j * math.log(1 - q) + (i * i - i) / (2 * sigma**2) + log_ndtr((z0 - i) / sigma)
+        )
+        log_s1 = (
+            log_coef + j * math.log(q) + i * math.log(1 - q) + (j * j - j) / (2 * sigma**2) + log_ndtr((j - z0) / sigma)
+        )
         small = np.maximum(log_s0, log_s1) < _RDP_SERIES_CUTOFF
         done = small.any(axis=1)
         kept = i <= np.argmax(small, axis=1)[:, None]  # up to and including the first small term
@@ -124,8 +126,14 @@ def _subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float) -> np.
     alpha = orders[integer][:, None]
     i = np.arange(int(alpha.max()) + 1, dtype=float)[None, :]
     in_sum = i <= alpha
-    log_terms = (gammaln(alpha + 1) - gammaln(i + 1) - gammaln(np.where(in_sum, alpha - i, 0.0) + 1)
-                 + i * math.log(q) + (alpha - i) * math.log(1 - q) + (i * i - i) / (2 * sigma**2))
+    log_terms = (
+        gammaln(alpha + 1)
+        - gammaln(i + 1)
+        - gammaln(np.where(in_sum, alpha - i, 0.0) + 1)
+        + i * math.log(q)
+        + (alpha - i) * math.log(1 - q)
+        + (i * i - i) / (2 * sigma**2)
+    )
     log_a = np.empty_like(orders)
     log_a[integer] = logsumexp(np.where(in_sum, log_terms, -np.inf), axis=1)
     log_a[~integer] = _fractional_order_log_a(orders[~integer], sigma, q)
@@ -151,8 +159,11 @@ def _safe_half_width(noise_multiplier: float, sample_rate: float, steps: int, de
     """
     delta_error = delta * DELTA_ERROR_FRACTION
     rdp = _subsampled_gaussian_rdp(noise_multiplier, sample_rate)
-    width = max(_rdp_to_epsilon(steps * rdp, delta_error / 4), _rdp_to_epsilon(rdp, delta_error / 8 / steps),
-                COARSE_EPSILON_ERROR)
+    width = max(
+        _rdp_to_epsilon(steps * rdp, delta_error / 4),
+        _rdp_to_epsilon(rdp, delta_error / 8 / steps),
+        COARSE_EPSILON_ERROR,
+    )
     return (width + 3) * (1 + _SAFE_WIDTH_ROUNDING_MARGIN)
 
 
@@ -216,8 +227,9 @@ def _subsampled_gaussian_cdf(t: float, noise_multiplier: float, sample_rate: flo
     return 0.5 * sample_rate * math.erfc((1.0 - u) / scale) + 0.5 * (1.0 - sample_rate) * math.erfc(-(1.0 + u) / scale)
 
 
-def _subsampled_gaussian_cdf_and_sf(t: np.ndarray, noise_multiplier: float,
-                                    sample_rate: float) -> tuple[np.ndarray, np.ndarray]:
+def _subsampled_gaussian_cdf_and_sf(
+    t: np.ndarray, noise_multiplier: float, sample_rate: float
+) -> tuple[np.ndarray, np.ndarray]:
     """(F(t), 1 − F(t)) of ``_subsampled_gaussian_cdf`` for a float64 array t, vectorised.
 
     The survival function is its own sum of erfc terms (½q·erfc(a) + ½(1 − q)·erfc(b)), accurate to
@@ -231,8 +243,9 @@ def _subsampled_gaussian_cdf_and_sf(t: np.ndarray, noise_multiplier: float,
             z = t
         else:
             excess = np.expm1(t) + sample_rate  # e^t − (1 − q) for t ≤ 0, without cancelling e^t against 1
-            z = np.where(t > 0, t + np.log1p(-(1.0 - sample_rate) * np.exp(-t)),
-                         np.where(excess > 0, np.log(excess), -np.inf)) - math.log(sample_rate)
+            z = np.where(
+                t > 0, t + np.log1p(-(1.0 - sample_rate) * np.exp(-t)), np.where(excess > 0, np.log(excess), -np.inf)
+            ) - math.log(sample_rate)
         u = 2.0 * noise_multiplier**2 * z
         cdf = 0.5 * sample_rate * erfc((1.0 - u) / scale) + 0.5 * (1.0 - sample_rate) * erfc(-(1.0 + u) / scale)
         sf = 0.5 * sample_rate * erfc((u - 1.0) / scale) + 0.5 * (1.0 - sample_rate) * erfc((u + 1.0) / scale)
@@ -290,10 +303,12 @@ class _TruncatedSubsampledGaussianPRV:
         rounds erfc's argument to float64 too; tested).
         """
         t_min, t_max = self.truncated.t_min, self.truncated.t_max
-        lower_cdf, lower_sf = _subsampled_gaussian_cdf_and_sf(np.clip(np.asarray(lower, dtype=float), t_min, t_max),
-                                                              self.noise_multiplier, self.sample_rate)
-        upper_cdf, upper_sf = _subsampled_gaussian_cdf_and_sf(np.clip(np.asarray(upper, dtype=float), t_min, t_max),
-                                                              self.noise_multiplier, self.sample_rate)
+        lower_cdf, lower_sf = _subsampled_gaussian_cdf_and_sf(
+            np.clip(np.asarray(lower, dtype=float), t_min, t_max), self.noise_multiplier, self.sample_rate
+        )
+        upper_cdf, upper_sf = _subsampled_gaussian_cdf_and_sf(
+            np.clip(np.asarray(upper, dtype=float), t_min, t_max), self.noise_multiplier, self.sample_rate
+        )
         mass = np.where(lower_cdf > 0.5, lower_sf - upper_sf, upper_cdf - lower_cdf)
         return (mass / self._remaining_mass).astype(np.longdouble)
 
@@ -319,15 +334,17 @@ class _TruncatedSubsampledGaussianPRV:
         return mean
 
 
-def _truncated_prv(noise_multiplier: float, sample_rate: float, t_min: float,
-                   t_max: float) -> _TruncatedSubsampledGaussianPRV:
+def _truncated_prv(
+    noise_multiplier: float, sample_rate: float, t_min: float, t_max: float
+) -> _TruncatedSubsampledGaussianPRV:
     """The PRV of one step at σ = ``noise_multiplier``, q = ``sample_rate``, truncated to [t_min, t_max]."""
     from prv_accountant import PoissonSubsampledGaussianMechanism
     from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
 
     mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
-    return _TruncatedSubsampledGaussianPRV(PrivacyRandomVariableTruncated(mechanism, t_min, t_max),
-                                           noise_multiplier, sample_rate)
+    return _TruncatedSubsampledGaussianPRV(
+        PrivacyRandomVariableTruncated(mechanism, t_min, t_max), noise_multiplier, sample_rate
+    )
 
 
 def prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, eps_error: float) -> float:
@@ -342,8 +359,9 @@ def prv_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: 
     from prv_accountant.discretisers import CellCentred
 
     delta_error = delta * DELTA_ERROR_FRACTION
-    domain = _fft_friendly_domain(_safe_half_width(_grid_floor(noise_multiplier), sample_rate, steps, delta), steps,
-                                  eps_error, delta_error)
+    domain = _fft_friendly_domain(
+        _safe_half_width(_grid_floor(noise_multiplier), sample_rate, steps, delta), steps, eps_error, delta_error
+    )
     truncated = _truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
     composed = Fourier([CellCentred().discretise(truncated, domain)]).compute_composition([steps])
     _, _, epsilon_upper = composed.compute_epsilon(delta, delta_error, eps_error)

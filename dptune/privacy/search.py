@@ -59,9 +59,12 @@ def charged_steps(trials: pd.DataFrame) -> pd.Series:
 
 def trial_mechanisms(trials: pd.DataFrame) -> list[TrialMechanism]:
     """The trials as the accountant sees them: (σ, q, steps charged); pass only trials that took a step."""
-    return [TrialMechanism(float(sigma), float(rate), int(steps))
-            for sigma, rate, steps in zip(trials["noise_multiplier"], trials["sample_rate"], charged_steps(trials),
-                                          strict=True)]
+    return [
+        TrialMechanism(float(sigma), float(rate), int(steps))
+        for sigma, rate, steps in zip(
+            trials["noise_multiplier"], trials["sample_rate"], charged_steps(trials), strict=True
+        )
+    ]
 
 
 def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
@@ -82,26 +85,39 @@ def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
 
 
 #: What no mode of dptune covers unless it is made DP itself.
-_OUTSIDE = ("validation accuracies and losses and the choice of the best trial (computed exactly on "
-            "validation rows carved from the private training set), training losses, diagnostics (exact "
-            "gradient norms and labels of training examples), per-epoch metrics, and wall times and "
-            "throughput (which reveal realised batch sizes)")
+_OUTSIDE = (
+    "validation accuracies and losses and the choice of the best trial (computed exactly on "
+    "validation rows carved from the private training set), training losses, diagnostics (exact "
+    "gradient norms and labels of training examples), per-epoch metrics, and wall times and "
+    "throughput (which reveal realised batch sizes)"
+)
+
 
 def _test_split(dataset: str, official_test_split: bool, *, private_selection: bool) -> str:
     """What the guarantee says of test accuracy: public when the dataset ships its own test split."""
     if official_test_split:
-        return (f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
-                "used for selection.")
+        return (
+            f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
+            "used for selection."
+        )
     if private_selection:
-        return (f"{dataset} has no official test split: its test rows are carved from the same private pool as "
-                "the training rows, so the release withholds test accuracy (it would not be covered).")
-    return (f"{dataset} has no official test split: its test rows are carved from the same private pool as the "
-            "training rows, so every trial's test accuracy (overall and per class) is a release about private "
-            "rows that (ε, δ) does NOT cover.")
+        return (
+            f"{dataset} has no official test split: its test rows are carved from the same private pool as "
+            "the training rows, so the release withholds test accuracy (it would not be covered)."
+        )
+    return (
+        f"{dataset} has no official test split: its test rows are carved from the same private pool as the "
+        "training rows, so every trial's test accuracy (overall and per class) is a release about private "
+        "rows that (ε, δ) does NOT cover."
+    )
 
 
-def guarantee(space: SearchSpace, official_test_split: bool, cost: CompositionCost | None = None,
-              epsilon_selection: float | None = None) -> str:
+def guarantee(
+    space: SearchSpace,
+    official_test_split: bool,
+    cost: CompositionCost | None = None,
+    epsilon_selection: float | None = None,
+) -> str:
     """What the search's (ε, δ) covers and what it does not, in words; never more than the code does.
 
     The statement follows the search's shape: coins (secret or ``reproducible``), proposals
@@ -113,61 +129,87 @@ def guarantee(space: SearchSpace, official_test_split: bool, cost: CompositionCo
     """
     delta = space.privacy.delta
     if space.reproducible:
-        return ("NO DP GUARANTEE for released results: reproducible: true derives every trial's noise and "
-                "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
-                "the noise. The ε figures describe the mechanism as if its coins were secret (research use only).")
+        return (
+            "NO DP GUARANTEE for released results: reproducible: true derives every trial's noise and "
+            "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
+            "the noise. The ε figures describe the mechanism as if its coins were secret (research use only)."
+        )
     dataset = space.task.dataset
     selection = space.privacy.private_selection
     if selection is not None:
         bound = "" if epsilon_selection is None else f" (bound {epsilon_selection:.3g})"
-        return (f"Only the release is covered: the selected configuration, its model and its noisy validation "
-                f"score are ({selection.epsilon:g}, {delta:g})-DP{bound} by Papernot & Steinke (ICLR 2022, Thm 2) — "
-                f"a secret random number K of random-search runs (truncated negative binomial, "
-                f"η = {selection.trial_count_shape:g}, mean {space.sampler.trials_per_cell}) whose configurations "
-                f"are drawn from fresh OS entropy, each run DP-SGD (PRV-calibrated σ, Poisson sampling, fresh "
-                f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
-                f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
-                f"an estimate of the model's accuracy. "
-                + _test_split(dataset, official_test_split, private_selection=True)
-                + " NOT covered, and kept inside the data owner's trust boundary "
-                f"({TRUST_BOUNDARY}/ in the results): K, the per-run records (trials, epochs, classes tables; "
-                f"Ray Tune's state), which hold {_OUTSIDE}; "
-                "and the search's wall time, which grows with K. Publishing any of them voids the guarantee.")
+        return (
+            f"Only the release is covered: the selected configuration, its model and its noisy validation "
+            f"score are ({selection.epsilon:g}, {delta:g})-DP{bound} by Papernot & Steinke (ICLR 2022, Thm 2) — "
+            f"a secret random number K of random-search runs (truncated negative binomial, "
+            f"η = {selection.trial_count_shape:g}, mean {space.sampler.trials_per_cell}) whose configurations "
+            f"are drawn from fresh OS entropy, each run DP-SGD (PRV-calibrated σ, Poisson sampling, fresh "
+            f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
+            f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
+            f"an estimate of the model's accuracy. "
+            + _test_split(dataset, official_test_split, private_selection=True)
+            + " NOT covered, and kept inside the data owner's trust boundary "
+            f"({TRUST_BOUNDARY}/ in the results): K, the per-run records (trials, epochs, classes tables; "
+            f"Ray Tune's state), which hold {_OUTSIDE}; "
+            "and the search's wall time, which grows with K. Publishing any of them voids the guarantee."
+        )
     adaptive = space.sampler.name == "tpe"
     stopping = space.scheduler is not None
-    whole = "" if cost is None or not cost.trials_with_steps else (
-        f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {cost.epsilon:.3g} at "
-        f"δ = {cost.delta:g} (basic composition: ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g}))")
+    whole = (
+        ""
+        if cost is None or not cost.trials_with_steps
+        else (
+            f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {cost.epsilon:.3g} at "
+            f"δ = {cost.delta:g} (basic composition: ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g}))"
+        )
+    )
     parts = []
     if not adaptive and not stopping:
-        parts.append(f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
-                     f"sampling, fresh secret coins per trial). Configurations are drawn independently of the data "
-                     f"({space.sampler.name} search from the public seed), so the trials compose: "
-                     + (f"releasing every trial's model costs the {whole}." if whole else
-                        "releasing every trial's model costs their composition."))
+        parts.append(
+            f"Each trial's trained model is (ε, δ = {delta:g})-DP at its cell's ε (PRV accountant, Poisson "
+            f"sampling, fresh secret coins per trial). Configurations are drawn independently of the data "
+            f"({space.sampler.name} search from the public seed), so the trials compose: "
+            + (
+                f"releasing every trial's model costs the {whole}."
+                if whole
+                else "releasing every trial's model costs their composition."
+            )
+        )
     else:
-        parts.append(f"Each trial's noisy training steps are DP-SGD at its cell's ε (δ = {delta:g}; PRV accountant, "
-                     "Poisson sampling, fresh secret coins per trial), which bounds a trial's model only when its "
-                     "configuration and length are fixed independently of the data.")
+        parts.append(
+            f"Each trial's noisy training steps are DP-SGD at its cell's ε (δ = {delta:g}; PRV accountant, "
+            "Poisson sampling, fresh secret coins per trial), which bounds a trial's model only when its "
+            "configuration and length are fixed independently of the data."
+        )
         if adaptive:
-            parts.append("Here TPE proposes each configuration from earlier trials' exact validation accuracies "
-                         "(not DP), so which configurations ran depends on private rows: no trial's model, and no "
-                         "set of them, is (ε, δ)-DP as released.")
+            parts.append(
+                "Here TPE proposes each configuration from earlier trials' exact validation accuracies "
+                "(not DP), so which configurations ran depends on private rows: no trial's model, and no "
+                "set of them, is (ε, δ)-DP as released."
+            )
         if stopping:
-            parts.append("ASHA stops runs on exact validation accuracies of private rows (not DP): which runs "
-                         "stopped, when, and all that reveals it (steps taken, statuses, which models exist) is "
-                         "outside (ε, δ); a stopped run is charged the steps it took, and releasing the surviving "
-                         "models is not (ε, δ)-DP.")
+            parts.append(
+                "ASHA stops runs on exact validation accuracies of private rows (not DP): which runs "
+                "stopped, when, and all that reveals it (steps taken, statuses, which models exist) is "
+                "outside (ε, δ); a stopped run is charged the steps it took, and releasing the surviving "
+                "models is not (ε, δ)-DP."
+            )
         if whole:
-            parts.append(f"The {whole} counts the noisy steps of every trial; it is not a bound on releasing them, "
-                         "because of the adaptivity above.")
-        parts.append("Use sampler random or grid without a scheduler for a composition bound over released trials, "
-                     "or privacy.private_selection for an end-to-end one.")
+            parts.append(
+                f"The {whole} counts the noisy steps of every trial; it is not a bound on releasing them, "
+                "because of the adaptivity above."
+            )
+        parts.append(
+            "Use sampler random or grid without a scheduler for a composition bound over released trials, "
+            "or privacy.private_selection for an end-to-end one."
+        )
     parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
     parts.append(f"NOT covered by (ε, δ): {_OUTSIDE}.")
     parts.append(_test_split(dataset, official_test_split, private_selection=False))
-    parts.append("Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
-                 "privacy.private_selection for an end-to-end guarantee.")
+    parts.append(
+        "Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
+        "privacy.private_selection for an end-to-end guarantee."
+    )
     return " ".join(parts)
 
 
@@ -185,8 +227,9 @@ def select_release(trials: pd.DataFrame, runs: int) -> pd.Series | None:
     if len(trials) > runs:
         keep = np.random.default_rng().choice(len(trials), size=runs, replace=False)
         trials = trials.iloc[np.sort(keep)]
-    scored = trials[(trials["status"] == "ok") & trials["noisy_val_accuracy"].map(
-        lambda v: v is not None and math.isfinite(v))]
+    scored = trials[
+        (trials["status"] == "ok") & trials["noisy_val_accuracy"].map(lambda v: v is not None and math.isfinite(v))
+    ]
     if scored.empty:
         return None
     return scored.loc[scored["noisy_val_accuracy"].idxmax()]

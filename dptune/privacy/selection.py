@@ -52,8 +52,9 @@ def draw_trial_count(mean_trials: float, shape: float, rng: np.random.Generator)
             return count
 
 
-def _trial_rdp(orders: np.ndarray, candidates: Sequence[TrialMechanism],
-               score_noise_multiplier: float | None) -> np.ndarray:
+def _trial_rdp(
+    orders: np.ndarray, candidates: Sequence[TrialMechanism], score_noise_multiplier: float | None
+) -> np.ndarray:
     """RDP curve of one trial that runs one of ``candidates`` (picked independently of the data),
     then, with ``score_noise_multiplier`` (σ_s), releases its validation score with Gaussian noise
     of std σ_s on a sensitivity-1 count.
@@ -63,16 +64,27 @@ def _trial_rdp(orders: np.ndarray, candidates: Sequence[TrialMechanism],
     """
     from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 
-    curves = [rdp_of_event(orders, SelfComposedDpEvent(
-        PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps)) for m in candidates]
+    curves = [
+        rdp_of_event(
+            orders,
+            SelfComposedDpEvent(PoissonSampledDpEvent(m.sample_rate, GaussianDpEvent(m.noise_multiplier)), m.steps),
+        )
+        for m in candidates
+    ]
     rdp = np.max(curves, axis=0)
     if score_noise_multiplier is not None:
         rdp = rdp + orders / (2 * score_noise_multiplier**2)
     return rdp
 
 
-def selection_epsilon(candidates: Sequence[TrialMechanism], mean_trials: float, delta: float, *,
-                      shape: float = 1.0, score_noise_multiplier: float | None = None) -> float:
+def selection_epsilon(
+    candidates: Sequence[TrialMechanism],
+    mean_trials: float,
+    delta: float,
+    *,
+    shape: float = 1.0,
+    score_noise_multiplier: float | None = None,
+) -> float:
     """ε of private selection: run a trial K times, K random with mean ``mean_trials``, release the best.
 
     Papernot & Steinke, "Hyperparameter tuning with Renyi differential privacy" (ICLR 2022,
@@ -132,9 +144,16 @@ class PrivateSelectionPlan:
 SELECTION_EPSILON_RTOL = 0.02
 
 
-def plan_private_selection(epsilon_total: float, delta: float, mean_trials: float,
-                           sample_rates: Sequence[float], steps: Sequence[int], *, shape: float = 1.0,
-                           score_noise_multiplier: float | None = None) -> PrivateSelectionPlan:
+def plan_private_selection(
+    epsilon_total: float,
+    delta: float,
+    mean_trials: float,
+    sample_rates: Sequence[float],
+    steps: Sequence[int],
+    *,
+    shape: float = 1.0,
+    score_noise_multiplier: float | None = None,
+) -> PrivateSelectionPlan:
     """The largest per-trial ε (within ``SELECTION_EPSILON_RTOL``) whose trials, run a random number
     of times with mean ``mean_trials`` and released best-only, meet (``epsilon_total``, δ).
 
@@ -147,15 +166,21 @@ def plan_private_selection(epsilon_total: float, delta: float, mean_trials: floa
     number of trials, raise the score noise or the total).
     """
     epsilon_total = checked_epsilon(epsilon_total, "epsilon_total")
-    require(len(sample_rates) == len(steps) and len(steps) > 0, "sample_rates and steps", (sample_rates, steps),
-            "non-empty and of equal length")
+    require(
+        len(sample_rates) == len(steps) and len(steps) > 0,
+        "sample_rates and steps",
+        (sample_rates, steps),
+        "non-empty and of equal length",
+    )
 
     def plan(epsilon_per_trial: float) -> PrivateSelectionPlan:
-        sigmas = tuple(calibrate_noise_multiplier(epsilon_per_trial, delta, q, t)
-                       for q, t in zip(sample_rates, steps, strict=True))
+        sigmas = tuple(
+            calibrate_noise_multiplier(epsilon_per_trial, delta, q, t) for q, t in zip(sample_rates, steps, strict=True)
+        )
         candidates = [TrialMechanism(s, q, t) for s, q, t in zip(sigmas, sample_rates, steps, strict=True)]
-        bound = selection_epsilon(candidates, mean_trials, delta, shape=shape,
-                                  score_noise_multiplier=score_noise_multiplier)
+        bound = selection_epsilon(
+            candidates, mean_trials, delta, shape=shape, score_noise_multiplier=score_noise_multiplier
+        )
         return PrivateSelectionPlan(epsilon_total, delta, epsilon_per_trial, sigmas, bound)
 
     low = plan(MIN_EPSILON)
@@ -163,7 +188,8 @@ def plan_private_selection(epsilon_total: float, delta: float, mean_trials: floa
         raise PrivacyParameterError(
             f"epsilon_total={epsilon_total:g} is unreachable with a mean of {mean_trials:g} trials: even "
             f"{MIN_EPSILON:g} per trial costs {low.epsilon_selection:.3g} by the private-selection bound; "
-            "raise the total, lower sampler.trials_per_cell or raise the score noise")
+            "raise the total, lower sampler.trials_per_cell or raise the score noise"
+        )
     high = plan(epsilon_total)
     if high.epsilon_selection <= epsilon_total:
         return high

@@ -43,8 +43,20 @@ LEDGER_VERSION = 1
 
 #: Columns of :func:`charged_runs`: those ``privacy.search.composition_cost`` reads, and how each
 #: run is known.
-CHARGED_COLUMNS = ("run", "search_id", "trial_id", "cell_id", "clipping", "noise_multiplier", "sample_rate", "steps",
-                   "steps_taken", "epsilon_spent", "status", "ended")
+CHARGED_COLUMNS = (
+    "run",
+    "search_id",
+    "trial_id",
+    "cell_id",
+    "clipping",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "steps_taken",
+    "epsilon_spent",
+    "status",
+    "ended",
+)
 
 
 class LedgerError(DptuneError, ValueError):
@@ -90,10 +102,17 @@ def _folder(runs_root: str) -> str:
 
 
 def _write(runs_root: str, kind: str, entries: list[dict[str, Any]], durable: bool) -> None:
-    document = {"version": LEDGER_VERSION, "kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
-                "written_at": pd.Timestamp.now(tz="UTC").isoformat(), "entries": entries}
-    write_file_atomic(_folder(runs_root), f"{kind}-{uuid.uuid4().hex}.json", json.dumps(document).encode(),
-                      durable=durable)
+    document = {
+        "version": LEDGER_VERSION,
+        "kind": kind,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "written_at": pd.Timestamp.now(tz="UTC").isoformat(),
+        "entries": entries,
+    }
+    write_file_atomic(
+        _folder(runs_root), f"{kind}-{uuid.uuid4().hex}.json", json.dumps(document).encode(), durable=durable
+    )
 
 
 def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
@@ -106,9 +125,15 @@ def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
         return []
     runs = [uuid.uuid4().hex for _ in starts]
     fields = RunStart.__dataclass_fields__
-    _write(runs_root, "start", [{"run": run, **{field: getattr(start, field) for field in fields},
-                                 "params": dict(start.params)} for run, start in zip(runs, starts, strict=True)],
-           durable=True)
+    _write(
+        runs_root,
+        "start",
+        [
+            {"run": run, **{field: getattr(start, field) for field in fields}, "params": dict(start.params)}
+            for run, start in zip(runs, starts, strict=True)
+        ],
+        durable=True,
+    )
     return runs
 
 
@@ -139,9 +164,11 @@ def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             entries = list(document["entries"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if name.startswith("start-"):
-                raise LedgerError(f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
-                                  f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed "
-                                  "(restore the file from a backup)") from None
+                raise LedgerError(
+                    f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
+                    f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed "
+                    "(restore the file from a backup)"
+                ) from None
             continue
         (starts if name.startswith("start-") else ends if name.startswith("end-") else []).extend(entries)
     return starts, ends
@@ -170,20 +197,39 @@ def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = N
         end = by_run.get(start["run"])
         if end is None and by_trial.get(start["trial_id"]):
             end = by_trial[start["trial_id"]].pop(0)
-        row = {name: start.get(name) for name in ("run", "search_id", "trial_id", "cell_id", "clipping",
-                                                   "noise_multiplier", "sample_rate", "steps")}
+        row = {
+            name: start.get(name)
+            for name in (
+                "run",
+                "search_id",
+                "trial_id",
+                "cell_id",
+                "clipping",
+                "noise_multiplier",
+                "sample_rate",
+                "steps",
+            )
+        }
         if end is None:
-            row.update(steps_taken=int(start["steps"]), epsilon_spent=float(start["epsilon"]), status="unrecorded",
-                       ended=False)
+            row.update(
+                steps_taken=int(start["steps"]), epsilon_spent=float(start["epsilon"]), status="unrecorded", ended=False
+            )
         else:
-            row.update(steps_taken=int(end["steps_taken"]), epsilon_spent=float(end["epsilon_spent"]),
-                       status=str(end["status"]), ended=True)
+            row.update(
+                steps_taken=int(end["steps_taken"]),
+                epsilon_spent=float(end["epsilon_spent"]),
+                status=str(end["status"]),
+                ended=True,
+            )
         rows.append(row)
     charged = pd.DataFrame(rows, columns=list(CHARGED_COLUMNS))
     if trials is not None and not trials.empty:
         mine = trials[trials["search_id"] == search_id]
         before = mine[~mine["trial_id"].isin(set(charged["trial_id"]))].assign(run=None, ended=True)
         if not before.empty:
-            charged = pd.concat([charged, before[list(CHARGED_COLUMNS)]], ignore_index=True) if len(charged) \
+            charged = (
+                pd.concat([charged, before[list(CHARGED_COLUMNS)]], ignore_index=True)
+                if len(charged)
                 else before[list(CHARGED_COLUMNS)].reset_index(drop=True)
+            )
     return charged

@@ -18,9 +18,18 @@ def replicate_trial_id(configuration_id: str, replicate: int) -> str:
     return f"{configuration_id}-r{replicate}"
 
 
-def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: str,
-               reference_batch_size: int, versions: Mapping[str, str], finished_at: pd.Timestamp,
-               configuration_id: str | None = None, replicate: int = 0) -> dict[str, list[dict[str, Any]]]:
+def trial_rows(
+    result: TrialResult,
+    *,
+    search_id: str,
+    trial_id: str,
+    cell_id: str,
+    reference_batch_size: int,
+    versions: Mapping[str, str],
+    finished_at: pd.Timestamp,
+    configuration_id: str | None = None,
+    replicate: int = 0,
+) -> dict[str, list[dict[str, Any]]]:
     """Flatten one ``TrialResult`` into rows for each per-trial table.
 
     ``configuration_id`` names the configuration the trial is replicate ``replicate`` (0-based) of;
@@ -35,17 +44,55 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
         "configuration_id": trial_id if configuration_id is None else configuration_id,
         "replicate": replicate,
         "cell_id": cell_id,
-        **{name: config[name] for name in (
-            "dataset", "backbone", "peft", "fraction", "epsilon", "delta", "epochs", "clip_bound",
-            "batch_size", "base_learning_rate", "learning_rate", "optimizer", "clipping", "seed", "split_seed",
-            "score_noise_multiplier")},
+        **{
+            name: config[name]
+            for name in (
+                "dataset",
+                "backbone",
+                "peft",
+                "fraction",
+                "epsilon",
+                "delta",
+                "epochs",
+                "clip_bound",
+                "batch_size",
+                "base_learning_rate",
+                "learning_rate",
+                "optimizer",
+                "clipping",
+                "seed",
+                "split_seed",
+                "score_noise_multiplier",
+            )
+        },
         "released": False,
         "reference_batch_size": reference_batch_size,
-        **{name: getattr(result, name) for name in (
-            "noise_multiplier", "sample_rate", "steps", "steps_taken", "epsilon_spent", "noisy_val_accuracy", "status",
-            "reason", "val_accuracy", "test_accuracy", "train_loss", "num_train", "num_val", "num_test",
-            "num_classes", "trainable_parameters", "wall_time_s", "diagnostics_wall_time_s", "examples_per_s", "device",
-            "engine")},
+        **{
+            name: getattr(result, name)
+            for name in (
+                "noise_multiplier",
+                "sample_rate",
+                "steps",
+                "steps_taken",
+                "epsilon_spent",
+                "noisy_val_accuracy",
+                "status",
+                "reason",
+                "val_accuracy",
+                "test_accuracy",
+                "train_loss",
+                "num_train",
+                "num_val",
+                "num_test",
+                "num_classes",
+                "trainable_parameters",
+                "wall_time_s",
+                "diagnostics_wall_time_s",
+                "examples_per_s",
+                "device",
+                "engine",
+            )
+        },
         "config": json.dumps(config, sort_keys=True),
         "versions": json.dumps(dict(versions), sort_keys=True),
         "finished_at": finished_at,
@@ -57,19 +104,19 @@ def trial_rows(result: TrialResult, *, search_id: str, trial_id: str, cell_id: s
     classes = []
     for label in labels:
         diag = per_class.get(label)
-        classes.append({
-            **keys,
-            "label": label,
-            "class_name": result.class_names.get(label, str(label)),
-            "val_accuracy": result.class_val_accuracy.get(label),
-            "test_accuracy": result.class_accuracy.get(label),
-            "diagnostic_epoch": last.epoch if last is not None and diag else None,
-            "probe_examples": diag.examples if diag else None,
-            **{f"grad_norm_{q}": diag.grad_norm_quantiles.get(q) if diag else None for q in QUANTILES},
-            "clipped_fraction": diag.clipped_fraction if diag else None,
-            "retention_weight": diag.retention_weight if diag else None,
-        })
-    diagnostics = [
-        {**keys, **{k: v for k, v in asdict(d).items() if k != "classes"}} for d in result.diagnostics
-    ]
+        classes.append(
+            {
+                **keys,
+                "label": label,
+                "class_name": result.class_names.get(label, str(label)),
+                "val_accuracy": result.class_val_accuracy.get(label),
+                "test_accuracy": result.class_accuracy.get(label),
+                "diagnostic_epoch": last.epoch if last is not None and diag else None,
+                "probe_examples": diag.examples if diag else None,
+                **{f"grad_norm_{q}": diag.grad_norm_quantiles.get(q) if diag else None for q in QUANTILES},
+                "clipped_fraction": diag.clipped_fraction if diag else None,
+                "retention_weight": diag.retention_weight if diag else None,
+            }
+        )
+    diagnostics = [{**keys, **{k: v for k, v in asdict(d).items() if k != "classes"}} for d in result.diagnostics]
     return {"trials": [trial], "epochs": epochs, "classes": classes, "diagnostics": diagnostics}

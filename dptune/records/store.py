@@ -35,7 +35,6 @@ def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
     return filesystem(root)
 
 
-
 class ResultsStore:
     """Writes and reads one search's dataset under ``root`` (local path or URI)."""
 
@@ -100,16 +99,23 @@ def part_problem(store: ResultsStore, table: str, part: str) -> str | None:
     except (pa.ArrowException, OSError) as exc:
         return f"not a readable Parquet file ({str(exc).strip().splitlines()[0][:160] if str(exc) else 'unreadable'})"
     expected = SCHEMAS[table]
-    wrong = [f"{field.name} is {field.type}, expected {expected.field(field.name).type}" for field in found
-             if field.name in expected.names and not field.type.equals(expected.field(field.name).type)]
+    wrong = [
+        f"{field.name} is {field.type}, expected {expected.field(field.name).type}"
+        for field in found
+        if field.name in expected.names and not field.type.equals(expected.field(field.name).type)
+    ]
     return f"its schema differs from table '{table}': {'; '.join(wrong)[:200]}" if wrong else None
 
 
 def unreadable_parts(root: str) -> list[tuple[str, str, str]]:
     """Every part of the dataset at ``root`` that cannot be read: ``(table, path, problem)``."""
     store = ResultsStore(root)
-    return [(table, part, problem) for table in TABLES for part in _part_paths(store, table)
-            if (problem := part_problem(store, table, part)) is not None]
+    return [
+        (table, part, problem)
+        for table in TABLES
+        for part in _part_paths(store, table)
+        if (problem := part_problem(store, table, part)) is not None
+    ]
 
 
 def quarantine_part(root: str, table: str, part: str) -> str:
@@ -138,15 +144,20 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
         return schema.empty_table().select(selected).to_pandas()
     fill_ids = "configuration_id" in selected and "trial_id" not in selected
     try:
-        frame = pq.ParquetDataset(parts, filesystem=store._fs, schema=schema).read(
-            columns=[*selected, "trial_id"] if fill_ids else selected).to_pandas()
+        frame = (
+            pq.ParquetDataset(parts, filesystem=store._fs, schema=schema)
+            .read(columns=[*selected, "trial_id"] if fill_ids else selected)
+            .to_pandas()
+        )
     except (pa.ArrowException, OSError) as exc:
         bad = [(part, problem) for part in parts if (problem := part_problem(store, table, part)) is not None]
         if not bad:
             raise
         part, problem = bad[0]
-        raise RecordsError(f"{part}: {problem} ({len(bad)} unreadable part(s) in table '{table}'; move "
-                           "them aside, or run python -m dptune.search --resume --quarantine-corrupt)") from exc
+        raise RecordsError(
+            f"{part}: {problem} ({len(bad)} unreadable part(s) in table '{table}'; move "
+            "them aside, or run python -m dptune.search --resume --quarantine-corrupt)"
+        ) from exc
     if table not in ("trials", "search", "release") and "trial_id" in frame:
         frame = frame[frame["trial_id"].isin(store.completed_trial_ids())].reset_index(drop=True)
     if table == "trials":

@@ -19,10 +19,12 @@ def batch_noise(ctx: Context) -> Section:
         section.note("Missing: no trial recorded σ and T (no finished trials yet).")
         return section
     bounds = an.min_steps(ctx.results)
-    section.text("σ√T is the cumulative DP noise (σ: noise multiplier the trial trained with, T: its steps); the "
-                 "rule picks the smallest B on the plateau of σ√T subject to T ≥ T_min (dptune.plan). σ/B is the "
-                 "old per-step rule's noise std of the mean gradient (in units of C), which keeps falling to full "
-                 "batch under fixed epochs.")
+    section.text(
+        "σ√T is the cumulative DP noise (σ: noise multiplier the trial trained with, T: its steps); the "
+        "rule picks the smallest B on the plateau of σ√T subject to T ≥ T_min (dptune.plan). σ/B is the "
+        "old per-step rule's noise std of the mean gradient (in units of C), which keeps falling to full "
+        "batch under fixed epochs."
+    )
     for task in ctx.tasks:
         part = table[table["task"] == task]
         if part.empty:
@@ -48,17 +50,33 @@ def batch_noise(ctx: Context) -> Section:
                 noisy = line[np.isfinite(line["cumulative_noise"])]
                 marker = MARKERS[k % len(MARKERS)]
                 top.plot(noisy["batch_size"], noisy["cumulative_noise"], color=colors[epsilon], marker=marker)
-                per_step.plot(noisy["batch_size"], noisy["per_step_noise"], color=colors[epsilon], linestyle=":",
-                              linewidth=1.2)
+                per_step.plot(
+                    noisy["batch_size"], noisy["per_step_noise"], color=colors[epsilon], linestyle=":", linewidth=1.2
+                )
                 measured = line[np.isfinite(line["test_accuracy"])]
-                bottom.plot(measured["batch_size"], 100 * measured["test_accuracy"], color=colors[epsilon],
-                            marker=marker)
+                bottom.plot(
+                    measured["batch_size"], 100 * measured["test_accuracy"], color=colors[epsilon], marker=marker
+                )
                 recommended = noisy[noisy["batch_size"] == line["recommended_batch_size"].iloc[0]]
-                top.plot(recommended["batch_size"], recommended["cumulative_noise"], marker="v", markersize=11,
-                         color=colors[epsilon], markeredgecolor="black", linestyle="none")
+                top.plot(
+                    recommended["batch_size"],
+                    recommended["cumulative_noise"],
+                    marker="v",
+                    markersize=11,
+                    color=colors[epsilon],
+                    markeredgecolor="black",
+                    linestyle="none",
+                )
                 best = line[line["measured_best"]]
-                bottom.plot(best["batch_size"], 100 * best["test_accuracy"], marker="*", markersize=14,
-                            color=colors[epsilon], markeredgecolor="black", linestyle="none")
+                bottom.plot(
+                    best["batch_size"],
+                    100 * best["test_accuracy"],
+                    marker="*",
+                    markersize=14,
+                    color=colors[epsilon],
+                    markeredgecolor="black",
+                    linestyle="none",
+                )
             feasible = both.loc[both["steps"] >= bounds.get(task, 0), "batch_size"]
             infeasible = both.loc[both["steps"] < bounds.get(task, 0), "batch_size"]
             if len(feasible) and len(infeasible) and infeasible.min() > feasible.max():
@@ -73,21 +91,42 @@ def batch_noise(ctx: Context) -> Section:
             per_step.set_ylabel("per-step noise σ/B (dotted, log)", fontsize=8)
             top.set_ylabel("cumulative noise σ√T")
             bottom.set_ylabel("test accuracy (%) at B\n(C, η chosen on validation)")
-            top.set_title(f"E = {n_epochs}" + (f" (T_min = {bounds[task]}; shaded: T < T_min)"
-                                               if task in bounds else ""), fontsize=8)
-        handles = [Line2D([], [], color=colors[e], marker=MARKERS[k % len(MARKERS)], label=f"ε = {e:g}")
-                   for k, e in enumerate(epsilons)]
-        handles += [Line2D([], [], color="black", linestyle=":", label="σ/B, old per-step rule (right axis)"),
-                    Line2D([], [], color="white", marker="v", markeredgecolor="black", markersize=10,
-                           label="rule's recommended B"),
-                    Line2D([], [], color="white", marker="*", markeredgecolor="black", markersize=12,
-                           label="measured best B (on validation)")]
+            top.set_title(
+                f"E = {n_epochs}" + (f" (T_min = {bounds[task]}; shaded: T < T_min)" if task in bounds else ""),
+                fontsize=8,
+            )
+        handles = [
+            Line2D([], [], color=colors[e], marker=MARKERS[k % len(MARKERS)], label=f"ε = {e:g}")
+            for k, e in enumerate(epsilons)
+        ]
+        handles += [
+            Line2D([], [], color="black", linestyle=":", label="σ/B, old per-step rule (right axis)"),
+            Line2D(
+                [], [], color="white", marker="v", markeredgecolor="black", markersize=10, label="rule's recommended B"
+            ),
+            Line2D(
+                [],
+                [],
+                color="white",
+                marker="*",
+                markeredgecolor="black",
+                markersize=12,
+                label="measured best B (on validation)",
+            ),
+        ]
         figure.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
         figure.suptitle(f"{task}: cumulative DP noise and measured accuracy against B", fontsize=10)
         ctx.writer.figure(section, figure, "fig6-cumulative-noise", task)
     summary = an.batch_size_rule_check(table)
-    section.table(summary, {"epsilon": format_sig, "recommended_accuracy": format_percent, "best_accuracy": format_percent,
-                            "accuracy_gap": format_points},
-                  "Does the rule's recommended B match the measured best B (selected on validation)? Accuracies "
-                  "are test accuracies (%) of the best trial at that B; gap in points.")
+    section.table(
+        summary,
+        {
+            "epsilon": format_sig,
+            "recommended_accuracy": format_percent,
+            "best_accuracy": format_percent,
+            "accuracy_gap": format_points,
+        },
+        "Does the rule's recommended B match the measured best B (selected on validation)? Accuracies "
+        "are test accuracies (%) of the best trial at that B; gap in points.",
+    )
     return section

@@ -21,13 +21,28 @@ from dptune.report.overview import overview
 from dptune.report.retention import retention
 
 SECTIONS: tuple[Callable[[Context], Section], ...] = (
-    overview, heatmaps, optimal, grad_norms, retention, auto_s, batch_noise, clipping, guidelines,
-    efficiency)
+    overview,
+    heatmaps,
+    optimal,
+    grad_norms,
+    retention,
+    auto_s,
+    batch_noise,
+    clipping,
+    guidelines,
+    efficiency,
+)
 
 
-def build_report(paths: Sequence[str], out: str | Path, *, hard_fraction: float = 0.5,
-                 hard_classes: Collection[str] | None = None, near_optimal: float = an.NEAR_OPTIMAL,
-                 title: str | None = None) -> Path:
+def build_report(
+    paths: Sequence[str],
+    out: str | Path,
+    *,
+    hard_fraction: float = 0.5,
+    hard_classes: Collection[str] | None = None,
+    near_optimal: float = an.NEAR_OPTIMAL,
+    title: str | None = None,
+) -> Path:
     """Build the report of the result datasets at ``paths`` into folder ``out``; return its index.html.
 
     ``hard_fraction`` (0 < f < 1) and ``hard_classes`` (labels or names) define the strata
@@ -44,16 +59,21 @@ def build_report(paths: Sequence[str], out: str | Path, *, hard_fraction: float 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise an.AnalysisError(f"--out {out}: exists and is not a folder")
-    options = Options(hard_fraction=hard_fraction, hard_classes=tuple(hard_classes) if hard_classes else None,
-                      near_optimal=near_optimal, title=title or f"dptune report: {', '.join(map(_name, paths))}")
+    options = Options(
+        hard_fraction=hard_fraction,
+        hard_classes=tuple(hard_classes) if hard_classes else None,
+        near_optimal=near_optimal,
+        title=title or f"dptune report: {', '.join(map(_name, paths))}",
+    )
     results = an.load_results(paths)
     strata = an.class_strata(results, hard_fraction, options.hard_classes)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("fig*.png"):  # figures of an earlier build into the same folder
         if any(stale.name.startswith(info.key) for info in FIGURES):
             stale.unlink()
-    ctx = Context(results=results, strata=strata, tasks=an.task_order(results), options=options,
-                  writer=ReportWriter(out))
+    ctx = Context(
+        results=results, strata=strata, tasks=an.task_order(results), options=options, writer=ReportWriter(out)
+    )
     sections = [make(ctx) for make in SECTIONS]
     index = out / "index.html"
     index.write_text(render(sections, options.title, results.sources, time.monotonic() - started), encoding="utf-8")

@@ -13,17 +13,28 @@ from dptune.report.figures import figure_index
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(
         prog="python -m dptune.report",
-        description="Difficulty-stratified HTML report (figures as embedded PNG) from dptune result datasets.")
+        description="Difficulty-stratified HTML report (figures as embedded PNG) from dptune result datasets.",
+    )
     parser.add_argument("results", nargs="*", metavar="RESULTS", help="result dataset folders (or URIs)")
     parser.add_argument("--out", help="output folder, e.g. reports/NAME (created; index.html and PNGs go there)")
     strata = parser.add_mutually_exclusive_group()
-    strata.add_argument("--hard-fraction", type=float, default=0.5,
-                        help="share of each task's classes called hard, by accuracy in the reference trial "
-                             "(0 < f < 1; default %(default)s = median split)")
-    strata.add_argument("--hard-classes", help="comma-separated labels or class names that are hard (overrides "
-                                               "--hard-fraction)")
-    parser.add_argument("--near-optimal", type=float, default=100 * an.NEAR_OPTIMAL, metavar="POINTS",
-                        help="tolerance of near-optimal settings in accuracy points (default %(default)g)")
+    strata.add_argument(
+        "--hard-fraction",
+        type=float,
+        default=0.5,
+        help="share of each task's classes called hard, by accuracy in the reference trial "
+        "(0 < f < 1; default %(default)s = median split)",
+    )
+    strata.add_argument(
+        "--hard-classes", help="comma-separated labels or class names that are hard (overrides --hard-fraction)"
+    )
+    parser.add_argument(
+        "--near-optimal",
+        type=float,
+        default=100 * an.NEAR_OPTIMAL,
+        metavar="POINTS",
+        help="tolerance of near-optimal settings in accuracy points (default %(default)g)",
+    )
     parser.add_argument("--title", help="report title")
     parser.add_argument("--figure-index", action="store_true", help="print the Markdown index of the figures and exit")
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
@@ -43,8 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         an.check_results_paths(args.results)
         probe_writable(args.out, "--out")
-        index = build_report(args.results, args.out, hard_fraction=args.hard_fraction, hard_classes=hard,
-                             near_optimal=args.near_optimal / 100, title=args.title)
+        index = build_report(
+            args.results,
+            args.out,
+            hard_fraction=args.hard_fraction,
+            hard_classes=hard,
+            near_optimal=args.near_optimal / 100,
+            title=args.title,
+        )
     except DptuneError as exc:  # bad input (a corrupt part, an unwritable --out...); anything else is a bug
         report_and_exit(exc)
     figures = len(list(index.parent.glob("fig*.png")))

@@ -22,27 +22,51 @@ def clipping(ctx: Context) -> Section:
     if table.empty:
         section.note("Missing: no diagnostics recorded (C* and the MSE split need diagnostics: true).")
         return section
-    section.text("C* minimises the per-step MSE of the clipped noisy gradient against the true one on the probe "
-                 "(Theorem 5.2, no sampling noise); it needs the true gradients, so it explains the tuned C "
-                 "rather than picking it privately. Lower MSE tightens the per-step progress bound (Theorem 5.4).")
+    section.text(
+        "C* minimises the per-step MSE of the clipped noisy gradient against the true one on the probe "
+        "(Theorem 5.2, no sampling noise); it needs the true gradients, so it explains the tuned C "
+        "rather than picking it privately. Lower MSE tightens the per-step progress bound (Theorem 5.4)."
+    )
     best = an.optimal_settings(ctx.results, ctx.options.near_optimal)
     figure, axes, panels = task_epoch_panels(ctx, table)
     for ax, task, n_epochs, part in panels:
         part = part.sort_values("epsilon")
         tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
-        ax.fill_between(part["epsilon"], part["optimal_clip_low"], part["optimal_clip_high"], color="grey",
-                        alpha=0.3, label="C* range over the cell's trials")
-        ax.plot(part["epsilon"], part["optimal_clip_bound"], color="grey", marker="D", linestyle="--",
-                label="C* of the best trial")
+        ax.fill_between(
+            part["epsilon"],
+            part["optimal_clip_low"],
+            part["optimal_clip_high"],
+            color="grey",
+            alpha=0.3,
+            label="C* range over the cell's trials",
+        )
+        ax.plot(
+            part["epsilon"],
+            part["optimal_clip_bound"],
+            color="grey",
+            marker="D",
+            linestyle="--",
+            label="C* of the best trial",
+        )
         y = tuned["clip_bound"].to_numpy(dtype=float)
-        ax.errorbar(tuned["epsilon"], y, yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float),
-                                                         tuned["clip_high"].to_numpy(dtype=float) - y]),
-                    color="black", marker="o", capsize=3, label="tuned C (near-optimal range)")
+        ax.errorbar(
+            tuned["epsilon"],
+            y,
+            yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float), tuned["clip_high"].to_numpy(dtype=float) - y]),
+            color="black",
+            marker="o",
+            capsize=3,
+            label="tuned C (near-optimal range)",
+        )
         log_axis(ax, "x", part["epsilon"])
-        log_axis(ax, "y", data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"],
-                                 *tuned["clip_high"]])
-        label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)",
-                     "clip bound (gradient norm, log scale)")
+        log_axis(
+            ax,
+            "y",
+            data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"], *tuned["clip_high"]],
+        )
+        label_panel(
+            ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)", "clip bound (gradient norm, log scale)"
+        )
     figure_legend(figure, axes, 3)
     figure.suptitle("Optimal clip bound C* (Theorem 5.2) against the tuned C", fontsize=10)
     ctx.writer.figure(section, figure, "fig7a-optimal-clip")
@@ -58,32 +82,61 @@ def clipping(ctx: Context) -> Section:
                 if not (cell[["mse_bias", "mse_variance"]].to_numpy() > 0).any():
                     empty_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}")
                     continue
-                for measure, marker, color, label in (("mse_bias", "v", "black", "clipping bias"),
-                                                      ("mse_variance", "^", "grey", "noise variance"),
-                                                      ("mse_total", "o", "none", "MSE = bias + variance")):
+                for measure, marker, color, label in (
+                    ("mse_bias", "v", "black", "clipping bias"),
+                    ("mse_variance", "^", "grey", "noise variance"),
+                    ("mse_total", "o", "none", "MSE = bias + variance"),
+                ):
                     positive = cell[cell[measure] > 0]
-                    ax.scatter(positive["clip_bound"], positive[measure], marker=marker, s=22,
-                               facecolors=color, edgecolors="black", label=label)
-                row_best = table[(table["task"] == task) & (table["epochs"] == n_epochs)
-                                 & (table["epsilon"] == epsilon)]
+                    ax.scatter(
+                        positive["clip_bound"],
+                        positive[measure],
+                        marker=marker,
+                        s=22,
+                        facecolors=color,
+                        edgecolors="black",
+                        label=label,
+                    )
+                row_best = table[
+                    (table["task"] == task) & (table["epochs"] == n_epochs) & (table["epsilon"] == epsilon)
+                ]
                 if len(row_best):
-                    ax.axvline(float(row_best["tuned_clip_bound"].iloc[0]), color="black", linestyle="-",
-                               label="tuned C")
-                    ax.axvline(float(row_best["optimal_clip_median"].iloc[0]), color="black", linestyle=":",
-                               label="median C*")
-                log_axis(ax, "x", None if ctx.results.clip_binned else part["clip_bound"].unique(),
-                          [*cell["clip_bound"],
-                           *row_best[["tuned_clip_bound", "optimal_clip_median"]].to_numpy().ravel()])
+                    ax.axvline(
+                        float(row_best["tuned_clip_bound"].iloc[0]), color="black", linestyle="-", label="tuned C"
+                    )
+                    ax.axvline(
+                        float(row_best["optimal_clip_median"].iloc[0]), color="black", linestyle=":", label="median C*"
+                    )
+                log_axis(
+                    ax,
+                    "x",
+                    None if ctx.results.clip_binned else part["clip_bound"].unique(),
+                    [*cell["clip_bound"], *row_best[["tuned_clip_bound", "optimal_clip_median"]].to_numpy().ravel()],
+                )
                 log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
-                label_panel(ax, f"ε = {epsilon:g}, E = {n_epochs}", "trial clip bound C (log scale)",
-                             "per-step MSE (squared gradient norm)")
+                label_panel(
+                    ax,
+                    f"ε = {epsilon:g}, E = {n_epochs}",
+                    "trial clip bound C (log scale)",
+                    "per-step MSE (squared gradient norm)",
+                )
         figure_legend(figure, axes, 3)
         figure.suptitle(f"{task}: MSE of the clipped noisy gradient, one point per trial", fontsize=10)
         ctx.writer.figure(section, figure, "fig7b-mse-split", task)
-    section.table(table.drop(columns=["trial_id"]),
-                  {"epsilon": format_sig, "tuned_clip_bound": format_sig, "optimal_clip_bound": format_sig, "optimal_clip_low": format_sig,
-                   "optimal_clip_median": format_sig, "optimal_clip_high": format_sig, "mse_bias": format_sig, "mse_variance": format_sig,
-                   "bias_share": format_percent},
-                  "Tuned C (best trial on validation) against C* (Theorem 5.2) at the last diagnostic epoch; MSE "
-                  "split of the best trial at its C (bias share in %).")
+    section.table(
+        table.drop(columns=["trial_id"]),
+        {
+            "epsilon": format_sig,
+            "tuned_clip_bound": format_sig,
+            "optimal_clip_bound": format_sig,
+            "optimal_clip_low": format_sig,
+            "optimal_clip_median": format_sig,
+            "optimal_clip_high": format_sig,
+            "mse_bias": format_sig,
+            "mse_variance": format_sig,
+            "bias_share": format_percent,
+        },
+        "Tuned C (best trial on validation) against C* (Theorem 5.2) at the last diagnostic epoch; MSE "
+        "split of the best trial at its C (bias share in %).",
+    )
     return section

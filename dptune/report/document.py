@@ -39,22 +39,53 @@ def format_int(value: float) -> str:
 
 #: Table headers with symbols and units, by analysis column name.
 _HEADERS = {
-    "epsilon": "ε", "epochs": "E", "cell_id": "cell", "name": "search", "trials_planned": "planned",
-    "mean_best_val_accuracy": "mean best val acc %", "median_grad_norm": "median ‖g‖", "clip_bound": "best C",
-    "batch_size": "best B", "learning_rate": "η", "val_accuracy": "val %", "test_accuracy": "test %",
-    "clip_low": "C low", "clip_high": "C high", "batch_low": "B low", "batch_high": "B high",
-    "near_optimal_trials": "near-optimal trials", "diagnostic_epoch": "probe epoch",
-    "tuned_test_accuracy": "tuned C test %", "auto_s_test_accuracy": "AUTO-S test %", "gap": "gap (points)",
-    "tuned_hard": "tuned C hard classes %", "auto_s_hard": "AUTO-S hard classes %",
-    "recommended_batch_size": "rule's B", "best_batch_size": "measured best B",
+    "epsilon": "ε",
+    "epochs": "E",
+    "cell_id": "cell",
+    "name": "search",
+    "trials_planned": "planned",
+    "mean_best_val_accuracy": "mean best val acc %",
+    "median_grad_norm": "median ‖g‖",
+    "clip_bound": "best C",
+    "batch_size": "best B",
+    "learning_rate": "η",
+    "val_accuracy": "val %",
+    "test_accuracy": "test %",
+    "clip_low": "C low",
+    "clip_high": "C high",
+    "batch_low": "B low",
+    "batch_high": "B high",
+    "near_optimal_trials": "near-optimal trials",
+    "diagnostic_epoch": "probe epoch",
+    "tuned_test_accuracy": "tuned C test %",
+    "auto_s_test_accuracy": "AUTO-S test %",
+    "gap": "gap (points)",
+    "tuned_hard": "tuned C hard classes %",
+    "auto_s_hard": "AUTO-S hard classes %",
+    "recommended_batch_size": "rule's B",
+    "best_batch_size": "measured best B",
     "per_step_rule_batch_size": "old per-step rule's B",
-    "recommended_accuracy": "test % at rule's B", "best_accuracy": "test % at best B", "accuracy_gap": "gap (points)",
-    "tuned_clip_bound": "tuned C", "optimal_clip_bound": "C* (best trial)", "optimal_clip_low": "C* low",
-    "optimal_clip_median": "C* median", "optimal_clip_high": "C* high", "mse_bias": "bias (‖·‖²)",
-    "mse_variance": "variance (‖·‖²)", "bias_share": "bias share %", "diagnosed_trials": "diagnosed trials",
-    "base_learning_rate": "η₀", an.EASY: "easy classes %", an.HARD: "hard classes %",
-    "fixed_test_accuracy": "fixed (C, B) test %", "loss": "loss (points)", "hard_loss": "hard-class loss (points)",
-    "replicates": "R", "test_interval": "test % interval", "noise_set": "within noise",
+    "recommended_accuracy": "test % at rule's B",
+    "best_accuracy": "test % at best B",
+    "accuracy_gap": "gap (points)",
+    "tuned_clip_bound": "tuned C",
+    "optimal_clip_bound": "C* (best trial)",
+    "optimal_clip_low": "C* low",
+    "optimal_clip_median": "C* median",
+    "optimal_clip_high": "C* high",
+    "mse_bias": "bias (‖·‖²)",
+    "mse_variance": "variance (‖·‖²)",
+    "bias_share": "bias share %",
+    "diagnosed_trials": "diagnosed trials",
+    "base_learning_rate": "η₀",
+    an.EASY: "easy classes %",
+    an.HARD: "hard classes %",
+    "fixed_test_accuracy": "fixed (C, B) test %",
+    "loss": "loss (points)",
+    "hard_loss": "hard-class loss (points)",
+    "replicates": "R",
+    "test_interval": "test % interval",
+    "noise_set": "within noise",
     "target_test_accuracy": "grid's best test %",
 }
 
@@ -81,8 +112,9 @@ class Section:
     def note(self, body: str) -> None:
         self.blocks.append(f'<p class="missing">{html.escape(body)}</p>')
 
-    def table(self, frame: pd.DataFrame, formats: Mapping[str, Callable[[float], str]] | None = None,
-              caption: str = "") -> None:
+    def table(
+        self, frame: pd.DataFrame, formats: Mapping[str, Callable[[float], str]] | None = None, caption: str = ""
+    ) -> None:
         shown = frame.copy()
         for column, formatter in (formats or {}).items():
             if column in shown:
@@ -112,7 +144,8 @@ class ReportWriter:
         text = html.escape(info.shows)
         section.blocks.append(
             f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
-            f"<figcaption><b>{html.escape(title)}</b> ({html.escape(name)}). {text}</figcaption></figure>")
+            f"<figcaption><b>{html.escape(title)}</b> ({html.escape(name)}). {text}</figcaption></figure>"
+        )
 
 
 @dataclass(frozen=True)
@@ -158,10 +191,14 @@ nav li{margin:2px 0}
 def render(sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float) -> str:
     """The self-contained HTML document of ``sections``."""
     contents = "".join(f'<li><a href="#s{s.number}">{s.number}. {html.escape(s.title)}</a></li>' for s in sections)
-    body = "".join(f'<section id="s{s.number}"><h2>{s.number}. {html.escape(s.title)}</h2>{"".join(s.blocks)}'
-                   "</section>" for s in sections)
+    body = "".join(
+        f'<section id="s{s.number}"><h2>{s.number}. {html.escape(s.title)}</h2>{"".join(s.blocks)}</section>'
+        for s in sections
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p>dptune {html.escape(__version__)}, built {stamp} in {seconds:.1f} s from "
-            f"{html.escape(', '.join(sources))}.</p><nav><ol>{contents}</ol></nav>{body}</body></html>")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"<p>dptune {html.escape(__version__)}, built {stamp} in {seconds:.1f} s from "
+        f"{html.escape(', '.join(sources))}.</p><nav><ol>{contents}</ol></nav>{body}</body></html>"
+    )

@@ -30,49 +30,92 @@ class FigureInfo:
 
 
 FIGURES: tuple[FigureInfo, ...] = (
-    FigureInfo("fig1-accuracy-heatmaps", 1, "Accuracy over (C, B) (paper Fig. 1)",
-               "Per task, one panel per (E, ε): test accuracy (%) at each clip bound C × batch size B of the "
-               "configuration whose η (and other options) is best on validation there (means over its replicates). "
-               "Blank: not evaluated; 'pruned': T < T_min; 'failed': diverged or error. The cell chosen on "
-               "validation is outlined. C is log-binned when the sampler was continuous.",
-               per_task=True),
-    FigureInfo("fig2-optimal-c-b", 2, "Optimal C and B against ε (paper Fig. 2)",
-               "Optimal C (left) and B (right) per cell against ε, one line per task and E: the configuration "
-               "with the best mean validation accuracy over its replicates; bars: 95 % bootstrap intervals of the "
-               "selected C and B (replicates resampled within each configuration, or the validation score drawn "
-               "from its binomial noise when R = 1, and the best re-selected on validation each round)."),
-    FigureInfo("fig3-grad-norms", 3, "Per-example gradient norms (paper Fig. 3)",
-               "Distribution of ‖g_i‖ on the diagnostic probe of each cell's best diagnosed trial (last "
-               "diagnostic epoch), per ε, easy and hard classes side by side. Tighter privacy and harder "
-               "classes shift it up (the paper's right shift)."),
-    FigureInfo("fig4a-retention-weights", 4, "Retention weights w_y(C) (paper Fig. 4)",
-               "Mean over the easy and over the hard classes of w_y(C) = mean_y min(1, C/‖g_i‖) (Eq. 3), "
-               "computed from the probe gradient norms at the task's C grid, per ε. Small C down-weights "
-               "the hard classes."),
-    FigureInfo("fig4b-stratum-accuracy", 4, "Easy and hard class accuracy against C",
-               "Mean test accuracy of the easy and of the hard classes of the best trial (over B, η, chosen "
-               "on validation) at each C, per ε."),
-    FigureInfo("fig5-auto-s", 5, "AUTO-S against tuned C (paper Fig. 5)",
-               "Test accuracy (all classes and hard classes) of the best tuned-C trial and the best AUTO-S "
-               "trial per cell against ε."),
-    FigureInfo("fig6-cumulative-noise", 6, "Cumulative noise σ√T against B (paper Figs. 6–7)",
-               "Per task, top: σ√T of the recorded trials against B per ε (columns: E), with the per-step "
-               "noise σ/B (old rule, dotted, right axis), the region excluded by the min-step rule T < T_min shaded "
-               "and the "
-               "rule's recommended B marked; bottom: measured test accuracy of the best trial at each B, the "
-               "measured best B starred.", per_task=True),
-    FigureInfo("fig7a-optimal-clip", 7, "C* of Theorem 5.2 against the tuned C",
-               "Per task and E: the tuned C (best on validation, bars: near-optimal range) and C* of Theorem "
-               "5.2 from the best trial's probe (band: C* over all diagnosed trials of the cell) against ε."),
-    FigureInfo("fig7b-mse-split", 7, "Clipping bias and noise variance against C",
-               "Per task, one panel per (E, ε): the per-step MSE of the clipped noisy gradient split into "
-               "clipping bias and noise variance, one point per trial at its own C; vertical lines: tuned C "
-               "and the median C*.", per_task=True),
-    FigureInfo("fig9-search-efficiency", 9, "Search efficiency against a replicated full grid",
-               "Per cell holding a replicated full grid: the share of random draw orders (bootstrap) whose random "
-               "search of k trials, one replicate seen per configuration and the best selected on validation, "
-               "comes within 1 accuracy point of the mean test accuracy of the grid's best configuration, "
-               "against k.", needs="a replicated full grid"),
+    FigureInfo(
+        "fig1-accuracy-heatmaps",
+        1,
+        "Accuracy over (C, B) (paper Fig. 1)",
+        "Per task, one panel per (E, ε): test accuracy (%) at each clip bound C × batch size B of the "
+        "configuration whose η (and other options) is best on validation there (means over its replicates). "
+        "Blank: not evaluated; 'pruned': T < T_min; 'failed': diverged or error. The cell chosen on "
+        "validation is outlined. C is log-binned when the sampler was continuous.",
+        per_task=True,
+    ),
+    FigureInfo(
+        "fig2-optimal-c-b",
+        2,
+        "Optimal C and B against ε (paper Fig. 2)",
+        "Optimal C (left) and B (right) per cell against ε, one line per task and E: the configuration "
+        "with the best mean validation accuracy over its replicates; bars: 95 % bootstrap intervals of the "
+        "selected C and B (replicates resampled within each configuration, or the validation score drawn "
+        "from its binomial noise when R = 1, and the best re-selected on validation each round).",
+    ),
+    FigureInfo(
+        "fig3-grad-norms",
+        3,
+        "Per-example gradient norms (paper Fig. 3)",
+        "Distribution of ‖g_i‖ on the diagnostic probe of each cell's best diagnosed trial (last "
+        "diagnostic epoch), per ε, easy and hard classes side by side. Tighter privacy and harder "
+        "classes shift it up (the paper's right shift).",
+    ),
+    FigureInfo(
+        "fig4a-retention-weights",
+        4,
+        "Retention weights w_y(C) (paper Fig. 4)",
+        "Mean over the easy and over the hard classes of w_y(C) = mean_y min(1, C/‖g_i‖) (Eq. 3), "
+        "computed from the probe gradient norms at the task's C grid, per ε. Small C down-weights "
+        "the hard classes.",
+    ),
+    FigureInfo(
+        "fig4b-stratum-accuracy",
+        4,
+        "Easy and hard class accuracy against C",
+        "Mean test accuracy of the easy and of the hard classes of the best trial (over B, η, chosen "
+        "on validation) at each C, per ε.",
+    ),
+    FigureInfo(
+        "fig5-auto-s",
+        5,
+        "AUTO-S against tuned C (paper Fig. 5)",
+        "Test accuracy (all classes and hard classes) of the best tuned-C trial and the best AUTO-S "
+        "trial per cell against ε.",
+    ),
+    FigureInfo(
+        "fig6-cumulative-noise",
+        6,
+        "Cumulative noise σ√T against B (paper Figs. 6–7)",
+        "Per task, top: σ√T of the recorded trials against B per ε (columns: E), with the per-step "
+        "noise σ/B (old rule, dotted, right axis), the region excluded by the min-step rule T < T_min shaded "
+        "and the "
+        "rule's recommended B marked; bottom: measured test accuracy of the best trial at each B, the "
+        "measured best B starred.",
+        per_task=True,
+    ),
+    FigureInfo(
+        "fig7a-optimal-clip",
+        7,
+        "C* of Theorem 5.2 against the tuned C",
+        "Per task and E: the tuned C (best on validation, bars: near-optimal range) and C* of Theorem "
+        "5.2 from the best trial's probe (band: C* over all diagnosed trials of the cell) against ε.",
+    ),
+    FigureInfo(
+        "fig7b-mse-split",
+        7,
+        "Clipping bias and noise variance against C",
+        "Per task, one panel per (E, ε): the per-step MSE of the clipped noisy gradient split into "
+        "clipping bias and noise variance, one point per trial at its own C; vertical lines: tuned C "
+        "and the median C*.",
+        per_task=True,
+    ),
+    FigureInfo(
+        "fig9-search-efficiency",
+        9,
+        "Search efficiency against a replicated full grid",
+        "Per cell holding a replicated full grid: the share of random draw orders (bootstrap) whose random "
+        "search of k trials, one replicate seen per configuration and the best selected on validation, "
+        "comes within 1 accuracy point of the mean test accuracy of the grid's best configuration, "
+        "against k.",
+        needs="a replicated full grid",
+    ),
 )
 FIGURE_BY_KEY = {info.key: info for info in FIGURES}
 

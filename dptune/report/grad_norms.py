@@ -24,14 +24,20 @@ def grad_norms(ctx: Context) -> Section:
     for ax, task, n_epochs, part in panels:
         epsilons = sorted(part["epsilon"].unique())
         for s, stratum in enumerate(strata):
-            data = [part[(part["epsilon"] == e) & (part["stratum"] == stratum)]["grad_norm"].to_numpy()
-                    for e in epsilons]
+            data = [
+                part[(part["epsilon"] == e) & (part["stratum"] == stratum)]["grad_norm"].to_numpy() for e in epsilons
+            ]
             positions = [i + (s - (len(strata) - 1) / 2) * width for i in range(len(epsilons))]
             keep = [k for k, d in enumerate(data) if len(d)]
             if not keep:
                 continue
-            boxes = ax.boxplot([data[k] for k in keep], positions=[positions[k] for k in keep], widths=width * 0.9,
-                               patch_artist=True, showfliers=False)
+            boxes = ax.boxplot(
+                [data[k] for k in keep],
+                positions=[positions[k] for k in keep],
+                widths=width * 0.9,
+                patch_artist=True,
+                showfliers=False,
+            )
             for patch in boxes["boxes"]:
                 patch.set_facecolor("white" if stratum == an.EASY else "lightgrey")
                 patch.set_hatch("" if stratum == an.EASY else "//")
@@ -39,18 +45,38 @@ def grad_norms(ctx: Context) -> Section:
                 median.set_color("black")
         ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
         log_axis(ax, "y", data=part["grad_norm"])
-        label_panel(ax, f"{task}\nE = {n_epochs}", "privacy budget ε", "per-example gradient norm ‖g_i‖ (log)",
-                     grid_axis="y")
-    handles = [Patch(facecolor="white" if s == an.EASY else "lightgrey",
-                                        hatch="" if s == an.EASY else "//", edgecolor="black", label=f"{s} classes")
-               for s in strata]
+        label_panel(
+            ax, f"{task}\nE = {n_epochs}", "privacy budget ε", "per-example gradient norm ‖g_i‖ (log)", grid_axis="y"
+        )
+    handles = [
+        Patch(
+            facecolor="white" if s == an.EASY else "lightgrey",
+            hatch="" if s == an.EASY else "//",
+            edgecolor="black",
+            label=f"{s} classes",
+        )
+        for s in strata
+    ]
     figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
     figure.suptitle("Probe gradient norms of each cell's best diagnosed trial (last diagnostic epoch)", fontsize=10)
     ctx.writer.figure(section, figure, "fig3-grad-norms")
-    summary = samples.groupby([*an.CELL, "stratum", "diagnostic_epoch"])["grad_norm"].describe(
-        percentiles=[0.25, 0.5, 0.75])[["count", "25%", "50%", "75%"]].reset_index()
-    summary = summary.rename(columns={"count": "probe examples", "25%": "q25 ‖g‖", "50%": "median ‖g‖",
-                                      "75%": "q75 ‖g‖"})
-    section.table(summary, {"epsilon": format_sig, "probe examples": format_int, "q25 ‖g‖": format_sig, "median ‖g‖": format_sig,
-                            "q75 ‖g‖": format_sig}, "Quartiles of the probe gradient norms per cell and stratum.")
+    summary = (
+        samples.groupby([*an.CELL, "stratum", "diagnostic_epoch"])["grad_norm"]
+        .describe(percentiles=[0.25, 0.5, 0.75])[["count", "25%", "50%", "75%"]]
+        .reset_index()
+    )
+    summary = summary.rename(
+        columns={"count": "probe examples", "25%": "q25 ‖g‖", "50%": "median ‖g‖", "75%": "q75 ‖g‖"}
+    )
+    section.table(
+        summary,
+        {
+            "epsilon": format_sig,
+            "probe examples": format_int,
+            "q25 ‖g‖": format_sig,
+            "median ‖g‖": format_sig,
+            "q75 ‖g‖": format_sig,
+        },
+        "Quartiles of the probe gradient norms per cell and stratum.",
+    )
     return section

@@ -16,41 +16,81 @@ def guidelines(ctx: Context) -> Section:
         return section
     binned = ctx.results.clip_binned
     if setting is not None and setting.cells == 1:
-        section.note("The results hold a single cell: a fixed (C, B) is the tuned one there, so its cost across "
-                     "cells cannot be measured (it needs two or more (ε, E) cells or tasks).")
+        section.note(
+            "The results hold a single cell: a fixed (C, B) is the tuned one there, so its cost across "
+            "cells cannot be measured (it needs two or more (ε, E) cells or tasks)."
+        )
     elif setting is None:
-        section.note("No single (C, B) was evaluated in every cell, so the cost of one fixed setting cannot be "
-                     "measured (it needs a grid over (C, B), or more trials per cell).")
+        section.note(
+            "No single (C, B) was evaluated in every cell, so the cost of one fixed setting cannot be "
+            "measured (it needs a grid over (C, B), or more trials per cell)."
+        )
     else:
         hard = table["hard_loss"].mean()
         section.text(
             f"Fixed setting: C {format_level(setting.clip_bin, binned)}, "
             f"B {format_level(setting.batch_bin, ctx.results.batch_binned)} "
             f"— among the (C, B) evaluated in all {setting.cells} cells, the one with the best mean validation "
-            f"accuracy ({format_percent(setting.mean_val_accuracy)} %), with η chosen per cell on validation. Using it "
-            f"everywhere instead of tuning per cell loses {format_points(table['loss'].mean())} points of test accuracy "
+            f"accuracy ({format_percent(setting.mean_val_accuracy)} %), with η chosen per cell on validation. "
+            f"Using it everywhere instead of tuning per cell loses {format_points(table['loss'].mean())} points of "
+            "test accuracy "
             f"on average (largest loss {format_points(table['loss'].max())}), and "
-            + (f"{format_points(hard)} points on the hard classes." if np.isfinite(hard) else
-               "an unknown amount on the hard classes (no strata)."))
+            + (
+                f"{format_points(hard)} points on the hard classes."
+                if np.isfinite(hard)
+                else "an unknown amount on the hard classes (no strata)."
+            )
+        )
     shown = table.assign(
-        test_interval=[f"[{format_percent(low)}, {format_percent(high)}]"
-                       for low, high in zip(table["test_low"], table["test_high"], strict=True)],
-        noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"], strict=True)])
-    columns = [*an.CELL, "clip_bound", "batch_size", "learning_rate", "base_learning_rate", "clipping", "replicates",
-               "val_accuracy", "test_accuracy", "test_interval", "noise_set", an.EASY, an.HARD, "fixed_test_accuracy",
-               "loss", "hard_loss"]
+        test_interval=[
+            f"[{format_percent(low)}, {format_percent(high)}]"
+            for low, high in zip(table["test_low"], table["test_high"], strict=True)
+        ],
+        noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"], strict=True)],
+    )
+    columns = [
+        *an.CELL,
+        "clip_bound",
+        "batch_size",
+        "learning_rate",
+        "base_learning_rate",
+        "clipping",
+        "replicates",
+        "val_accuracy",
+        "test_accuracy",
+        "test_interval",
+        "noise_set",
+        an.EASY,
+        an.HARD,
+        "fixed_test_accuracy",
+        "loss",
+        "hard_loss",
+    ]
     percent = ["val_accuracy", "test_accuracy", an.EASY, an.HARD, "fixed_test_accuracy"]
-    formats = {"epsilon": format_sig, "clip_bound": format_sig, "learning_rate": format_sig, "base_learning_rate": format_sig,
-               **{c: format_percent for c in percent}, "loss": format_points, "hard_loss": format_points}
-    section.table(shown[columns], formats,
-                  "Per cell: the best (C, B, η) selected on mean validation accuracy over its R replicates, its mean "
-                  f"test accuracy with its {100 * an.CONFIDENCE:g} % interval (section 2 says how it is made), how "
-                  "many configurations are within noise of it, and the loss of the fixed (C, B).")
+    formats = {
+        "epsilon": format_sig,
+        "clip_bound": format_sig,
+        "learning_rate": format_sig,
+        "base_learning_rate": format_sig,
+        **{c: format_percent for c in percent},
+        "loss": format_points,
+        "hard_loss": format_points,
+    }
+    section.table(
+        shown[columns],
+        formats,
+        "Per cell: the best (C, B, η) selected on mean validation accuracy over its R replicates, its mean "
+        f"test accuracy with its {100 * an.CONFIDENCE:g} % interval (section 2 says how it is made), how "
+        "many configurations are within noise of it, and the loss of the fixed (C, B).",
+    )
     trend = an.trends(table, an.task_difficulty(ctx.results))
     if trend.empty:
         section.note("No condition varies within the results (one ε, one E, one task): no trend to state.")
     else:
-        section.table(trend, caption="How the best C and B move as the problem gets harder (counts over "
-                                     "comparisons of otherwise equal cells, point estimates: section 2 says which "
-                                     "moves in ε and E are beyond the bootstrap noise).")
+        section.table(
+            trend,
+            caption="How the best C and B move as the problem gets harder (counts over "
+            "comparisons of otherwise equal cells, point estimates: section 2 says which "
+            "moves in ε and E are beyond the bootstrap noise).",
+        )
     return section

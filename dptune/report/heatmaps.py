@@ -19,8 +19,10 @@ def heatmaps(ctx: Context) -> Section:
         section.note("Missing: no finished trial with a tuned clip bound; no heatmap to draw.")
         return section
     if results.clip_binned:
-        section.text(f"C was sampled continuously: it is binned on a log grid of {an.BINS_PER_DECADE} bins per "
-                     "decade aligned to powers of ten; a bin is labelled by its geometric centre (≈).")
+        section.text(
+            f"C was sampled continuously: it is binned on a log grid of {an.BINS_PER_DECADE} bins per "
+            "decade aligned to powers of ten; a bin is labelled by its geometric centre (≈)."
+        )
     unfinished = an.unfinished_bins(results)
     for task in ctx.tasks:
         part = grid[grid["task"] == task]
@@ -30,8 +32,9 @@ def heatmaps(ctx: Context) -> Section:
         epsilons, epochs = budgets_of(part, task)
         clips = sorted(set(part["clip_bin"]) | set(others["clip_bin"]))
         batches = sorted(set(part["batch_bin"]) | set(others["batch_bin"]))
-        figure, axes = new_figure(len(epochs), len(epsilons), width=0.6 * len(batches) + 1.6,
-                                   height=0.42 * len(clips) + 1.3)
+        figure, axes = new_figure(
+            len(epochs), len(epsilons), width=0.6 * len(batches) + 1.6, height=0.42 * len(clips) + 1.3
+        )
         low, high = 100 * part["test_accuracy"].min(), 100 * part["test_accuracy"].max()
         image = None
         for row, n_epochs in enumerate(epochs):
@@ -48,18 +51,36 @@ def heatmaps(ctx: Context) -> Section:
                 for (i, j), value in np.ndenumerate(matrix):
                     if np.isfinite(value):
                         shade = (value - low) / (high - low) if high > low else 0.5
-                        ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7,
-                                color="black" if shade > 0.55 else "white")
+                        ax.text(
+                            j,
+                            i,
+                            f"{value:.1f}",
+                            ha="center",
+                            va="center",
+                            fontsize=7,
+                            color="black" if shade > 0.55 else "white",
+                        )
                 missing = others[(others["epsilon"] == epsilon) & (others["epochs"] == n_epochs)]
                 for item in missing.itertuples(index=False):
-                    ax.text(batches.index(item.batch_bin), clips.index(item.clip_bin), item.outcome, ha="center",
-                            va="center", fontsize=6, color="dimgrey")
+                    ax.text(
+                        batches.index(item.batch_bin),
+                        clips.index(item.clip_bin),
+                        item.outcome,
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="dimgrey",
+                    )
                 best = an.select_best(cell, an.CELL).iloc[0]
                 i, j = clips.index(best["clip_bin"]), batches.index(best["batch_bin"])
                 for color, width in (("white", 3.5), ("black", 1.5)):
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=color, linewidth=width))
-                ax.set_xticks(range(len(batches)), [format_level(b, results.batch_binned) for b in batches],
-                              rotation=45, fontsize=7)
+                ax.set_xticks(
+                    range(len(batches)),
+                    [format_level(b, results.batch_binned) for b in batches],
+                    rotation=45,
+                    fontsize=7,
+                )
                 ax.set_yticks(range(len(clips)), [format_level(c, results.clip_binned) for c in clips], fontsize=7)
                 ax.set_title(f"ε = {epsilon:g}, E = {n_epochs}", fontsize=9)
                 ax.set_xlabel("batch size B (examples, log-spaced)", fontsize=8)

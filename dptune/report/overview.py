@@ -11,43 +11,74 @@ from dptune.report.document import Context, Section, format_percent, format_sig
 def overview(ctx: Context) -> Section:
     section = Section(0, "Overview: what the results hold")
     results = ctx.results
-    section.text(f"Sources: {', '.join(results.sources)}. {len(results.trials)} trial records, "
-                 f"{len(results.finished)} finished (status ok), {len(results.tuned)} with tuned C, "
-                 f"{len(results.auto_s)} AUTO-S. Selection is on validation accuracy; reported accuracies "
-                 "are test accuracies of the selected trials, in %.")
+    section.text(
+        f"Sources: {', '.join(results.sources)}. {len(results.trials)} trial records, "
+        f"{len(results.finished)} finished (status ok), {len(results.tuned)} with tuned C, "
+        f"{len(results.auto_s)} AUTO-S. Selection is on validation accuracy; reported accuracies "
+        "are test accuracies of the selected trials, in %."
+    )
     for note in an.missing_data(results):
         section.note(f"Missing: {note}.")
     for text in an.privacy_statements(results):
         section.text(f"Privacy: {text}")
     if not results.release.empty:
-        columns = {"search_id": "search", "cell_id": "cell", "clip_bound": "C", "batch_size": "B",
-                   "base_learning_rate": "η₀", "learning_rate": "η", "noisy_val_accuracy": "noisy val acc (max, %)",
-                   "test_accuracy": "test acc (%)", "epsilon_total": "ε total", "delta_total": "δ"}
-        section.table(results.release[list(columns)].rename(columns=columns),
-                      {"noisy val acc (max, %)": format_percent, "test acc (%)": format_percent, "ε total": format_sig, "δ": format_sig},
-                      "Releases of end-to-end private searches: the selected configuration, its noisy validation "
-                      "score (the maximum of the runs' noisy scores: biased upward, not an accuracy estimate) and "
-                      "its test accuracy where the test split is public (else withheld). Their runs are not in "
-                      "this report: the per-run records stay inside the data owner's trust boundary.")
+        columns = {
+            "search_id": "search",
+            "cell_id": "cell",
+            "clip_bound": "C",
+            "batch_size": "B",
+            "base_learning_rate": "η₀",
+            "learning_rate": "η",
+            "noisy_val_accuracy": "noisy val acc (max, %)",
+            "test_accuracy": "test acc (%)",
+            "epsilon_total": "ε total",
+            "delta_total": "δ",
+        }
+        section.table(
+            results.release[list(columns)].rename(columns=columns),
+            {
+                "noisy val acc (max, %)": format_percent,
+                "test acc (%)": format_percent,
+                "ε total": format_sig,
+                "δ": format_sig,
+            },
+            "Releases of end-to-end private searches: the selected configuration, its noisy validation "
+            "score (the maximum of the runs' noisy scores: biased upward, not an accuracy estimate) and "
+            "its test accuracy where the test split is public (else withheld). Their runs are not in "
+            "this report: the per-run records stay inside the data owner's trust boundary.",
+        )
     if not results.trials.empty:
         coverage = an.coverage(results)
-        section.table(coverage.drop(columns=["search_id"]), {"epsilon": format_sig},
-                      "Trials per search cell: planned (scheduled; configurations pruned by the min-step rule are "
-                      "recorded besides them), recorded by status, remaining.")
+        section.table(
+            coverage.drop(columns=["search_id"]),
+            {"epsilon": format_sig},
+            "Trials per search cell: planned (scheduled; configurations pruned by the min-step rule are "
+            "recorded besides them), recorded by status, remaining.",
+        )
     difficulty = an.task_difficulty(results)
     if len(difficulty):
-        section.table(difficulty, {"mean_best_val_accuracy": format_percent, "median_grad_norm": format_sig},
-                      "Tasks ranked by difficulty (1 = easiest): mean best validation accuracy (%) over shared "
-                      "(ε, E) cells; median probe gradient norm of the best diagnosed trials.")
+        section.table(
+            difficulty,
+            {"mean_best_val_accuracy": format_percent, "median_grad_norm": format_sig},
+            "Tasks ranked by difficulty (1 = easiest): mean best validation accuracy (%) over shared "
+            "(ε, E) cells; median probe gradient norm of the best diagnosed trials.",
+        )
     if ctx.strata.empty:
-        section.note("Missing: classes cannot be split into easy and hard (no per-class accuracies); "
-                     "per-stratum views are left out.")
+        section.note(
+            "Missing: classes cannot be split into easy and hard (no per-class accuracies); "
+            "per-stratum views are left out."
+        )
     else:
-        rule = ("the classes given with --hard-classes" if ctx.options.hard_classes else
-                f"the ⌈{ctx.options.hard_fraction:g}·K⌉ classes with the lowest validation accuracy in the reference "
-                "trial (the best validation trial at the task's largest ε)")
-        section.text(f"Difficulty strata: hard classes are {rule}; the others are easy. A stratum's accuracy is "
-                     "the unweighted mean of its classes' test accuracies.")
+        rule = (
+            "the classes given with --hard-classes"
+            if ctx.options.hard_classes
+            else f"the ⌈{ctx.options.hard_fraction:g}·K⌉ classes with the lowest validation accuracy in the reference "
+            "trial (the best validation trial at the task's largest ε)"
+        )
+        section.text(
+            f"Difficulty strata: hard classes are {rule}; the others are easy. A stratum's accuracy is "
+            "the unweighted mean of its classes' test accuracies."
+        )
         rows = []
         for task in ctx.tasks:
             part = ctx.strata[ctx.strata["task"] == task]
@@ -55,10 +86,17 @@ def overview(ctx: Context) -> Section:
                 continue
             for stratum in an.STRATA:
                 members = part[part["stratum"] == stratum]
-                rows.append({"task": task, "stratum": stratum, "classes": len(members),
-                             "members (reference accuracy %)": ", ".join(
-                                 f"{n} ({format_percent(a)})" for n, a in zip(members["class_name"],
-                                                                       members["reference_accuracy"], strict=True)),
-                             "reference trial": members["reference_trial"].iloc[0] if len(members) else "–"})
+                rows.append(
+                    {
+                        "task": task,
+                        "stratum": stratum,
+                        "classes": len(members),
+                        "members (reference accuracy %)": ", ".join(
+                            f"{n} ({format_percent(a)})"
+                            for n, a in zip(members["class_name"], members["reference_accuracy"], strict=True)
+                        ),
+                        "reference trial": members["reference_trial"].iloc[0] if len(members) else "–",
+                    }
+                )
         section.table(pd.DataFrame(rows), caption="Easy and hard classes per task.")
     return section

@@ -40,8 +40,9 @@ def _tick(value: float) -> str:
     return np.format_float_positional(value, precision=3, unique=False, fractional=False, trim="-")
 
 
-def log_axis(ax: Axes, axis: str, ticks: Collection[float] | None = None,
-              data: Collection[float] | None = None) -> None:
+def log_axis(
+    ax: Axes, axis: str, ticks: Collection[float] | None = None, data: Collection[float] | None = None
+) -> None:
     """Log scale with plain-number labels.
 
     With few ``ticks`` (a sparse grid), ticks sit at those values. Otherwise decades are labelled,
@@ -79,8 +80,9 @@ def empty_panel(ax: Axes, title: str) -> None:
 Panel = tuple[Axes, str, int, pd.DataFrame]
 
 
-def task_epoch_panels(ctx: Context, frame: pd.DataFrame, width: float = 4.0,
-                       height: float = 3.1) -> tuple[Figure, np.ndarray, list[Panel]]:
+def task_epoch_panels(
+    ctx: Context, frame: pd.DataFrame, width: float = 4.0, height: float = 3.1
+) -> tuple[Figure, np.ndarray, list[Panel]]:
     """A figure with one panel per (task, E) of ``frame``: rows are the tasks in report order,
     columns the E values ascending. A panel ``frame`` has no rows for is marked empty; the others
     are returned for the caller to draw."""

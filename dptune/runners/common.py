@@ -134,7 +134,6 @@ def cached_workload(spec: WorkloadSpec) -> Workload:
     return load_workload(spec)
 
 
-
 @dataclass(frozen=True)
 class Evaluation:
     """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy."""
@@ -148,7 +147,6 @@ class Evaluation:
         """Accuracy of every class present in the split."""
         present = np.flatnonzero(self.examples_per_class)
         return {int(c): float(self.correct_per_class[c] / self.examples_per_class[c]) for c in present}
-
 
 
 def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.Tensor:
@@ -178,13 +176,14 @@ def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: torch
 def diverged_charge(planned_steps: int, private_score: bool) -> str:
     """What a diverged run's ``reason`` adds: it is charged ε of its ``planned_steps``, not of the
     steps it took, because when it stopped depended on the private data."""
-    why = ("its stop is data-dependent, and charging the whole planned run covers any stopping rule"
-           if private_score else "the stop read an exact, non-private loss")
+    why = (
+        "its stop is data-dependent, and charging the whole planned run covers any stopping rule"
+        if private_score
+        else "the stop read an exact, non-private loss"
+    )
     return f"; charged its {planned_steps} planned steps because {why}"
 
 
 def diagnostic_epochs(epochs: int) -> list[int]:
     """Epochs after which the probe is diagnosed: 0 (before training), ⌈E/2⌉ and E."""
     return sorted({0, math.ceil(epochs / 2), epochs})
-
-

@@ -101,15 +101,21 @@ def fused_refusal(config: TrialConfig) -> str | None:
     names or bad values is for :func:`~dptune.runners.common.check_config` to refuse.
     """
     if config.workload.peft != "head":
-        return (f"peft {config.workload.peft!r} trains backbone parameters; the fused runner trains a linear head "
-                f"on cached features (peft 'head')")
+        return (
+            f"peft {config.workload.peft!r} trains backbone parameters; the fused runner trains a linear head "
+            f"on cached features (peft 'head')"
+        )
     if config.engine not in FUSABLE_ENGINES:
         allowed = " or ".join(map(repr, FUSABLE_ENGINES))
-        return (f"engine {config.engine!r} asks for another per-example gradient engine; the fused runner "
-                f"computes the head's per-example gradients in closed form (engine {allowed})")
+        return (
+            f"engine {config.engine!r} asks for another per-example gradient engine; the fused runner "
+            f"computes the head's per-example gradients in closed form (engine {allowed})"
+        )
     if config.optimizer not in FUSABLE_OPTIMIZERS:
-        return (f"optimizer {config.optimizer!r} has no stacked form here; the fused runner steps "
-                f"{' or '.join(map(repr, FUSABLE_OPTIMIZERS))}")
+        return (
+            f"optimizer {config.optimizer!r} has no stacked form here; the fused runner steps "
+            f"{' or '.join(map(repr, FUSABLE_OPTIMIZERS))}"
+        )
     return None
 
 
@@ -147,8 +153,9 @@ def _padded_batch_size(batch_size: int) -> int:
     return int(batch_size + 6 * math.sqrt(batch_size) + 16)
 
 
-def max_fused_configurations(config: TrialConfig, num_train: int, feature_dim: int, num_classes: int,
-                             memory_bytes: int = FUSED_MEMORY_BYTES) -> int:
+def max_fused_configurations(
+    config: TrialConfig, num_train: int, feature_dim: int, num_classes: int, memory_bytes: int = FUSED_MEMORY_BYTES
+) -> int:
     """How many configurations at ``config.batch_size`` fit one fused group in ``memory_bytes`` (≥ 0).
 
     The model (bytes, float32 unless said): shared by the group, the augmented training features
@@ -165,10 +172,13 @@ def max_fused_configurations(config: TrialConfig, num_train: int, feature_dim: i
     padded = _padded_batch_size(config.batch_size)
     probe = min(config.diagnostic_examples, num_train) if config.diagnostics else 0
     shared = 4 * (num_train + 1) * (feature_dim + 4) + 4 * EVALUATION_ROWS * (feature_dim + 1) + 16 * probe * parameters
-    per_config = (4 * padded * (feature_dim + 2 + 6 * num_classes) + 16 * steps * padded
-                  + 4 * parameters * (5 + steps) + 12 * EVALUATION_ROWS * num_classes)
+    per_config = (
+        4 * padded * (feature_dim + 2 + 6 * num_classes)
+        + 16 * steps * padded
+        + 4 * parameters * (5 + steps)
+        + 12 * EVALUATION_ROWS * num_classes
+    )
     return max(0, (memory_bytes - shared) // per_config)
-
 
 
 # --------------------------------------------------------------------------- the runner
@@ -193,8 +203,9 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
     """
     num_train, feature_dim = len(workload.train), workload.feature_dim
     if feature_dim is None:
-        raise TrialConfigError("the fused runner trains heads on cached features; this workload has none "
-                               "(peft must be 'head')")
+        raise TrialConfigError(
+            "the fused runner trains heads on cached features; this workload has none (peft must be 'head')"
+        )
     by_batch_size: dict[int, list[int]] = {}
     for index, config in enumerate(configs):
         by_batch_size.setdefault(config.batch_size, []).append(index)
@@ -206,7 +217,8 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
             raise TrialConfigError(
                 f"not one configuration at batch_size {batch_size} fits the fused memory budget of {memory_bytes} "
                 f"bytes (N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
-                f"smaller batch_size or a larger memory budget")
+                f"smaller batch_size or a larger memory budget"
+            )
         rate, steps = sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs)
         sigma = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
         plans += [GroupPlan(members[i : i + fits], batch_size, sigma) for i in range(0, len(members), fits)]
@@ -215,15 +227,26 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
 
 def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplier: float) -> TrialResult:
     """The ``error`` record of a configuration whose group never took a step: nothing spent."""
-    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
-                       sample_rate=sample_rate(num_train, config.batch_size), num_train=num_train,
-                       steps=total_steps(num_train, config.batch_size, config.epochs), steps_taken=0,
-                       epsilon_spent=0.0, engine=FUSED_ENGINE)
+    return TrialResult(
+        config=config,
+        status="error",
+        reason=reason[:2000],
+        noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate(num_train, config.batch_size),
+        num_train=num_train,
+        steps=total_steps(num_train, config.batch_size, config.epochs),
+        steps_taken=0,
+        epsilon_spent=0.0,
+        engine=FUSED_ENGINE,
+    )
 
 
-def run_fused(configs: Sequence[TrialConfig],
-              on_done: Callable[[list[int], list[TrialResult]], None] | None = None,
-              *, memory_bytes: int | None = None) -> list[TrialResult]:
+def run_fused(
+    configs: Sequence[TrialConfig],
+    on_done: Callable[[list[int], list[TrialResult]], None] | None = None,
+    *,
+    memory_bytes: int | None = None,
+) -> list[TrialResult]:
     """Train every config (K of them) as fused trials; one :class:`TrialResult` per config, in order,
     each what ``run_trial(config)`` would return in distribution (``engine="fused"``).
 
@@ -255,16 +278,25 @@ def run_fused(configs: Sequence[TrialConfig],
                 group_results = group.run()
             except Exception as error:  # say what every configuration spent, finished or not
                 failure = f"{type(error).__name__}: {error}"
-                failed = group.failed(error) if group is not None else [
-                    _unstarted(configs[i], failure, num_train, plan.noise_multiplier) for i in plan.members]
+                failed = (
+                    group.failed(error)
+                    if group is not None
+                    else [_unstarted(configs[i], failure, num_train, plan.noise_multiplier) for i in plan.members]
+                )
                 for i, result in zip(plan.members, failed, strict=True):
                     results[i] = result
                 sigma = {p.batch_size: p.noise_multiplier for p in plans}
-                final = [r if r is not None else _unstarted(c, f"not run: an earlier fused group failed ({failure})",
-                                                            num_train, sigma[c.batch_size])
-                         for r, c in zip(results, configs, strict=True)]
-                raise FusedTrialsFailed(f"fused group of batch_size {plan.batch_size} failed: {failure}",
-                                        final) from error
+                final = [
+                    r
+                    if r is not None
+                    else _unstarted(
+                        c, f"not run: an earlier fused group failed ({failure})", num_train, sigma[c.batch_size]
+                    )
+                    for r, c in zip(results, configs, strict=True)
+                ]
+                raise FusedTrialsFailed(
+                    f"fused group of batch_size {plan.batch_size} failed: {failure}", final
+                ) from error
             for i, result in zip(plan.members, group_results, strict=True):
                 results[i] = result
             if on_done is not None:

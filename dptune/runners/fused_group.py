@@ -106,14 +106,13 @@ class PoissonSteps:
         return positions // self.num_examples, positions % self.num_examples
 
 
-
-
 def feature_tensors(split: Split) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features, labels)`` of a split of cached features, the only kind a fused group trains on."""
     if not isinstance(split, TensorDataset):
         raise TypeError(f"the fused runner trains heads on cached features, not on {type(split).__name__}")
     features, labels = split.tensors
     return features, labels
+
 
 @dataclass(frozen=True)
 class DeviceWorkload:
@@ -136,8 +135,14 @@ class DeviceWorkload:
         if config.diagnostics:
             rows = probe_indices(config, len(workload.train), features.shape[1] * workload.num_classes).to(device)
             probe = (features[rows], labels[rows])
-        return cls(workload=workload, device=device, features=features,
-                   square_norms=features.square().sum(1), labels=labels, probe=probe)
+        return cls(
+            workload=workload,
+            device=device,
+            features=features,
+            square_norms=features.square().sum(1),
+            labels=labels,
+            probe=probe,
+        )
 
     @property
     def num_train(self) -> int:
@@ -157,7 +162,6 @@ class Draws:
     noise: torch.Tensor
 
 
-
 @dataclass(frozen=True)
 class GroupSchedule:
     """What a group's configurations share because they share B: q = B/N (``sample_rate``), the T
@@ -175,9 +179,14 @@ class GroupSchedule:
     def of(cls, config: TrialConfig, num_train: int, noise_multiplier: float) -> GroupSchedule:
         """The schedule of ``config``'s batch size on ``num_train`` examples with σ = ``noise_multiplier``."""
         rate = sample_rate(num_train, config.batch_size)
-        return cls(sample_rate=rate, steps=total_steps(num_train, config.batch_size, config.epochs),
-                   epoch_steps=tuple(epoch_steps(num_train, config.batch_size, config.epochs)),
-                   noise_multiplier=noise_multiplier, expected_batch_size=rate * num_train, delta=config.delta)
+        return cls(
+            sample_rate=rate,
+            steps=total_steps(num_train, config.batch_size, config.epochs),
+            epoch_steps=tuple(epoch_steps(num_train, config.batch_size, config.epochs)),
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=rate * num_train,
+            delta=config.delta,
+        )
 
     def epsilon_spent(self, steps_taken: int) -> float:
         """ε of ``steps_taken`` of these steps (0 before the first)."""
@@ -202,8 +211,9 @@ class GroupCoins:
             coins = trial_coins(config.seed)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(init_seed(coins.init))
-                head = build_model(config.workload.backbone, config.workload.peft, data.workload.num_classes,
-                                   feature_input=True)
+                head = build_model(
+                    config.workload.backbone, config.workload.peft, data.workload.num_classes, feature_input=True
+                )
             weights.append(head.get_parameter("weight").detach())
             biases.append(head.get_parameter("bias").detach())
             self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))
@@ -219,8 +229,9 @@ class GroupCoins:
         noise = []
         for coins in self.noise_coins:
             coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
-            noise.append(torch.randn(steps, *self.initial_heads.shape[1:], generator=coins.generator,
-                                     device=self.device))
+            noise.append(
+                torch.randn(steps, *self.initial_heads.shape[1:], generator=coins.generator, device=self.device)
+            )
         stacked = torch.stack(noise, dim=1)
         counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
         index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
@@ -240,8 +251,9 @@ class LockStep:
     own batch, clip bound C_k, noise std s_k and learning rate η_k. A configuration that stops
     (:meth:`stop`, or a non-finite step loss when ``stop_on_loss``) keeps its head from then on."""
 
-    def __init__(self, configs: Sequence[TrialConfig], heads: torch.Tensor, schedule: GroupSchedule,
-                 stop_on_loss: bool) -> None:
+    def __init__(
+        self, configs: Sequence[TrialConfig], heads: torch.Tensor, schedule: GroupSchedule, stop_on_loss: bool
+    ) -> None:
         first = configs[0]
         device = heads.device
         k = len(configs)
@@ -250,12 +262,15 @@ class LockStep:
         self.stop_on_loss = stop_on_loss
         clip_bounds = [c.clip_bound for c in configs]
         self.clip_bounds = torch.tensor(clip_bounds, device=device)
-        self.noise_stds = torch.tensor([noise_std(schedule.noise_multiplier, c, self.rule) for c in clip_bounds],
-                                       device=device)
-        self.scales = torch.tensor([update_scale(c, self.rule, schedule.expected_batch_size) for c in clip_bounds],
-                                   device=device)
-        self.optimizer = StackedOptimizer(first.optimizer, [self.heads],
-                                          torch.tensor([c.learning_rate for c in configs], device=device))
+        self.noise_stds = torch.tensor(
+            [noise_std(schedule.noise_multiplier, c, self.rule) for c in clip_bounds], device=device
+        )
+        self.scales = torch.tensor(
+            [update_scale(c, self.rule, schedule.expected_batch_size) for c in clip_bounds], device=device
+        )
+        self.optimizer = StackedOptimizer(
+            first.optimizer, [self.heads], torch.tensor([c.learning_rate for c in configs], device=device)
+        )
         self.active = torch.ones(k, dtype=torch.bool, device=device)  # not stopped
         self.last_step = torch.zeros(k, dtype=torch.int64, device=device)  # steps taken by each configuration
         self.divergent_loss = torch.zeros(k, device=device)  # the non-finite step loss that stopped a configuration
@@ -268,9 +283,17 @@ class LockStep:
             rows = draws.index[t, :, : max(1, int(draws.counts[t].max()))]
             flat = rows.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
             gradients = head_noisy_gradients(
-                self.heads, data.features.index_select(0, flat).view(*rows.shape, -1),
-                data.labels.index_select(0, flat).view(rows.shape), rows < num_train, self.clip_bounds, self.rule,
-                draws.noise[t], self.noise_stds, self.scales, data.square_norms.index_select(0, flat).view(rows.shape))
+                self.heads,
+                data.features.index_select(0, flat).view(*rows.shape, -1),
+                data.labels.index_select(0, flat).view(rows.shape),
+                rows < num_train,
+                self.clip_bounds,
+                self.rule,
+                draws.noise[t],
+                self.noise_stds,
+                self.scales,
+                data.square_norms.index_select(0, flat).view(rows.shape),
+            )
             self.steps_done += 1
             self.last_step.add_(self.active.long())  # the step counts for every configuration that ran it
             if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
@@ -316,18 +339,27 @@ class FusedGroup:
         self.schedule = GroupSchedule.of(first, data.num_train, noise_multiplier)
         self.private_score = first.score_noise_multiplier is not None
         self.coins = GroupCoins(self.configs, self.schedule, data)
-        self.lock_step = LockStep(self.configs, self.coins.initial_heads, self.schedule,
-                                  stop_on_loss=not self.private_score)
+        self.lock_step = LockStep(
+            self.configs, self.coins.initial_heads, self.schedule, stop_on_loss=not self.private_score
+        )
         self.parameters = self.lock_step.heads[0].numel()
         self.results = [self._new_result(config) for config in self.configs]
 
     def _new_result(self, config: TrialConfig) -> TrialResult:
         workload, schedule = self.data.workload, self.schedule
         return TrialResult(
-            config=config, status="ok", noise_multiplier=schedule.noise_multiplier,
-            sample_rate=schedule.sample_rate, steps=schedule.steps, num_train=self.data.num_train,
-            num_val=len(workload.val), num_test=len(workload.test), num_classes=workload.num_classes,
-            trainable_parameters=self.parameters, device=str(self.data.device), engine=FUSED_ENGINE,
+            config=config,
+            status="ok",
+            noise_multiplier=schedule.noise_multiplier,
+            sample_rate=schedule.sample_rate,
+            steps=schedule.steps,
+            num_train=self.data.num_train,
+            num_val=len(workload.val),
+            num_test=len(workload.test),
+            num_classes=workload.num_classes,
+            trainable_parameters=self.parameters,
+            device=str(self.data.device),
+            engine=FUSED_ENGINE,
             class_names=dict(enumerate(workload.class_names)),
         )
 
@@ -372,8 +404,12 @@ class FusedGroup:
         taken = self.lock_step.steps_taken()
         train_time = time.perf_counter() - start
         return _EpochTraining(
-            steps_taken=taken, losses=losses.cpu().numpy(), train_time=train_time, share=train_time / len(live),
-            examples={i: int(examples[: taken[i] - first_step, i].sum()) for i in live})
+            steps_taken=taken,
+            losses=losses.cpu().numpy(),
+            train_time=train_time,
+            share=train_time / len(live),
+            examples={i: int(examples[: taken[i] - first_step, i].sum()) for i in live},
+        )
 
     def _check_training(self, live: list[int], trained: _EpochTraining, epoch: int) -> list[int]:
         """Apply the trial's divergence rules after training an epoch; the configurations still live."""
@@ -402,11 +438,15 @@ class FusedGroup:
             still.append(i)
             result = self.results[i]
             metrics = EpochMetrics(
-                epoch=epoch, steps=trained.steps_taken[i],
+                epoch=epoch,
+                steps=trained.steps_taken[i],
                 train_loss=float(trained.losses[i]) / max(trained.examples[i], 1),
-                val_loss=val[i].loss, val_accuracy=val[i].accuracy, wall_time_s=epoch_time / len(live),
+                val_loss=val[i].loss,
+                val_accuracy=val[i].accuracy,
+                wall_time_s=epoch_time / len(live),
                 examples_per_s=trained.examples[i] / trained.share,
-                test_accuracy=None if test is None else test[i].accuracy)
+                test_accuracy=None if test is None else test[i].accuracy,
+            )
             result.epochs.append(metrics)
             if test is not None:
                 result.val_accuracy = val[i].accuracy
@@ -426,9 +466,12 @@ class FusedGroup:
         for k in live:
             start = time.perf_counter()
             record: Diagnostics = diagnose(
-                head_probe_gradients(self.lock_step.heads[k], features, labels), epoch=epoch,
-                clip_bound=self.configs[k].clip_bound, noise_multiplier=self.schedule.noise_multiplier,
-                expected_batch_size=self.schedule.expected_batch_size)
+                head_probe_gradients(self.lock_step.heads[k], features, labels),
+                epoch=epoch,
+                clip_bound=self.configs[k].clip_bound,
+                noise_multiplier=self.schedule.noise_multiplier,
+                expected_batch_size=self.schedule.expected_batch_size,
+            )
             record.wall_time_s = time.perf_counter() - start
             self.results[k].diagnostics.append(record)
 
@@ -443,8 +486,9 @@ class FusedGroup:
             result.examples_per_s = examples_seen[i] / (train_time / k) if train_time > 0 else 0.0
             result.steps_taken = steps
             # a diverged configuration stopped on the data (see _diverge): charged its planned steps
-            result.epsilon_spent = self.schedule.epsilon_spent(self.schedule.steps if result.status == "diverged"
-                                                               else steps)
+            result.epsilon_spent = self.schedule.epsilon_spent(
+                self.schedule.steps if result.status == "diverged" else steps
+            )
 
     def _diverge(self, index: int, reason: str) -> None:
         """Mark configuration ``index`` diverged: its head stops updating, its result says why and
@@ -465,11 +509,19 @@ class FusedGroup:
                 loss = self.lock_step.divergent_loss[index].item()
                 self._diverge(index, f"non-finite training loss ({loss}) at step {steps}")
             if self.results[index].status == "diverged":  # stopped on the data: keeps its planned-steps charge
-                results.append(dataclasses.replace(self.results[index], steps_taken=steps,
-                                                   epsilon_spent=self.schedule.epsilon_spent(planned)))
+                results.append(
+                    dataclasses.replace(
+                        self.results[index], steps_taken=steps, epsilon_spent=self.schedule.epsilon_spent(planned)
+                    )
+                )
                 continue
-            results.append(dataclasses.replace(
-                self._new_result(config), status="error", steps_taken=steps,
-                epsilon_spent=self.schedule.epsilon_spent(steps),
-                reason=f"{type(error).__name__}: {error} (after {steps} of {planned} steps)"[:2000]))
+            results.append(
+                dataclasses.replace(
+                    self._new_result(config),
+                    status="error",
+                    steps_taken=steps,
+                    epsilon_spent=self.schedule.epsilon_spent(steps),
+                    reason=f"{type(error).__name__}: {error} (after {steps} of {planned} steps)"[:2000],
+                )
+            )
         return results

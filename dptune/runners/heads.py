@@ -63,8 +63,7 @@ def augment(features: torch.Tensor) -> torch.Tensor:
     return torch.cat([features.float(), features.new_ones(*features.shape[:-1], 1, dtype=torch.float32)], dim=-1)
 
 
-def head_deltas(heads: torch.Tensor, features: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def head_deltas(heads: torch.Tensor, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """δ_i = ∂ℓ_i/∂logits = softmax([W | b] x̃_i) − onehot(y_i) and ℓ_i (cross-entropy), float32.
 
     ``heads`` (K, classes, dim + 1), augmented ``features`` (K, n, dim + 1), ``labels`` (K, n)
@@ -151,8 +150,9 @@ class StackedOptimizer:
             param.sub_(torch.where(active.view(rows), update, torch.zeros_like(update)))
 
 
-def stacked_evaluations(heads: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
-                        num_classes: int) -> list[Evaluation]:
+def stacked_evaluations(
+    heads: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> list[Evaluation]:
     """Mean cross-entropy, accuracy and per-class counts of each of K heads (K, classes, dim + 1)
     on one split. ``features`` (rows, dim) and ``labels`` (rows,) may live on the CPU; they are
     scored ``EVALUATION_ROWS`` at a time on the heads' device, all K heads in one matrix product.
@@ -171,8 +171,12 @@ def stacked_evaluations(heads: torch.Tensor, features: torch.Tensor, labels: tor
     total = int(examples.sum())
     loss_np, correct_np = loss.cpu().numpy(), correct.cpu().numpy().round().astype(np.int64)
     return [
-        Evaluation(loss=float(loss_np[i]) / total, accuracy=float(correct_np[i].sum()) / total,
-                   correct_per_class=correct_np[i], examples_per_class=examples)
+        Evaluation(
+            loss=float(loss_np[i]) / total,
+            accuracy=float(correct_np[i].sum()) / total,
+            correct_per_class=correct_np[i],
+            examples_per_class=examples,
+        )
         for i in range(k)
     ]
 
@@ -184,6 +188,6 @@ def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: tor
     instead of n gradients of classes·(dim + 1) entries."""
     deltas, _ = head_deltas(head.unsqueeze(0), features.unsqueeze(0), labels.unsqueeze(0))
     deltas, features = deltas[0].double(), features.double()
-    return ProbeGradients.from_gram((deltas @ deltas.T) * (features @ features.T), labels,
-                                    head.shape[0] * head.shape[1])
-
+    return ProbeGradients.from_gram(
+        (deltas @ deltas.T) * (features @ features.T), labels, head.shape[0] * head.shape[1]
+    )

@@ -102,8 +102,6 @@ def evaluate(
     )
 
 
-
-
 class Trial:
     """State of one running trial (built by :func:`run` after every check has passed)."""
 
@@ -118,7 +116,9 @@ class Trial:
         self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(
-            config.workload.backbone, config.workload.peft, workload.num_classes,
+            config.workload.backbone,
+            config.workload.peft,
+            workload.num_classes,
             feature_input=workload.modality == "features",
         ).to(device)
         check_dp_compatible(self.model)
@@ -301,5 +301,9 @@ def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
         except Exception as error:  # once training may have begun: say what was spent
             raise TrialFailed(
                 f"{type(error).__name__}: {error} (after {trial.steps_taken} of {trial.steps} steps)",
-                noise_multiplier=trial.noise_multiplier, sample_rate=trial.sample_rate, steps=trial.steps,
-                steps_taken=trial.steps_taken, epsilon_spent=trial.epsilon_spent()) from error
+                noise_multiplier=trial.noise_multiplier,
+                sample_rate=trial.sample_rate,
+                steps=trial.steps,
+                steps_taken=trial.steps_taken,
+                epsilon_spent=trial.epsilon_spent(),
+            ) from error

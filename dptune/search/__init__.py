@@ -29,14 +29,53 @@ from dptune.search.options import SearchOptions
 
 #: The public names of the heavier modules, loaded on first access.
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("CellPlan", "MAX_UNIT_CONFIGURATIONS", "TRIAL_COUNT_FILE", "base_trial_config", "cell_spec",
-                     "check_runner", "format_plan", "kept_trial_counts", "plan_cells", "record_pruned_grid",
-                     "unit_size"), "cells"),
-    **dict.fromkeys(("FAILED_STATUSES", "RELEASE_COLUMNS", "RUN_COUNT_COLUMNS", "SUMMARY_HEADER",
-                     "format_failed_cells", "format_outcome", "format_privacy", "format_summary", "release_rows",
-                     "search_rows", "summary_table"), "outcome"),
-    **dict.fromkeys(("build_report_at", "check_every_run_recorded", "conclude", "init_ray", "plans_that_ran",
-                     "report_location", "run_cells", "run_search", "search_finished", "trial_slots"), "driver"),
+    **dict.fromkeys(
+        (
+            "CellPlan",
+            "MAX_UNIT_CONFIGURATIONS",
+            "TRIAL_COUNT_FILE",
+            "base_trial_config",
+            "cell_spec",
+            "check_runner",
+            "format_plan",
+            "kept_trial_counts",
+            "plan_cells",
+            "record_pruned_grid",
+            "unit_size",
+        ),
+        "cells",
+    ),
+    **dict.fromkeys(
+        (
+            "FAILED_STATUSES",
+            "RELEASE_COLUMNS",
+            "RUN_COUNT_COLUMNS",
+            "SUMMARY_HEADER",
+            "format_failed_cells",
+            "format_outcome",
+            "format_privacy",
+            "format_summary",
+            "release_rows",
+            "search_rows",
+            "summary_table",
+        ),
+        "outcome",
+    ),
+    **dict.fromkeys(
+        (
+            "build_report_at",
+            "check_every_run_recorded",
+            "conclude",
+            "init_ray",
+            "plans_that_ran",
+            "report_location",
+            "run_cells",
+            "run_search",
+            "search_finished",
+            "trial_slots",
+        ),
+        "driver",
+    ),
 }
 
 __all__ = ["SearchOptions", "main", "parse_args", *_LAZY]

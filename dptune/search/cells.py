@@ -62,8 +62,9 @@ class CellPlan:
         return base if self.clipping != "auto_s" else f"{base}-auto_s"
 
 
-def _feasible(space: SearchSpace, candidates: list[int], num_train: int, epochs: int,
-              cell_name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _feasible(
+    space: SearchSpace, candidates: list[int], num_train: int, epochs: int, cell_name: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(feasible, pruned) batch sizes of a cell with ``epochs``: the min-step rule T ≥ T_min."""
     feasible = tuple(b for b in candidates if total_steps(num_train, b, epochs) >= space.min_steps)
     if not feasible:
@@ -92,11 +93,20 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
     for cell in space.cells():
         feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)
         sigmas = {}
-        for batch_size in tqdm(feasible, desc=f"calibrating σ for {cell.cell_id}", unit="B", file=sys.stderr,
-                               disable=not progress, leave=False):
+        for batch_size in tqdm(
+            feasible,
+            desc=f"calibrating σ for {cell.cell_id}",
+            unit="B",
+            file=sys.stderr,
+            disable=not progress,
+            leave=False,
+        ):
             sigmas[batch_size] = calibrate_noise_multiplier(
-                cell.epsilon, space.privacy.delta, sample_rate(num_train, batch_size),
-                total_steps(num_train, batch_size, cell.epochs))
+                cell.epsilon,
+                space.privacy.delta,
+                sample_rate(num_train, batch_size),
+                total_steps(num_train, batch_size, cell.epochs),
+            )
         for clipping in variants:
             plan = CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, 0)
             plans.append(replace(plan, configurations=_trial_count(space, plan)))
@@ -112,13 +122,25 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
     print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
     try:
         found = plan_private_selection(
-            selection.epsilon, space.privacy.delta, space.sampler.trials_per_cell,
-            [sample_rate(num_train, b) for b in feasible], [total_steps(num_train, b, epochs) for b in feasible],
-            shape=selection.trial_count_shape, score_noise_multiplier=selection.score_noise_multiplier)
+            selection.epsilon,
+            space.privacy.delta,
+            space.sampler.trials_per_cell,
+            [sample_rate(num_train, b) for b in feasible],
+            [total_steps(num_train, b, epochs) for b in feasible],
+            shape=selection.trial_count_shape,
+            score_noise_multiplier=selection.score_noise_multiplier,
+        )
     except PrivacyParameterError as error:
         raise SearchError(f"privacy.private_selection: {error}") from None
-    plan = CellPlan(Cell(epsilon=found.epsilon_per_trial, epochs=epochs), space.training.clipping, num_train,
-                    feasible, pruned, dict(zip(feasible, found.noise_multipliers, strict=True)), 0)
+    plan = CellPlan(
+        Cell(epsilon=found.epsilon_per_trial, epochs=epochs),
+        space.training.clipping,
+        num_train,
+        feasible,
+        pruned,
+        dict(zip(feasible, found.noise_multipliers, strict=True)),
+        0,
+    )
     return replace(plan, configurations=_trial_count(space, plan))
 
 
@@ -152,8 +174,9 @@ def kept_trial_counts(runs: str, plans: list[CellPlan]) -> list[CellPlan]:
         write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode())
         return plans
     counts = json.loads(kept)
-    return [replace(plan, configurations=int(counts[plan.cell_key])) if plan.cell_key in counts else plan
-            for plan in plans]
+    return [
+        replace(plan, configurations=int(counts[plan.cell_key])) if plan.cell_key in counts else plan for plan in plans
+    ]
 
 
 def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:
@@ -176,19 +199,28 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
         f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
         f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
         + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
-        "coins: " + (f"REPRODUCIBLE from seed {space.seed} (no DP guarantee for released results)" if space.reproducible
-                     else "fresh OS entropy per trial (noise, Poisson batches, initialisation), never stored"),
+        "coins: "
+        + (
+            f"REPRODUCIBLE from seed {space.seed} (no DP guarantee for released results)"
+            if space.reproducible
+            else "fresh OS entropy per trial (noise, Poisson batches, initialisation), never stored"
+        ),
     ]
     selection = space.privacy.private_selection
     if selection is not None:
-        lines.append(f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
-                     f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
-                     f"{space.sampler.trials_per_cell}), noisy validation score "
-                     f"σ_s = {selection.score_noise_multiplier:g}")
+        lines.append(
+            f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
+            f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
+            f"{space.sampler.trials_per_cell}), noisy validation score "
+            f"σ_s = {selection.score_noise_multiplier:g}"
+        )
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
     for plan in plans:
-        count = (f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
-                 if selection is not None else f"{plan.configurations} configurations{runs}")
+        count = (
+            f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
+            if selection is not None
+            else f"{plan.configurations} configurations{runs}"
+        )
         lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}")
         lines.append("      B      T   σ        σ√T")
         for b in plan.feasible_batch_sizes:
@@ -201,8 +233,10 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
     if selection is None:
         configurations = sum(p.configurations for p in plans)
-        lines.append(f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
-                     f"{len(plans)} cell runs")
+        lines.append(
+            f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
+            f"{len(plans)} cell runs"
+        )
     return "\n".join(lines)
 
 
@@ -219,12 +253,20 @@ def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
         offered = tuple(sorted(plan.feasible_batch_sizes + plan.pruned_batch_sizes))
     ranges: dict[str, dict[str, Any]] = {}
     for name, spec in _sampled_ranges(space, plan).items():
-        ranges[name] = ({"values": sorted(spec.values)} if spec.values is not None
-                        else {"low": spec.low, "high": spec.high, "log": spec.log})
+        ranges[name] = (
+            {"values": sorted(spec.values)}
+            if spec.values is not None
+            else {"low": spec.low, "high": spec.high, "log": spec.log}
+        )
     secret = space.privacy.private_selection is not None and not space.reproducible
-    return CellSpec(sampler=space.sampler.name, seed=None if secret else _cell_seed(space, plan), batch_sizes=offered,
-                    feasible_batch_sizes=plan.feasible_batch_sizes, ranges=ranges,
-                    startup_trials=min(8, max(2, plan.configurations // 3)))
+    return CellSpec(
+        sampler=space.sampler.name,
+        seed=None if secret else _cell_seed(space, plan),
+        batch_sizes=offered,
+        feasible_batch_sizes=plan.feasible_batch_sizes,
+        ranges=ranges,
+        startup_trials=min(8, max(2, plan.configurations // 3)),
+    )
 
 
 def _sampled_ranges(space: SearchSpace, plan: CellPlan) -> dict[str, Any]:
@@ -240,8 +282,12 @@ def record_pruned_grid(space: SearchSpace, plan: CellPlan, context: TrialContext
     ranges = _sampled_ranges(space, plan)
     for batch_size in plan.pruned_batch_sizes:
         for point in itertools.product(*(sorted(spec.values) for spec in ranges.values())):
-            record_pruned(context, {"batch_size": batch_size, **dict(zip(ranges, point, strict=True))},
-                          plan.num_train, space.min_steps)
+            record_pruned(
+                context,
+                {"batch_size": batch_size, **dict(zip(ranges, point, strict=True))},
+                plan.num_train,
+                space.min_steps,
+            )
 
 
 def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> int:
@@ -261,25 +307,44 @@ def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_e
     command line's subset caps: what the driver loads and every trial trains on."""
     task = space.task
     return WorkloadSpec(
-        dataset=task.dataset, backbone=task.backbone, peft=task.peft, seed=space.seed, fraction=task.fraction,
-        examples_per_class=task.examples_per_class, classes=task.classes, max_tokens=task.max_tokens,
-        validation_fraction=task.validation_fraction, max_train_examples=max_train_examples,
-        max_eval_examples=max_eval_examples)
+        dataset=task.dataset,
+        backbone=task.backbone,
+        peft=task.peft,
+        seed=space.seed,
+        fraction=task.fraction,
+        examples_per_class=task.examples_per_class,
+        classes=task.classes,
+        max_tokens=task.max_tokens,
+        validation_fraction=task.validation_fraction,
+        max_train_examples=max_train_examples,
+        max_eval_examples=max_eval_examples,
+    )
 
 
-def base_trial_config(space: SearchSpace, plan: CellPlan, max_train_examples: int | None,
-                      max_eval_examples: int | None) -> TrialConfig:
+def base_trial_config(
+    space: SearchSpace, plan: CellPlan, max_train_examples: int | None, max_eval_examples: int | None
+) -> TrialConfig:
     """The part of a trial's config every trial of a cell shares."""
     training = space.training
     return TrialConfig(
         workload=task_workload(space, max_train_examples, max_eval_examples),
-        epsilon=plan.cell.epsilon, delta=space.privacy.delta, epochs=plan.cell.epochs,
-        clip_bound=1.0, batch_size=plan.feasible_batch_sizes[0], learning_rate=1e-3, base_learning_rate=1e-3,
-        optimizer=training.optimizer, clipping=plan.clipping, engine=training.engine, seed=None,
-        score_noise_multiplier=(space.privacy.private_selection.score_noise_multiplier
-                                if space.privacy.private_selection else None),
+        epsilon=plan.cell.epsilon,
+        delta=space.privacy.delta,
+        epochs=plan.cell.epochs,
+        clip_bound=1.0,
+        batch_size=plan.feasible_batch_sizes[0],
+        learning_rate=1e-3,
+        base_learning_rate=1e-3,
+        optimizer=training.optimizer,
+        clipping=plan.clipping,
+        engine=training.engine,
+        seed=None,
+        score_noise_multiplier=(
+            space.privacy.private_selection.score_noise_multiplier if space.privacy.private_selection else None
+        ),
         max_physical_batch_size=space.resources.max_physical_batch_size,
-        threads=max(1, int(space.resources.cpus)), diagnostics=training.diagnostics,
+        threads=max(1, int(space.resources.cpus)),
+        diagnostics=training.diagnostics,
         diagnostic_examples=training.diagnostic_examples,
     )
 
@@ -300,18 +365,27 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
     refusal = fused.fused_refusal(base)
     if refusal is not None:
         if runner == "fused":
-            raise SearchError(f"training.runner 'fused' cannot run this search: {refusal}; "
-                              "use runner 'auto' or 'trial'")
+            raise SearchError(
+                f"training.runner 'fused' cannot run this search: {refusal}; use runner 'auto' or 'trial'"
+            )
         return False
     fused.check_fusable([base])  # the trial's own value checks (TrialConfigError), as every fused group runs them
     feature_dim = int(workload.train[0][0].shape[-1])
     budget = fused.FUSED_MEMORY_BYTES
     for batch_size in sorted({b for plan in plans for b in plan.feasible_batch_sizes}):
-        if fused.max_fused_configurations(replace(base, batch_size=batch_size), len(workload.train), feature_dim,
-                                          workload.num_classes, memory_bytes=budget) < 1:
-            raise SearchError(f"batch size {batch_size}: one configuration does not fit the fused runner's memory "
-                              f"budget of {budget / 2**30:.3g} GiB; use training.runner 'trial' or smaller batch "
-                              "sizes")
+        if (
+            fused.max_fused_configurations(
+                replace(base, batch_size=batch_size),
+                len(workload.train),
+                feature_dim,
+                workload.num_classes,
+                memory_bytes=budget,
+            )
+            < 1
+        ):
+            raise SearchError(
+                f"batch size {batch_size}: one configuration does not fit the fused runner's memory "
+                f"budget of {budget / 2**30:.3g} GiB; use training.runner 'trial' or smaller batch "
+                "sizes"
+            )
     return True
-
-

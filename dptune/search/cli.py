@@ -29,28 +29,41 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     parser = ArgumentParser(
         prog="python -m dptune.search",
         description="Joint DP hyperparameter search over clip bound C, batch size B and learning rate η₀ "
-                    "per (ε, epochs) cell, on Ray Tune.",
+        "per (ε, epochs) cell, on Ray Tune.",
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
-    parser.add_argument("--space", default="search_spaces/default.yaml",
-                        help="search-space YAML (default: %(default)s)")
+    parser.add_argument(
+        "--space", default="search_spaces/default.yaml", help="search-space YAML (default: %(default)s)"
+    )
     parser.add_argument("--storage", default="results", help="results folder or URI (default: %(default)s)")
     parser.add_argument("--name", help="search name, a folder under --storage (default: the space's name)")
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the plan (cells, configurations, pruning, σ per B) and stop")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the plan (cells, configurations, pruning, σ per B) and stop"
+    )
     parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
-    parser.add_argument("--report-dir", metavar="DIR",
-                        help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)")
+    parser.add_argument(
+        "--report-dir",
+        metavar="DIR",
+        help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a space key, e.g. --set privacy.epsilons=[1] (YAML value; repeatable)",
+    )
     parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
     parser.add_argument("--max-train-examples", type=int, help="cap the training set (quick runs and tests)")
     parser.add_argument("--max-eval-examples", type=int, help="cap the validation and test sets (quick runs and tests)")
-    parser.add_argument("--quarantine-corrupt", action="store_true",
-                        help="move unreadable Parquet parts of the results folder to <results>/quarantine/ "
-                             "instead of refusing to start")
+    parser.add_argument(
+        "--quarantine-corrupt",
+        action="store_true",
+        help="move unreadable Parquet parts of the results folder to <results>/quarantine/ "
+        "instead of refusing to start",
+    )
     args = parser.parse_args(argv)
 
     overrides: dict[str, Any] = {}
@@ -77,10 +90,20 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
             preflight.check_address_syntax(args.address)
     except DptuneError as exc:
         parser.error(str(exc))
-    return SearchOptions(space_path=Path(args.space), storage=args.storage, name=args.name, address=args.address,
-                         resume=args.resume, dry_run=args.dry_run, report=args.report, overrides=overrides,
-                         max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
-                         quarantine_corrupt=args.quarantine_corrupt, report_dir=args.report_dir)
+    return SearchOptions(
+        space_path=Path(args.space),
+        storage=args.storage,
+        name=args.name,
+        address=args.address,
+        resume=args.resume,
+        dry_run=args.dry_run,
+        report=args.report,
+        overrides=overrides,
+        max_train_examples=args.max_train_examples,
+        max_eval_examples=args.max_eval_examples,
+        quarantine_corrupt=args.quarantine_corrupt,
+        report_dir=args.report_dir,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # ...and keeps its traceback, unless the results folder took no more writes
         if (what := storage_error(exc)) is None:
             raise
-        report_and_exit(SearchIncomplete(
-            f"--storage {options.storage}: cannot write the results: {what}. Free space (or make the folder "
-            "writable), then run the same command with --resume: what finished is kept, and every training that "
-            "took a step stays charged in the privacy ledger"))
+        report_and_exit(
+            SearchIncomplete(
+                f"--storage {options.storage}: cannot write the results: {what}. Free space (or make the folder "
+                "writable), then run the same command with --resume: what finished is kept, and every training that "
+                "took a step stays charged in the privacy ledger"
+            )
+        )

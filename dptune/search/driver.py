@@ -79,8 +79,9 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     cpus = num_cpus or os.cpu_count()
     for attempt in (1, 2):
         try:
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env=runtime_env)
+            ray.init(
+                address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env
+            )
             break
         except Exception as error:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(error):
@@ -93,10 +94,14 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
                     f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
                     f"twice (load average {load:.1f} on {os.cpu_count()} cores: this machine is overloaded). Run "
                     "again when the load is lower (with --resume), or start Ray once yourself (`ray start --head "
-                    "--num-cpus N`) and pass its address with --address; nothing was trained") from None
-            print(f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
-                  f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s", file=sys.stderr,
-                  flush=True)
+                    "--num-cpus N`) and pass its address with --address; nothing was trained"
+                ) from None
+            print(
+                f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
+                f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(RAY_START_RETRY_PAUSE_S)
     return f"started embedded local Ray ({cpus} CPUs)"
 
@@ -169,8 +174,9 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     if space.privacy.private_selection is not None:  # Tune's default output prints a trial count; verbose=0 of
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # the older one prints nothing
     if resume and tune.Tuner.can_restore(experiment):
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
-                                   resume_errored=False, restart_errored=True)
+        tuner = tune.Tuner.restore(
+            experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
+        )
         tuner.fit()
         return list(DRIVER_FAILURES)
     if resume:
@@ -182,31 +188,52 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
             record_pruned_grid(space, plan, context)
     searcher = CellMultiplexer(
         samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan, _ in cells},
-        budgets={plan.cell_key: plan.configurations for plan, _ in cells}, unit_sizes=units,
-        contexts=by_key, num_train=plans[0].num_train, min_steps=space.min_steps)
+        budgets={plan.cell_key: plan.configurations for plan, _ in cells},
+        unit_sizes=units,
+        contexts=by_key,
+        num_train=plans[0].num_train,
+        min_steps=space.min_steps,
+    )
     scheduler = None
     if space.scheduler is not None:
         spec = space.scheduler
-        scheduler = PerCellASHA({plan.cell_key: ASHAScheduler(time_attr="epoch", max_t=plan.cell.epochs,
-                                                              grace_period=min(spec.grace_period, plan.cell.epochs),
-                                                              reduction_factor=spec.reduction_factor)
-                                 for plan, _ in cells})
+        scheduler = PerCellASHA(
+            {
+                plan.cell_key: ASHAScheduler(
+                    time_attr="epoch",
+                    max_t=plan.cell.epochs,
+                    grace_period=min(spec.grace_period, plan.cell.epochs),
+                    reduction_factor=spec.reduction_factor,
+                )
+                for plan, _ in cells
+            }
+        )
     callback = RecordAndReport(
-        {plan.cell_key: CellRun(context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
-         for plan, context in cells},
-        quiet=space.privacy.private_selection is not None)
+        {
+            plan.cell_key: CellRun(context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
+            for plan, context in cells
+        },
+        quiet=space.privacy.private_selection is not None,
+    )
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
-            search_alg=searcher, scheduler=scheduler, metric=METRIC, mode="max",
+            search_alg=searcher,
+            scheduler=scheduler,
+            metric=METRIC,
+            mode="max",
             # a private search's unit count would reveal K: run until the searcher finishes
-            num_samples=-1 if space.privacy.private_selection is not None else
-            sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
+            num_samples=-1
+            if space.privacy.private_selection is not None
+            else sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
         run_config=tune.RunConfig(
-            name="search", storage_path=storage, callbacks=[callback], verbose=0,
+            name="search",
+            storage_path=storage,
+            callbacks=[callback],
+            verbose=0,
             failure_config=tune.FailureConfig(max_failures=space.resources.max_retries, fail_fast=False),
         ),
     )
@@ -233,8 +260,10 @@ def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, name
     check_name(name, "--name" if options.name else f"{loaded.path}: name")
     check_storage(options.storage, results_root)
     if options.report:
-        probe_writable(report_location(results_root, options.report_dir),
-                       "--report-dir" if options.report_dir else "the report location (--report-dir)")
+        probe_writable(
+            report_location(results_root, options.report_dir),
+            "--report-dir" if options.report_dir else "the report location (--report-dir)",
+        )
     target = options.address or os.environ.get("RAY_ADDRESS")
     if target:
         preflight.check_address(target, "--address" if options.address else "RAY_ADDRESS")
@@ -250,8 +279,11 @@ def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str
     started with.
     """
     space = loaded.space
-    notes = [note for root in dict.fromkeys((results_root, runs))
-             for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)]
+    notes = [
+        note
+        for root in dict.fromkeys((results_root, runs))
+        for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)
+    ]
     if options.resume:
         repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
         notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
@@ -315,8 +347,10 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     report = report_location(results_root, options.report_dir) if options.report else None
     store = ResultsStore(results_root)
     if not options.dry_run and not options.resume and ResultsStore(runs).completed_trial_ids():
-        raise SearchError(f"results already exist at {results_root}; pass --resume to continue that search "
-                          "or choose another --name/--storage")
+        raise SearchError(
+            f"results already exist at {results_root}; pass --resume to continue that search "
+            "or choose another --name/--storage"
+        )
 
     search_id = f"{name}-{loaded.spec_hash}"
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
@@ -349,41 +383,75 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     if not cluster:
         print(init_ray(options.address), flush=True)
     started = time.monotonic()
-    contexts = [TrialContext(
-        base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
-        results_root=runs, search_id=search_id, cell_id=plan.cell.cell_id, cell_key=plan.cell_key,
-        coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size,
-        reproducible_seed=space.seed if space.reproducible else None, replicates=space.replicates, fused=fused,
-        num_train=plan.num_train, noise_multipliers=dict(plan.noise_multipliers))
-        for plan in plans]
+    contexts = [
+        TrialContext(
+            base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
+            results_root=runs,
+            search_id=search_id,
+            cell_id=plan.cell.cell_id,
+            cell_key=plan.cell_key,
+            coupling=space.coupling.rule,
+            reference_batch_size=space.coupling.reference_batch_size,
+            reproducible_seed=space.seed if space.reproducible else None,
+            replicates=space.replicates,
+            fused=fused,
+            num_train=plan.num_train,
+            noise_multipliers=dict(plan.noise_multipliers),
+        )
+        for plan in plans
+    ]
     runner = "fused runner" if fused else "one trial per run"
     if private:  # K, its progress and the search's duration stay inside the trust boundary
-        print(f"running the private search ({runner}); no per-run progress is shown: it would reveal the "
-              f"secret number of runs (per-run records: {runs})", flush=True)
+        print(
+            f"running the private search ({runner}); no per-run progress is shown: it would reveal the "
+            f"secret number of runs (per-run records: {runs})",
+            flush=True,
+        )
     else:
         replicates = f" × {space.replicates} replicates" if space.replicates > 1 else ""
-        print(f"running {sum(plan.configurations for plan in plans)} configurations{replicates} in {len(plans)} "
-              f"cell runs side by side ({runner})", flush=True)
+        print(
+            f"running {sum(plan.configurations for plan in plans)} configurations{replicates} in {len(plans)} "
+            f"cell runs side by side ({runner})",
+            flush=True,
+        )
     failures = run_cells(space, plans, contexts, options.resume)
     if failures:
         raise SearchIncomplete(
             f"--storage {options.storage}: the results folder {results_root} took no more writes ({failures[0]}); "
             "the search stopped. Free space (or make the folder writable), then run the same command with "
             "--resume: what finished is kept, and every training that took a step stays charged in the "
-            "privacy ledger")
+            "privacy ledger"
+        )
     check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
     ran = plans_that_ran(runs, search_id, plans)
-    _warn(idle := [f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
-                   for p in plans if p not in ran])
+    _warn(
+        idle := [
+            f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
+            for p in plans
+            if p not in ran
+        ]
+    )
     if ran:
-        print("selecting the release by its noisy validation score..." if private else
-              "composing the privacy cost of every trial (PLD accountant)...", flush=True)
+        print(
+            "selecting the release by its noisy validation score..."
+            if private
+            else "composing the privacy cost of every trial (PLD accountant)...",
+            flush=True,
+        )
         trials = read_table(runs, "trials")
         public_test = DATASETS[space.task.dataset].official_test_split
-        rows = [{**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
-                for row in search_rows(loaded, ran, search_id, trials, official_test_split=public_test,
-                                       charged=charged_runs(runs, search_id, trials))]
+        rows = [
+            {**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
+            for row in search_rows(
+                loaded,
+                ran,
+                search_id,
+                trials,
+                official_test_split=public_test,
+                charged=charged_runs(runs, search_id, trials),
+            )
+        ]
         released = release_rows(space, ran, rows, trials, official_test_split=public_test)
         if released:  # before the search rows: a search row marks a finished search
             store.write_part("release", search_id, released)
@@ -404,7 +472,8 @@ def check_every_run_recorded(runs: str, search_id: str, max_retries: int, privat
         f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
         f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
         "Run the same command with --resume to run them again; the search table and summary are written when "
-        "every run has finished")
+        "every run has finished"
+    )
 
 
 def conclude(results_root: str, report: str | None, *, private: bool) -> None:
@@ -414,8 +483,13 @@ def conclude(results_root: str, report: str | None, *, private: bool) -> None:
     if not private:
         print(SUMMARY_HEADER)
         print(format_outcome(results_root))
-    print(format_privacy(read_table(results_root, "search"), read_table(results_root, "release"),
-                         runs=runs_root(results_root, True) if private else None))
+    print(
+        format_privacy(
+            read_table(results_root, "search"),
+            read_table(results_root, "release"),
+            runs=runs_root(results_root, True) if private else None,
+        )
+    )
     if report is not None:
         print(f"report: {build_report_at(results_root, report)}")
 
@@ -437,5 +511,3 @@ def build_report_at(results_root: str, location: str) -> str:
         filesystem.create_dir(path, recursive=True)
         pafs.copy_files(local, path, destination_filesystem=filesystem)
     return f"{location}/index.html"
-
-

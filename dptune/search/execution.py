@@ -97,8 +97,14 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
         trial = replicate_trial_id(configuration_id(context.cell_key, params), replicate)
         digest = hashlib.sha256(f"{context.reproducible_seed}:{trial}".encode()).digest()
         seed = int.from_bytes(digest[:8], "big") >> 11  # 53 bits: exact in the float64 a pandas null column uses
-    return replace(context.base, clip_bound=clip_bound, batch_size=batch_size, base_learning_rate=base_lr,
-                   learning_rate=lr, seed=seed)
+    return replace(
+        context.base,
+        clip_bound=clip_bound,
+        batch_size=batch_size,
+        base_learning_rate=base_lr,
+        learning_rate=lr,
+        seed=seed,
+    )
 
 
 @cache
@@ -148,18 +154,34 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
     """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
     (one file), then each run's rows (atomic; writing the same run again replaces it)."""
     if ledger:
-        record_ends(context.results_root, [RunEnd(
-            run=run.run_id, trial_id=replicate_trial_id(configuration_id(context.cell_key, run.params), run.replicate),
-            status=run.result.status, steps_taken=int(run.result.steps_taken),
-            epsilon_spent=float(run.result.epsilon_spent)) for run in finished])
+        record_ends(
+            context.results_root,
+            [
+                RunEnd(
+                    run=run.run_id,
+                    trial_id=replicate_trial_id(configuration_id(context.cell_key, run.params), run.replicate),
+                    status=run.result.status,
+                    steps_taken=int(run.result.steps_taken),
+                    epsilon_spent=float(run.result.epsilon_spent),
+                )
+                for run in finished
+            ],
+        )
     store = ResultsStore(context.results_root)
     for run in finished:
         configuration = configuration_id(context.cell_key, run.params)
         trial = replicate_trial_id(configuration, run.replicate)
-        rows = trial_rows(run.result, search_id=context.search_id, trial_id=trial, cell_id=context.cell_id,
-                          configuration_id=configuration, replicate=run.replicate,
-                          reference_batch_size=context.reference_batch_size, versions=package_versions(),
-                          finished_at=pd.Timestamp.now(tz="UTC"))
+        rows = trial_rows(
+            run.result,
+            search_id=context.search_id,
+            trial_id=trial,
+            cell_id=context.cell_id,
+            configuration_id=configuration,
+            replicate=run.replicate,
+            reference_batch_size=context.reference_batch_size,
+            versions=package_versions(),
+            finished_at=pd.Timestamp.now(tz="UTC"),
+        )
         store.write_trial(rows, trial)
 
 
@@ -180,11 +202,22 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
         if sigma is None:
             sigma = calibrate_noise_multiplier(config.epsilon, config.delta, rate, steps)
         configuration = configuration_id(context.cell_key, run.params)
-        starts.append(RunStart(
-            trial_id=replicate_trial_id(configuration, run.replicate), configuration_id=configuration,
-            replicate=run.replicate, search_id=context.search_id, cell_id=context.cell_id, clipping=config.clipping,
-            params={name: float(value) for name, value in run.params.items()}, noise_multiplier=float(sigma),
-            sample_rate=rate, steps=steps, delta=config.delta, epsilon=config.epsilon))
+        starts.append(
+            RunStart(
+                trial_id=replicate_trial_id(configuration, run.replicate),
+                configuration_id=configuration,
+                replicate=run.replicate,
+                search_id=context.search_id,
+                cell_id=context.cell_id,
+                clipping=config.clipping,
+                params={name: float(value) for name, value in run.params.items()},
+                noise_multiplier=float(sigma),
+                sample_rate=rate,
+                steps=steps,
+                delta=config.delta,
+                epsilon=config.epsilon,
+            )
+        )
     return list(record_starts(context.results_root, starts))
 
 
@@ -192,19 +225,40 @@ def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int,
     """Record a configuration the min-step rule removed: one row, status ``pruned_min_steps``, no compute."""
     config = trial_config(context, params)
     steps = total_steps(num_train, config.batch_size, config.epochs)
-    result = TrialResult(config=config, status="pruned_min_steps",
-                         reason=f"T = {steps} steps < min_steps = {min_steps}",
-                         sample_rate=sample_rate(num_train, config.batch_size), steps=steps, steps_taken=0,
-                         num_train=num_train, epsilon_spent=0.0)
+    result = TrialResult(
+        config=config,
+        status="pruned_min_steps",
+        reason=f"T = {steps} steps < min_steps = {min_steps}",
+        sample_rate=sample_rate(num_train, config.batch_size),
+        steps=steps,
+        steps_taken=0,
+        num_train=num_train,
+        epsilon_spent=0.0,
+    )
     write_result(context, FinishedRun(params, 0, result))
 
 
-def failed_result(config: TrialConfig, reason: str, *, steps: int = 0, steps_taken: int = 0,
-                  epsilon_spent: float = 0.0, noise_multiplier: float = math.nan,
-                  sample_rate: float = math.nan) -> TrialResult:
+def failed_result(
+    config: TrialConfig,
+    reason: str,
+    *,
+    steps: int = 0,
+    steps_taken: int = 0,
+    epsilon_spent: float = 0.0,
+    noise_multiplier: float = math.nan,
+    sample_rate: float = math.nan,
+) -> TrialResult:
     """The record of a run that raised: status ``error`` with what it spent (nothing before its first step)."""
-    return TrialResult(config=config, status="error", reason=reason[:2000], noise_multiplier=noise_multiplier,
-                       sample_rate=sample_rate, steps=steps, steps_taken=steps_taken, epsilon_spent=epsilon_spent)
+    return TrialResult(
+        config=config,
+        status="error",
+        reason=reason[:2000],
+        noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate,
+        steps=steps,
+        steps_taken=steps_taken,
+        epsilon_spent=epsilon_spent,
+    )
 
 
 def selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy_val_accuracy: float) -> float:
@@ -232,17 +286,26 @@ def _run_one(context: TrialContext, pending: PendingRun, report: Reporter | None
     try:
         result = run_trial(config, report)
     except TrialFailed as failure:  # training had begun: record what it spent
-        result = failed_result(config, str(failure), steps=failure.steps, steps_taken=failure.steps_taken,
-                               epsilon_spent=failure.epsilon_spent, noise_multiplier=failure.noise_multiplier,
-                               sample_rate=failure.sample_rate)
+        result = failed_result(
+            config,
+            str(failure),
+            steps=failure.steps,
+            steps_taken=failure.steps_taken,
+            epsilon_spent=failure.epsilon_spent,
+            noise_multiplier=failure.noise_multiplier,
+            sample_rate=failure.sample_rate,
+        )
     except Exception as error:  # raised before the first step: nothing spent
         result = failed_result(config, f"{type(error).__name__}: {error}")
     write_result(context, FinishedRun(pending.params, pending.replicate, result, run_id), ledger=run_id is not None)
     return result
 
 
-def run_configurations(context: TrialContext, configurations: Sequence[dict[str, Any]],
-                       report: Callable[[EpochMetrics], None] | None = None) -> UnitOutcome:
+def run_configurations(
+    context: TrialContext,
+    configurations: Sequence[dict[str, Any]],
+    report: Callable[[EpochMetrics], None] | None = None,
+) -> UnitOutcome:
     """Run every (configuration, replicate) of ``configurations`` that is not recorded yet.
 
     ``report`` (trial runner, one configuration and one replicate only) is called after every epoch
@@ -251,18 +314,26 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
     """
     store = ResultsStore(context.results_root)
     recorded = store.completed_trial_ids()
-    pending = [PendingRun(index, params, replicate, trial_config(context, params, replicate))
-               for index, params in enumerate(configurations) for replicate in range(context.replicates)
-               if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded]
+    pending = [
+        PendingRun(index, params, replicate, trial_config(context, params, replicate))
+        for index, params in enumerate(configurations)
+        for replicate in range(context.replicates)
+        if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded
+    ]
     results: dict[tuple[int, int], TrialResult] = {}  # by (index, replicate)
     run_ids = charge_runs(context, pending)
     if context.fused and pending:
         from dptune.runners.fused import FusedTrialsFailed, run_fused
 
         def record(positions: list[int], finished: list[TrialResult]) -> None:
-            write_results(context, [FinishedRun(pending[p].params, pending[p].replicate, result, run_ids[p])
-                                    for p, result in zip(positions, finished, strict=True)],
-                          ledger=context.num_train is not None)
+            write_results(
+                context,
+                [
+                    FinishedRun(pending[p].params, pending[p].replicate, result, run_ids[p])
+                    for p, result in zip(positions, finished, strict=True)
+                ],
+                ledger=context.num_train is not None,
+            )
             for position, result in zip(positions, finished, strict=True):
                 results[pending[position].index, pending[position].replicate] = result
 
@@ -278,8 +349,12 @@ def run_configurations(context: TrialContext, configurations: Sequence[dict[str,
     return _outcome(context, configurations, results, len(pending))
 
 
-def _outcome(context: TrialContext, configurations: Sequence[dict[str, Any]],
-             results: dict[tuple[int, int], TrialResult], ran: int) -> UnitOutcome:
+def _outcome(
+    context: TrialContext,
+    configurations: Sequence[dict[str, Any]],
+    results: dict[tuple[int, int], TrialResult],
+    ran: int,
+) -> UnitOutcome:
     """Mean selection value and joint status per configuration, from this call's results and the
     records of runs that finished before it."""
     rows = None

@@ -53,17 +53,25 @@ class LeaseHeld(DptuneError, ValueError):
 
 
 def _holder_info(token: str) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "token": token,
-            "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "token": token,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
 
 
 def _refusal(results_root: str, where: str, holder: dict[str, Any] | None) -> LeaseHeld:
-    who = ("a search that is still starting" if not holder else
-           f"the search of pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started_at')}")
+    who = (
+        "a search that is still starting"
+        if not holder
+        else f"the search of pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started_at')}"
+    )
     return LeaseHeld(
         f"{where} {shown(results_root)}: another search is running on this results folder ({who}); only one search "
         "may use a results folder at a time. Wait for it to end, or stop it (`ray job stop`, or kill that pid), then "
-        "run this command again with --resume (what it finished is kept); or choose another --name or --storage")
+        "run this command again with --resume (what it finished is kept); or choose another --name or --storage"
+    )
 
 
 @contextlib.contextmanager
@@ -122,8 +130,9 @@ def _object_lease(results_root: str, where: str) -> Iterator[None]:
     info = _holder_info(token)
 
     def renew() -> None:
-        write_file_atomic(results_root, LEASE_OBJECT,
-                          json.dumps({**info, "expires_at": time.time() + LEASE_EXPIRY_S}).encode())
+        write_file_atomic(
+            results_root, LEASE_OBJECT, json.dumps({**info, "expires_at": time.time() + LEASE_EXPIRY_S}).encode()
+        )
 
     renew()
     time.sleep(SETTLE_S)

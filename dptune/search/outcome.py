@@ -24,13 +24,30 @@ if TYPE_CHECKING:
 
 #: ``search`` columns that count or compose the runs of a search: null for an end-to-end private
 #: search, whose number of runs K must stay secret (as must its end time, ``created_at``).
-RUN_COUNT_COLUMNS = ("trials_planned", "trials_with_steps", "epsilon_cell", "epsilon_composition",
-                     "delta_composition", "epsilon_search", "epsilon_search_basic", "delta_search_basic",
-                     "runs_charged", "runs_unrecorded", "created_at")
+RUN_COUNT_COLUMNS = (
+    "trials_planned",
+    "trials_with_steps",
+    "epsilon_cell",
+    "epsilon_composition",
+    "delta_composition",
+    "epsilon_search",
+    "epsilon_search_basic",
+    "delta_search_basic",
+    "runs_charged",
+    "runs_unrecorded",
+    "created_at",
+)
 
 
-def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, trials: pd.DataFrame, *,
-                official_test_split: bool, charged: pd.DataFrame | None = None) -> list[dict[str, Any]]:
+def search_rows(
+    loaded: LoadedSpace,
+    plans: list[CellPlan],
+    search_id: str,
+    trials: pd.DataFrame,
+    *,
+    official_test_split: bool,
+    charged: pd.DataFrame | None = None,
+) -> list[dict[str, Any]]:
     """One ``search`` row per cell run, with the privacy cost of the tuning itself.
 
     ``trials`` is the search's ``trials`` table; ``charged`` what the privacy ledger charges
@@ -48,50 +65,90 @@ def search_rows(loaded: LoadedSpace, plans: list[CellPlan], search_id: str, tria
     charged = trials if charged is None else charged[charged["search_id"] == search_id]
     selection = space.privacy.private_selection
     whole = composition_cost(charged, delta) if selection is None else None
-    unrecorded = max(0, len(charged[charged["steps_taken"].fillna(0) > 0])
-                     - len(trials[trials["steps_taken"].fillna(0) > 0]))
+    unrecorded = max(
+        0, len(charged[charged["steps_taken"].fillna(0) > 0]) - len(trials[trials["steps_taken"].fillna(0) > 0])
+    )
     rows = []
     for plan in plans:
         row: dict[str, Any] = {
-            "search_id": search_id, "name": space.name, "cell_id": plan.cell.cell_id, "clipping": plan.clipping,
-            "epsilon": plan.cell.epsilon, "epochs": plan.cell.epochs, "delta": delta,
-            "dataset": space.task.dataset, "backbone": space.task.backbone, "peft": space.task.peft,
-            "num_train": plan.num_train, "configurations_pruned": len(plan.pruned_batch_sizes),
+            "search_id": search_id,
+            "name": space.name,
+            "cell_id": plan.cell.cell_id,
+            "clipping": plan.clipping,
+            "epsilon": plan.cell.epsilon,
+            "epochs": plan.cell.epochs,
+            "delta": delta,
+            "dataset": space.task.dataset,
+            "backbone": space.task.backbone,
+            "peft": space.task.peft,
+            "num_train": plan.num_train,
+            "configurations_pruned": len(plan.pruned_batch_sizes),
             "epsilon_per_trial": plan.cell.epsilon,
             "selection_bound_holds": selection is not None and not space.reproducible,
-            "reproducible": space.reproducible, "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash,
-            "schema_version": SCHEMA_VERSION, "dptune_version": __version__,
+            "reproducible": space.reproducible,
+            "spec_yaml": loaded.text,
+            "spec_hash": loaded.spec_hash,
+            "schema_version": SCHEMA_VERSION,
+            "dptune_version": __version__,
         }
         if selection is None:
             assert whole is not None
             cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
             cell = composition_cost(cell_runs, delta)
-            row.update({
-                "trials_planned": plan.configurations * space.replicates, "trials_with_steps": cell.trials_with_steps,
-                "epsilon_cell": cell.epsilon, "epsilon_composition": cell.epsilon_basic,
-                "delta_composition": cell.delta_basic, "epsilon_search": whole.epsilon,
-                "epsilon_search_basic": whole.epsilon_basic, "delta_search_basic": whole.delta_basic,
-                "runs_charged": whole.trials_with_steps, "runs_unrecorded": unrecorded,
-                "epsilon_selection": math.nan, "delta_selection": math.nan,
-                "guarantee": guarantee(space, official_test_split, whole),
-                "created_at": pd.Timestamp.now(tz="UTC"),
-            })
+            row.update(
+                {
+                    "trials_planned": plan.configurations * space.replicates,
+                    "trials_with_steps": cell.trials_with_steps,
+                    "epsilon_cell": cell.epsilon,
+                    "epsilon_composition": cell.epsilon_basic,
+                    "delta_composition": cell.delta_basic,
+                    "epsilon_search": whole.epsilon,
+                    "epsilon_search_basic": whole.epsilon_basic,
+                    "delta_search_basic": whole.delta_basic,
+                    "runs_charged": whole.trials_with_steps,
+                    "runs_unrecorded": unrecorded,
+                    "epsilon_selection": math.nan,
+                    "delta_selection": math.nan,
+                    "guarantee": guarantee(space, official_test_split, whole),
+                    "created_at": pd.Timestamp.now(tz="UTC"),
+                }
+            )
         else:
-            candidates = [TrialMechanism(plan.noise_multipliers[b], sample_rate(plan.num_train, b),
-                                         total_steps(plan.num_train, b, plan.cell.epochs))
-                          for b in plan.feasible_batch_sizes]
-            epsilon_selection = selection_epsilon(candidates, space.sampler.trials_per_cell or 0, delta,
-                                                  shape=selection.trial_count_shape,
-                                                  score_noise_multiplier=selection.score_noise_multiplier)
+            candidates = [
+                TrialMechanism(
+                    plan.noise_multipliers[b],
+                    sample_rate(plan.num_train, b),
+                    total_steps(plan.num_train, b, plan.cell.epochs),
+                )
+                for b in plan.feasible_batch_sizes
+            ]
+            epsilon_selection = selection_epsilon(
+                candidates,
+                space.sampler.trials_per_cell or 0,
+                delta,
+                shape=selection.trial_count_shape,
+                score_noise_multiplier=selection.score_noise_multiplier,
+            )
             row.update({name: None for name in RUN_COUNT_COLUMNS})
-            row.update({"epsilon_selection": epsilon_selection, "delta_selection": delta,
-                        "guarantee": guarantee(space, official_test_split, None, epsilon_selection)})
+            row.update(
+                {
+                    "epsilon_selection": epsilon_selection,
+                    "delta_selection": delta,
+                    "guarantee": guarantee(space, official_test_split, None, epsilon_selection),
+                }
+            )
         rows.append(row)
     return rows
 
 
-def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]],
-                 trials: pd.DataFrame, *, official_test_split: bool) -> list[dict[str, Any]]:
+def release_rows(
+    space: SearchSpace,
+    plans: list[CellPlan],
+    search_rows_: list[dict[str, Any]],
+    trials: pd.DataFrame,
+    *,
+    official_test_split: bool,
+) -> list[dict[str, Any]]:
     """An end-to-end private search's release: per cell, the configuration of the run with the best
     noisy validation score (``privacy.search.select_release``), that score (the maximum of the K
     noisy scores: biased upward), its test accuracy where the test split is public, and the budget;
@@ -101,21 +158,38 @@ def release_rows(space: SearchSpace, plans: list[CellPlan], search_rows_: list[d
         return []
     rows = []
     for plan, row in zip(plans, search_rows_, strict=True):
-        chosen = select_release(trials[(trials["search_id"] == row["search_id"]) &
-                                       (trials["cell_id"] == plan.cell.cell_id)], runs=plan.configurations)
+        chosen = select_release(
+            trials[(trials["search_id"] == row["search_id"]) & (trials["cell_id"] == plan.cell.cell_id)],
+            runs=plan.configurations,
+        )
         if chosen is None:
             continue
-        rows.append({
-            "search_id": row["search_id"], "cell_id": plan.cell.cell_id,
-            **{name: chosen[name] for name in ("clip_bound", "batch_size", "base_learning_rate", "learning_rate",
-                                               "epochs", "noisy_val_accuracy")},
-            "test_accuracy": chosen["test_accuracy"] if official_test_split else None,
-            "test_split_public": official_test_split,
-            "epsilon_total": selection.epsilon, "delta_total": space.privacy.delta,
-            "epsilon_per_trial": plan.cell.epsilon, "score_noise_multiplier": selection.score_noise_multiplier,
-            "mean_trials": float(space.sampler.trials_per_cell or 0),
-            "trial_count_shape": selection.trial_count_shape, "guarantee": row["guarantee"],
-        })
+        rows.append(
+            {
+                "search_id": row["search_id"],
+                "cell_id": plan.cell.cell_id,
+                **{
+                    name: chosen[name]
+                    for name in (
+                        "clip_bound",
+                        "batch_size",
+                        "base_learning_rate",
+                        "learning_rate",
+                        "epochs",
+                        "noisy_val_accuracy",
+                    )
+                },
+                "test_accuracy": chosen["test_accuracy"] if official_test_split else None,
+                "test_split_public": official_test_split,
+                "epsilon_total": selection.epsilon,
+                "delta_total": space.privacy.delta,
+                "epsilon_per_trial": plan.cell.epsilon,
+                "score_noise_multiplier": selection.score_noise_multiplier,
+                "mean_trials": float(space.sampler.trials_per_cell or 0),
+                "trial_count_shape": selection.trial_count_shape,
+                "guarantee": row["guarantee"],
+            }
+        )
     return rows
 
 
@@ -140,12 +214,21 @@ def format_summary(best: pd.DataFrame) -> str:
     with the test accuracy's interval, and how many configurations are within noise of it."""
     if best.empty:
         return "no finished trials yet"
-    columns = {"cell_id": "cell", "clipping": "clipping", "clip_bound": "C", "batch_size": "B",
-               "base_learning_rate": "η₀", "learning_rate": "η", "replicates": "R", "val_accuracy": "val acc",
-               "test_accuracy": "test acc"}
+    columns = {
+        "cell_id": "cell",
+        "clipping": "clipping",
+        "clip_bound": "C",
+        "batch_size": "B",
+        "base_learning_rate": "η₀",
+        "learning_rate": "η",
+        "replicates": "R",
+        "val_accuracy": "val acc",
+        "test_accuracy": "test acc",
+    }
     table = best[list(columns)].rename(columns=columns)
-    table["test interval"] = [f"[{low:.3f}, {high:.3f}]" for low, high in zip(best["test_low"], best["test_high"],
-                                                                             strict=True)]
+    table["test interval"] = [
+        f"[{low:.3f}, {high:.3f}]" for low, high in zip(best["test_low"], best["test_high"], strict=True)
+    ]
     table["within noise"] = [f"{k}/{n}" for k, n in zip(best["within_noise"], best["configurations"], strict=True)]
     extra = [c for c in ("ok", "pruned_min_steps", "diverged", "error", "stopped_early") if c in best]
     table = pd.concat([table, best[extra]], axis=1)
@@ -153,9 +236,11 @@ def format_summary(best: pd.DataFrame) -> str:
 
 
 #: The line above the summary table.
-SUMMARY_HEADER = ("best configuration per cell (mean over its replicates, selected on exact validation accuracy: not "
-                  "a DP release; test interval: t over replicates, or binomial with one; within noise: configurations "
-                  "not distinguishable from the best):")
+SUMMARY_HEADER = (
+    "best configuration per cell (mean over its replicates, selected on exact validation accuracy: not "
+    "a DP release; test interval: t over replicates, or binomial with one; within noise: configurations "
+    "not distinguishable from the best):"
+)
 
 
 #: Trial statuses that mean a trial ran (or tried to) and produced no usable model.
@@ -172,8 +257,10 @@ def format_failed_cells(trials: pd.DataFrame) -> list[str]:
             continue
         reasons = failed["reason"].fillna("").replace("", "no reason recorded").value_counts()
         statuses = ", ".join(f"{count} {status}" for status, count in failed["status"].value_counts().items())
-        lines.append(f"cell {cell_id} [{clipping}]: every trial that ran failed ({statuses}); most common "
-                     f"reason ({reasons.iloc[0]} of {len(failed)}): {reasons.index[0]}")
+        lines.append(
+            f"cell {cell_id} [{clipping}]: every trial that ran failed ({statuses}); most common "
+            f"reason ({reasons.iloc[0]} of {len(failed)}): {reasons.index[0]}"
+        )
     return lines
 
 
@@ -187,9 +274,17 @@ def format_outcome(results_root: str) -> str:
 
 
 #: The release table's columns as the summary shows them.
-RELEASE_COLUMNS = {"cell_id": "cell", "clip_bound": "C", "batch_size": "B", "base_learning_rate": "η₀",
-                   "learning_rate": "η", "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
-                   "test_accuracy": "test acc", "epsilon_total": "ε total", "delta_total": "δ"}
+RELEASE_COLUMNS = {
+    "cell_id": "cell",
+    "clip_bound": "C",
+    "batch_size": "B",
+    "base_learning_rate": "η₀",
+    "learning_rate": "η",
+    "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
+    "test_accuracy": "test acc",
+    "epsilon_total": "ε total",
+    "delta_total": "δ",
+}
 
 
 def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None = None) -> str:
@@ -206,31 +301,47 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
             lines.append("none: no run finished")
         else:
             table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
-            table["test acc"] = table["test acc"].where(release["test_split_public"].fillna(True).astype(bool),
-                                                        "withheld (test split carved from the private pool)")
+            table["test acc"] = table["test acc"].where(
+                release["test_split_public"].fillna(True).astype(bool),
+                "withheld (test split carved from the private pool)",
+            )
             lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-            lines.append("the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
-                         "not an estimate of the model's accuracy")
-        lines.append(f"per-run records, inside the data owner's trust boundary (NOT covered; publishing them "
-                     f"voids the guarantee): {runs}")
+            lines.append(
+                "the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
+                "not an estimate of the model's accuracy"
+            )
+        lines.append(
+            f"per-run records, inside the data owner's trust boundary (NOT covered; publishing them "
+            f"voids the guarantee): {runs}"
+        )
         lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
         return "\n".join(lines)
     lines = ["", "privacy cost of the search (trials took steps on the same data; ε at the space's δ):"]
-    table = search[["cell_id", "clipping", "trials_with_steps", "epsilon_per_trial", "epsilon_cell",
-                    "epsilon_composition"]]
-    lines.append(table.rename(columns={
-        "cell_id": "cell", "trials_with_steps": "trials with steps", "epsilon_per_trial": "ε per trial",
-        "epsilon_cell": "ε cell (composed)", "epsilon_composition": "Σε (basic)"}).to_string(
-        index=False, float_format=lambda v: f"{v:.3g}"))
-    lines.append(f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
-                 f"composition of every trial that took a step); basic composition: "
-                 f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}")
+    table = search[
+        ["cell_id", "clipping", "trials_with_steps", "epsilon_per_trial", "epsilon_cell", "epsilon_composition"]
+    ]
+    lines.append(
+        table.rename(
+            columns={
+                "cell_id": "cell",
+                "trials_with_steps": "trials with steps",
+                "epsilon_per_trial": "ε per trial",
+                "epsilon_cell": "ε cell (composed)",
+                "epsilon_composition": "Σε (basic)",
+            }
+        ).to_string(index=False, float_format=lambda v: f"{v:.3g}")
+    )
+    lines.append(
+        f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
+        f"composition of every trial that took a step); basic composition: "
+        f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}"
+    )
     unrecorded = first.get("runs_unrecorded")
     if unrecorded is not None and not pd.isna(unrecorded) and int(unrecorded) > 0:
-        lines.append(f"charged but unrecorded: {int(unrecorded)} of the {int(first['runs_charged'])} runs composed "
-                     "above took steps and left no trials row (a lost trial process, a full disk, or an attempt "
-                     "run again); the privacy ledger charges each its planned steps unless it reported fewer")
+        lines.append(
+            f"charged but unrecorded: {int(unrecorded)} of the {int(first['runs_charged'])} runs composed "
+            "above took steps and left no trials row (a lost trial process, a full disk, or an attempt "
+            "run again); the privacy ledger charges each its planned steps unless it reported fewer"
+        )
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
-
-

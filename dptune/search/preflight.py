@@ -75,8 +75,10 @@ def check_address(address: str, where: str = "--address", timeout_s: float = ADD
         return
     problem = _connect(*endpoint, timeout_s)
     if problem is not None:
-        raise PreflightError(f"{where} {shown(address)}: no Ray cluster answers there ({problem}; expected "
-                             f"{_ALLOWED_ADDRESS} of a running cluster, or no address for an embedded local Ray)")
+        raise PreflightError(
+            f"{where} {shown(address)}: no Ray cluster answers there ({problem}; expected "
+            f"{_ALLOWED_ADDRESS} of a running cluster, or no address for an embedded local Ray)"
+        )
 
 
 def token_configured() -> bool:
@@ -94,14 +96,19 @@ def cluster_join_error(address: str, where: str, error: BaseException) -> Prefli
     lines = str(error).strip().splitlines()
     first = lines[0][:200] if lines else type(error).__name__
     if not token_configured():
-        hint = ("the cluster most likely requires token authentication (on by default in Ray 2.60): set "
-                "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or in the file RAY_AUTH_TOKEN_PATH "
-                "names, or ~/.ray/auth_token)")
+        hint = (
+            "the cluster most likely requires token authentication (on by default in Ray 2.60): set "
+            "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or in the file RAY_AUTH_TOKEN_PATH "
+            "names, or ~/.ray/auth_token)"
+        )
     else:
-        hint = ("RAY_AUTH_MODE=token is set: check that the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
-                "~/.ray/auth_token) is this cluster's, and that the address is its head's GCS port")
-    return PreflightError(f"{where} {shown(address)}: could not join the Ray cluster ({first}); {hint}; nothing "
-                          "was loaded or trained")
+        hint = (
+            "RAY_AUTH_MODE=token is set: check that the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            "~/.ray/auth_token) is this cluster's, and that the address is its head's GCS port"
+        )
+    return PreflightError(
+        f"{where} {shown(address)}: could not join the Ray cluster ({first}); {hint}; nothing was loaded or trained"
+    )
 
 
 def _connect(host: str, port: int, timeout_s: float) -> str | None:
@@ -130,7 +137,7 @@ def local_gpus() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len([p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[len("nvidia"):].isdigit()])
+    return len([p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit()])
 
 
 def check_local_resources(resources: ResourcesSpec, cpus: int | None = None, gpus: int | None = None) -> None:
@@ -162,7 +169,8 @@ def _check_fits(resources: ResourcesSpec, nodes: list[dict[str, float]], what: s
     raise PreflightError(
         f"resources: a trial asks for {resources.cpus:g} CPU(s) and {resources.gpu:g} GPU(s), more than {what} has "
         f"({largest.get('CPU', 0):g} CPU(s), {largest.get('GPU', 0):g} GPU(s)); the search would wait forever "
-        "(lower resources.cpus/resources.gpu, or join a cluster with --address)")
+        "(lower resources.cpus/resources.gpu, or join a cluster with --address)"
+    )
 
 
 # --------------------------------------------------------------------------- the results folder
@@ -178,9 +186,11 @@ def check_results_folder(results_root: str, quarantine: bool, move: bool = True)
     notes = []
     for table, part, problem in unreadable_parts(results_root):
         if not quarantine:
-            raise PreflightError(f"{part}: {problem} (an unreadable part of table '{table}'; move it "
-                                 "aside, or pass --quarantine-corrupt to move every such part to "
-                                 f"{results_root}/quarantine/)")
+            raise PreflightError(
+                f"{part}: {problem} (an unreadable part of table '{table}'; move it "
+                "aside, or pass --quarantine-corrupt to move every such part to "
+                f"{results_root}/quarantine/)"
+            )
         target = quarantine_part(results_root, table, part) if move else f"{results_root}/quarantine/{table}/"
         notes.append(f"unreadable part {part} ({problem}) {'moved' if move else 'would be moved'} to {target}")
     return notes
@@ -208,10 +218,14 @@ def check_tune_state(results_root: str, set_aside: bool = False) -> list[str]:
         with fs.open_input_file(tuner) as file:
             pickle.loads(file.readall())  # what Tune's restore does with it
     except Exception as exc:  # any failure to load it is the problem reported
-        raise PreflightError(f"{tuner}: Tune's state cannot be loaded ({type(exc).__name__}: "
-                             f"{shown(str(exc))}) {fix}") from None
-    states = sorted(info.path for info in fs.get_file_info(pafs.FileSelector(experiment))
-                    if info.base_name.startswith("experiment_state-") and info.base_name.endswith(".json"))
+        raise PreflightError(
+            f"{tuner}: Tune's state cannot be loaded ({type(exc).__name__}: {shown(str(exc))}) {fix}"
+        ) from None
+    states = sorted(
+        info.path
+        for info in fs.get_file_info(pafs.FileSelector(experiment))
+        if info.base_name.startswith("experiment_state-") and info.base_name.endswith(".json")
+    )
     if states:
         try:
             with fs.open_input_file(states[-1]) as file:
@@ -222,8 +236,10 @@ def check_tune_state(results_root: str, set_aside: bool = False) -> list[str]:
                 raise PreflightError(f"{problem} {fix}") from None
             aside = f"{experiment}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
             fs.move(experiment, aside)
-            return [f"{problem}; moved the experiment to {aside} and starting Tune afresh (the same proposals "
-                    "again: recorded runs are not run again)"]
+            return [
+                f"{problem}; moved the experiment to {aside} and starting Tune afresh (the same proposals "
+                "again: recorded runs are not run again)"
+            ]
     return []
 
 
@@ -241,8 +257,9 @@ def read_manifest(results_root: str) -> dict[str, Any] | None:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("spec_yaml"), str):
             raise ValueError("expected an object with spec_hash and spec_yaml")
     except (ValueError, OSError) as exc:
-        raise PreflightError(f"{path}: unreadable manifest ({shown(str(exc))}; it is rewritten by a search "
-                             "started without --resume)") from None
+        raise PreflightError(
+            f"{path}: unreadable manifest ({shown(str(exc))}; it is rewritten by a search started without --resume)"
+        ) from None
     return manifest
 
 
@@ -274,7 +291,8 @@ def check_same_space(results_root: str, loaded: LoadedSpace) -> None:
     raise PreflightError(
         f"--resume: the search space differs from the one {results_root} was started with (spec {old_hash} → "
         f"{loaded.spec_hash}): {what or 'its text differs (comments or layout), no key'} (resume with the same "
-        "space and --set flags, or start a new search with another --name)")
+        "space and --set flags, or start a new search with another --name)"
+    )
 
 
 # --------------------------------------------------------------------------- warnings
@@ -284,8 +302,11 @@ def flag_warnings(space: SearchSpace, trials_per_cell_flag: bool) -> list[str]:
     """Settings that are accepted but do nothing, each as one sentence."""
     notes = []
     if space.sampler.name == "grid" and space.sampler.trials_per_cell is not None:
-        source = ("--trials-per-cell (or --set sampler.trials_per_cell)" if trials_per_cell_flag
-                  else "sampler.trials_per_cell")
+        source = (
+            "--trials-per-cell (or --set sampler.trials_per_cell)"
+            if trials_per_cell_flag
+            else "sampler.trials_per_cell"
+        )
         notes.append(f"{source} does not apply to sampler 'grid', which runs each grid point once; ignored")
     if space.coupling.rule == "none" and "reference_batch_size" in space.coupling.model_fields_set:
         notes.append("coupling.reference_batch_size does not apply with coupling rule 'none'; ignored")

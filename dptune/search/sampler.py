@@ -115,12 +115,15 @@ class CellSampler:
         self._numbers = {}
         distributions = self.spec.distributions()
         for params, value, state in self.told:
-            self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
-                                                           state=_STATES[state]))
+            self.study.add_trial(
+                optuna.trial.create_trial(params=params, distributions=distributions, value=value, state=_STATES[state])
+            )
         if self.spec.sampler == "grid":
             done = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
-            points = [dict(zip(self.spec.grid(), values, strict=True))
-                      for values in itertools.product(*self.spec.grid().values())]
+            points = [
+                dict(zip(self.spec.grid(), values, strict=True))
+                for values in itertools.product(*self.spec.grid().values())
+            ]
             for index in np.random.default_rng(self.spec.seed).permutation(len(points)):
                 if _key(points[index]) not in done:
                     self.study.enqueue_trial(points[index])
@@ -175,8 +178,11 @@ class CellSampler:
         if numbers:
             self.study.tell(numbers.pop(0), value, state=_STATES[state])
         else:
-            self.study.add_trial(optuna.trial.create_trial(
-                params=params, distributions=self.spec.distributions(), value=value, state=_STATES[state]))
+            self.study.add_trial(
+                optuna.trial.create_trial(
+                    params=params, distributions=self.spec.distributions(), value=value, state=_STATES[state]
+                )
+            )
         waiting = [_key(p) for p in self.pending]
         if key in waiting:
             del self.pending[waiting.index(key)]
@@ -184,9 +190,15 @@ class CellSampler:
 
     def state(self) -> dict[str, Any]:
         """Plain data (JSON-serialisable) from which :meth:`from_state` rebuilds this sampler."""
-        return {"spec": {**asdict(self.spec), "batch_sizes": list(self.spec.batch_sizes),
-                         "feasible_batch_sizes": list(self.spec.feasible_batch_sizes)},
-                "told": [list(entry) for entry in self.told], "pending": list(self.pending)}
+        return {
+            "spec": {
+                **asdict(self.spec),
+                "batch_sizes": list(self.spec.batch_sizes),
+                "feasible_batch_sizes": list(self.spec.feasible_batch_sizes),
+            },
+            "told": [list(entry) for entry in self.told],
+            "pending": list(self.pending),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> CellSampler:

@@ -120,9 +120,16 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
         if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
             tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
         raise
-    tune.report({SCORES_KEY: outcome.scores, RUN_STATUSES_KEY: json.dumps(Counter(outcome.run_statuses)),
-                 METRIC: max(outcome.scores),
-                 "epoch": epochs, "ran": outcome.ran, "done_recording": True})
+    tune.report(
+        {
+            SCORES_KEY: outcome.scores,
+            RUN_STATUSES_KEY: json.dumps(Counter(outcome.run_statuses)),
+            METRIC: max(outcome.scores),
+            "epoch": epochs,
+            "ran": outcome.ran,
+            "done_recording": True,
+        }
+    )
 
 
 class CellMultiplexer(Searcher):
@@ -134,8 +141,16 @@ class CellMultiplexer(Searcher):
     count against the cell's ``budgets`` (configurations per cell).
     """
 
-    def __init__(self, samplers: dict[str, CellSampler], budgets: dict[str, int], unit_sizes: dict[str, int],
-                 contexts: dict[str, TrialContext], num_train: int, min_steps: int, metric: str = METRIC) -> None:
+    def __init__(
+        self,
+        samplers: dict[str, CellSampler],
+        budgets: dict[str, int],
+        unit_sizes: dict[str, int],
+        contexts: dict[str, TrialContext],
+        num_train: int,
+        min_steps: int,
+        metric: str = METRIC,
+    ) -> None:
         super().__init__(metric=metric, mode="max")
         self.samplers = samplers
         self.budgets = dict(budgets)
@@ -159,7 +174,8 @@ class CellMultiplexer(Searcher):
             context = self.contexts[cell_key]
             count = min(self.unit_sizes[cell_key], self.budgets[cell_key] - self.suggested[cell_key])
             configurations = self.samplers[cell_key].ask(
-                count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps))
+                count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps)
+            )
             if not configurations:  # a grid ran out early: close the cell
                 self.budgets[cell_key] = self.suggested[cell_key]
                 continue
@@ -183,16 +199,20 @@ class CellMultiplexer(Searcher):
             sampler.tell(params, None if value is None or not math.isfinite(value) else float(value))
 
     def _dynamic_state(self) -> dict[str, Any]:
-        return {"samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
-                "budgets": self.budgets, "suggested": self.suggested,
-                "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
-                "turn": self.turn}
+        return {
+            "samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
+            "budgets": self.budgets,
+            "suggested": self.suggested,
+            "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
+            "turn": self.turn,
+        }
 
     def _load_dynamic_state(self, state: dict[str, Any]) -> None:
         self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
         self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
-        self.owner = {trial_id: Unit(cell_key, configurations)
-                      for trial_id, (cell_key, configurations) in state["owner"].items()}
+        self.owner = {
+            trial_id: Unit(cell_key, configurations) for trial_id, (cell_key, configurations) in state["owner"].items()
+        }
 
     def save(self, checkpoint_path: str) -> None:
         """One JSON file (Tune renames it into place): plain data only."""
@@ -288,16 +308,21 @@ class RecordAndReport(Callback):
             return
         cell = self.cells[unit.cell_key]
         replicates = f" × {cell.context.replicates} replicates" if cell.context.replicates > 1 else ""
-        counts = (", ".join(f"{count} {status}" for status, count in sorted(self.runs[unit.cell_key].items()))
-                  or "no run ended")
+        counts = (
+            ", ".join(f"{count} {status}" for status, count in sorted(self.runs[unit.cell_key].items()))
+            or "no run ended"
+        )
         best = ""
         if unit.cell_key in self.best:
             score, params = self.best[unit.cell_key]
             clip = f"C={params['clip_bound']:.3g} " if "clip_bound" in params else ""
             best = f"; best so far {score:.4f} ({clip}B={params['batch_size']} η₀={params['base_learning_rate']:.3g})"
         now = f" ({what})" if what else ""
-        print(f"[{cell.label}] {self.finished[unit.cell_key]}/{cell.budget} configurations{replicates}: "
-              f"runs {counts}{now}{best}", flush=True)
+        print(
+            f"[{cell.label}] {self.finished[unit.cell_key]}/{cell.budget} configurations{replicates}: "
+            f"runs {counts}{now}{best}",
+            flush=True,
+        )
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         try:
@@ -313,8 +338,11 @@ class RecordAndReport(Callback):
                 return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
             context = self.cells[unit.cell_key].context
-            self._progress(trial, f"stopped early at epoch {last.get('epoch')}",
-                           {"stopped_early": len(unit.configurations) * context.replicates})
+            self._progress(
+                trial,
+                f"stopped early at epoch {last.get('epoch')}",
+                {"stopped_early": len(unit.configurations) * context.replicates},
+            )
             return
         scores = last.get(SCORES_KEY, [])
         for params, score in zip(unit.configurations, scores, strict=False):
@@ -322,20 +350,27 @@ class RecordAndReport(Callback):
                 self.best[unit.cell_key] = (score, params)
         self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
-    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
-                        **info: Any) -> None:
+    def on_trial_result(
+        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+    ) -> None:
         if result.get(STORAGE_ERROR_KEY):
             stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
     def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
-            self._progress(trial, f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
-                                  "planned steps and run again")
+            self._progress(
+                trial,
+                f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
+                "planned steps and run again",
+            )
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
-            self._progress(trial, f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
-                                  "and run again on --resume")
+            self._progress(
+                trial,
+                f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
+                "and run again on --resume",
+            )
 
     def _record_unfinished(self, trial: Any, status: TrialStatus, reason: str) -> None:
         unit = Unit.of(trial.config)
@@ -362,8 +397,14 @@ def _failure_line(error: BaseException, doing: str) -> str:
     return f"{doing}: {storage_error(error) or f'{type(error).__name__}: {error}'}"
 
 
-def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate: int, status: TrialStatus,
-                       reason: str, last: dict[str, Any]) -> TrialResult:
+def _unfinished_result(
+    context: TrialContext,
+    params: dict[str, Any],
+    replicate: int,
+    status: TrialStatus,
+    reason: str,
+    last: dict[str, Any],
+) -> TrialResult:
     """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
     trainables block in ``report()``, so it took the steps of its last report (``last``) and no more."""
     num_train, sigmas = context.num_train, context.noise_multipliers
@@ -375,6 +416,16 @@ def _unfinished_result(context: TrialContext, params: dict[str, Any], replicate:
     steps = total_steps(num_train, config.batch_size, config.epochs)
     steps_taken = int(last.get("steps", 0))
     spent = epsilon_spent(sigma, rate, steps_taken, config.delta) if steps_taken else 0.0
-    return TrialResult(config=config, status=status, reason=reason, noise_multiplier=sigma, sample_rate=rate,
-                       steps=steps, steps_taken=steps_taken, epsilon_spent=spent, num_train=num_train, epochs=epochs,
-                       val_accuracy=last.get(METRIC, float("nan")))
+    return TrialResult(
+        config=config,
+        status=status,
+        reason=reason,
+        noise_multiplier=sigma,
+        sample_rate=rate,
+        steps=steps,
+        steps_taken=steps_taken,
+        epsilon_spent=spent,
+        num_train=num_train,
+        epochs=epochs,
+        val_accuracy=last.get(METRIC, float("nan")),
+    )

@@ -48,7 +48,9 @@ if TYPE_CHECKING:
     from dptune.search.options import SearchOptions
 
 
-#: Seconds to wait before the one retry of an embedded Ray start that timed out (an overloaded machine).
+#: Tries of an embedded Ray start whose processes time out registering (an overloaded machine: Ray
+#: waits a fixed 30 s), and the seconds between them.
+RAY_START_ATTEMPTS = 3
 RAY_START_RETRY_PAUSE_S = 15.0
 
 
@@ -59,8 +61,8 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
     raises ``PreflightError`` naming the address and, when no token is set, token authentication
     (``preflight.cluster_join_error``). An embedded start that times out (Ray waits 30 s for its
-    processes to register: an overloaded machine) is retried once after ``RAY_START_RETRY_PAUSE_S``,
-    then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
+    processes to register: an overloaded machine) is tried up to ``RAY_START_ATTEMPTS`` times,
+    ``RAY_START_RETRY_PAUSE_S`` apart, then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
     """
     import ray
 
@@ -77,7 +79,7 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
             raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
         return f"joined Ray cluster at {target}"
     cpus = num_cpus or os.cpu_count()
-    for attempt in (1, 2):
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(
                 address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env
@@ -89,16 +91,17 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
             with contextlib.suppress(Exception):
                 ray.shutdown()
             load = os.getloadavg()[0]
-            if attempt == 2:
+            if attempt == RAY_START_ATTEMPTS:
                 raise SearchIncomplete(
                     f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
-                    f"twice (load average {load:.1f} on {os.cpu_count()} cores: this machine is overloaded). Run "
-                    "again when the load is lower (with --resume), or start Ray once yourself (`ray start --head "
-                    "--num-cpus N`) and pass its address with --address; nothing was trained"
+                    f"{RAY_START_ATTEMPTS} times (load average {load:.1f} on {os.cpu_count()} cores: this machine is "
+                    "overloaded). Run again when the load is lower (with --resume), or start Ray once yourself "
+                    "(`ray start --head --num-cpus N`) and pass its address with --address; nothing was trained"
                 ) from None
             print(
                 f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
-                f"{os.cpu_count()} cores); retrying once in {RAY_START_RETRY_PAUSE_S:g} s",
+                f"{os.cpu_count()} cores); attempt {attempt + 1} of {RAY_START_ATTEMPTS} "
+                f"in {RAY_START_RETRY_PAUSE_S:g} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -54,9 +54,15 @@ _HEAD_STOP_TIMEOUT_S = 60.0
 # The ports `ray start --head` would otherwise take at fixed defaults (6379, 8265, 10001, 52365, ...),
 # so that this head never collides with another one on the machine.
 _PORT_FLAGS = (
-    "--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
-    "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
-    "--node-manager-port", "--object-manager-port",
+    "--port",
+    "--dashboard-port",
+    "--ray-client-server-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+    "--node-manager-port",
+    "--object-manager-port",
 )
 
 
@@ -156,15 +162,38 @@ def ray_head() -> Iterator[RayHead]:
     token = secrets.token_hex(32)
     venv_bin = str(Path(sys.executable).parent)
     client_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    client_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-                       "PATH": f"{venv_bin}{os.pathsep}{client_env.get('PATH', '')}"})
-    head_env = {**client_env, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-                # stop at once on SIGTERM instead of draining (nothing here needs draining)
-                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    client_env.update(
+        {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": token,
+            "PATH": f"{venv_bin}{os.pathsep}{client_env.get('PATH', '')}",
+        }
+    )
+    head_env = {
+        **client_env,
+        "OMP_NUM_THREADS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # stop at once on SIGTERM instead of draining (nothing here needs draining)
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    }
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
-    command = [str(Path(venv_bin, "ray")), "start", "--head", "--block", "--temp-dir", str(temp_dir),
-               "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", "2",
-               "--num-gpus", "0", "--disable-usage-stats"]
+    command = [
+        str(Path(venv_bin, "ray")),
+        "start",
+        "--head",
+        "--block",
+        "--temp-dir",
+        str(temp_dir),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--include-dashboard",
+        "true",
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "0",
+        "--disable-usage-stats",
+    ]
     for flag, port in ports.items():
         command += [flag, str(port)]
     log_path = temp_dir / "ray-start.log"
@@ -177,11 +206,19 @@ def ray_head() -> Iterator[RayHead]:
         while not (address_file.is_file() and _job_api_status(dashboard_url, token) == 200):
             if process.poll() is not None or time.monotonic() > deadline:
                 log_tail = log_path.read_text(errors="replace")[-4000:]
-                pytest.fail(f"Ray head did not serve its job API at {dashboard_url} within "
-                            f"{_HEAD_START_TIMEOUT_S:.0f} s (exit code {process.poll()}); log:\n{log_tail}")
+                pytest.fail(
+                    f"Ray head did not serve its job API at {dashboard_url} within "
+                    f"{_HEAD_START_TIMEOUT_S:.0f} s (exit code {process.poll()}); log:\n{log_tail}"
+                )
             time.sleep(0.5)
-        yield RayHead(address=address_file.read_text().strip(), dashboard_url=dashboard_url,
-                      env=client_env, token=token, pid=process.pid, temp_dir=temp_dir)
+        yield RayHead(
+            address=address_file.read_text().strip(),
+            dashboard_url=dashboard_url,
+            env=client_env,
+            token=token,
+            pid=process.pid,
+            temp_dir=temp_dir,
+        )
     finally:
         _stop_head(process, temp_dir)
 
@@ -195,8 +232,16 @@ TINY_EVAL_EXAMPLES = 150
 
 def search_command(*args: str) -> list[str]:
     """``python -m dptune.search`` with the test caps, for a subprocess."""
-    return [sys.executable, "-m", "dptune.search", "--max-train-examples", str(TINY_TRAIN_EXAMPLES),
-            "--max-eval-examples", str(TINY_EVAL_EXAMPLES), *args]
+    return [
+        sys.executable,
+        "-m",
+        "dptune.search",
+        "--max-train-examples",
+        str(TINY_TRAIN_EXAMPLES),
+        "--max-eval-examples",
+        str(TINY_EVAL_EXAMPLES),
+        *args,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -227,7 +272,12 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, 
     storage = tmp_path_factory.mktemp("results")
     completed = subprocess.run(
         search_command("--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"),
-        cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=1800)
+        cwd=REPO_ROOT,
+        env=search_env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert completed.returncode == 0, f"tiny search failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}"
     return SearchRun(root=storage / "tiny", stdout=completed.stdout)
 
@@ -264,8 +314,21 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
     ray = str(Path(sys.executable).parent / "ray")
     head_ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     address = f"127.0.0.1:{head_ports['--port']}"
-    head_cmd = [ray, "start", "--head", "--block", "--temp-dir", str(temp_dir), "--num-cpus", "0", "--num-gpus", "0",
-                "--include-dashboard", "false", "--disable-usage-stats"]
+    head_cmd = [
+        ray,
+        "start",
+        "--head",
+        "--block",
+        "--temp-dir",
+        str(temp_dir),
+        "--num-cpus",
+        "0",
+        "--num-gpus",
+        "0",
+        "--include-dashboard",
+        "false",
+        "--disable-usage-stats",
+    ]
     for flag, port in head_ports.items():
         if flag not in ("--dashboard-port", "--ray-client-server-port"):
             head_cmd += [flag, str(port)]
@@ -276,12 +339,14 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
     processes = []
     try:
         with (temp_dir / "head.log").open("wb") as log:
-            processes.append(subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log,
-                                              stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT)
+            )
         deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
         while not (temp_dir / "ray_current_cluster").is_file():
-            assert processes[0].poll() is None and time.monotonic() < deadline, \
-                (temp_dir / "head.log").read_text()[-3000:]
+            assert processes[0].poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.5)
         # The worker node starts in a folder that is deleted once it is up, as happens when a
         # node is started from a temporary folder: its worker processes inherit a working
@@ -289,10 +354,15 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
         worker_cwd = temp_dir / "worker-cwd"
         worker_cwd.mkdir()
         with (temp_dir / "worker.log").open("wb") as log:
-            processes.append(subprocess.Popen(worker_cmd, cwd=worker_cwd, env=node_env, stdout=log,
-                                              stderr=subprocess.STDOUT))
-        probe = [sys.executable, "-c", f"import ray, time; ray.init(address='{address}', log_to_driver=False)\n"
-                 "while ray.cluster_resources().get('CPU', 0) < 2: time.sleep(0.5)"]
+            processes.append(
+                subprocess.Popen(worker_cmd, cwd=worker_cwd, env=node_env, stdout=log, stderr=subprocess.STDOUT)
+            )
+        probe = [
+            sys.executable,
+            "-c",
+            f"import ray, time; ray.init(address='{address}', log_to_driver=False)\n"
+            "while ray.cluster_resources().get('CPU', 0) < 2: time.sleep(0.5)",
+        ]
         subprocess.run(probe, env=env, check=True, timeout=_HEAD_START_TIMEOUT_S, capture_output=True)
         shutil.rmtree(worker_cwd)
         yield address
@@ -335,7 +405,8 @@ def fault_injection_env(env: dict[str, str], folder: Path, condition: str, messa
         f"    if {condition}:\n"
         f"        raise RuntimeError({message!r})\n"
         "    return _real(config, report)\n"
-        "dptune.runners.trial.run_trial = dptune.search.execution.run_trial = run_trial\n")
+        "dptune.runners.trial.run_trial = dptune.search.execution.run_trial = run_trial\n"
+    )
     return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}
 
 

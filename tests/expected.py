@@ -59,11 +59,16 @@ def hard_labels(paths: Sequence[str], hard_fraction: float = 0.5) -> dict[tuple[
 def hard_accuracy(paths: Sequence[str], trials: pd.DataFrame, hard: dict[tuple[str, str], set[int]]) -> pd.Series:
     """Mean test accuracy over the hard classes of each trial in ``trials`` (aligned with it)."""
     classes = read(paths, "classes")
-    is_hard = [label in hard[(dataset, backbone)] for dataset, backbone, label in
-               classes[["dataset", "backbone", "label"]].itertuples(index=False)]
+    is_hard = [
+        label in hard[(dataset, backbone)]
+        for dataset, backbone, label in classes[["dataset", "backbone", "label"]].itertuples(index=False)
+    ]
     means = classes[is_hard].groupby(["search_id", "trial_id"])["test_accuracy"].mean()
-    return pd.Series([means.get((s, t), np.nan) for s, t in zip(trials["search_id"], trials["trial_id"], strict=True)],
-                     index=trials.index, dtype=float)
+    return pd.Series(
+        [means.get((s, t), np.nan) for s, t in zip(trials["search_id"], trials["trial_id"], strict=True)],
+        index=trials.index,
+        dtype=float,
+    )
 
 
 def heatmap(paths: Sequence[str]) -> pd.DataFrame:
@@ -79,8 +84,9 @@ def guideline(paths: Sequence[str], hard_fraction: float = 0.5) -> tuple[pd.Data
     grid = heatmap(paths)
     count = len(cells)
     means = grid.groupby(["clip_bound", "batch_size"])["val_accuracy"].agg(["mean", "size"]).reset_index()
-    means = means[means["size"] == count].sort_values(["mean", "clip_bound", "batch_size"],
-                                                     ascending=[False, True, True])
+    means = means[means["size"] == count].sort_values(
+        ["mean", "clip_bound", "batch_size"], ascending=[False, True, True]
+    )
     clip, batch = means.iloc[0]["clip_bound"], int(means.iloc[0]["batch_size"])
     fixed = grid[(grid["clip_bound"] == clip) & (grid["batch_size"] == batch)].copy()
     fixed["hard"] = hard_accuracy(paths, fixed, hard)
@@ -94,8 +100,11 @@ def cumulative_noise(paths: Sequence[str]) -> pd.DataFrame:
     """σ√T per (cell, B) from the trials that ran (σ recorded), with T."""
     trials = read(paths, "trials")
     ran = trials[np.isfinite(trials["noise_multiplier"]) & (trials["clipping"] != "auto_s")]
-    table = ran.groupby([*CELL, "batch_size"]).agg(sigma=("noise_multiplier", "first"),
-                                                   steps=("steps", "first")).reset_index()
+    table = (
+        ran.groupby([*CELL, "batch_size"])
+        .agg(sigma=("noise_multiplier", "first"), steps=("steps", "first"))
+        .reset_index()
+    )
     table["sigma_sqrt_t"] = table["sigma"] * np.sqrt(table["steps"])
     return table
 
@@ -131,6 +140,7 @@ def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> flo
     from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
     from dp_accounting.pld import PLDAccountant
 
-    event = ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t)
-                             for s, q, t in trials])
+    event = ComposedDpEvent(
+        [SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials]
+    )
     return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)

@@ -35,20 +35,25 @@ def _task_keys(results: an.Results) -> dict[str, tuple[str, str]]:
 def test_load_joins_every_dataset_once(result_datasets: list[str], results: an.Results) -> None:
     trials = expected.read(result_datasets, "trials")
     assert len(results.trials) == len(trials) > 0
-    assert set(results.trials["task"]) == {an.task_label(d, f, b, p) for d, f, b, p in
-                                           trials[["dataset", "fraction", "backbone", "peft"]].itertuples(index=False)}
+    assert set(results.trials["task"]) == {
+        an.task_label(d, f, b, p)
+        for d, f, b, p in trials[["dataset", "fraction", "backbone", "peft"]].itertuples(index=False)
+    }
     twice = an.load_results([*result_datasets, result_datasets[0]])
     assert len(twice.trials) == len(trials) and len(twice.classes) == len(results.classes)
     assert len(results.classes) == len(expected.read(result_datasets, "classes"))
     assert results.classes["task"].notna().all() and results.diagnostics["epsilon"].notna().all()
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda tmp: [str(tmp / "nowhere")], "no such results dataset"),
-    (lambda tmp: [str((tmp / "file.txt").write_text("x") and tmp / "file.txt")], "a file, expected a folder"),
-    (lambda tmp: [str((tmp / "empty").mkdir() or tmp / "empty")], "expected a trials/ or search/ folder"),
-    (lambda tmp: [], "no results given"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda tmp: [str(tmp / "nowhere")], "no such results dataset"),
+        (lambda tmp: [str((tmp / "file.txt").write_text("x") and tmp / "file.txt")], "a file, expected a folder"),
+        (lambda tmp: [str((tmp / "empty").mkdir() or tmp / "empty")], "expected a trials/ or search/ folder"),
+        (lambda tmp: [], "no results given"),
+    ],
+)
 def test_bad_results_paths_are_named(tmp_path: Path, make, message: str) -> None:
     given = make(tmp_path)
     with pytest.raises(an.AnalysisError, match=message) as error:
@@ -70,35 +75,47 @@ def test_log_bins_exact_for_grids_and_log_binned_otherwise() -> None:
     assert values.nunique() == 12  # 0.011 .. 9.7 spans bins -8 .. 3 of the quarter-decade grid
 
 
-def test_heatmap_cells_are_the_best_trial_at_each_clip_and_batch(result_datasets: list[str],
-                                                                  results: an.Results) -> None:
+def test_heatmap_cells_are_the_best_trial_at_each_clip_and_batch(
+    result_datasets: list[str], results: an.Results
+) -> None:
     grid = an.accuracy_grid(results)
     want = expected.heatmap(result_datasets)
     assert not results.clip_binned and len(grid) == len(want) > 0
     got = grid.merge(results.trials[["search_id", "trial_id", "dataset", "backbone"]], on=["search_id", "trial_id"])
-    merged = got.merge(want, left_on=["dataset", "backbone", "epsilon", "epochs", "clip_bin", "batch_bin"],
-                       right_on=expected.CELL + ["clip_bound", "batch_size"], suffixes=("", "_want"))
+    merged = got.merge(
+        want,
+        left_on=["dataset", "backbone", "epsilon", "epochs", "clip_bin", "batch_bin"],
+        right_on=expected.CELL + ["clip_bound", "batch_size"],
+        suffixes=("", "_want"),
+    )
     assert len(merged) == len(want)
     assert (merged["trial_id"] == merged["trial_id_want"]).all()
     assert np.allclose(merged["test_accuracy"], merged["test_accuracy_want"])
     trials = expected.tuned(result_datasets)
     for row in merged.itertuples(index=False):  # the cell value is the best validation accuracy at (C, B)
-        at = trials[(trials["dataset"] == row.dataset) & (trials["epsilon"] == row.epsilon)
-                    & (trials["epochs"] == row.epochs) & (trials["clip_bound"] == row.clip_bin)
-                    & (trials["batch_size"] == row.batch_bin)]
+        at = trials[
+            (trials["dataset"] == row.dataset)
+            & (trials["epsilon"] == row.epsilon)
+            & (trials["epochs"] == row.epochs)
+            & (trials["clip_bound"] == row.clip_bin)
+            & (trials["batch_size"] == row.batch_bin)
+        ]
         assert row.val_accuracy == at["val_accuracy"].max() and row.trials == len(at)
 
 
-def test_default_strata_split_each_task_at_the_median(result_datasets: list[str], results: an.Results,
-                                                      strata: pd.DataFrame) -> None:
+def test_default_strata_split_each_task_at_the_median(
+    result_datasets: list[str], results: an.Results, strata: pd.DataFrame
+) -> None:
     hard = expected.hard_labels(result_datasets, 0.5)
     keys = _task_keys(results)
     assert set(strata["task"]) == set(keys)
     for task, part in strata.groupby("task"):
         got = set(part.loc[part["stratum"] == an.HARD, "label"])
         assert got == hard[keys[task]] and len(got) == math.ceil(len(part) / 2)
-        assert part.loc[part["stratum"] == an.HARD, "reference_accuracy"].max() <= \
-            part.loc[part["stratum"] == an.EASY, "reference_accuracy"].min()
+        assert (
+            part.loc[part["stratum"] == an.HARD, "reference_accuracy"].max()
+            <= part.loc[part["stratum"] == an.EASY, "reference_accuracy"].min()
+        )
 
 
 def test_strata_fraction_and_explicit_classes(result_datasets: list[str], results: an.Results) -> None:
@@ -117,8 +134,9 @@ def test_strata_fraction_and_explicit_classes(result_datasets: list[str], result
             an.class_strata(results, hard_fraction=bad)
 
 
-def test_guideline_table_and_fixed_setting_match_pandas(result_datasets: list[str], results: an.Results,
-                                                        strata: pd.DataFrame) -> None:
+def test_guideline_table_and_fixed_setting_match_pandas(
+    result_datasets: list[str], results: an.Results, strata: pd.DataFrame
+) -> None:
     table, setting = an.guideline_table(results, strata)
     want, (clip, batch) = expected.guideline(result_datasets)
     assert setting is not None and (setting.clip_bin, setting.batch_bin) == (clip, batch)
@@ -151,8 +169,12 @@ def test_optimal_settings_and_near_optimal_spread(result_datasets: list[str], re
     assert len(table) == len(expected.best(trials, expected.CELL))
     for row in table.itertuples(index=False):
         dataset, backbone = keys[row.task]
-        cell = trials[(trials["dataset"] == dataset) & (trials["backbone"] == backbone)
-                      & (trials["epsilon"] == row.epsilon) & (trials["epochs"] == row.epochs)]
+        cell = trials[
+            (trials["dataset"] == dataset)
+            & (trials["backbone"] == backbone)
+            & (trials["epsilon"] == row.epsilon)
+            & (trials["epochs"] == row.epochs)
+        ]
         near = cell[cell["val_accuracy"] >= cell["val_accuracy"].max() - 0.02 - 1e-9]  # inclusive
         assert (row.clip_low, row.clip_high) == (near["clip_bound"].min(), near["clip_bound"].max())
         assert (row.batch_low, row.batch_high) == (near["batch_size"].min(), near["batch_size"].max())
@@ -182,13 +204,15 @@ def test_retention_weights_from_probe_norms_match_the_recorded_ones(result_datas
     for row in last.itertuples(index=False):
         for item in an.retention_weights(row.grad_norms, row.labels, [row.clip_bound]).itertuples(index=False):
             assert item.retention_weight == pytest.approx(
-                classes.loc[(row.search_id, row.trial_id, item.label), "retention_weight"], rel=1e-6)
+                classes.loc[(row.search_id, row.trial_id, item.label), "retention_weight"], rel=1e-6
+            )
             checked += 1
     assert checked > 0
 
 
 def test_retention_curves_and_grad_norms_use_each_cells_best_diagnosed_trial(
-        result_datasets: list[str], results: an.Results, strata: pd.DataFrame) -> None:
+    result_datasets: list[str], results: an.Results, strata: pd.DataFrame
+) -> None:
     def keys(frame: pd.DataFrame) -> list[tuple[str, str]]:
         return list(zip(frame["search_id"], frame["trial_id"], strict=True))
 
@@ -205,8 +229,12 @@ def test_retention_curves_and_grad_norms_use_each_cells_best_diagnosed_trial(
         assert sorted(mine["grad_norm"]) == sorted(own["grad_norms"])
     curves = an.retention_curves(results, strata, clip_bounds=[1.0])
     for row in curves.itertuples(index=False):
-        trial = samples[(samples["task"] == row.task) & (samples["epsilon"] == row.epsilon)
-                        & (samples["epochs"] == row.epochs) & (samples["stratum"] == row.stratum)]
+        trial = samples[
+            (samples["task"] == row.task)
+            & (samples["epsilon"] == row.epsilon)
+            & (samples["epochs"] == row.epochs)
+            & (samples["stratum"] == row.stratum)
+        ]
         per_class = trial.groupby("label")["grad_norm"].apply(lambda g: np.minimum(1.0, 1.0 / g).mean())
         assert row.retention_weight == pytest.approx(per_class.mean())
 
@@ -220,8 +248,13 @@ def test_auto_s_comparison(result_datasets: list[str], results: an.Results, stra
     keys = _task_keys(results)
     for row in table.itertuples(index=False):
         dataset, backbone = keys[row.task]
-        cell = [(frame["dataset"] == dataset) & (frame["backbone"] == backbone) & (frame["epsilon"] == row.epsilon)
-                & (frame["epochs"] == row.epochs) for frame in (auto, tuned)]
+        cell = [
+            (frame["dataset"] == dataset)
+            & (frame["backbone"] == backbone)
+            & (frame["epsilon"] == row.epsilon)
+            & (frame["epochs"] == row.epochs)
+            for frame in (auto, tuned)
+        ]
         want, own = auto[cell[0]].iloc[0], tuned[cell[1]].iloc[0]
         assert row.auto_s_trial_id == want["trial_id"] and row.auto_s_test_accuracy == want["test_accuracy"]
         assert row.tuned_trial_id == own["trial_id"]
@@ -245,8 +278,9 @@ def test_batch_size_noise_and_the_min_step_rule(result_datasets: list[str], resu
         feasible = cell[cell["steps"] >= t_min]
         floor = feasible["sigma_sqrt_t"].min()
         rule = feasible.loc[feasible["sigma_sqrt_t"] <= (1 + DEFAULT_TOLERANCE) * floor, "batch_size"].min()
-        winner = expected.best(trials[(trials[expected.CELL] == pd.Series(key, index=expected.CELL)).all(axis=1)],
-                               expected.CELL).iloc[0]
+        winner = expected.best(
+            trials[(trials[expected.CELL] == pd.Series(key, index=expected.CELL)).all(axis=1)], expected.CELL
+        ).iloc[0]
         task = next(t for t, pair in keys.items() if pair == key[:2])
         mine = table[(table["epsilon"] == key[2]) & (table["epochs"] == key[3]) & (table["task"] == task)]
         assert (mine["recommended_batch_size"] == rule).all()
@@ -278,8 +312,12 @@ def test_clipping_diagnostics_report_the_best_trials_c_star(result_datasets: lis
     assert len(table) == len(best)
     for row in table.itertuples(index=False):
         dataset, backbone = keys[row.task]
-        trial = best[(best["dataset"] == dataset) & (best["backbone"] == backbone) & (best["epsilon"] == row.epsilon)
-                     & (best["epochs"] == row.epochs)].iloc[0]
+        trial = best[
+            (best["dataset"] == dataset)
+            & (best["backbone"] == backbone)
+            & (best["epsilon"] == row.epsilon)
+            & (best["epochs"] == row.epochs)
+        ].iloc[0]
         assert row.trial_id == trial["trial_id"]
         last = diagnostics[(diagnostics["trial_id"] == row.trial_id) & (diagnostics["search_id"] == trial["search_id"])]
         last = last.sort_values("epoch").iloc[-1]
@@ -299,10 +337,13 @@ def test_trends_count_the_direction_of_best_c_and_b(results: an.Results, strata:
         tight, loose = ordered.iloc[0]["clip_bound"], ordered.iloc[-1]["clip_bound"]
         moves.append("larger" if tight > loose else "smaller" if tight < loose else "same")
     assert privacy["comparisons"] == len(moves)
-    assert privacy["best C"] == ", ".join(f"{moves.count(m)}× {m}" for m in ("larger", "smaller", "same")
-                                          if moves.count(m))
-    varies = {"fewer epochs (smallest vs largest E)": table.groupby(["task", "epsilon"])["epochs"].nunique().max() > 1,
-              "harder task (hardest vs easiest)": table.groupby(["epsilon", "epochs"])["task"].nunique().max() > 1}
+    assert privacy["best C"] == ", ".join(
+        f"{moves.count(m)}× {m}" for m in ("larger", "smaller", "same") if moves.count(m)
+    )
+    varies = {
+        "fewer epochs (smallest vs largest E)": table.groupby(["task", "epsilon"])["epochs"].nunique().max() > 1,
+        "harder task (hardest vs easiest)": table.groupby(["epsilon", "epochs"])["task"].nunique().max() > 1,
+    }
     for condition, present in varies.items():
         assert (condition in trend.index) == present, condition
 
@@ -323,8 +364,9 @@ def test_coverage_counts_planned_recorded_and_remaining(result_datasets: list[st
     assert full.set_index(["search_id", "cell_id"])["trials_planned"].to_dict() == search.to_dict()
     trials = expected.read(result_datasets, "trials")
     assert full["recorded"].sum() == (trials["status"] != "pruned_min_steps").sum()
-    running = copy_results(result_datasets, tmp_path,
-                           keep=lambda t: ~((t["status"] == "ok") & (t["epsilon"] == t["epsilon"].max())))
+    running = copy_results(
+        result_datasets, tmp_path, keep=lambda t: ~((t["status"] == "ok") & (t["epsilon"] == t["epsilon"].max()))
+    )
     partial = an.load_results(running)
     table = an.coverage(partial)
     dropped = ((trials["status"] == "ok") & (trials["epsilon"] == trials["epsilon"].max())).sum()
@@ -333,8 +375,12 @@ def test_coverage_counts_planned_recorded_and_remaining(result_datasets: list[st
 
 
 def test_partial_results_are_described_not_failed(result_datasets: list[str], tmp_path: Path) -> None:
-    loose = copy_results(result_datasets, tmp_path / "one", keep=lambda t: (t["epsilon"] == t["epsilon"].max())
-                         & (t["clipping"] != "auto_s"), tables=("trials", "classes", "search"))
+    loose = copy_results(
+        result_datasets,
+        tmp_path / "one",
+        keep=lambda t: (t["epsilon"] == t["epsilon"].max()) & (t["clipping"] != "auto_s"),
+        tables=("trials", "classes", "search"),
+    )
     results = an.load_results(loose)
     notes = " | ".join(an.missing_data(results))
     for text in ("no diagnostics recorded", "no AUTO-S trials", "only one privacy budget ε"):
@@ -342,8 +388,12 @@ def test_partial_results_are_described_not_failed(result_datasets: list[str], tm
     strata = an.class_strata(results)
     assert an.grad_norm_samples(results, strata).empty and an.retention_curves(results, strata).empty
     assert an.clipping_diagnostics(results).empty and an.auto_s_comparison(results, strata).empty
-    assert an.trends(*[an.guideline_table(results, strata)[0], an.task_difficulty(results)])[
-        "condition"].str.startswith("tighter privacy").sum() == 0
+    assert (
+        an.trends(*[an.guideline_table(results, strata)[0], an.task_difficulty(results)])["condition"]
+        .str.startswith("tighter privacy")
+        .sum()
+        == 0
+    )
     bare = an.load_results(copy_results(result_datasets, tmp_path / "bare", tables=("search",)))
     assert an.missing_data(bare) == ["no trial has finished yet: the datasets hold no trials rows"]
     assert an.class_strata(bare).empty and an.guideline_table(bare, an.class_strata(bare))[1] is None
@@ -364,9 +414,11 @@ def _replicated(tmp_path: Path, cells: dict, **kwargs: object) -> an.Results:
 
 def test_configurations_rank_by_mean_over_replicates_with_se(tmp_path: Path) -> None:
     # A: lucky single replicate would lose to B's best replicate (.75), but A's mean is higher.
-    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72, 0.74), (0.60, 0.62, 0.67)),
-               Replicated(0.1, 64, 1e-3, (0.60, 0.75, 0.75), (0.65, 0.65, 0.65)),
-               Replicated(10.0, 1024, 1e-3, (0.60, 0.61, 0.62), (0.50, 0.50, 0.50))]
+    configs = [
+        Replicated(1.0, 256, 1e-3, (0.70, 0.72, 0.74), (0.60, 0.62, 0.67)),
+        Replicated(0.1, 64, 1e-3, (0.60, 0.75, 0.75), (0.65, 0.65, 0.65)),
+        Replicated(10.0, 1024, 1e-3, (0.60, 0.61, 0.62), (0.50, 0.50, 0.50)),
+    ]
     results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=1000)
     assert len(results.trials) == 9 and set(results.trials["replicate"]) == {0, 1, 2}
     ranked = an.rank_configurations(results.tuned).set_index("clip_bound")
@@ -385,15 +437,19 @@ def test_configurations_rank_by_mean_over_replicates_with_se(tmp_path: Path) -> 
     assert (best["clip_low"], best["clip_high"], best["batch_low"], best["batch_high"]) == (0.1, 1.0, 64, 256)
     t = 4.302653  # Student t, 2 degrees of freedom, 97.5 %
     assert best["interval_source"] == "replicates"
-    assert (best["val_low"], best["val_high"]) == pytest.approx((0.72 - t * 0.02 / math.sqrt(3),
-                                                                 0.72 + t * 0.02 / math.sqrt(3)), rel=1e-5)
+    assert (best["val_low"], best["val_high"]) == pytest.approx(
+        (0.72 - t * 0.02 / math.sqrt(3), 0.72 + t * 0.02 / math.sqrt(3)), rel=1e-5
+    )
     test_std = np.std([0.60, 0.62, 0.67], ddof=1)
     assert best["test_high"] == pytest.approx(0.63 + t * test_std / math.sqrt(3), rel=1e-5)
 
 
 def test_single_replicate_noise_is_the_validation_splits_binomial_noise(tmp_path: Path) -> None:
-    configs = [Replicated(1.0, 256, 1e-3, (0.75,), (0.74,)), Replicated(0.1, 256, 1e-3, (0.73,), (0.70,)),
-               Replicated(10.0, 256, 1e-3, (0.70,), (0.69,))]
+    configs = [
+        Replicated(1.0, 256, 1e-3, (0.75,), (0.74,)),
+        Replicated(0.1, 256, 1e-3, (0.73,), (0.70,)),
+        Replicated(10.0, 256, 1e-3, (0.70,), (0.69,)),
+    ]
     results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=1129, num_test=2000)
     ranked = an.rank_configurations(results.tuned).set_index("clip_bound")
     se = {c: math.sqrt(p * (1 - p) / 1129) for c, p in ((1.0, 0.75), (0.1, 0.73), (10.0, 0.70))}
@@ -418,12 +474,16 @@ def test_single_replicate_results_select_exactly_as_trials_did(results: an.Resul
 
 
 def test_bootstrap_interval_holds_a_clear_optimum_and_widens_when_replicates_disagree(tmp_path: Path) -> None:
-    clear = [Replicated(1.0, 256, 1e-3, (0.80, 0.81, 0.82), (0.8,) * 3),  # the true optimum, far ahead
-             *[Replicated(c, b, 1e-3, (0.66, 0.70, 0.68), (0.7,) * 3) for c in (0.1, 10.0) for b in (64, 1024)]]
+    clear = [
+        Replicated(1.0, 256, 1e-3, (0.80, 0.81, 0.82), (0.8,) * 3),  # the true optimum, far ahead
+        *[Replicated(c, b, 1e-3, (0.66, 0.70, 0.68), (0.7,) * 3) for c in (0.1, 10.0) for b in (64, 1024)],
+    ]
     # the two best disagree replicate by replicate: means .767 (C = .1, B = 64) and .733 (C = 10, B = 1024)
-    noisy = [Replicated(0.1, 64, 1e-3, (0.60, 0.80, 0.90), (0.7,) * 3),
-             Replicated(10.0, 1024, 1e-3, (0.95, 0.55, 0.70), (0.7,) * 3),
-             Replicated(1.0, 256, 1e-3, (0.50, 0.51, 0.52), (0.5,) * 3)]
+    noisy = [
+        Replicated(0.1, 64, 1e-3, (0.60, 0.80, 0.90), (0.7,) * 3),
+        Replicated(10.0, 1024, 1e-3, (0.95, 0.55, 0.70), (0.7,) * 3),
+        Replicated(1.0, 256, 1e-3, (0.50, 0.51, 0.52), (0.5,) * 3),
+    ]
     results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: noisy})
     table = an.optimal_setting_intervals(results.tuned, resamples=2000, seed=1).set_index("epsilon")
     sure = table.loc[8.0]
@@ -458,11 +518,26 @@ def test_single_replicate_bootstrap_resamples_the_validation_split(tmp_path: Pat
 
 def test_paper_trend_checks_need_disjoint_intervals() -> None:
     def cell(epsilon: float, epochs: int, clip: tuple[float, float, float], batch: tuple[int, int, int]) -> dict:
-        return {"task": "t", "epochs": epochs, "epsilon": epsilon, "clip_bound": clip[1], "clip_low": clip[0],
-                "clip_high": clip[2], "batch_size": batch[1], "batch_low": batch[0], "batch_high": batch[2]}
+        return {
+            "task": "t",
+            "epochs": epochs,
+            "epsilon": epsilon,
+            "clip_bound": clip[1],
+            "clip_low": clip[0],
+            "clip_high": clip[2],
+            "batch_size": batch[1],
+            "batch_low": batch[0],
+            "batch_high": batch[2],
+        }
 
-    frame = pd.DataFrame([cell(1.0, 10, (1.0, 2.0, 4.0), (64, 64, 64)), cell(8.0, 10, (0.1, 0.2, 0.5), (64, 64, 64)),
-                          cell(4.0, 10, (0.1, 0.1, 8.0), (16, 16, 16)), cell(1.0, 2, (1.0, 1.0, 1.0), (256, 256, 512))])
+    frame = pd.DataFrame(
+        [
+            cell(1.0, 10, (1.0, 2.0, 4.0), (64, 64, 64)),
+            cell(8.0, 10, (0.1, 0.2, 0.5), (64, 64, 64)),
+            cell(4.0, 10, (0.1, 0.1, 8.0), (16, 16, 16)),
+            cell(1.0, 2, (1.0, 1.0, 1.0), (256, 256, 512)),
+        ]
+    )
     checks = an.paper_trend_checks(frame)
     privacy = checks[checks["condition"] == "tighter privacy"].set_index("quantity")
     assert privacy.loc["C", "observed"] == "larger" and privacy.loc["C", "verdict"] == "agrees"
@@ -472,9 +547,14 @@ def test_paper_trend_checks_need_disjoint_intervals() -> None:
     (epochs,) = checks[checks["condition"] == "fewer epochs"].itertuples(index=False)  # ε = 1: E = 2 against E = 10
     assert (epochs.quantity, epochs.harder, epochs.easier, epochs.group) == ("B", "E = 2", "E = 10", "ε = 1")
     assert (epochs.observed, epochs.paper, epochs.verdict) == ("larger", "smaller", "disagrees")  # [256, 512] vs [64]
-    flipped = frame.assign(clip_bound=[0.2, 2.0, 1.0, 1.0], clip_low=[0.1, 1.0, 1.0, 1.0],
-                           clip_high=[0.5, 4.0, 1.0, 1.0], batch_size=[256, 64, 64, 64], batch_low=[64, 64, 64, 64],
-                           batch_high=[512, 64, 64, 64])
+    flipped = frame.assign(
+        clip_bound=[0.2, 2.0, 1.0, 1.0],
+        clip_low=[0.1, 1.0, 1.0, 1.0],
+        clip_high=[0.5, 4.0, 1.0, 1.0],
+        batch_size=[256, 64, 64, 64],
+        batch_low=[64, 64, 64, 64],
+        batch_high=[512, 64, 64, 64],
+    )
     privacy = an.paper_trend_checks(flipped).set_index(["condition", "quantity"]).loc["tighter privacy"]
     assert privacy.loc["C", "verdict"] == "disagrees" and privacy.loc["C", "observed"] == "smaller"
     assert privacy.loc["B", "verdict"] == "inconclusive" and privacy.loc["B", "observed"] == "larger"
@@ -482,8 +562,10 @@ def test_paper_trend_checks_need_disjoint_intervals() -> None:
 
 
 def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> None:
-    configs = [Replicated(1.0, 256, 1e-3, (0.70, 0.72), (0.6, 0.6)),
-               Replicated(0.1, 64, 1e-3, (0.74, 0.60), (0.7, 0.7))]
+    configs = [
+        Replicated(1.0, 256, 1e-3, (0.70, 0.72), (0.6, 0.6)),
+        Replicated(0.1, 64, 1e-3, (0.74, 0.60), (0.7, 0.7)),
+    ]
     root = write_replicated_search(tmp_path, "rep", {EPS_LOOSE: configs, EPS_TIGHT: configs[:1]})
     trials = read_table(root, "trials")
     table = an.best_configurations(an.finished_trials(trials), by=["cell_id", "clipping"]).set_index("cell_id")
@@ -495,15 +577,20 @@ def test_search_summary_ranks_configurations_of_one_dataset(tmp_path: Path) -> N
 
 
 def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: Path) -> None:
-    clear = [Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)),
-             Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7))]
+    clear = [
+        Replicated(1.0, 64, 1e-3, (0.79, 0.81), (0.80, 0.80)),
+        Replicated(10.0, 64, 1e-3, (0.69, 0.71), (0.7, 0.7)),
+    ]
     # one replicate of the best scores .60: a single-seed search then prefers the worse configuration
-    misleading = [Replicated(1.0, 64, 1e-3, (0.60, 1.00), (0.80, 0.80)),
-                  Replicated(10.0, 64, 1e-3, (0.75, 0.75), (0.70, 0.70))]
+    misleading = [
+        Replicated(1.0, 64, 1e-3, (0.60, 1.00), (0.80, 0.80)),
+        Replicated(10.0, 64, 1e-3, (0.75, 0.75), (0.70, 0.70)),
+    ]
     unreplicated = [Replicated(1.0, 64, 1e-3, (0.8,), (0.8,)), Replicated(10.0, 64, 1e-3, (0.7,), (0.7,))]
     partial = [Replicated(1.0, 64, 1e-3, (0.8, 0.8), (0.8, 0.8)), Replicated(10.0, 1024, 1e-3, (0.7, 0.7), (0.7, 0.7))]
-    results = _replicated(tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: misleading, (8.0, 3): unreplicated,
-                                     (1.0, 3): partial})  # the last two are no replicated full grid
+    results = _replicated(
+        tmp_path, {EPS_LOOSE: clear, EPS_TIGHT: misleading, (8.0, 3): unreplicated, (1.0, 3): partial}
+    )  # the last two are no replicated full grid
     cells = an.replicated_grid_cells(results.tuned)
     assert sorted(zip(cells["epsilon"], cells["epochs"], strict=True)) == [(1.0, 10), (8.0, 10)]
     assert (cells["configurations"] == 2).all() and (cells["replicates"] == 2).all()

@@ -116,8 +116,9 @@ def test_frozen_statistics_do_not_mix_examples_and_batch_statistics_do(film_mode
 
 
 def running_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: buffer.clone() for name, buffer in model.named_buffers()
-            if "running" in name or "num_batches" in name}
+    return {
+        name: buffer.clone() for name, buffer in model.named_buffers() if "running" in name or "num_batches" in name
+    }
 
 
 @pytest.mark.parametrize(("peft", "engine"), [("film", "auto"), ("film", "opacus")])
@@ -133,8 +134,16 @@ def test_a_trial_never_updates_the_running_statistics(peft: str, engine: str, mo
         workload=WorkloadSpec(
             dataset="mnist5k", backbone=BACKBONE, peft=peft, max_train_examples=48, max_eval_examples=20
         ),
-        epsilon=8.0, delta=1e-5, epochs=2, clip_bound=1.0, batch_size=16, learning_rate=1e-2,
-        base_learning_rate=1e-2, engine=engine, threads=1, diagnostic_examples=8
+        epsilon=8.0,
+        delta=1e-5,
+        epochs=2,
+        clip_bound=1.0,
+        batch_size=16,
+        learning_rate=1e-2,
+        base_learning_rate=1e-2,
+        engine=engine,
+        threads=1,
+        diagnostic_examples=8,
     )
     result = run_trial(config)
     assert result.status == "ok" and 0 < result.epsilon_spent <= config.epsilon
@@ -193,7 +202,13 @@ def test_full_fine_tuning_runs_on_opacus_with_frozen_statistics_and_not_on_the_f
         select_engine("film", model, "full")
     config = TrialConfig(
         workload=WorkloadSpec(dataset="mnist5k", backbone=BACKBONE, peft="full"),
-        epsilon=1.0, delta=1e-5, epochs=1, clip_bound=1.0, batch_size=8, learning_rate=1e-3, base_learning_rate=1e-3
+        epsilon=1.0,
+        delta=1e-5,
+        epochs=1,
+        clip_bound=1.0,
+        batch_size=8,
+        learning_rate=1e-3,
+        base_learning_rate=1e-3,
     )
     check_trial_can_run(config)  # engine 'auto': Opacus
     with pytest.raises(TrialConfigError, match="engine 'film' cannot run this model: peft 'full'"):

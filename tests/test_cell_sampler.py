@@ -13,10 +13,17 @@ import pytest
 
 from dptune.search.sampler import MAX_PRUNED_PROPOSALS, CellSampler, CellSpec, SamplerExhausted
 
-GRID = CellSpec(sampler="grid", seed=3, batch_sizes=(32, 64, 128), feasible_batch_sizes=(32, 64, 128),
-                ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.001, 0.01]}})
-RANGES = {"clip_bound": {"low": 0.01, "high": 10.0, "log": True},
-          "base_learning_rate": {"low": 1e-4, "high": 0.1, "log": True}}
+GRID = CellSpec(
+    sampler="grid",
+    seed=3,
+    batch_sizes=(32, 64, 128),
+    feasible_batch_sizes=(32, 64, 128),
+    ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.001, 0.01]}},
+)
+RANGES = {
+    "clip_bound": {"low": 0.01, "high": 10.0, "log": True},
+    "base_learning_rate": {"low": 1e-4, "high": 0.1, "log": True},
+}
 
 
 def _key(params: dict) -> tuple:
@@ -32,8 +39,10 @@ def test_a_grid_runs_every_point_exactly_once_across_a_restore() -> None:
     restored = CellSampler.from_state(json.loads(json.dumps(sampler.state())))
     rest = restored.ask(100, on_pruned=pytest.fail)
     points = {_key(p) for p in first} | {_key(p) for p in rest}
-    expected = {_key({"batch_size": b, "clip_bound": c, "base_learning_rate": lr})
-                for b, c, lr in itertools.product((32, 64, 128), (0.1, 1.0), (0.001, 0.01))}
+    expected = {
+        _key({"batch_size": b, "clip_bound": c, "base_learning_rate": lr})
+        for b, c, lr in itertools.product((32, 64, 128), (0.1, 1.0), (0.001, 0.01))
+    }
     assert len(first) + len(rest) == 12 and points == expected
     assert restored.ask(1, on_pruned=pytest.fail) == []  # exhausted
     # the 2 pending configurations are told after the resume (their unit re-ran)
@@ -61,8 +70,9 @@ def test_a_sampler_that_only_proposes_pruned_sizes_gives_up() -> None:
 
 
 def test_tpe_asks_a_batch_of_distinct_configurations_and_learns_from_told_values() -> None:
-    spec = CellSpec(sampler="tpe", seed=1, batch_sizes=(32, 64), feasible_batch_sizes=(32, 64), ranges=RANGES,
-                    startup_trials=4)
+    spec = CellSpec(
+        sampler="tpe", seed=1, batch_sizes=(32, 64), feasible_batch_sizes=(32, 64), ranges=RANGES, startup_trials=4
+    )
     sampler = CellSampler(spec)
     for _ in range(4):
         batch = sampler.ask(8, on_pruned=pytest.fail)
@@ -85,9 +95,14 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
 def test_the_tune_searcher_checkpoints_plain_data() -> None:
     from dptune.search.tune_adapters import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
 
-    searcher = CellMultiplexer({"a": CellSampler(GRID), "b": CellSampler(GRID)}, budgets={"a": 12, "b": 5},
-                               unit_sizes={"a": 4, "b": 5}, contexts={"a": None, "b": None}, num_train=1000,
-                               min_steps=1)
+    searcher = CellMultiplexer(
+        {"a": CellSampler(GRID), "b": CellSampler(GRID)},
+        budgets={"a": 12, "b": 5},
+        unit_sizes={"a": 4, "b": 5},
+        contexts={"a": None, "b": None},
+        num_train=1000,
+        min_steps=1,
+    )
     units = {f"t{i}": searcher.suggest(f"t{i}") for i in range(3)}
     assert [u["cell"] for u in units.values()] == ["a", "b", "a"]
     assert [len(u[CONFIGURATIONS_KEY]) for u in units.values()] == [4, 5, 4]

@@ -60,14 +60,20 @@ def test_report_location_is_beside_the_results_unless_told(tmp_path: Path, monke
 
 
 def _search_again(storage: Path, *args: str) -> subprocess.CompletedProcess:
-    completed = subprocess.run(search_command("--space", str(TINY), "--storage", str(storage), "--resume", *args),
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    completed = subprocess.run(
+        search_command("--space", str(TINY), "--storage", str(storage), "--resume", *args),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed
 
 
 def test_a_second_run_of_the_same_command_computes_nothing_and_rebuilds_the_report(
-        tiny_search: SearchRun, tmp_path: Path) -> None:
+    tiny_search: SearchRun, tmp_path: Path
+) -> None:
     # The finished tiny search, copied, then its command again with --resume (what `make run` passes).
     results = tmp_path / "tiny"
     shutil.copytree(tiny_search.root, results)
@@ -95,20 +101,38 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     # A trial stopped early at a high intermediate validation accuracy must not beat a finished one.
     space = load_space(TINY).space
     plan = CellPlan(Cell(1.0, 4), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 0)
-    context = TrialContext(base=base_trial_config(space, plan, None, None), results_root=str(tmp_path),
-                           search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.cell_key,
-                           coupling=space.coupling.rule, reference_batch_size=space.coupling.reference_batch_size)
+    context = TrialContext(
+        base=base_trial_config(space, plan, None, None),
+        results_root=str(tmp_path),
+        search_id="s",
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling=space.coupling.rule,
+        reference_batch_size=space.coupling.reference_batch_size,
+    )
     store = ResultsStore(str(tmp_path))
     for status, val, batch_size in (("stopped_early", 0.90, 32), ("ok", 0.70, 64), ("ok", 0.65, 32)):
         params = {"clip_bound": 1.0, "batch_size": batch_size, "base_learning_rate": 0.01 if val > 0.66 else 0.001}
         config = trial_config(context, params)
-        epochs = [EpochMetrics(epoch=1, steps=10, train_loss=1.0, val_loss=1.0, val_accuracy=val, wall_time_s=1.0,
-                               examples_per_s=100.0)]
+        epochs = [
+            EpochMetrics(
+                epoch=1, steps=10, train_loss=1.0, val_loss=1.0, val_accuracy=val, wall_time_s=1.0, examples_per_s=100.0
+            )
+        ]
         result = TrialResult(config=config, status=status, val_accuracy=val, test_accuracy=val - 0.1, epochs=epochs)
         trial_id = configuration_id(plan.cell_key, params)
-        store.write_trial(trial_rows(result, search_id="s", trial_id=trial_id, cell_id=plan.cell.cell_id,
-                                     reference_batch_size=256, versions={}, finished_at=pd.Timestamp.now(tz="UTC")),
-                          trial_id)
+        store.write_trial(
+            trial_rows(
+                result,
+                search_id="s",
+                trial_id=trial_id,
+                cell_id=plan.cell.cell_id,
+                reference_batch_size=256,
+                versions={},
+                finished_at=pd.Timestamp.now(tz="UTC"),
+            ),
+            trial_id,
+        )
     summary = summary_table(str(tmp_path))
     reported = select_best(load_results([str(tmp_path)]).tuned, CELL)
     assert summary["trial_id"].tolist() == reported["trial_id"].tolist()
@@ -116,17 +140,22 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     assert summary["stopped_early"].tolist() == [1]
 
 
-@pytest.mark.parametrize("args", [["--space", "/no/such/space.yaml"], ["--space", "{malformed}"], ["--help"],
-                                  ["--set", "sampler.name=cmaes"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--space", "/no/such/space.yaml"], ["--space", "{malformed}"], ["--help"], ["--set", "sampler.name=cmaes"]],
+)
 def test_the_command_line_answers_before_importing_anything_heavy(args: list[str], tmp_path: Path) -> None:
     """A mistake (or --help) is answered before torch, Ray, Optuna, pandas or pyarrow load."""
     if args[1:] == ["{malformed}"]:
         (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
         args = ["--space", str(tmp_path / "bad.yaml")]
-    probe = ("import sys\nfrom dptune.search import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n"
-             "    heavy = sorted(m for m in ('torch', 'ray', 'optuna', 'pandas', 'pyarrow', 'opacus')\n"
-             "                   if m in sys.modules)\n"
-             "    print('EXIT', exit.code, heavy)\n")
-    completed = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=600,
-                               cwd=tmp_path)
+    probe = (
+        "import sys\nfrom dptune.search import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n"
+        "    heavy = sorted(m for m in ('torch', 'ray', 'optuna', 'pandas', 'pyarrow', 'opacus')\n"
+        "                   if m in sys.modules)\n"
+        "    print('EXIT', exit.code, heavy)\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert completed.stdout.strip().splitlines()[-1] == f"EXIT {0 if args == ['--help'] else 2} []", completed.stderr

@@ -70,8 +70,12 @@ class Manifest(NamedTuple):
 
 
 def load_manifests() -> list[Manifest]:
-    return [Manifest(path.name, doc) for path in sorted(CLUSTER_DIR.glob("*.yaml"))
-            for doc in yaml.load_all(path.read_text(), Loader=SafeLoader) if doc is not None]
+    return [
+        Manifest(path.name, doc)
+        for path in sorted(CLUSTER_DIR.glob("*.yaml"))
+        for doc in yaml.load_all(path.read_text(), Loader=SafeLoader)
+        if doc is not None
+    ]
 
 
 MANIFESTS = load_manifests()
@@ -140,8 +144,22 @@ def labels(template: dict[str, Any]) -> dict[str, str]:
 
 
 _QUANTITY = re.compile(r"^(?P<number>[0-9.]+)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
-_SUFFIX = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIX = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(value: str | int | float) -> float:
@@ -175,9 +193,11 @@ def crd_schemas() -> dict[str, dict[str, Any]]:
     directory = crd_dir()
     missing = [file for file in CRD_FILES.values() if not (directory / file).is_file()]
     if missing:
-        message = (f"KubeRay CRDs {', '.join(missing)} not found in {directory}: copy them from "
-                   f"ray-project/kuberay's ray-operator/config/crd/bases/ into ../shared/kuberay-crds "
-                   f"beside the repository root ({REPO_ROOT}), or set {CRD_ENV} to a folder holding them")
+        message = (
+            f"KubeRay CRDs {', '.join(missing)} not found in {directory}: copy them from "
+            f"ray-project/kuberay's ray-operator/config/crd/bases/ into ../shared/kuberay-crds "
+            f"beside the repository root ({REPO_ROOT}), or set {CRD_ENV} to a folder holding them"
+        )
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"CI={os.environ['CI']}: {message}")
         pytest.skip(message)
@@ -209,8 +229,11 @@ def strict(schema: Any) -> Any:
             result[key] = strict(value)
         else:
             result[key] = value
-    if ("properties" in schema and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
         result["additionalProperties"] = False
     return result
 
@@ -234,8 +257,9 @@ def schema_errors(schema: dict[str, Any], instance: Any) -> list[str]:
     OpenAPI v3.0 schemas are JSON Schema draft 4 plus keywords (nullable, x-kubernetes-*) that a
     draft-4 validator ignores; CEL rules (x-kubernetes-validations) are checked separately."""
     validator = jsonschema.Draft4Validator(strict(schema), format_checker=FORMATS)
-    return sorted(f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
-                  for e in validator.iter_errors(instance))
+    return sorted(
+        f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(instance)
+    )
 
 
 def subschema(schema: dict[str, Any], *path: str) -> dict[str, Any]:
@@ -265,13 +289,16 @@ CUSTOM_RESOURCES = [m for m in MANIFESTS if m.obj.get("kind") in CRD_FILES]
 
 def test_cluster_folder_holds_what_the_runbook_applies() -> None:
     kinds = Counter(m.obj.get("kind") for m in MANIFESTS)
-    assert kinds == Counter({"RayCluster": 1, "RayJob": 1, "PersistentVolumeClaim": 1, "NetworkPolicy": 2,
-                             "Pod": 1}), f"unexpected objects in cluster/*.yaml: {dict(kinds)}"
+    assert kinds == Counter({"RayCluster": 1, "RayJob": 1, "PersistentVolumeClaim": 1, "NetworkPolicy": 2, "Pod": 1}), (
+        f"unexpected objects in cluster/*.yaml: {dict(kinds)}"
+    )
     for manifest in MANIFESTS:
-        assert "namespace" not in manifest.obj["metadata"], \
+        assert "namespace" not in manifest.obj["metadata"], (
             f"{manifest.id}: no namespace in the manifests; the runbook applies them with -n"
-        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", manifest.obj["metadata"]["name"]), \
+        )
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", manifest.obj["metadata"]["name"]), (
             f"{manifest.id}: names must be RFC 1123 labels (lower case, digits, '-', at most 63)"
+        )
 
 
 @pytest.mark.parametrize("manifest", CUSTOM_RESOURCES, ids=lambda m: m.id)
@@ -292,16 +319,24 @@ def test_custom_resource_sets_no_field_guarded_by_unchecked_cel_rules(manifest: 
     assert not guarded, f"{manifest.id} sets fields with CEL rules that no test evaluates: {guarded}"
 
 
-@pytest.mark.parametrize("mutation, expected", [
-    (lambda rc: rc["spec"].update(enableInTreeAutoScaling=True), "'enableInTreeAutoScaling' was unexpected"),
-    (lambda rc: rc["spec"]["authOptions"].update(mode="tokens"), "spec.authOptions.mode: 'tokens' is not one of"),
-    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas="8"),
-     "spec.workerGroupSpecs.0.maxReplicas: '8' is not of type 'integer'"),
-    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas=2**31), "is not a 'int32'"),
-    (lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"].update(limit={}),
-     "'limit' was unexpected"),
-    (lambda rc: rc["spec"]["workerGroupSpecs"][0].pop("groupName"), "'groupName' is a required property"),
-], ids=["misspelt-field", "bad-enum", "wrong-type", "int32-range", "unknown-pod-field", "missing-required"])
+@pytest.mark.parametrize(
+    "mutation, expected",
+    [
+        (lambda rc: rc["spec"].update(enableInTreeAutoScaling=True), "'enableInTreeAutoScaling' was unexpected"),
+        (lambda rc: rc["spec"]["authOptions"].update(mode="tokens"), "spec.authOptions.mode: 'tokens' is not one of"),
+        (
+            lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas="8"),
+            "spec.workerGroupSpecs.0.maxReplicas: '8' is not of type 'integer'",
+        ),
+        (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(maxReplicas=2**31), "is not a 'int32'"),
+        (
+            lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"].update(limit={}),
+            "'limit' was unexpected",
+        ),
+        (lambda rc: rc["spec"]["workerGroupSpecs"][0].pop("groupName"), "'groupName' is a required property"),
+    ],
+    ids=["misspelt-field", "bad-enum", "wrong-type", "int32-range", "unknown-pod-field", "missing-required"],
+)
 def test_schema_validation_rejects_broken_manifests(mutation, expected: str, crd_schemas: dict) -> None:
     # Controls: the validator is not vacuous; each mistake kubectl would refuse is caught here.
     broken = copy.deepcopy(the_one("RayCluster"))
@@ -322,8 +357,9 @@ def test_claim_is_shared_readwritemany_and_mounted_on_every_ray_pod(crd_schemas:
     claim = the_one("PersistentVolumeClaim")
     assert (claim["apiVersion"], claim["metadata"]["name"]) == ("v1", SHARED_VOLUME)
     # core/v1 PersistentVolumeClaimSpec, as embedded in the CRD (ephemeral volume claim template)
-    claim_spec_schema = subschema(_pod_spec_schema(crd_schemas), "volumes", "[]", "ephemeral",
-                                  "volumeClaimTemplate", "spec")
+    claim_spec_schema = subschema(
+        _pod_spec_schema(crd_schemas), "volumes", "[]", "ephemeral", "volumeClaimTemplate", "spec"
+    )
     assert not (errors := schema_errors(claim_spec_schema, claim["spec"])), errors
     assert not (errors := schema_errors(_object_meta_schema(crd_schemas), claim["metadata"])), errors
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "head and GPU workers on many nodes write results"
@@ -334,8 +370,9 @@ def test_claim_is_shared_readwritemany_and_mounted_on_every_ray_pod(crd_schemas:
             if role == "submitter":
                 continue
             volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
-            assert volumes.get(SHARED_VOLUME, {}).get("persistentVolumeClaim", {}).get("claimName") == SHARED_VOLUME, \
+            assert volumes.get(SHARED_VOLUME, {}).get("persistentVolumeClaim", {}).get("claimName") == SHARED_VOLUME, (
                 f"{manifest.id} {role}: no volume {SHARED_VOLUME} from the claim"
+            )
             ray_container = template["spec"]["containers"][0]
             mounts = {m["name"]: m["mountPath"] for m in ray_container.get("volumeMounts", [])}
             assert SHARED_VOLUME in mounts, f"{manifest.id} {role}: {SHARED_VOLUME} is not mounted"
@@ -349,9 +386,12 @@ def _selects(selector: dict[str, Any], pod_labels: dict[str, str]) -> bool:
         return False
     for expression in selector.get("matchExpressions", []):
         key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
-        matched = {"In": key in pod_labels and pod_labels[key] in values,
-                   "NotIn": key not in pod_labels or pod_labels[key] not in values,
-                   "Exists": key in pod_labels, "DoesNotExist": key not in pod_labels}[operator]
+        matched = {
+            "In": key in pod_labels and pod_labels[key] in values,
+            "NotIn": key not in pod_labels or pod_labels[key] not in values,
+            "Exists": key in pod_labels,
+            "DoesNotExist": key not in pod_labels,
+        }[operator]
         if not matched:
             return False
     return True
@@ -367,8 +407,11 @@ def _ray_templates_by_role() -> dict[str, list[dict[str, str]]]:
 
 
 def _policy_for(role_labels: list[dict[str, str]]) -> dict[str, Any]:
-    policies = [p.obj for p in manifests_of("NetworkPolicy")
-                if all(_selects(p.obj["spec"]["podSelector"], lab) for lab in role_labels)]
+    policies = [
+        p.obj
+        for p in manifests_of("NetworkPolicy")
+        if all(_selects(p.obj["spec"]["podSelector"], lab) for lab in role_labels)
+    ]
     assert len(policies) == 1, f"expected one NetworkPolicy selecting {role_labels}, found {len(policies)}"
     return policies[0]
 
@@ -413,11 +456,15 @@ def test_network_policies_are_valid_and_admit_exactly_what_ray_needs(crd_schemas
         assert _admitted(head_policy, submitter, JOB_API_PORT), "the RayJob submitter must reach the job API"
         assert not _admitted(head_policy, submitter, 6379), "the submitter needs the job API only"
         assert not _admitted(worker_policy, submitter, 12345), "the submitter has no business on the workers"
-    operator_rules = [peer for rule in head_policy["spec"]["ingress"] for peer in rule["from"]
-                      if "namespaceSelector" in peer]
-    assert operator_rules == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
-                               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}], \
-        "only the KubeRay operator (it polls job status) may come from another namespace"
+    operator_rules = [
+        peer for rule in head_policy["spec"]["ingress"] for peer in rule["from"] if "namespaceSelector" in peer
+    ]
+    assert operator_rules == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        }
+    ], "only the KubeRay operator (it polls job status) may come from another namespace"
 
 
 def test_results_pod_is_a_valid_read_only_pod(crd_schemas: dict) -> None:
@@ -446,18 +493,21 @@ def test_ray_version_agrees_across_pyproject_dockerfile_and_manifests() -> None:
     froms = [args for instruction, args in dockerfile_instructions() if instruction == "FROM"]
     assert froms == [f"rayproject/ray:{ray_version}-{python_tag()}-gpu"], (
         f"cluster/Dockerfile must build FROM the official Ray GPU image of the pinned Ray "
-        f"(ray=={ray_version}) and Python ({python_tag()}); it has FROM {froms}")
+        f"(ray=={ray_version}) and Python ({python_tag()}); it has FROM {froms}"
+    )
     expected_tag = f"{PYPROJECT['project']['version']}-ray{ray_version}"
     images = set()
     for manifest in CUSTOM_RESOURCES:
-        assert ray_cluster_spec(manifest.obj)["rayVersion"] == ray_version, \
+        assert ray_cluster_spec(manifest.obj)["rayVersion"] == ray_version, (
             f"{manifest.id}: rayVersion must be the pinned Ray {ray_version}"
+        )
     for where, template in all_pod_templates():
         for container in containers(template):
             images.add(container["image"])
             assert container["image"].rsplit(":", 1)[1] == expected_tag, (
                 f"{where} {container['name']}: image tag must be <dptune version>-ray<Ray version> "
-                f"= {expected_tag}, got {container['image']}")
+                f"= {expected_tag}, got {container['image']}"
+            )
     assert len(images) == 1, f"every Pod runs the one dptune image; found {images}"
 
 
@@ -469,8 +519,9 @@ def test_dockerfile_installs_pinned_dependencies_like_make_venv() -> None:
         if instruction == "COPY":
             *sources, _destination = [a for a in args.split() if not a.startswith("--")]
             for source in sources:
-                assert (REPO_ROOT / source).exists(), \
+                assert (REPO_ROOT / source).exists(), (
                     f"cluster/Dockerfile copies {source}, which the repository root lacks (the build would fail)"
+                )
     (install,) = [args for instruction, args in instructions if instruction == "RUN" and "pip install" in args]
     assert "pip install --no-cache-dir . " in install, "step 1 of the set-up: the project with its pinned dependencies"
     # Step 2: the --no-deps wheels. Run the Dockerfile's own shell substitution here and compare it
@@ -478,12 +529,19 @@ def test_dockerfile_installs_pinned_dependencies_like_make_venv() -> None:
     substitution = re.search(r"--no-deps (\$\(python -c .*?\"\))", install)
     assert substitution, "step 2 of the set-up: pip install --no-deps $(python -c ... pyproject.toml ...)"
     venv_bin = str(Path(sys.executable).parent)
-    listed = subprocess.run(["bash", "-c", f"echo {substitution[1]}"], cwd=REPO_ROOT, check=True, text=True,
-                            capture_output=True, env={"PATH": f"{venv_bin}:/usr/bin:/bin"}).stdout.split()
+    listed = subprocess.run(
+        ["bash", "-c", f"echo {substitution[1]}"],
+        cwd=REPO_ROOT,
+        check=True,
+        text=True,
+        capture_output=True,
+        env={"PATH": f"{venv_bin}:/usr/bin:/bin"},
+    ).stdout.split()
     assert listed == PYPROJECT["tool"]["dptune"]["no-deps"]
     (workdir,) = [args for instruction, args in instructions if instruction == "WORKDIR"]
-    assert any(i == "COPY" and a.split()[-1] == "search_spaces/" for i, a in instructions), \
+    assert any(i == "COPY" and a.split()[-1] == "search_spaces/" for i, a in instructions), (
         f"the search spaces must be copied into WORKDIR {workdir}, where the entrypoint's relative path points"
+    )
 
 
 def test_token_authentication_is_on() -> None:
@@ -491,19 +549,22 @@ def test_token_authentication_is_on() -> None:
         spec = ray_cluster_spec(manifest.obj)
         assert spec.get("authOptions") == {"mode": "token", "secretName": "dptune-ray-auth"}, (
             f"{manifest.id}: authOptions must turn token auth on with the token from a Secret named "
-            f"in the manifest (KubeRay >= 1.5.1, Ray >= 2.52)")
+            f"in the manifest (KubeRay >= 1.5.1, Ray >= 2.52)"
+        )
     for where, template in all_pod_templates():
         for container in containers(template):
             for env in container.get("env", []):
-                assert env["name"] not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_K8S_TOKEN_AUTH"), \
+                assert env["name"] not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_K8S_TOKEN_AUTH"), (
                     f"{where}: {env['name']} is KubeRay's to set from authOptions"
+                )
 
 
 def test_nothing_exposes_the_head_outside_the_cluster() -> None:
     for manifest in MANIFESTS:
         kind = manifest.obj["kind"]
-        assert kind not in ("Ingress", "Route", "Gateway", "HTTPRoute", "Service"), \
+        assert kind not in ("Ingress", "Route", "Gateway", "HTTPRoute", "Service"), (
             f"{manifest.id}: the head is reached by port-forward only"
+        )
     for manifest in CUSTOM_RESOURCES:
         head = ray_cluster_spec(manifest.obj)["headGroupSpec"]
         assert head.get("serviceType") == "ClusterIP", f"{manifest.id}: headGroupSpec.serviceType must be ClusterIP"
@@ -513,8 +574,9 @@ def test_nothing_exposes_the_head_outside_the_cluster() -> None:
     for where, template in all_pod_templates():
         assert not template["spec"].get("hostNetwork"), f"{where}: hostNetwork puts Ray's ports on the node"
         for container in containers(template):
-            assert not any("hostPort" in port for port in container.get("ports", [])), \
+            assert not any("hostPort" in port for port in container.get("ports", [])), (
                 f"{where} {container['name']}: a hostPort exposes the port on the node"
+            )
 
 
 _CREDENTIAL_PATTERNS = [
@@ -551,8 +613,12 @@ def literal_credentials(obj: Any, path: str = "") -> list[str]:
             found.append(f"{path}: a known credential format")
         for run in re.findall(r"[A-Za-z0-9+/=]{32,}", obj):
             path_like = "/" in run and not re.search(r"[A-Z]", run)
-            if (not path_like and re.search(r"[A-Za-z]", run) and re.search(r"[0-9]", run)
-                    and _entropy_bits_per_char(run) > 3.0):
+            if (
+                not path_like
+                and re.search(r"[A-Za-z]", run)
+                and re.search(r"[0-9]", run)
+                and _entropy_bits_per_char(run) > 3.0
+            ):
                 found.append(f"{path}: random-looking string {run[:6]}...")
     return found
 
@@ -563,15 +629,25 @@ def test_no_literal_credentials_in_manifests() -> None:
         assert not (found := literal_credentials(manifest.obj)), f"{manifest.id}: {found}"
 
 
-@pytest.mark.parametrize("plant", [
-    lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
-        {"name": "AWS_SECRET_ACCESS_KEY", "value": "not-random-but-literal"}),
-    lambda rc: rc["spec"]["headGroupSpec"]["rayStartParams"].update(
-        token="4f1c9b2e7a0d3c6b8e5f1a2d9c7b4e6f0a3d5c8b1e7f2a9d"),
-    lambda rc: rc["metadata"].setdefault("annotations", {}).update(note="ghp_" + "a1B2c3D4e5" * 4),
-    lambda rc: rc["spec"]["workerGroupSpecs"][0]["template"].setdefault("metadata", {}).setdefault(
-        "annotations", {}).update(key="q8Xv1/Zr+3mKp0TbW9yLc2NhG7sD4fJ6uA5eR1oQ="),
-], ids=["secret-env-literal", "hex-token", "github-token", "base64-token"])
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "AWS_SECRET_ACCESS_KEY", "value": "not-random-but-literal"}
+        ),
+        lambda rc: rc["spec"]["headGroupSpec"]["rayStartParams"].update(
+            token="4f1c9b2e7a0d3c6b8e5f1a2d9c7b4e6f0a3d5c8b1e7f2a9d"
+        ),
+        lambda rc: rc["metadata"].setdefault("annotations", {}).update(note="ghp_" + "a1B2c3D4e5" * 4),
+        lambda rc: (
+            rc["spec"]["workerGroupSpecs"][0]["template"]
+            .setdefault("metadata", {})
+            .setdefault("annotations", {})
+            .update(key="q8Xv1/Zr+3mKp0TbW9yLc2NhG7sD4fJ6uA5eR1oQ=")
+        ),
+    ],
+    ids=["secret-env-literal", "hex-token", "github-token", "base64-token"],
+)
 def test_credential_scan_catches_planted_secrets(plant) -> None:
     broken = copy.deepcopy(the_one("RayCluster"))
     plant(broken)
@@ -597,8 +673,9 @@ def test_gpu_worker_group_autoscales_and_head_has_no_gpu() -> None:
         resources = template["spec"]["containers"][0]["resources"]
         assert quantity(resources["limits"][GPU]) >= 1, f"{manifest.id}: the worker group must hold GPUs"
         assert resources["requests"][GPU] == resources["limits"][GPU], "extended resources need requests == limits"
-        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in template["spec"].get("tolerations", []), \
+        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in template["spec"].get("tolerations", []), (
             f"{manifest.id}: GPU nodes are usually tainted {GPU}:NoSchedule"
+        )
         for where, tpl in pod_templates(manifest.obj).items():
             for container in containers(tpl):
                 requests, limits = container["resources"]["requests"], container["resources"]["limits"]
@@ -608,8 +685,9 @@ def test_gpu_worker_group_autoscales_and_head_has_no_gpu() -> None:
 
 def test_rayjob_runs_the_raycluster_spec_and_cleans_up() -> None:
     job, cluster = the_one("RayJob"), the_one("RayCluster")
-    assert job["spec"]["rayClusterSpec"] == cluster["spec"], \
+    assert job["spec"]["rayClusterSpec"] == cluster["spec"], (
         "cluster/rayjob.yaml's rayClusterSpec must be cluster/raycluster.yaml's spec (they drifted apart)"
+    )
     assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["ttlSecondsAfterFinished"] > 0
     assert job["spec"]["submissionMode"] == "K8sJobMode"
 
@@ -633,12 +711,14 @@ def test_entrypoint_names_a_space_that_loads_and_fits_a_gpu_worker() -> None:
     trials_per_worker = math.floor(worker_gpus / trial.gpu)
     assert trials_per_worker * trial.cpus <= worker_cpus, (
         f"{trials_per_worker} trials of {trial.cpus} CPUs share a worker's GPUs but the Pod has "
-        f"{worker_cpus} CPUs: its GPU share would sit idle")
+        f"{worker_cpus} CPUs: its GPU share would sit idle"
+    )
 
     mounts = group["template"]["spec"]["containers"][0]["volumeMounts"]
     (mount,) = [m["mountPath"] for m in mounts if m["name"] == SHARED_VOLUME]
-    assert Path(options.storage).is_relative_to(mount), \
+    assert Path(options.storage).is_relative_to(mount), (
         f"--storage {options.storage} must lie on the shared claim mounted at {mount}"
+    )
     if options.report:  # the head's own disk vanishes with the Pod
         report = report_location(str(Path(options.storage, options.name or space.name)), options.report_dir)
         assert Path(report).is_relative_to(mount), f"the report ({report}) must lie on the shared claim at {mount}"
@@ -651,9 +731,14 @@ def _crd_validation_tests(tmp_path: Path, **env: str) -> subprocess.CompletedPro
     """This file's CRD validation tests in a fresh pytest, with ``env`` (and neither CI nor the
     CRD variable inherited)."""
     environment = {k: v for k, v in os.environ.items() if k not in ("CI", CRD_ENV)} | {"COLUMNS": "1000", **env}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "validates_against_kuberay"], cwd=tmp_path, env=environment,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "validates_against_kuberay"],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_crd_checks_are_skipped_with_a_reason_outside_ci_and_fail_in_ci(tmp_path: Path) -> None:
@@ -676,8 +761,13 @@ def test_ci_entry_point_refuses_to_run_without_the_crds(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
     missing = tmp_path / "nowhere"
-    completed = subprocess.run([shutil.which("bash"), str(REPO_ROOT / ".ci" / "run")], capture_output=True, text=True,
-                               timeout=60, env={"PATH": str(bin_dir), "CI": "true", CRD_ENV: str(missing)})
+    completed = subprocess.run(
+        [shutil.which("bash"), str(REPO_ROOT / ".ci" / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(bin_dir), "CI": "true", CRD_ENV: str(missing)},
+    )
     assert completed.returncode == 1, completed.stdout + completed.stderr
     assert f"KubeRay CRD {missing}/ray.io_rayclusters.yaml is missing" in completed.stderr
     assert completed.stdout == ""
@@ -704,14 +794,42 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     entrypoint = rayjob_entrypoint()
     name = entrypoint[entrypoint.index("--name") + 1]
     storage = tmp_path / "results"
-    overrides = ["--space", "search_spaces/default.yaml", "--set", "task.max_tokens=64",
-                 "--set", "privacy.epsilons=[8]", "--set", "epochs=[3]", "--trials-per-cell", "1",
-                 "--set", "replicates=1",
-                 "--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES),
-                 "--storage", str(storage), "--resume"]
+    overrides = [
+        "--space",
+        "search_spaces/default.yaml",
+        "--set",
+        "task.max_tokens=64",
+        "--set",
+        "privacy.epsilons=[8]",
+        "--set",
+        "epochs=[3]",
+        "--trials-per-cell",
+        "1",
+        "--set",
+        "replicates=1",
+        "--max-train-examples",
+        str(TINY_TRAIN_EXAMPLES),
+        "--max-eval-examples",
+        str(TINY_EVAL_EXAMPLES),
+        "--storage",
+        str(storage),
+        "--resume",
+    ]
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
-    command = ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPO_ROOT),
-               "--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint, *overrides]
+    command = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard_url,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        *entrypoint,
+        *overrides,
+    ]
     completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
     assert "joined Ray cluster" in completed.stdout, "the search must run on the head's cluster, not an embedded one"

@@ -35,8 +35,19 @@ BASE = TrialConfig(
     workload=WorkloadSpec(
         dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=100, max_eval_examples=60
     ),
-    epsilon=8.0, delta=1e-5, epochs=2, clip_bound=1.0, batch_size=50, learning_rate=0.05, base_learning_rate=0.05,
-    optimizer="adam", clipping="normalized", seed=1, engine="film", threads=1, diagnostics=False
+    epsilon=8.0,
+    delta=1e-5,
+    epochs=2,
+    clip_bound=1.0,
+    batch_size=50,
+    learning_rate=0.05,
+    base_learning_rate=0.05,
+    optimizer="adam",
+    clipping="normalized",
+    seed=1,
+    engine="film",
+    threads=1,
+    diagnostics=False,
 )
 
 
@@ -47,8 +58,7 @@ def test_torch_manual_seed_keeps_only_32_bits_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize(("pair", "stream"), [(OLD_NOISE_COLLISION, 2), (OLD_SAMPLING_COLLISION, 1)])
-def test_the_old_64_bit_coin_words_of_these_seeds_collide_under_manual_seed(pair: tuple[int, int],
-                                                                          stream: int) -> None:
+def test_the_old_64_bit_coin_words_of_these_seeds_collide_under_manual_seed(pair: tuple[int, int], stream: int) -> None:
     words = [int(np.random.SeedSequence(s).generate_state(4, dtype=np.uint64)[stream]) for s in pair]
     assert words[0] != words[1] and words[0] % 2**32 == words[1] % 2**32
     a, b = (torch.randn(8, generator=torch.Generator().manual_seed(w)) for w in words)
@@ -91,8 +101,7 @@ def test_same_seed_same_draws_and_the_four_streams_differ() -> None:
     assert len({tuple(d.tolist()) for d in draws}) == 4
     cpu = DeviceCoins(first.noise, CPU)
     cpu.refresh()  # on the CPU nothing changes: the MT19937 state is the whole secret
-    assert torch.equal(torch.randn(8, generator=cpu.generator),
-                       torch.randn(8, generator=cpu_generator(first.noise)))
+    assert torch.equal(torch.randn(8, generator=cpu.generator), torch.randn(8, generator=cpu_generator(first.noise)))
 
 
 def _trial_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +137,7 @@ def _masks(draws: Draws, num_train: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
-def test_fused_configurations_whose_seeds_share_low_bits_draw_different_masks_and_noise(
-        pair: tuple[int, int]) -> None:
+def test_fused_configurations_whose_seeds_share_low_bits_draw_different_masks_and_noise(pair: tuple[int, int]) -> None:
     data = DeviceWorkload.build(BASE, cached_workload(BASE.workload), CPU)
     group = FusedGroup(data, [replace(BASE, seed=s) for s in pair], noise_multiplier=1.0)
     draws = group.coins.draw(10)

@@ -64,23 +64,63 @@ def test_engines_are_registered_by_contract_name_and_import_neither_the_registry
 def test_trial_re_exports_the_contract_types_unchanged() -> None:
     import dptune.runners.trial as trial
 
-    for name in ("TrialConfig", "EpochMetrics", "ClassDiagnostics", "Diagnostics", "TrialResult", "TrialStatus",
-                 "Reporter"):
+    for name in (
+        "TrialConfig",
+        "EpochMetrics",
+        "ClassDiagnostics",
+        "Diagnostics",
+        "TrialResult",
+        "TrialStatus",
+        "Reporter",
+    ):
         assert getattr(trial, name) is getattr(contract, name)
         assert name in trial.__all__
 
 
 def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() -> None:
     workload = WorkloadSpec("20newsgroups", "minilm", "head", seed=3, classes=(1, 2), max_train_examples=50)
-    config = TrialConfig(workload=workload, epsilon=1.0, delta=1e-5, epochs=2, clip_bound=0.5, batch_size=16,
-                         learning_rate=1e-3, base_learning_rate=1e-3, seed=7)
+    config = TrialConfig(
+        workload=workload,
+        epsilon=1.0,
+        delta=1e-5,
+        epochs=2,
+        clip_bound=0.5,
+        batch_size=16,
+        learning_rate=1e-3,
+        base_learning_rate=1e-3,
+        seed=7,
+    )
     row = config.row()
     assert set(row) == {  # the 28 fields of the flat TrialConfig the Parquet schema and config JSON were made for
-        "dataset", "backbone", "peft", "epsilon", "delta", "epochs", "clip_bound", "batch_size", "learning_rate",
-        "base_learning_rate", "optimizer", "clipping", "seed", "split_seed", "score_noise_multiplier", "fraction",
-        "examples_per_class", "classes", "max_tokens", "validation_fraction", "max_train_examples",
-        "max_eval_examples", "device", "max_physical_batch_size", "threads", "engine", "diagnostics",
-        "diagnostic_examples"}
+        "dataset",
+        "backbone",
+        "peft",
+        "epsilon",
+        "delta",
+        "epochs",
+        "clip_bound",
+        "batch_size",
+        "learning_rate",
+        "base_learning_rate",
+        "optimizer",
+        "clipping",
+        "seed",
+        "split_seed",
+        "score_noise_multiplier",
+        "fraction",
+        "examples_per_class",
+        "classes",
+        "max_tokens",
+        "validation_fraction",
+        "max_train_examples",
+        "max_eval_examples",
+        "device",
+        "max_physical_batch_size",
+        "threads",
+        "engine",
+        "diagnostics",
+        "diagnostic_examples",
+    }
     assert (row["split_seed"], row["seed"], row["classes"], row["max_train_examples"]) == (3, 7, (1, 2), 50)
     assert (row["dataset"], row["backbone"], row["peft"], row["epsilon"]) == ("20newsgroups", "minilm", "head", 1.0)
 
@@ -106,10 +146,18 @@ def test_a_table_that_misses_or_adds_a_name_fails_when_built() -> None:
     assert check_registry("optimizer", OPTIMIZER_NAMES, table) is table
 
 
-@pytest.mark.parametrize(("key", "names"), [("task.peft", PEFT_NAMES), ("training.optimizer", OPTIMIZER_NAMES),
-                                            ("training.engine", ENGINE_NAMES), ("training.clipping", CLIPPING_RULES)])
-def test_the_space_refuses_a_name_outside_the_registry_naming_every_allowed_one(key: str,
-                                                                               names: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("key", "names"),
+    [
+        ("task.peft", PEFT_NAMES),
+        ("training.optimizer", OPTIMIZER_NAMES),
+        ("training.engine", ENGINE_NAMES),
+        ("training.clipping", CLIPPING_RULES),
+    ],
+)
+def test_the_space_refuses_a_name_outside_the_registry_naming_every_allowed_one(
+    key: str, names: tuple[str, ...]
+) -> None:
     from dptune.space import SpaceError, load_space
 
     with pytest.raises(SpaceError) as info:
@@ -124,8 +172,11 @@ def error_classes() -> list[tuple[str, str]]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        found += [(module, node.name) for node in ast.parse(path.read_text()).body
-                  if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Failed"))]
+        found += [
+            (module, node.name)
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Failed"))
+        ]
     return found
 
 

@@ -94,11 +94,7 @@ def test_scratch_backbone_refuses_a_linear_probe_and_lora_needs_attention():
 
 
 def test_registry():
-    assert (
-        list_datasets()
-        == sorted(DATASETS)
-        == ["20newsgroups", "cassava", "cifar100", "mnist5k", "sun397"]
-    )
+    assert list_datasets() == sorted(DATASETS) == ["20newsgroups", "cassava", "cifar100", "mnist5k", "sun397"]
 
 
 # -------------------------------------------------------------------------- splits
@@ -122,9 +118,7 @@ def test_official_test_split_is_kept_and_validation_is_stratified():
     labels = synthetic_labels()
     rows = split_rows(labels, 5, 300, WorkloadSpec("x", "minilm", "head", validation_fraction=0.2))
     np.testing.assert_array_equal(rows.test, np.arange(300, 400))
-    assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(
-        range(300)
-    )
+    assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(range(300))
     pool = np.bincount(labels[:300], minlength=5)
     assert len(rows.val) == 60
     assert np.all(np.abs(np.bincount(labels[rows.val], minlength=5) - 0.2 * pool) < 1)
@@ -138,13 +132,9 @@ def test_same_seed_same_splits_other_seed_other_validation_same_test():
     for name in ("train", "val", "test"):
         np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
     assert not np.array_equal(first.val, other.val) and not np.array_equal(first.train, other.train)
-    np.testing.assert_array_equal(
-        first.test, other.test
-    )  # fixed-seed test split without an official one
+    np.testing.assert_array_equal(first.test, other.test)  # fixed-seed test split without an official one
     assert len(first.test) == round(TEST_FRACTION * 400)
-    assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(
-        first.test
-    )
+    assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(first.test)
 
 
 def test_fraction_examples_per_class_and_class_subset():
@@ -154,9 +144,7 @@ def test_fraction_examples_per_class_and_class_subset():
     half = split_rows(labels, 5, 300, dataclasses.replace(base, fraction=0.5))
     np.testing.assert_array_equal(half.val, full.val)  # knobs act on training rows only
     assert set(half.train) <= set(full.train) and len(half.train) == round(0.5 * len(full.train))
-    assert np.all(
-        np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1
-    )
+    assert np.all(np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1)
 
     shots = split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=3))
     np.testing.assert_array_equal(np.bincount(labels[shots.train]), [3] * 5)
@@ -189,9 +177,7 @@ def reference_minilm_features(texts: list[str], max_tokens: int) -> np.ndarray:
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
     model = AutoModel.from_pretrained(minilm_folder()).eval()
-    batch = tokenizer(
-        texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt"
-    )
+    batch = tokenizer(texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt")
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1).float()
@@ -210,11 +196,7 @@ def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, tempor
         max_eval_examples=6,
     )
     workload = load_workload(spec)
-    assert (
-        workload.modality == "features"
-        and workload.feature_dim == 384
-        and workload.num_classes == 3
-    )
+    assert workload.modality == "features" and workload.feature_dim == 384 and workload.num_classes == 3
     raw = load_20newsgroups()
     assert workload.class_names == [raw.class_names[3], raw.class_names[7], raw.class_names[11]]
     assert [len(workload.train), len(workload.val), len(workload.test)] == [12, 6, 6]
@@ -238,9 +220,7 @@ def test_feature_workload_feeds_opacus_poisson_loader_including_empty_batches():
     from opacus.data_loader import DPDataLoader
     from torch.utils.data import DataLoader
 
-    spec = WorkloadSpec(
-        "20newsgroups", "minilm", "head", max_tokens=16, max_train_examples=8, max_eval_examples=2
-    )
+    spec = WorkloadSpec("20newsgroups", "minilm", "head", max_tokens=16, max_train_examples=8, max_eval_examples=2)
     workload = load_workload(spec)
     torch.testing.assert_close(workload.labels("train"), workload.train.tensors[1])
     loader = DPDataLoader.from_data_loader(
@@ -248,9 +228,7 @@ def test_feature_workload_feeds_opacus_poisson_loader_including_empty_batches():
     )
     assert loader.batch_sampler.sample_rate == pytest.approx(1 / 8)
     batches = list(loader)
-    assert {(tuple(x.shape[1:]), x.dtype, y.dtype) for x, y in batches} == {
-        ((384,), torch.float32, torch.int64)
-    }
+    assert {(tuple(x.shape[1:]), x.dtype, y.dtype) for x, y in batches} == {((384,), torch.float32, torch.int64)}
     assert any(len(y) == 0 for _, y in batches)  # (7/8)^8 ≈ 34% chance per step: seeded
 
 
@@ -267,16 +245,12 @@ def tiny_corpus() -> RawDataset:
     )
 
 
-def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(
-    encoder_calls, temporary_cache
-):
+def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(encoder_calls, temporary_cache):
     raw = tiny_corpus()
     results: dict[int, np.ndarray] = {}
 
     def worker(index: int) -> None:
-        results[index] = features.cached_features(
-            raw, None, "minilm", max_tokens=16, image_size=None
-        )
+        results[index] = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for thread in threads:
@@ -285,27 +259,19 @@ def test_full_cache_serves_subsets_and_concurrent_encoders_share_one_write(
         thread.join()
     assert encoder_calls == [12]  # the second waited on the lock, then read the first's file
     np.testing.assert_array_equal(results[0], results[1])
-    np.testing.assert_allclose(
-        results[0], reference_minilm_features(raw.inputs, 16), rtol=1e-4, atol=1e-5
-    )
+    np.testing.assert_allclose(results[0], reference_minilm_features(raw.inputs, 16), rtol=1e-4, atol=1e-5)
 
-    subset = features.cached_features(
-        raw, np.array([7, 2, 9]), "minilm", max_tokens=16, image_size=None
-    )
+    subset = features.cached_features(raw, np.array([7, 2, 9]), "minilm", max_tokens=16, image_size=None)
     assert encoder_calls == [12]
     np.testing.assert_array_equal(subset, results[0][[7, 2, 9]])
-    leftovers = [
-        p.name for p in (temporary_cache / "features").iterdir() if p.name.endswith(".tmp")
-    ]
+    leftovers = [p.name for p in (temporary_cache / "features").iterdir() if p.name.endswith(".tmp")]
     assert leftovers == []
 
 
 def test_20newsgroups_tokens_for_fine_tuning():
     from dptune.models import load_tokenizer
 
-    spec = WorkloadSpec(
-        "20newsgroups", "minilm", "lora", max_tokens=24, max_train_examples=10, max_eval_examples=4
-    )
+    spec = WorkloadSpec("20newsgroups", "minilm", "lora", max_tokens=24, max_train_examples=10, max_eval_examples=4)
     workload = load_workload(spec)
     assert workload.modality == "text" and workload.max_tokens == 24 and workload.num_classes == 20
     input_ids, attention_mask, labels = workload.train.tensors
@@ -328,9 +294,7 @@ def test_mnist5k_splits_and_efficientnet_features(encoder_calls):
     assert [len(full.train), len(full.val), len(full.test)] == [3600, 400, 1000]
     np.testing.assert_array_equal(np.bincount(raw.labels[full.test]), [100] * 10)
 
-    spec = WorkloadSpec(
-        "mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10
-    )
+    spec = WorkloadSpec("mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10)
     workload = load_workload(spec)
     assert workload.feature_dim == 1280 and workload.train.tensors[0].shape == (20, 1280)
     rows = split_rows(raw.labels, 10, None, spec)
@@ -353,17 +317,11 @@ def test_missing_disk_datasets_say_where_to_put_them(monkeypatch, tmp_path):
     with pytest.raises(WorkloadError, match="set DPTUNE_DATA_DIR"):
         load_workload(WorkloadSpec("cifar100", "wrn16_4", "full"))
     monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path))
-    with pytest.raises(
-        WorkloadError, match=r"'cifar100' not found under .*CIFAR100\(root, download=True\)"
-    ):
+    with pytest.raises(WorkloadError, match=r"'cifar100' not found under .*CIFAR100\(root, download=True\)"):
         load_workload(WorkloadSpec("cifar100", "wrn16_4", "full", fraction=0.1))
-    with pytest.raises(
-        WorkloadError, match=r"'sun397' not found under .*SUN397\(root, download=True\)"
-    ):
+    with pytest.raises(WorkloadError, match=r"'sun397' not found under .*SUN397\(root, download=True\)"):
         load_workload(WorkloadSpec("sun397", "wrn16_4", "full"))
-    with pytest.raises(
-        WorkloadError, match=r"'cassava' not found under .*one sub-folder per class"
-    ):
+    with pytest.raises(WorkloadError, match=r"'cassava' not found under .*one sub-folder per class"):
         load_workload(WorkloadSpec("cassava", "wrn16_4", "full"))
 
 
@@ -385,14 +343,10 @@ def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, en
         image, label = workload.train[index]
         assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
         assert torch.all(image == 40 * int(label))  # each class has its own grey level
-    torch.testing.assert_close(
-        workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)])
-    )
+    torch.testing.assert_close(workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)]))
 
     head = load_workload(
-        WorkloadSpec(
-            "cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5
-        )
+        WorkloadSpec("cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5)
     )
     assert head.train.tensors[0].shape == (5, 1280) and encoder_calls == [5 + 2 + 5]
 
@@ -418,8 +372,9 @@ class _Clock:
         return rows
 
 
-@pytest.mark.parametrize(("seconds", "expected"), [({"fp32": 1.0, "bf16": 2.5}, "fp32"),
-                                                   ({"fp32": 2.5, "bf16": 1.0}, "bf16")])
+@pytest.mark.parametrize(
+    ("seconds", "expected"), [({"fp32": 1.0, "bf16": 2.5}, "fp32"), ({"fp32": 2.5, "bf16": 1.0}, "bf16")]
+)
 def test_the_precision_is_the_faster_one_measured(seconds, expected):
     clock = _Clock(seconds)
     choice = features.measure_precision(clock.encode, rows=48, clock=clock)
@@ -441,8 +396,9 @@ def test_the_measured_choice_is_recorded_per_machine_and_forced_by_the_environme
     cpu = torch.device("cpu")
     assert features.recorded_precision(cpu, "minilm") is None
     clock = _Clock({"fp32": 2.5, "bf16": 1.0})
-    monkeypatch.setattr(features, "measure_precision",
-                        lambda encode, rows: features.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, 1.0))
+    monkeypatch.setattr(
+        features, "measure_precision", lambda encode, rows: features.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, 1.0)
+    )
     assert features.choose_precision(cpu, "minilm", clock.encode, 48).precision == "bf16"
     assert features.recorded_precision(cpu, "minilm").precision == "bf16"  # the next process measures nothing
     (record,) = (temporary_cache / "precision").glob("minilm-*.json")
@@ -492,8 +448,9 @@ def test_a_cache_hit_builds_no_encoder_and_other_weight_files_make_a_new_entry(
     other = tmp_path / "minilm"
     shutil.copytree(minilm_folder(), other)
     (other / "README.md").write_text("changed")  # another folder: another identity, another entry
-    monkeypatch.setitem(models.BACKBONES, "minilm",
-                        dataclasses.replace(models.BACKBONES["minilm"], weight_source=lambda: other))
+    monkeypatch.setitem(
+        models.BACKBONES, "minilm", dataclasses.replace(models.BACKBONES["minilm"], weight_source=lambda: other)
+    )
     features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
     assert encoder_calls == [12, 12] and len(list((temporary_cache / "features").glob("tiny20-minilm-*.json"))) == 2
 

@@ -191,6 +191,7 @@ def test_gram_summary_of_rank_one_gradients_equals_the_per_example_one() -> None
     for field in ("norms", "sorted_norms", "nn", "ng", "gg"):
         np.testing.assert_allclose(getattr(gram, field), getattr(dense, field), rtol=1e-10, atol=1e-10)
     for clip_bound in (0.1, 1.0, 10.0):
-        np.testing.assert_allclose(clipping_mse(gram, clip_bound, 1.3, 32.0),
-                                   clipping_mse(dense, clip_bound, 1.3, 32.0), rtol=1e-10)
+        np.testing.assert_allclose(
+            clipping_mse(gram, clip_bound, 1.3, 32.0), clipping_mse(dense, clip_bound, 1.3, 32.0), rtol=1e-10
+        )
     assert optimal_clip_bound(gram, 1.3, 32.0) == pytest.approx(optimal_clip_bound(dense, 1.3, 32.0), rel=1e-10)

@@ -40,14 +40,27 @@ def _cache(dptune_cache_dir: Path) -> None:
 
 def context(root: Path, **changes: object) -> TrialContext:
     """The context of a search's cell ε = 8, E = 2 (σ per B from the plan, as the driver gives it)."""
-    space = load_space(REPO_ROOT / "tests/spaces/tiny.yaml", {"training.diagnostics": False, "epochs": [EPOCHS],
-                                                             "privacy.epsilons": [EPSILON]}).space
-    sigmas = {b: calibrate_noise_multiplier(EPSILON, space.privacy.delta, sample_rate(N, b), total_steps(N, b, EPOCHS))
-              for b in BATCH_SIZES}
+    space = load_space(
+        REPO_ROOT / "tests/spaces/tiny.yaml",
+        {"training.diagnostics": False, "epochs": [EPOCHS], "privacy.epsilons": [EPSILON]},
+    ).space
+    sigmas = {
+        b: calibrate_noise_multiplier(EPSILON, space.privacy.delta, sample_rate(N, b), total_steps(N, b, EPOCHS))
+        for b in BATCH_SIZES
+    }
     plan = CellPlan(Cell(EPSILON, EPOCHS), "normalized", N, BATCH_SIZES, (), sigmas, 2)
-    made = TrialContext(base=base_trial_config(space, plan, N, 60), results_root=str(root), search_id="s",
-                        cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt", reference_batch_size=64,
-                        replicates=2, num_train=N, noise_multipliers=sigmas)
+    made = TrialContext(
+        base=base_trial_config(space, plan, N, 60),
+        results_root=str(root),
+        search_id="s",
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling="sqrt",
+        reference_batch_size=64,
+        replicates=2,
+        num_train=N,
+        noise_multipliers=sigmas,
+    )
     return replace(made, **changes)
 
 
@@ -55,8 +68,7 @@ FIRST = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
 SECOND = {"clip_bound": 1.0, "batch_size": 64, "base_learning_rate": 0.05}
 
 
-def test_trial_config_couples_the_learning_rate_and_keeps_the_coins_secret_unless_reproducible(
-        tmp_path: Path) -> None:
+def test_trial_config_couples_the_learning_rate_and_keeps_the_coins_secret_unless_reproducible(tmp_path: Path) -> None:
     plain = context(tmp_path)
     config = trial_config(plain, {"batch_size": 128, "base_learning_rate": 0.01}, replicate=1)
     assert config.batch_size == 128 and config.base_learning_rate == 0.01
@@ -79,8 +91,11 @@ def test_every_run_is_charged_then_recorded_once_and_a_rerun_trains_nothing(tmp_
     assert outcome.ran == 4 and outcome.statuses == ["ok", "ok"] and outcome.run_statuses == ["ok"] * 4
 
     trials = read_table(str(tmp_path), "trials").set_index("trial_id")
-    ids = {replicate_trial_id(configuration_id(CELL_KEY, params), replicate): params
-           for params in (FIRST, SECOND) for replicate in (0, 1)}
+    ids = {
+        replicate_trial_id(configuration_id(CELL_KEY, params), replicate): params
+        for params in (FIRST, SECOND)
+        for replicate in (0, 1)
+    }
     assert set(trials.index) == set(ids)
     assert set(trials["cell_id"]) == {"eps=8|epochs=2"} and set(trials["search_id"]) == {"s"}
     assert (trials["status"] == "ok").all() and (trials["num_train"] == N).all()
@@ -129,8 +144,7 @@ def test_the_fused_runner_records_the_same_rows_and_ledger_entries(tmp_path: Pat
 
 
 def test_a_pruned_configuration_is_one_row_that_spent_nothing(tmp_path: Path) -> None:
-    record_pruned(context(tmp_path), {"clip_bound": 1.0, "batch_size": 64, "base_learning_rate": 0.01}, N,
-                  min_steps=10)
+    record_pruned(context(tmp_path), {"clip_bound": 1.0, "batch_size": 64, "base_learning_rate": 0.01}, N, min_steps=10)
     (row,) = read_table(str(tmp_path), "trials").to_dict("records")
     assert row["status"] == "pruned_min_steps" and row["reason"] == "T = 3 steps < min_steps = 10"
     assert row["steps"] == total_steps(N, 64, EPOCHS) == 3 and row["steps_taken"] == 0 and row["epsilon_spent"] == 0

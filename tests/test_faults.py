@@ -28,8 +28,9 @@ SMALL = ("--space", str(TINY), "--no-report", "--set", "privacy.epsilons=[2]", "
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def ledger_entries(root: Path) -> tuple[list[dict], list[dict]]:
@@ -73,10 +74,12 @@ with hold_lease(sys.argv[1]):
 
 
 def test_a_second_search_on_a_held_folder_is_refused_at_once_and_a_dead_holders_lease_is_taken_over(
-        search_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    search_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     root = tmp_path / "tiny"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], env=search_env, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(root)], env=search_env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         for resume in ((), ("--resume",)):
@@ -98,7 +101,8 @@ def test_a_second_search_on_a_held_folder_is_refused_at_once_and_a_dead_holders_
 
 
 def test_object_store_lease_refuses_a_live_holder_and_takes_over_an_expired_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     root = str(tmp_path / "store")
     with lease._object_lease(root, "--storage"):
@@ -114,16 +118,31 @@ def test_object_store_lease_refuses_a_live_holder_and_takes_over_an_expired_one(
 
 def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dict[str, str], tmp_path: Path) -> None:
     args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial")
-    first = subprocess.Popen(search_command(*args, "--resume"), cwd=REPO_ROOT, env=search_env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = subprocess.Popen(
+        search_command(*args, "--resume"),
+        cwd=REPO_ROOT,
+        env=search_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lease_file = tmp_path / "tiny" / lease.LEASE_FILE
     deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Python slowly
     while not (lease_file.is_file() and lease_file.read_text()):
         assert first.poll() is None and time.monotonic() < deadline, "the first search never took its lease"
         time.sleep(0.2)
     # two more searches on the folder, with and without --resume, at once: each is refused
-    seconds = [subprocess.Popen(search_command(*args, *resume), cwd=REPO_ROOT, env=search_env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for resume in (("--resume",), ())]
+    seconds = [
+        subprocess.Popen(
+            search_command(*args, *resume),
+            cwd=REPO_ROOT,
+            env=search_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for resume in (("--resume",), ())
+    ]
     for second in seconds:
         out, err = second.communicate(timeout=900)
         assert second.returncode == 2, err[-2000:]
@@ -167,8 +186,11 @@ def _killer_env(env: dict[str, str], tmp_path: Path) -> tuple[dict[str, str], Pa
     hook.mkdir()
     marks.mkdir()
     (hook / "sitecustomize.py").write_text(_KILLER)
-    killer = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p),
-              "DPTUNE_TEST_KILLS": str(marks)}
+    killer = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p),
+        "DPTUNE_TEST_KILLS": str(marks),
+    }
     return killer, marks
 
 
@@ -177,14 +199,24 @@ def _search_row(root: Path):
 
 
 def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_resume_runs_them(
-        search_env: dict[str, str], tmp_path: Path) -> None:
+    search_env: dict[str, str], tmp_path: Path
+) -> None:
     """One search, one configuration per trial process, one retry: the process of (C = 1.0, B = 32)
     is lost once and its retry records it; that of (C = 0.1, B = 32) is lost on both attempts, so
     the command fails naming --resume, and the resumed search runs it. Every lost attempt stays
     charged in the ledger and in the whole-search ε."""
     env, marks = _killer_env(search_env, tmp_path)
-    args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=fused", "--set", "resources.max_retries=1",
-            "--set", "resources.configurations_per_trial=1")
+    args = (
+        *SMALL,
+        "--storage",
+        str(tmp_path),
+        "--set",
+        "training.runner=fused",
+        "--set",
+        "resources.max_retries=1",
+        "--set",
+        "resources.configurations_per_trial=1",
+    )
     failed = run_cli(env, *args)
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]  # Tune logs each lost process above; the command ends in one line
@@ -209,8 +241,9 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
     row = _search_row(root)
     assert row["runs_unrecorded"] == 3 and row["runs_charged"] == len(starts) == 4 + 3
     assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)
-    rows_only = pld_epsilon(list(zip(ran["noise_multiplier"], ran["sample_rate"], ran["steps_taken"].astype(int),
-                                     strict=True)), 1e-5)
+    rows_only = pld_epsilon(
+        list(zip(ran["noise_multiplier"], ran["sample_rate"], ran["steps_taken"].astype(int), strict=True)), 1e-5
+    )
     assert row["epsilon_search"] > rows_only  # the lost attempts are in it
     assert "charged but unrecorded: 3 of the 7 runs" in resumed.stdout
 
@@ -304,25 +337,27 @@ class Disk:
     free: Callable[[], None]
 
 
-@pytest.fixture(params=["tmpfs", "injected"])
-def full_disk(request: pytest.FixtureRequest, tmp_path: Path, search_env: dict[str, str]) -> Iterator[Disk]:
-    """A disk that the test fills mid-search: ``tmpfs``, a real 16 MiB tmpfs at ``tmp_path/disk``
-    filled by a file (the tests run as root on Linux; skipped where the mount fails); ``injected``,
-    a plain folder whose writes fail with ENOSPC once a flag file exists (``_FULL_DISK``), which
-    runs on every machine."""
+@pytest.fixture
+def full_disk(tmp_path: Path, search_env: dict[str, str]) -> Iterator[Disk]:
+    """A disk that the test fills mid-search: a real 16 MiB tmpfs at ``tmp_path/disk`` filled by a
+    file where one can be mounted (the tests run as root on Linux); elsewhere a plain folder whose
+    writes fail with ENOSPC once a flag file exists (``_FULL_DISK``, a fault injected into the
+    driver and the Ray workers). Either way the test's checks are the same."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if request.param == "injected":
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
         hook, flag = tmp_path / "hook", tmp_path / "disk-is-full"
         hook.mkdir()
         (hook / "sitecustomize.py").write_text(_FULL_DISK)
-        env = {**search_env, "DPTUNE_TEST_DISK": str(disk), "DPTUNE_TEST_DISK_FULL": str(flag),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
+        env = {
+            **search_env,
+            "DPTUNE_TEST_DISK": str(disk),
+            "DPTUNE_TEST_DISK_FULL": str(flag),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p),
+        }
         yield Disk(disk, env, fill=flag.touch, free=flag.unlink)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
     filler = disk / "filler"
     try:
         yield Disk(disk, search_env, fill=lambda: _fill(filler), free=filler.unlink)
@@ -342,10 +377,23 @@ def _fill(filler: Path) -> None:
 
 def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(full_disk: Disk) -> None:
     storage = full_disk.storage
-    args = (*SMALL, "--storage", str(storage), "--set", "training.runner=trial",
-            "--set", "clip_bound.values=[0.1,0.3,1.0]")
-    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=full_disk.env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = (
+        *SMALL,
+        "--storage",
+        str(storage),
+        "--set",
+        "training.runner=trial",
+        "--set",
+        "clip_bound.values=[0.1,0.3,1.0]",
+    )
+    process = subprocess.Popen(
+        search_command(*args),
+        cwd=REPO_ROOT,
+        env=full_disk.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     root = storage / "tiny"
     deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Ray slowly
     while not (root / "trials").is_dir() or len(recorded(root)) < 1:
@@ -376,7 +424,8 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
 
 
 def test_joining_a_token_protected_head_without_its_token_fails_before_data_loads(
-        ray_head, search_env: dict[str, str], tmp_path: Path) -> None:
+    ray_head, search_env: dict[str, str], tmp_path: Path
+) -> None:
     # Both drivers at once, each in its own folder: most of their time is spent waiting on the head.
     drivers = {}
     try:
@@ -388,8 +437,12 @@ def test_joining_a_token_protected_head_without_its_token_fails_before_data_load
             if token is not None:
                 env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
             command = search_command(*SMALL, "--storage", str(folder), "--address", ray_head.address)
-            drivers[case] = folder, subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True,
-                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            drivers[case] = (
+                folder,
+                subprocess.Popen(
+                    command, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                ),
+            )
         for case, (folder, driver) in drivers.items():
             out, err = driver.communicate(timeout=900)
             assert driver.returncode == 2, (case, err[-3000:])

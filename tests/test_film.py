@@ -46,15 +46,17 @@ def perturb_film_parameters(model: nn.Module, seed: int) -> None:
 
 
 def spec_for(rule: str, clip_bound: float, noise_multiplier: float = 0.0, **kwargs: object) -> DPStepSpec:
-    return DPStepSpec(noise_multiplier=noise_multiplier, clip_bound=clip_bound, rule=rule, expected_batch_size=7.5,
-                      **kwargs)
+    return DPStepSpec(
+        noise_multiplier=noise_multiplier, clip_bound=clip_bound, rule=rule, expected_batch_size=7.5, **kwargs
+    )
 
 
 Batch = tuple[torch.Tensor, ...]
 
 
-def film_step(model: nn.Module, batches: list[Batch], spec: DPStepSpec,
-              seed: int = 0) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+def film_step(
+    model: nn.Module, batches: list[Batch], spec: DPStepSpec, seed: int = 0
+) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
     """(loss, ‖g_i‖, p.grad of every trainable p) from the FiLM engine."""
     engine = FilmEngine(model, spec, torch.Generator().manual_seed(seed))
     torch.manual_seed(1234)  # identical dropout masks in every engine's forward
@@ -214,8 +216,13 @@ def test_standard_rule_equals_plain_opacus_dp_sgd(name: str, request: pytest.Fix
     model, batch = model_and_batch(name, request)
     *inputs, labels = batch
     reference = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
-    optimizer = DPOptimizer(torch.optim.SGD(trainable(reference), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.0,
-                            expected_batch_size=7.5, loss_reduction="mean")
+    optimizer = DPOptimizer(
+        torch.optim.SGD(trainable(reference), lr=1.0),
+        noise_multiplier=0.0,
+        max_grad_norm=0.0,
+        expected_batch_size=7.5,
+        loss_reduction="mean",
+    )
     torch.manual_seed(1234)
     summed_cross_entropy(reference(*inputs), labels).backward()
     norms = torch.stack([p.grad_sample.flatten(1).norm(dim=1) for p in trainable(reference)], 1).norm(dim=1)

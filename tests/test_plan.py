@@ -67,9 +67,25 @@ def test_full_batch_is_one_step_per_epoch_and_batch_of_one_is_n(num_examples: in
 
 
 # (N, B) with B dividing N, not dividing it, B > N/2, B = 1, B = N; E from 1 to 30.
-SWEEP = [(n, b, e) for n, b in [(7, 2), (7, 3), (7, 5), (50, 20), (300, 32), (300, 64), (300, 256), (1000, 999),
-                                (50_000, 16), (50_000, 256), (50_000, 32_768), (50_000, 50_000), (11_293, 1)]
-         for e in (1, 2, 3, 10, 30)]
+SWEEP = [
+    (n, b, e)
+    for n, b in [
+        (7, 2),
+        (7, 3),
+        (7, 5),
+        (50, 20),
+        (300, 32),
+        (300, 64),
+        (300, 256),
+        (1000, 999),
+        (50_000, 16),
+        (50_000, 256),
+        (50_000, 32_768),
+        (50_000, 50_000),
+        (11_293, 1),
+    ]
+    for e in (1, 2, 3, 10, 30)
+]
 
 
 def test_epoch_steps_sum_to_total_steps_and_keep_the_expected_passes_on_budget() -> None:
@@ -84,16 +100,19 @@ def test_epoch_steps_sum_to_total_steps_and_keep_the_expected_passes_on_budget()
             assert abs(taken * batch_size - epoch * num_examples) <= batch_size / 2  # |passes − e| ≤ q/2
 
 
-@pytest.mark.parametrize(("call", "named"), [
-    (lambda: total_steps(100, 101, 1), "batch_size"),
-    (lambda: epoch_steps(100, 0, 1), "batch_size"),
-    (lambda: sample_rate(0, 1), "num_examples"),
-    (lambda: total_steps(100, 10, 0), "epochs"),
-    (lambda: total_steps(100, 10, 2.0), "epochs"),
-    (lambda: epoch_steps(100, 10, 0), "epochs"),
-    (lambda: epoch_steps(100, 10, True), "epochs"),
-    (lambda: coupled_learning_rate(0.0, 64, 256), "base_learning_rate"),
-])
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: total_steps(100, 101, 1), "batch_size"),
+        (lambda: epoch_steps(100, 0, 1), "batch_size"),
+        (lambda: sample_rate(0, 1), "num_examples"),
+        (lambda: total_steps(100, 10, 0), "epochs"),
+        (lambda: total_steps(100, 10, 2.0), "epochs"),
+        (lambda: epoch_steps(100, 10, 0), "epochs"),
+        (lambda: epoch_steps(100, 10, True), "epochs"),
+        (lambda: coupled_learning_rate(0.0, 64, 256), "base_learning_rate"),
+    ],
+)
 def test_step_helpers_reject_bad_sizes(call: object, named: str) -> None:
     with pytest.raises(ValueError, match=f"^{named}"):
         call()  # type: ignore[operator]
@@ -207,7 +226,8 @@ def test_repeated_plan_is_served_from_the_cache(rows: list[PlanRow]) -> None:
 
 
 def test_cli_prints_one_block_per_epsilon_with_the_recommended_row_marked(
-        rows: list[PlanRow], capsys: pytest.CaptureFixture[str]) -> None:
+    rows: list[PlanRow], capsys: pytest.CaptureFixture[str]
+) -> None:
     main(CLI_ARGS)
     out = capsys.readouterr().out
     marked = [line for line in out.splitlines() if line.endswith(RECOMMENDED_MARK)]
@@ -224,16 +244,22 @@ def test_cli_prints_one_block_per_epsilon_with_the_recommended_row_marked(
 
 def test_python_dash_m_runs_on_a_warm_cache_within_seconds(rows: list[PlanRow]) -> None:
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "dptune.plan", *CLI_ARGS], capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "dptune.plan", *CLI_ARGS],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+    )
     assert time.perf_counter() - start < 20  # interpreter and imports on a busy 2-core machine; accounting ≈ 0
     assert result.stdout.count(RECOMMENDED_MARK) == 2
     assert "calibrating σ" in result.stderr  # the tqdm bar (on stderr)
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
-def test_out_writes_a_readable_table(rows: list[PlanRow], tmp_path: Path, suffix: str,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_out_writes_a_readable_table(
+    rows: list[PlanRow], tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / f"plan{suffix}"
     main([*CLI_ARGS, "--out", str(path)])
     assert f"wrote 10 rows to {path}" in capsys.readouterr().out
@@ -252,26 +278,40 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
-    for flag in ("--n", "--eps", "--delta", "--epochs", "--batch-sizes", "--min-steps", "--tolerance", "--base-lr",
-                 "--reference-batch-size", "--out"):
+    for flag in (
+        "--n",
+        "--eps",
+        "--delta",
+        "--epochs",
+        "--batch-sizes",
+        "--min-steps",
+        "--tolerance",
+        "--base-lr",
+        "--reference-batch-size",
+        "--out",
+    ):
         assert flag in out
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--n", "0", "--eps", "1", "--epochs", "10"], "--n"),
-    (["--n", "1000", "--eps", "0", "--epochs", "10"], "--eps"),
-    (["--n", "1000", "--eps", "1", "-2", "--epochs", "10"], "--eps"),
-    (["--n", "1000", "--eps", "1", "--epochs", "0"], "--epochs"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--batch-sizes", "64", "2000"], "--batch-sizes"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--tolerance", "-0.1"], "--tolerance"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--delta", "1"], "--delta"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--min-steps", "0"], "--min-steps"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--base-lr", "0"], "--base-lr"),
-    (["--n", "1000", "--eps", "1", "--epochs", "10", "--out", "plan.txt"], "--out"),
-    (["--n", "1000", "--eps", "one", "--epochs", "10"], "--eps"),
-])
-def test_bad_flags_exit_nonzero_before_any_accounting(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--n", "0", "--eps", "1", "--epochs", "10"], "--n"),
+        (["--n", "1000", "--eps", "0", "--epochs", "10"], "--eps"),
+        (["--n", "1000", "--eps", "1", "-2", "--epochs", "10"], "--eps"),
+        (["--n", "1000", "--eps", "1", "--epochs", "0"], "--epochs"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--batch-sizes", "64", "2000"], "--batch-sizes"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--tolerance", "-0.1"], "--tolerance"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--delta", "1"], "--delta"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--min-steps", "0"], "--min-steps"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--base-lr", "0"], "--base-lr"),
+        (["--n", "1000", "--eps", "1", "--epochs", "10", "--out", "plan.txt"], "--out"),
+        (["--n", "1000", "--eps", "one", "--epochs", "10"], "--eps"),
+    ],
+)
+def test_bad_flags_exit_nonzero_before_any_accounting(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def forbidden(*args: object) -> float:
         raise AssertionError(f"accounting ran for {args}")
 

@@ -57,8 +57,10 @@ def test_the_join_error_says_what_token_to_set(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
     assert not preflight.token_configured()
     error = preflight.cluster_join_error("10.0.0.1:6379", "RAY_ADDRESS", ConnectionError("Unauthenticated\nmore"))
-    assert str(error).startswith("RAY_ADDRESS '10.0.0.1:6379': could not join the Ray cluster (Unauthenticated); "
-                                 "the cluster most likely requires token authentication")
+    assert str(error).startswith(
+        "RAY_ADDRESS '10.0.0.1:6379': could not join the Ray cluster (Unauthenticated); "
+        "the cluster most likely requires token authentication"
+    )
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     assert not preflight.token_configured()  # the mode without a token
     token = tmp_path / "token"
@@ -79,14 +81,20 @@ def test_resources_a_machine_cannot_give_are_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert preflight.local_gpus() == 0
     preflight.check_local_resources(ResourcesSpec(cpus=2, gpu=0.5), cpus=2, gpus=1)
-    with pytest.raises(PreflightError, match=r"a trial asks for 4 CPU\(s\) and 0 GPU\(s\), more than this machine "
-                                             r"has \(2 CPU\(s\), 0 GPU\(s\)\)"):
+    with pytest.raises(
+        PreflightError,
+        match=r"a trial asks for 4 CPU\(s\) and 0 GPU\(s\), more than this machine "
+        r"has \(2 CPU\(s\), 0 GPU\(s\)\)",
+    ):
         preflight.check_local_resources(ResourcesSpec(cpus=4), cpus=2, gpus=0)
     with pytest.raises(PreflightError, match="and 1 GPU"):
         preflight.check_local_resources(ResourcesSpec(gpu=1), cpus=16, gpus=0)
     # a cluster: one live node must fit a whole trial (as ray.nodes() lists them)
-    nodes = [{"Alive": True, "Resources": {"CPU": 0.0}}, {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}},
-             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 0.0}},
+        {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}},
+        {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}},
+    ]
     preflight.check_cluster_resources(ResourcesSpec(cpus=8, gpu=1), nodes)
     with pytest.raises(PreflightError, match=r"more than any node of the Ray cluster has \(8 CPU\(s\), 1 GPU\(s\)\)"):
         preflight.check_cluster_resources(ResourcesSpec(cpus=4, gpu=2), nodes)  # the 8-GPU node is dead
@@ -97,7 +105,8 @@ def test_settings_that_do_nothing_and_sizes_that_need_n_are_told() -> None:
     assert preflight.flag_warnings(grid, trials_per_cell_flag=True) == [
         "--trials-per-cell (or --set sampler.trials_per_cell) does not apply to sampler 'grid', which runs each grid "
         "point once; ignored",
-        "coupling.reference_batch_size does not apply with coupling rule 'none'; ignored"]
+        "coupling.reference_batch_size does not apply with coupling rule 'none'; ignored",
+    ]
     assert preflight.flag_warnings(load_space(TINY).space, trials_per_cell_flag=False) == []
     space = load_space(TINY).space  # δ = 1e-5, B up to 256
     assert preflight.data_warnings(space, 100_000) == []  # δ = 1/N is not above it
@@ -115,8 +124,11 @@ def test_a_manifest_is_written_whole_and_read_back(tmp_path: Path) -> None:
     assert preflight.read_manifest(str(tmp_path)) is None
     preflight.write_manifest(str(tmp_path), loaded, "tiny")
     assert [p.name for p in tmp_path.iterdir()] == [preflight.MANIFEST]  # no temporary left
-    assert preflight.read_manifest(str(tmp_path)) == {"name": "tiny", "spec_hash": loaded.spec_hash,
-                                                      "spec_yaml": loaded.text}
+    assert preflight.read_manifest(str(tmp_path)) == {
+        "name": "tiny",
+        "spec_hash": loaded.spec_hash,
+        "spec_yaml": loaded.text,
+    }
     (tmp_path / preflight.MANIFEST).write_text(json.dumps(["not", "a", "manifest"]))
     with pytest.raises(PreflightError, match="unreadable manifest .'expected an object with spec_hash and spec_yaml'"):
         preflight.read_manifest(str(tmp_path))

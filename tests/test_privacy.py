@@ -63,8 +63,11 @@ REGIME = list(itertools.product([4.0, 8.0, 16.0], [0.05, 0.1, 0.2, 0.5], [3, 10,
 # gave (3·round(N/B)); the planner's T = round(E·N/B) (28 and 14) is covered in test_plan.py.
 REPORTED = [(8.0, 32 / 300, 27), (8.0, 64 / 300, 15)]
 # One T per (ε, q) of REGIME, each T three times, and the reported points: checked against Opacus.
-REGIME_SUBSET = [(e, q, (3, 10, 27, 50)[(i + j) % 4]) for i, e in enumerate([4.0, 8.0, 16.0])
-                 for j, q in enumerate([0.05, 0.1, 0.2, 0.5])] + REPORTED
+REGIME_SUBSET = [
+    (e, q, (3, 10, 27, 50)[(i + j) % 4])
+    for i, e in enumerate([4.0, 8.0, 16.0])
+    for j, q in enumerate([0.05, 0.1, 0.2, 0.5])
+] + REPORTED
 
 
 def _ids(points: list[tuple[float, float, int]]) -> list[str]:
@@ -79,8 +82,9 @@ def _opacus_epsilon(accountant_class: type, noise_multiplier: float, sample_rate
         return accountant.get_epsilon(delta=DELTA)
 
 
-@pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), POINTS + REGIME_SUBSET,
-                         ids=POINT_IDS + _ids(REGIME_SUBSET))
+@pytest.mark.parametrize(
+    ("epsilon", "sample_rate", "steps"), POINTS + REGIME_SUBSET, ids=POINT_IDS + _ids(REGIME_SUBSET)
+)
 def test_calibrated_sigma_is_within_one_percent_of_opacus_prv(epsilon: float, sample_rate: float, steps: int) -> None:
     """Opacus' PRV accountant (same eps_error) calibrates to a σ_opacus in [0.99σ, 1.01σ]: by monotonicity
     that is ε_opacus(1.01σ) ≤ ε ≤ ε_opacus(0.99σ)."""
@@ -110,6 +114,7 @@ def test_calibrated_sigma_meets_target_within_stated_tolerance(epsilon: float, s
 def _exact_gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
     """Exact ε of the Gaussian mechanism with sensitivity 1 (Balle & Wang 2018, Thm 8):
     δ(ε) = Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ)."""
+
     def excess(eps: float) -> float:
         s = noise_multiplier
         return norm.cdf(1 / (2 * s) - eps * s) - math.exp(eps) * norm.cdf(-1 / (2 * s) - eps * s) - delta
@@ -160,8 +165,9 @@ def test_large_epsilon_few_steps_calibrates_within_target(epsilon: float, sample
 
 
 @pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), REPORTED, ids=_ids(REPORTED))
-def test_epsilon_spent_after_any_number_of_steps_agrees_with_opacus(epsilon: float, sample_rate: float,
-                                                                    steps: int) -> None:
+def test_epsilon_spent_after_any_number_of_steps_agrees_with_opacus(
+    epsilon: float, sample_rate: float, steps: int
+) -> None:
     """A trial reports ε for the steps it took (fewer if it diverged): at the calibrated σ, ε grows with
     the steps taken, reaches at most the target at T, and matches Opacus' PRV accountant to 0.1%."""
     from opacus.accountants import PRVAccountant
@@ -195,13 +201,16 @@ def _truncated_mean_by_noise_integral(noise_multiplier: float, sample_rate: floa
     return moment / mass
 
 
-@pytest.mark.parametrize(("noise_multiplier", "sample_rate"), [
-    (0.735, 32 / 300),  # the reported point: the library's mean is 8.5e-4 too large there
-    (0.5, 0.1),
-    (0.3, 0.01),  # log(1 − q) just below −0.01: another panel boundary
-    (1.0, 0.5),
-    (0.7, 1.0),  # the Gaussian mechanism: no lower end
-])
+@pytest.mark.parametrize(
+    ("noise_multiplier", "sample_rate"),
+    [
+        (0.735, 32 / 300),  # the reported point: the library's mean is 8.5e-4 too large there
+        (0.5, 0.1),
+        (0.3, 0.01),  # log(1 − q) just below −0.01: another panel boundary
+        (1.0, 0.5),
+        (0.7, 1.0),  # the Gaussian mechanism: no lower end
+    ],
+)
 def test_truncated_prv_mean_matches_the_noise_integral(noise_multiplier: float, sample_rate: float) -> None:
     """The mean the discretiser matches agrees with an independent integral over the noise to 1e-8, far
     below the half-mesh it is compared with (3e-4 at T = 27; 5e-6 at T = 1e5)."""
@@ -219,18 +228,27 @@ def test_accounting_follows_prv_accountant_and_runs_where_it_refuses() -> None:
 
     delta_error = DELTA * privacy.DELTA_ERROR_FRACTION
     for noise_multiplier, sample_rate, steps in [(1.0, 0.01, 1000), (2.0, 1.0, 4)]:
-        accountant = PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier),
-                                   eps_error=EPSILON_ERROR, delta_error=delta_error, max_self_compositions=steps)
+        accountant = PRVAccountant(
+            PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier),
+            eps_error=EPSILON_ERROR,
+            delta_error=delta_error,
+            max_self_compositions=steps,
+        )
         _, _, expected = accountant.compute_epsilon(DELTA, [steps])
         got = prv.prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR)
         assert got == pytest.approx(expected, rel=1e-4)
 
     noise_multiplier, sample_rate, steps = 0.735, 32 / 300, 27
     with pytest.raises(RuntimeError, match="Discrete mean differs"):
-        PRVAccountant(PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier), eps_error=EPSILON_ERROR,
-                      delta_error=delta_error, max_self_compositions=steps)
+        PRVAccountant(
+            PoissonSubsampledGaussianMechanism(sample_rate, noise_multiplier),
+            eps_error=EPSILON_ERROR,
+            delta_error=delta_error,
+            max_self_compositions=steps,
+        )
     assert prv.prv_epsilon(noise_multiplier, sample_rate, steps, DELTA, EPSILON_ERROR) == pytest.approx(
-        _opacus_epsilon(OpacusPRVAccountant, noise_multiplier, sample_rate, steps), rel=1e-3)
+        _opacus_epsilon(OpacusPRVAccountant, noise_multiplier, sample_rate, steps), rel=1e-3
+    )
 
 
 # --------------------------------------------------------------------------- the library's formulas, recomputed fast
@@ -247,8 +265,10 @@ def _cdf_by_decimal(t: float, noise_multiplier: float, sample_rate: float) -> fl
         context.prec = 50
         z = float(((Decimal(t).exp() - (1 - Decimal(sample_rate))) / Decimal(sample_rate)).ln())
     s, scale = noise_multiplier, 2 * math.sqrt(2) * noise_multiplier
-    return (sample_rate * math.erfc(-(2 * s * s * z - 1) / scale)
-            + (1 - sample_rate) * math.erfc(-(2 * s * s * z + 1) / scale)) / 2
+    return (
+        sample_rate * math.erfc(-(2 * s * s * z - 1) / scale)
+        + (1 - sample_rate) * math.erfc(-(2 * s * s * z + 1) / scale)
+    ) / 2
 
 
 @pytest.mark.parametrize(("noise_multiplier", "sample_rate"), FORMULA_POINTS)
@@ -261,8 +281,14 @@ def test_scalar_cdf_equals_the_library_cdf(noise_multiplier: float, sample_rate:
     t_min, t_max = -25.0, 35.0
     truncated = prv._truncated_prv(noise_multiplier, sample_rate, t_min, t_max)
     end = truncated.support_min if sample_rate < 1 else t_min
-    grid = [*np.linspace(t_min - 1, t_max + 1, 1001), t_min, t_max, np.nextafter(t_max, 0.0), np.nextafter(t_min, 0.0),
-            *(end + offset for offset in (1e-3, 1e-2, 0.1))]
+    grid = [
+        *np.linspace(t_min - 1, t_max + 1, 1001),
+        t_min,
+        t_max,
+        np.nextafter(t_max, 0.0),
+        np.nextafter(t_min, 0.0),
+        *(end + offset for offset in (1e-3, 1e-2, 0.1)),
+    ]
     for t in map(float, grid):
         assert truncated.cdf(t) == pytest.approx(float(truncated.truncated.cdf(t)), rel=1e-12, abs=1e-15)
     if sample_rate == 1:
@@ -272,21 +298,30 @@ def test_scalar_cdf_equals_the_library_cdf(noise_multiplier: float, sample_rate:
     mass = float(truncated.truncated.remaining_mass)
     for offset in (1e-12, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4):
         t = end + offset
-        reference, fast, library = _cdf_by_decimal(t, noise_multiplier, sample_rate) / mass, truncated.cdf(t), float(
-            truncated.truncated.cdf(t))
+        reference, fast, library = (
+            _cdf_by_decimal(t, noise_multiplier, sample_rate) / mass,
+            truncated.cdf(t),
+            float(truncated.truncated.cdf(t)),
+        )
         assert abs(fast - reference) <= abs(library - reference) + 1e-12 * reference
         if offset >= 1e-9:
             assert fast == pytest.approx(reference, rel=1e-6)
 
 
-@pytest.mark.parametrize(("noise_multiplier", "sample_rate", "steps"),
-                         [(0.735, 32 / 300, 27), (1.0, 0.2, 99), (5.0, 0.05, 200), (0.7, 1.0, 4)])
+@pytest.mark.parametrize(
+    ("noise_multiplier", "sample_rate", "steps"),
+    [(0.735, 32 / 300, 27), (1.0, 0.2, 99), (5.0, 0.05, 200), (0.7, 1.0, 4)],
+)
 def test_cell_probabilities_equal_the_library_ones(noise_multiplier: float, sample_rate: float, steps: int) -> None:
     """The discretiser's cell masses on the accountant's own grid (float64; F below the median, 1 − F
     above) are prv_accountant's (long double) to 1e-9 relative or 2.5e-16 absolute, the library's own
     rounding: its erfc argument is float64 and its masses near F = 1 are multiples of 5.4e-20."""
-    domain = prv._fft_friendly_domain(prv._safe_half_width(noise_multiplier, sample_rate, steps, DELTA), steps,
-                                          EPSILON_ERROR, DELTA * privacy.DELTA_ERROR_FRACTION)
+    domain = prv._fft_friendly_domain(
+        prv._safe_half_width(noise_multiplier, sample_rate, steps, DELTA),
+        steps,
+        EPSILON_ERROR,
+        DELTA * privacy.DELTA_ERROR_FRACTION,
+    )
     truncated = prv._truncated_prv(noise_multiplier, sample_rate, domain.t_min(), domain.t_max())
     centres = domain.ts()
     lower, upper = centres - domain.dt() / 2, centres + domain.dt() / 2
@@ -297,8 +332,9 @@ def test_cell_probabilities_equal_the_library_ones(noise_multiplier: float, samp
 
 
 @pytest.mark.parametrize(("epsilon", "sample_rate", "steps"), [(8.0, 32 / 300, 28), (2.0, 0.05, 200), (8.0, 1.0, 1)])
-def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(monkeypatch: pytest.MonkeyPatch, epsilon: float,
-                                                            sample_rate: float, steps: int) -> None:
+def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(
+    monkeypatch: pytest.MonkeyPatch, epsilon: float, sample_rate: float, steps: int
+) -> None:
     """σ and its certified ε with the fast CDF and cell masses equal those with prv_accountant's to 1e-9."""
     privacy.clear_memory_cache()
     fast = calibration._calibrate(epsilon, DELTA, sample_rate, steps)
@@ -313,10 +349,13 @@ def test_calibrated_sigma_is_unchanged_by_the_fast_formulas(monkeypatch: pytest.
     privacy.clear_memory_cache()
 
 
-@pytest.mark.parametrize(("noise_multiplier", "sample_rate"), [
-    (0.3, 0.003), (0.5, 32 / 10164), (1.0, 0.2), (0.2, 0.2), (5.0, 0.01), (30.0, 0.05), (0.7, 1.0)])
-def test_safe_domain_rdp_is_the_library_one_and_the_domain_never_narrower(noise_multiplier: float,
-                                                                         sample_rate: float) -> None:
+@pytest.mark.parametrize(
+    ("noise_multiplier", "sample_rate"),
+    [(0.3, 0.003), (0.5, 32 / 10164), (1.0, 0.2), (0.2, 0.2), (5.0, 0.01), (30.0, 0.05), (0.7, 1.0)],
+)
+def test_safe_domain_rdp_is_the_library_one_and_the_domain_never_narrower(
+    noise_multiplier: float, sample_rate: float
+) -> None:
     """The vectorised RDP curve is prv_accountant's (pure Python) to rounding, and the safe half-width
     is at least ``compute_safe_domain_size``'s, and at most 2e-6 (relative) above it."""
     from prv_accountant import PoissonSubsampledGaussianMechanism
@@ -324,11 +363,14 @@ def test_safe_domain_rdp_is_the_library_one_and_the_domain_never_narrower(noise_
 
     mechanism = PoissonSubsampledGaussianMechanism(sampling_probability=sample_rate, noise_multiplier=noise_multiplier)
     library = np.array([mechanism.rdp(order) for order in prv._SAFE_DOMAIN_ORDERS], dtype=float)
-    assert prv._subsampled_gaussian_rdp(noise_multiplier, sample_rate) == pytest.approx(library, rel=1e-9,
-                                                                                             abs=1e-12)
+    assert prv._subsampled_gaussian_rdp(noise_multiplier, sample_rate) == pytest.approx(library, rel=1e-9, abs=1e-12)
     for steps in (1, 100_000):
-        expected = compute_safe_domain_size([mechanism], [steps], eps_error=privacy.COARSE_EPSILON_ERROR,
-                                            delta_error=DELTA * privacy.DELTA_ERROR_FRACTION)
+        expected = compute_safe_domain_size(
+            [mechanism],
+            [steps],
+            eps_error=privacy.COARSE_EPSILON_ERROR,
+            delta_error=DELTA * privacy.DELTA_ERROR_FRACTION,
+        )
         width = prv._safe_half_width(noise_multiplier, sample_rate, steps, DELTA)
         assert expected <= width <= expected * (1 + 2 * prv._SAFE_WIDTH_ROUNDING_MARGIN)
 
@@ -377,17 +419,29 @@ def test_repeated_calibration_is_a_cache_hit_in_process_and_in_a_new_process(pri
             seconds.append(time.perf_counter() - start)
         print(repr(sigma), min(seconds))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         env={**os.environ, "DPTUNE_CACHE_DIR": str(private_cache)}).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "DPTUNE_CACHE_DIR": str(private_cache)},
+    ).stdout.split()
     assert float(out[0]) == sigma
     assert float(out[1]) < 0.010
 
 
 def test_cache_key_covers_every_input(private_cache: Path) -> None:
     epsilon, delta, sample_rate, steps = CHEAP
-    sigmas = {calibrate_noise_multiplier(*point) for point in [
-        CHEAP, (epsilon * 1.5, delta, sample_rate, steps), (epsilon, delta * 10, sample_rate, steps),
-        (epsilon, delta, sample_rate / 5, steps), (epsilon, delta, sample_rate, steps * 2)]}
+    sigmas = {
+        calibrate_noise_multiplier(*point)
+        for point in [
+            CHEAP,
+            (epsilon * 1.5, delta, sample_rate, steps),
+            (epsilon, delta * 10, sample_rate, steps),
+            (epsilon, delta, sample_rate / 5, steps),
+            (epsilon, delta, sample_rate, steps * 2),
+        ]
+    }
     assert len(sigmas) == 5
     assert len(list((private_cache / "accounting").glob("noise_multiplier-*.json"))) == 5
 
@@ -402,8 +456,10 @@ def test_concurrent_processes_calibrate_into_one_consistent_cache(tmp_path: Path
         print(json.dumps([sigmas[p] for p in points]))
     """)
     env = {**os.environ, "DPTUNE_CACHE_DIR": str(tmp_path)}
-    workers = [subprocess.Popen([sys.executable, "-c", script, str(i % 2)], stdout=subprocess.PIPE, text=True, env=env)
-               for i in range(3)]
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, str(i % 2)], stdout=subprocess.PIPE, text=True, env=env)
+        for i in range(3)
+    ]
     results = [json.loads(worker.communicate(timeout=300)[0]) for worker in workers]
     assert all(worker.returncode == 0 for worker in workers)
     assert results[0] == results[1] == results[2]
@@ -476,6 +532,7 @@ def test_the_cache_is_private_to_its_user(private_cache: Path) -> None:
 @pytest.fixture
 def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if any PRV evaluation starts."""
+
     def forbidden(*args: object) -> float:
         raise AssertionError(f"accounting ran for {args}")
 
@@ -485,41 +542,49 @@ def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_accounting")
-@pytest.mark.parametrize(("epsilon", "delta", "sample_rate", "steps", "named"), [
-    (0.0, DELTA, 0.01, 100, "epsilon"),
-    (-1.0, DELTA, 0.01, 100, "epsilon"),
-    (math.nan, DELTA, 0.01, 100, "epsilon"),
-    (51.0, DELTA, 0.01, 100, "epsilon"),
-    (0.01, DELTA, 0.01, 100, "epsilon"),
-    (1.0, 0.0, 0.01, 100, "delta"),
-    (1.0, -1e-5, 0.01, 100, "delta"),
-    (1.0, 1.0, 0.01, 100, "delta"),
-    (1.0, DELTA, 0.0, 100, "sample_rate"),
-    (1.0, DELTA, 1.5, 100, "sample_rate"),
-    (1.0, DELTA, "0.1", 100, "sample_rate"),
-    (1.0, DELTA, 0.01, 0, "steps"),
-    (1.0, DELTA, 0.01, 10.5, "steps"),
-    (1.0, DELTA, 0.01, 100.0, "steps"),
-    (1.0, DELTA, 0.01, True, "steps"),
-    (1.0, DELTA, 0.01, -3, "steps"),
-])
-def test_bad_calibration_input_fails_before_any_accounting(epsilon: float, delta: float, sample_rate: float,
-                                                          steps: int, named: str) -> None:
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "sample_rate", "steps", "named"),
+    [
+        (0.0, DELTA, 0.01, 100, "epsilon"),
+        (-1.0, DELTA, 0.01, 100, "epsilon"),
+        (math.nan, DELTA, 0.01, 100, "epsilon"),
+        (51.0, DELTA, 0.01, 100, "epsilon"),
+        (0.01, DELTA, 0.01, 100, "epsilon"),
+        (1.0, 0.0, 0.01, 100, "delta"),
+        (1.0, -1e-5, 0.01, 100, "delta"),
+        (1.0, 1.0, 0.01, 100, "delta"),
+        (1.0, DELTA, 0.0, 100, "sample_rate"),
+        (1.0, DELTA, 1.5, 100, "sample_rate"),
+        (1.0, DELTA, "0.1", 100, "sample_rate"),
+        (1.0, DELTA, 0.01, 0, "steps"),
+        (1.0, DELTA, 0.01, 10.5, "steps"),
+        (1.0, DELTA, 0.01, 100.0, "steps"),
+        (1.0, DELTA, 0.01, True, "steps"),
+        (1.0, DELTA, 0.01, -3, "steps"),
+    ],
+)
+def test_bad_calibration_input_fails_before_any_accounting(
+    epsilon: float, delta: float, sample_rate: float, steps: int, named: str
+) -> None:
     with pytest.raises(PrivacyParameterError, match=rf"^{named} must be"):
         calibrate_noise_multiplier(epsilon, delta, sample_rate, steps)
 
 
 @pytest.mark.usefixtures("no_accounting")
-@pytest.mark.parametrize(("noise_multiplier", "sample_rate", "steps", "delta", "named"), [
-    (0.0, 0.01, 100, DELTA, "noise_multiplier"),
-    (2e4, 0.01, 100, DELTA, "noise_multiplier"),
-    (math.inf, 0.01, 100, DELTA, "noise_multiplier"),
-    (1.0, -0.1, 100, DELTA, "sample_rate"),
-    (1.0, 0.01, 0, DELTA, "steps"),
-    (1.0, 0.01, 100, 2.0, "delta"),
-])
-def test_bad_epsilon_spent_input_fails_before_any_accounting(noise_multiplier: float, sample_rate: float,
-                                                            steps: int, delta: float, named: str) -> None:
+@pytest.mark.parametrize(
+    ("noise_multiplier", "sample_rate", "steps", "delta", "named"),
+    [
+        (0.0, 0.01, 100, DELTA, "noise_multiplier"),
+        (2e4, 0.01, 100, DELTA, "noise_multiplier"),
+        (math.inf, 0.01, 100, DELTA, "noise_multiplier"),
+        (1.0, -0.1, 100, DELTA, "sample_rate"),
+        (1.0, 0.01, 0, DELTA, "steps"),
+        (1.0, 0.01, 100, 2.0, "delta"),
+    ],
+)
+def test_bad_epsilon_spent_input_fails_before_any_accounting(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, named: str
+) -> None:
     with pytest.raises(PrivacyParameterError, match=rf"^{named} must be"):
         epsilon_spent(noise_multiplier, sample_rate, steps, delta)
 
@@ -598,12 +663,18 @@ def _prv_composition_bounds(trials: list[tuple[float, float, int]], eps_error: f
 
     delta_error = DELTA * privacy.DELTA_ERROR_FRACTION
     steps = [t for _, _, t in trials]
-    half_width = compute_safe_domain_size([PoissonSubsampledGaussianMechanism(q, s) for s, q, _ in trials], steps,
-                                          eps_error=eps_error, delta_error=delta_error)
-    domain = Domain.create_aligned(-half_width, half_width, eps_error / math.sqrt(sum(steps) / 2 * math.log(
-        12 / delta_error)))
-    discrete = [CellCentred().discretise(prv._truncated_prv(s, q, domain.t_min(), domain.t_max()), domain)
-                for s, q, _ in trials]
+    half_width = compute_safe_domain_size(
+        [PoissonSubsampledGaussianMechanism(q, s) for s, q, _ in trials],
+        steps,
+        eps_error=eps_error,
+        delta_error=delta_error,
+    )
+    domain = Domain.create_aligned(
+        -half_width, half_width, eps_error / math.sqrt(sum(steps) / 2 * math.log(12 / delta_error))
+    )
+    discrete = [
+        CellCentred().discretise(prv._truncated_prv(s, q, domain.t_min(), domain.t_max()), domain) for s, q, _ in trials
+    ]
     lower, _, upper = Heterogeneous(discrete).compute_composition(steps).compute_epsilon(DELTA, delta_error, eps_error)
     return float(lower), float(upper)
 
@@ -611,8 +682,10 @@ def _prv_composition_bounds(trials: list[tuple[float, float, int]], eps_error: f
 def test_composition_lies_between_the_prv_accountants_bounds_and_below_rdp() -> None:
     """An independent accountant brackets it: the PRV accountant's lower bound ≤ the PLD upper bound ≤ the
     PRV upper bound (eps_error = 0.1; the PLD grid of 1e-3 is the finer), and Opacus' RDP bound is looser."""
-    merged = [(m.noise_multiplier, m.sample_rate, m.steps)
-              for m in composition._merged([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS])]
+    merged = [
+        (m.noise_multiplier, m.sample_rate, m.steps)
+        for m in composition._merged([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS])
+    ]
     composed = privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in SEARCH_TRIALS], DELTA)
     lower, upper = _prv_composition_bounds(merged, eps_error=0.1)
     assert lower <= composed <= upper
@@ -660,19 +733,23 @@ def test_private_selection_plan_meets_the_total_and_is_nearly_the_largest() -> N
     rates, steps = [0.01, 0.05], [1000, 200]
     plan = privacy.plan_private_selection(4.0, DELTA, 8, rates, steps, score_noise_multiplier=5.0)
     assert plan.epsilon_selection <= 4.0
-    assert plan.noise_multipliers == tuple(calibrate_noise_multiplier(plan.epsilon_per_trial, DELTA, q, t)
-                                           for q, t in zip(rates, steps, strict=True))
+    assert plan.noise_multipliers == tuple(
+        calibrate_noise_multiplier(plan.epsilon_per_trial, DELTA, q, t) for q, t in zip(rates, steps, strict=True)
+    )
     # independent check of the bound with Opacus' RDP of each candidate's σ, by hand
     from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
-    worst = np.max([opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps, strict=True)],
-                   axis=0)
+    worst = np.max(
+        [opacus_rdp(orders, s, q, t) for s, q, t in zip(plan.noise_multipliers, rates, steps, strict=True)], axis=0
+    )
     assert papernot_steinke_geometric(worst + orders / (2 * 5.0**2), orders, 8, DELTA) <= 4.0 + 1e-9
     # a per-trial ε one tolerance step larger breaks the total
     bigger = plan.epsilon_per_trial * (1 + 2 * privacy.SELECTION_EPSILON_RTOL)
-    candidates = [privacy.TrialMechanism(calibrate_noise_multiplier(bigger, DELTA, q, t), q, t)
-                  for q, t in zip(rates, steps, strict=True)]
+    candidates = [
+        privacy.TrialMechanism(calibrate_noise_multiplier(bigger, DELTA, q, t), q, t)
+        for q, t in zip(rates, steps, strict=True)
+    ]
     assert privacy.selection_epsilon(candidates, 8, DELTA, score_noise_multiplier=5.0) > 4.0
 
 
@@ -695,15 +772,18 @@ def test_random_trial_count_follows_the_truncated_negative_binomial(mean: float,
     assert abs(np.mean(draws) - mean) < 5 * std / math.sqrt(len(draws))
 
 
-@pytest.mark.parametrize(("call", "named"), [
-    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 1.0, DELTA), "mean_trials"),
-    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 5, DELTA, shape=-1), "shape"),
-    (lambda: privacy.selection_epsilon([], 5, DELTA), "candidates"),
-    (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 0)], 5, DELTA), "steps"),
-    (lambda: privacy.composed_epsilon([], DELTA), "mechanisms"),
-    (lambda: privacy.composed_epsilon([privacy.TrialMechanism(1.0, 1.5, 10)], DELTA), "sample_rate"),
-    (lambda: privacy.plan_private_selection(4.0, DELTA, 8, [0.01], [10, 20]), "sample_rates and steps"),
-])
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 1.0, DELTA), "mean_trials"),
+        (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 100)], 5, DELTA, shape=-1), "shape"),
+        (lambda: privacy.selection_epsilon([], 5, DELTA), "candidates"),
+        (lambda: privacy.selection_epsilon([privacy.TrialMechanism(1.0, 0.01, 0)], 5, DELTA), "steps"),
+        (lambda: privacy.composed_epsilon([], DELTA), "mechanisms"),
+        (lambda: privacy.composed_epsilon([privacy.TrialMechanism(1.0, 1.5, 10)], DELTA), "sample_rate"),
+        (lambda: privacy.plan_private_selection(4.0, DELTA, 8, [0.01], [10, 20]), "sample_rates and steps"),
+    ],
+)
 def test_bad_search_cost_input_names_the_parameter(call: Callable[[], object], named: str) -> None:
     with pytest.raises(PrivacyParameterError, match=f"^{named} must be"):
         call()

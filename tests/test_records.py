@@ -19,26 +19,59 @@ NOW = pd.Timestamp("2026-11-30T12:00:00Z")
 def make_result(val_accuracy: float = 0.5, epochs: int = 2) -> TrialResult:
     config = TrialConfig(
         workload=WorkloadSpec(dataset="20newsgroups", backbone="minilm", peft="head"),
-        epsilon=1.0, delta=1e-5, epochs=epochs, clip_bound=0.5, batch_size=64, learning_rate=2e-3,
-        base_learning_rate=1e-3
+        epsilon=1.0,
+        delta=1e-5,
+        epochs=epochs,
+        clip_bound=0.5,
+        batch_size=64,
+        learning_rate=2e-3,
+        base_learning_rate=1e-3,
     )
-    diag = Diagnostics(epoch=epochs, clip_bound=0.5, noise_multiplier=1.1, dimension=7700,
-                       grad_norms=[0.2, 0.9, 1.4], labels=[0, 1, 1], mse_bias=0.1, mse_variance=0.2,
-                       optimal_clip_bound=0.8,
-                       classes=[ClassDiagnostics(0, 1, {"q05": 0.2, "q25": 0.2, "q50": 0.2, "q75": 0.2, "q95": 0.2},
-                                                 0.0, 1.0),
-                                ClassDiagnostics(1, 2, {"q05": 0.9, "q25": 1.0, "q50": 1.15, "q75": 1.3, "q95": 1.4},
-                                                 1.0, 0.45)])
+    diag = Diagnostics(
+        epoch=epochs,
+        clip_bound=0.5,
+        noise_multiplier=1.1,
+        dimension=7700,
+        grad_norms=[0.2, 0.9, 1.4],
+        labels=[0, 1, 1],
+        mse_bias=0.1,
+        mse_variance=0.2,
+        optimal_clip_bound=0.8,
+        classes=[
+            ClassDiagnostics(0, 1, {"q05": 0.2, "q25": 0.2, "q50": 0.2, "q75": 0.2, "q95": 0.2}, 0.0, 1.0),
+            ClassDiagnostics(1, 2, {"q05": 0.9, "q25": 1.0, "q50": 1.15, "q75": 1.3, "q95": 1.4}, 1.0, 0.45),
+        ],
+    )
     return TrialResult(
-        config=config, status="ok", noise_multiplier=1.1, sample_rate=0.01, steps=200, epsilon_spent=0.99,
-        num_train=6400, num_val=700, num_test=800, num_classes=2, val_accuracy=val_accuracy, test_accuracy=0.45,
+        config=config,
+        status="ok",
+        noise_multiplier=1.1,
+        sample_rate=0.01,
+        steps=200,
+        epsilon_spent=0.99,
+        num_train=6400,
+        num_val=700,
+        num_test=800,
+        num_classes=2,
+        val_accuracy=val_accuracy,
+        test_accuracy=0.45,
         epochs=[EpochMetrics(e, 100 * e, 1.0 / e, 1.1 / e, val_accuracy, 1.0, 500.0) for e in range(1, epochs + 1)],
-        class_accuracy={0: 0.6, 1: 0.3}, class_names={0: "alt.atheism", 1: "comp.graphics"}, diagnostics=[diag])
+        class_accuracy={0: 0.6, 1: 0.3},
+        class_names={0: "alt.atheism", 1: "comp.graphics"},
+        diagnostics=[diag],
+    )
 
 
 def write(store: ResultsStore, trial_id: str, result: TrialResult) -> None:
-    rows = trial_rows(result, search_id="s1", trial_id=trial_id, cell_id="eps=1|epochs=2",
-                      reference_batch_size=256, versions={"torch": "2.14.1"}, finished_at=NOW)
+    rows = trial_rows(
+        result,
+        search_id="s1",
+        trial_id=trial_id,
+        cell_id="eps=1|epochs=2",
+        reference_batch_size=256,
+        versions={"torch": "2.14.1"},
+        finished_at=NOW,
+    )
     store.write_trial(rows, trial_id)
 
 
@@ -48,8 +81,13 @@ def test_round_trip_values(tmp_path: Path) -> None:
     trials = read_table(str(tmp_path), "trials")
     assert list(trials.columns) == SCHEMAS["trials"].names
     row = trials.iloc[0]
-    assert ((row.trial_id, row.clip_bound, row.batch_size, row.learning_rate, row.reference_batch_size)
-            == ("t1", 0.5, 64, 2e-3, 256))
+    assert (row.trial_id, row.clip_bound, row.batch_size, row.learning_rate, row.reference_batch_size) == (
+        "t1",
+        0.5,
+        64,
+        2e-3,
+        256,
+    )
     assert row.epsilon_spent <= row.epsilon
     epochs = read_table(str(tmp_path), "epochs")
     assert epochs["epoch"].tolist() == [1, 2] and epochs["steps"].tolist() == [100, 200]
@@ -69,8 +107,9 @@ def test_rewriting_a_trial_replaces_it(tmp_path: Path) -> None:
     assert read_table(str(tmp_path), "epochs")["epoch"].tolist() == [1, 2, 3]
 
 
-def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = ResultsStore(str(tmp_path))
     write(store, "t1", make_result())
     real_write = pq.write_table
@@ -117,9 +156,17 @@ def test_replicates_share_a_configuration_id(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
     for replicate, accuracy in enumerate((0.5, 0.6)):
         trial_id = records.replicate_trial_id("eps1-E2-abc", replicate)
-        rows = trial_rows(make_result(accuracy), search_id="s1", trial_id=trial_id, cell_id="eps=1|epochs=2",
-                          reference_batch_size=256, versions={}, finished_at=NOW,
-                          configuration_id="eps1-E2-abc", replicate=replicate)
+        rows = trial_rows(
+            make_result(accuracy),
+            search_id="s1",
+            trial_id=trial_id,
+            cell_id="eps=1|epochs=2",
+            reference_batch_size=256,
+            versions={},
+            finished_at=NOW,
+            configuration_id="eps1-E2-abc",
+            replicate=replicate,
+        )
         store.write_trial(rows, trial_id)
     trials = read_table(str(tmp_path), "trials").sort_values("replicate")
     assert trials["trial_id"].tolist() == ["eps1-E2-abc-r0", "eps1-E2-abc-r1"]
@@ -129,16 +176,32 @@ def test_replicates_share_a_configuration_id(tmp_path: Path) -> None:
     assert list(only.columns) == ["configuration_id", "replicate"] and len(only) == 2
     for bad in (-1, 1.0, True):
         with pytest.raises(RecordsError, match=r"replicate must be an integer ≥ 0 \(0-based\), got"):
-            trial_rows(make_result(), search_id="s1", trial_id="t", cell_id="c", reference_batch_size=256,
-                       versions={}, finished_at=NOW, configuration_id="c", replicate=bad)
+            trial_rows(
+                make_result(),
+                search_id="s1",
+                trial_id="t",
+                cell_id="c",
+                reference_batch_size=256,
+                versions={},
+                finished_at=NOW,
+                configuration_id="c",
+                replicate=bad,
+            )
 
 
 def test_schema_2_trials_read_as_replicate_0_of_their_own_configuration(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
     write(store, "new", make_result(0.7))  # schema 3, no configuration given: its own configuration
     old_schema = pa.schema([f for f in SCHEMAS["trials"] if f.name not in ("configuration_id", "replicate")])
-    row = trial_rows(make_result(0.4), search_id="s0", trial_id="old", cell_id="eps=1|epochs=2",
-                     reference_batch_size=256, versions={}, finished_at=NOW)["trials"][0]
+    row = trial_rows(
+        make_result(0.4),
+        search_id="s0",
+        trial_id="old",
+        cell_id="eps=1|epochs=2",
+        reference_batch_size=256,
+        versions={},
+        finished_at=NOW,
+    )["trials"][0]
     old = {k: v for k, v in row.items() if k in old_schema.names}
     pq.write_table(pa.Table.from_pylist([old], schema=old_schema), tmp_path / "trials" / "part-old.parquet")
     assert records.part_problem(store, "trials", str(tmp_path / "trials" / "part-old.parquet")) is None

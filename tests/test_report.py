@@ -103,8 +103,12 @@ def test_guideline_table_equals_pandas(built: tuple[Path, str], result_datasets:
     shown["backbone"] = shown["task"].map(labels["backbone"])
     assert len(shown) == len(want)
     for row in want.itertuples(index=False):
-        line = shown[(shown["dataset"] == row.dataset) & (shown["backbone"] == row.backbone)
-                     & (shown["ε"] == f"{row.epsilon:.3g}") & (shown["E"] == str(row.epochs))]
+        line = shown[
+            (shown["dataset"] == row.dataset)
+            & (shown["backbone"] == row.backbone)
+            & (shown["ε"] == f"{row.epsilon:.3g}")
+            & (shown["E"] == str(row.epochs))
+        ]
         assert len(line) == 1
         line = line.iloc[0]
         assert line["best C"] == f"{row.clip_bound:.3g}" and line["best B"] == str(row.batch_size)
@@ -131,43 +135,57 @@ def test_strata_table_lists_the_hard_classes(built: tuple[Path, str], result_dat
     assert len(rows) == len(hard)
     for _, row in rows.iterrows():
         dataset, backbone = keys.loc[row["task"], "dataset"], keys.loc[row["task"], "backbone"]
-        names = classes[(classes["dataset"] == dataset) & (classes["backbone"] == backbone)
-                        & classes["label"].isin(hard[(dataset, backbone)])]["class_name"]
+        names = classes[
+            (classes["dataset"] == dataset)
+            & (classes["backbone"] == backbone)
+            & classes["label"].isin(hard[(dataset, backbone)])
+        ]["class_name"]
         listed = re.findall(r"([^,(]+) \(", row["members (reference accuracy %)"])
         assert sorted(n.strip() for n in listed) == sorted(names) and int(row["classes"]) == len(names)
 
 
 def test_partial_results_build_and_say_what_is_missing(result_datasets: list[str], tmp_path: Path) -> None:
-    one = copy_results(result_datasets, tmp_path / "one", keep=lambda t: (t["epsilon"] == t["epsilon"].max())
-                       & (t["clipping"] != "auto_s"), tables=("trials", "classes", "search"))
+    one = copy_results(
+        result_datasets,
+        tmp_path / "one",
+        keep=lambda t: (t["epsilon"] == t["epsilon"].max()) & (t["clipping"] != "auto_s"),
+        tables=("trials", "classes", "search"),
+    )
     out = tmp_path / "out-one"
     out.mkdir()
     (out / "fig5-auto-s.png").write_bytes(b"stale")
     (out / "notes.txt").write_text("kept")
     page = report.build_report(one, out).read_text(encoding="utf-8")
-    for text in ("the results hold no finished AUTO-S trials", "no diagnostics recorded",
-                 "Only one ε in the results", "Missing: only one privacy budget ε"):
+    for text in (
+        "the results hold no finished AUTO-S trials",
+        "no diagnostics recorded",
+        "Only one ε in the results",
+        "Missing: only one privacy budget ε",
+    ):
         assert text in page
     names = {p.name.split("-")[0] for p in out.glob("*.png")}
     assert names == {"fig1", "fig2", "fig4b", "fig6"} and (out / "notes.txt").exists()
 
-    bare = report.build_report(copy_results(result_datasets, tmp_path / "bare", tables=("search",)),
-                               tmp_path / "out-bare")
+    bare = report.build_report(
+        copy_results(result_datasets, tmp_path / "bare", tables=("search",)), tmp_path / "out-bare"
+    )
     page = bare.read_text(encoding="utf-8")
     assert "no trial has finished yet" in page and not list(bare.parent.glob("*.png"))
     assert page.count('class="missing"') >= 8  # every section says what it lacks
 
     ragged = lambda t: ~((t["epsilon"] == t["epsilon"].max()) & (t["epochs"] == t["epochs"].max()))  # noqa: E731
-    no_classes = copy_results(result_datasets, tmp_path / "noclasses", keep=ragged,
-                              tables=("trials", "search", "diagnostics"))
+    no_classes = copy_results(
+        result_datasets, tmp_path / "noclasses", keep=ragged, tables=("trials", "search", "diagnostics")
+    )
     page = report.build_report(no_classes, tmp_path / "out-noclasses").read_text(encoding="utf-8")
     assert "classes cannot be split into easy and hard" in page
     cells = expected.tuned(no_classes)[expected.CELL].drop_duplicates()
     assert ("an unknown amount on the hard classes" if len(cells) > 1 else "The results hold a single cell") in page
 
 
-def test_cli_missing_path_fails_before_any_work(result_datasets: list[str], tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_missing_path_fails_before_any_work(
+    result_datasets: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "never"
     missing = str(tmp_path / "no-such-search")
     with pytest.raises(SystemExit) as stop:
@@ -177,15 +195,19 @@ def test_cli_missing_path_fails_before_any_work(result_datasets: list[str], tmp_
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--out", "x", "--hard-fraction", "1.5"], "--hard-fraction must lie strictly between 0 and 1, got 1.5"),
-    (["--out", "x", "--hard-fraction", "0.3", "--hard-classes", "1"], "not allowed with argument"),
-    (["--out", "x", "--near-optimal", "-1"], "--near-optimal must be ≥ 0 accuracy points"),
-    (["--out", "x", "--hard-classes", "nope"], "hard classes nope are in no task"),
-    ([], "--out is required"),
-])
-def test_cli_rejects_bad_options(result_datasets: list[str], argv: list[str], message: str, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--out", "x", "--hard-fraction", "1.5"], "--hard-fraction must lie strictly between 0 and 1, got 1.5"),
+        (["--out", "x", "--hard-fraction", "0.3", "--hard-classes", "1"], "not allowed with argument"),
+        (["--out", "x", "--near-optimal", "-1"], "--near-optimal must be ≥ 0 accuracy points"),
+        (["--out", "x", "--hard-classes", "nope"], "hard classes nope are in no task"),
+        ([], "--out is required"),
+    ],
+)
+def test_cli_rejects_bad_options(
+    result_datasets: list[str], argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = [a if a != "x" else str(tmp_path / "out") for a in argv]
     with pytest.raises(SystemExit) as stop:
         report.main([*result_datasets, *argv])
@@ -196,9 +218,11 @@ def test_cli_rejects_bad_options(result_datasets: list[str], argv: list[str], me
 def test_cli_builds_into_a_new_folder_without_torch_or_ray(result_datasets: list[str], tmp_path: Path) -> None:
     loose = copy_results(result_datasets, tmp_path / "loose", keep=lambda t: t["epsilon"] == t["epsilon"].max())
     out = tmp_path / "nested" / "reports" / "tiny"
-    code = ("import sys; from dptune.report import main; "
-            f"main({[*loose, '--out', str(out), '--hard-fraction', '0.25']!r}); "
-            "print('heavy:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))")
+    code = (
+        "import sys; from dptune.report import main; "
+        f"main({[*loose, '--out', str(out), '--hard-fraction', '0.25']!r}); "
+        "print('heavy:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert f"report written to {out / 'index.html'}" in done.stdout
@@ -217,19 +241,28 @@ def test_figure_index_is_in_the_reports_readme(capsys: pytest.CaptureFixture[str
 def _grid(best: tuple[float, int], accuracy: float, spread: float) -> list[Replicated]:
     """A 3 × 2 (C, B) grid of R = 3 configurations: ``best`` scores ``accuracy`` on average, the rest 5 points
     less; replicates lie ``spread`` either side of the mean (validation), test is 1 point under validation."""
-    return [Replicated(c, b, 1e-3, tuple(mean + d for d in (-spread, 0.0, spread)), (mean - 0.01,) * 3)
-            for c in (0.1, 1.0, 10.0) for b in (64, 1024)
-            for mean in [accuracy if (c, b) == best else accuracy - 0.05]]
+    return [
+        Replicated(c, b, 1e-3, tuple(mean + d for d in (-spread, 0.0, spread)), (mean - 0.01,) * 3)
+        for c in (0.1, 1.0, 10.0)
+        for b in (64, 1024)
+        for mean in [accuracy if (c, b) == best else accuracy - 0.05]
+    ]
 
 
 def test_replicated_results_show_intervals_and_where_the_paper_holds(tmp_path: Path) -> None:
-    cells = {(1.0, 10): _grid((10.0, 64), 0.70, 0.005), (8.0, 10): _grid((0.1, 1024), 0.80, 0.005),  # as the paper
-             (1.0, 3): _grid((10.0, 64), 0.60, 0.10), (8.0, 3): _grid((0.1, 1024), 0.65, 0.10),  # replicates disagree
-             (1.0, 20): _grid((0.1, 64), 0.70, 0.005), (8.0, 20): _grid((10.0, 64), 0.80, 0.005)}  # against it
+    cells = {
+        (1.0, 10): _grid((10.0, 64), 0.70, 0.005),
+        (8.0, 10): _grid((0.1, 1024), 0.80, 0.005),  # as the paper
+        (1.0, 3): _grid((10.0, 64), 0.60, 0.10),
+        (8.0, 3): _grid((0.1, 1024), 0.65, 0.10),  # replicates disagree
+        (1.0, 20): _grid((0.1, 64), 0.70, 0.005),
+        (8.0, 20): _grid((10.0, 64), 0.80, 0.005),
+    }  # against it
     page = report.build_report([write_replicated_search(tmp_path, "rep", cells)], tmp_path / "out").read_text(
-        encoding="utf-8")
+        encoding="utf-8"
+    )
     best = html_table(page, "Best configuration per cell").set_index(["ε", "E"])
-    half = 4.302653 * 0.005 / 3 ** 0.5  # Student t (2 df) · std/√R, by hand
+    half = 4.302653 * 0.005 / 3**0.5  # Student t (2 df) · std/√R, by hand
     sure = best.loc[("1", "10")]
     assert (sure["best C"], sure["best B"], sure["R"]) == ("10", "64", "3")
     assert sure["val % [interval]"] == f"70.0 [{100 * (0.70 - half):.1f}, {100 * (0.70 + half):.1f}]"
@@ -250,10 +283,14 @@ def test_replicated_results_show_intervals_and_where_the_paper_holds(tmp_path: P
     assert epochs.loc["ε = 1", "optimal, harder side"] == "E = 3: 64 [64, 1024]"
     assert set(epochs["what the data says"]) == {"the intervals overlap: too wide to conclude"}
     text = html.unescape(page)
-    assert ("Of 8 comparisons: 2 agree with the paper beyond the noise, 2 disagree with it, and 4 are too wide to "
-            "conclude anything") in text
-    assert ("Disagrees with the paper (tighter privacy): 20newsgroups · minilm · head, E = 20: optimal C 0.1 at ε = 1 "
-            "against 10 at ε = 8") in text
+    assert (
+        "Of 8 comparisons: 2 agree with the paper beyond the noise, 2 disagree with it, and 4 are too wide to "
+        "conclude anything"
+    ) in text
+    assert (
+        "Disagrees with the paper (tighter privacy): 20newsgroups · minilm · head, E = 20: optimal C 0.1 at ε = 1 "
+        "against 10 at ε = 8"
+    ) in text
     assert "Each configuration ran R = 3 times with fresh coins" in text
     guideline = html_table(page, "Per cell: the best (C, B, η)").set_index(["ε", "E"])
     assert guideline.loc[("8", "10"), "R"] == "3" and guideline.loc[("8", "10"), "within noise"] == "1 of 6"

@@ -33,8 +33,9 @@ TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # --------------------------------------------------------------------------- before any compute
@@ -60,8 +61,9 @@ def main_exit(capsys: pytest.CaptureFixture, *args: str) -> str:
         (["--max-train-examples", "-3"], "--max-train-examples must be ≥ 1"),
     ],
 )
-def test_bad_flags_fail_fast_with_a_clear_message(capsys: pytest.CaptureFixture, tmp_path: Path,
-                                                  args: list[str], message: str) -> None:
+def test_bad_flags_fail_fast_with_a_clear_message(
+    capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str], message: str
+) -> None:
     assert message in main_exit(capsys, "--storage", str(tmp_path), *args)
     assert not ray.is_initialized()
     assert not list(tmp_path.iterdir())
@@ -74,7 +76,8 @@ def test_storage_that_is_a_file_is_refused(capsys: pytest.CaptureFixture, tmp_pa
 
 
 def test_unknown_dataset_and_infeasible_min_steps_fail_before_ray(
-        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     caps = ("--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES))
     unknown = main_exit(capsys, "--storage", str(tmp_path), "--set", "task.dataset=cifar1000", *caps)
@@ -85,14 +88,17 @@ def test_unknown_dataset_and_infeasible_min_steps_fail_before_ray(
 
 
 def test_bad_replicates_units_and_runners_fail_before_ray(
-        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     caps = ("--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES))
     tiny = ("--space", str(TINY), "--storage", str(tmp_path), *caps)
     assert "replicates: Input should be greater than or equal to 1 (got 0)" in main_exit(
-        capsys, *tiny, "--set", "replicates=0")
-    assert "resources.configurations_per_trial" in main_exit(capsys, *tiny, "--set",
-                                                             "resources.configurations_per_trial=0")
+        capsys, *tiny, "--set", "replicates=0"
+    )
+    assert "resources.configurations_per_trial" in main_exit(
+        capsys, *tiny, "--set", "resources.configurations_per_trial=0"
+    )
     asha = main_exit(capsys, *tiny, "--set", "replicates=2", "--set", "scheduler={name: asha}")
     assert "replicates must be 1" in asha
     # one configuration of the largest B does not fit a (here tiny) memory budget of the fused runner
@@ -102,8 +108,9 @@ def test_bad_replicates_units_and_runners_fail_before_ray(
     assert not ray.is_initialized()
 
 
-def test_dry_run_prints_the_plan_and_runs_nothing(capsys: pytest.CaptureFixture, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+def test_dry_run_prints_the_plan_and_runs_nothing(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     before = ray_processes_below()
     search.main(search_command("--space", str(TINY), "--storage", str(tmp_path), "--dry-run")[3:])  # the CLI's argv
@@ -131,12 +138,15 @@ def test_tiny_search_records_every_grid_point_once(tiny_search: SearchRun) -> No
     assert set(ran["status"]) == {"ok"}, ran[["status", "reason"]]
     normalized = ran[ran["clipping"] == "normalized"]
     assert sorted(map(tuple, normalized[["epsilon", "clip_bound", "batch_size"]].values.tolist())) == sorted(
-        (e, c, b) for e in (1.0, 8.0) for c in (0.1, 1.0) for b in (32, 64))
+        (e, c, b) for e in (1.0, 8.0) for c in (0.1, 1.0) for b in (32, 64)
+    )
     assert (ran[ran["clipping"] == "auto_s"].groupby("epsilon").size() == 2).all()
 
 
-PROGRESS = re.compile(r"^\[(?P<cell>[^\]]+) (?P<clipping>\w+)\] (?P<done>\d+)/(?P<budget>\d+) configurations"
-                      r"(?: × (?P<replicates>\d+) replicates)?: runs (?P<runs>[^(;]+?)(?: \(|;|$)")
+PROGRESS = re.compile(
+    r"^\[(?P<cell>[^\]]+) (?P<clipping>\w+)\] (?P<done>\d+)/(?P<budget>\d+) configurations"
+    r"(?: × (?P<replicates>\d+) replicates)?: runs (?P<runs>[^(;]+?)(?: \(|;|$)"
+)
 
 
 def test_progress_lines_count_every_run_of_a_cell_as_the_summary_does(tiny_search: SearchRun) -> None:
@@ -167,7 +177,8 @@ def test_min_step_pruning_records_without_compute(tiny_search: SearchRun) -> Non
 
 
 def test_trials_use_calibrated_sigma_coupled_lr_and_stay_within_budget(
-        tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     privacy.clear_memory_cache()
     trials = read_table(str(tiny_search.root), "trials")
@@ -201,12 +212,14 @@ def test_per_trial_tables_are_complete(tiny_search: SearchRun) -> None:
 def _pld_epsilon(trials: pd.DataFrame, delta: float) -> float:
     """PLD over the recorded (σ, q, steps taken) of the trials that took a step."""
     took = trials[trials["steps_taken"] > 0]
-    return pld_epsilon(list(zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"].astype(int),
-                                strict=True)), delta)
+    return pld_epsilon(
+        list(zip(took["noise_multiplier"], took["sample_rate"], took["steps_taken"].astype(int), strict=True)), delta
+    )
 
 
-def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch,
-                                                    test_cache_dir: Path) -> None:
+def test_search_table_reports_the_whole_search_cost(
+    tiny_search: SearchRun, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     search = read_table(str(tiny_search.root), "search")
     trials = read_table(str(tiny_search.root), "trials")
@@ -226,8 +239,9 @@ def test_search_table_reports_the_whole_search_cost(tiny_search: SearchRun, monk
         assert row.trials_with_steps == len(own)
         assert row.epsilon_composition == pytest.approx(own["epsilon_spent"].sum())
         pld = _pld_epsilon(own, delta)  # one trial: its own ε spent where that is the tighter bound
-        assert row.epsilon_cell == pytest.approx(pld if len(own) > 1 else min(pld, own["epsilon_spent"].iloc[0]),
-                                                 rel=1e-9)
+        assert row.epsilon_cell == pytest.approx(
+            pld if len(own) > 1 else min(pld, own["epsilon_spent"].iloc[0]), rel=1e-9
+        )
     assert not search["selection_bound_holds"].any() and search["epsilon_selection"].isna().all()
     assert search["guarantee"].str.contains("NOT covered by \\(ε, δ\\): validation accuracies").all()
     assert "whole search: ε =" in tiny_search.stdout and "what (ε, δ) covers" in tiny_search.stdout
@@ -248,9 +262,16 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
     plan = search.plan_cells(loaded.space, TINY_TRAIN_EXAMPLES, progress=False)[0]
 
     def context(reproducible_seed: int | None) -> execution.TrialContext:
-        return execution.TrialContext(base=search.base_trial_config(loaded.space, plan, None, None), results_root="r",
-                                      search_id="s", cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt",
-                                      reference_batch_size=64, reproducible_seed=reproducible_seed)
+        return execution.TrialContext(
+            base=search.base_trial_config(loaded.space, plan, None, None),
+            results_root="r",
+            search_id="s",
+            cell_id=plan.cell.cell_id,
+            cell_key=plan.cell_key,
+            coupling="sqrt",
+            reference_batch_size=64,
+            reproducible_seed=reproducible_seed,
+        )
 
     first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}
     second = {**first, "clip_bound": 1.0}
@@ -261,8 +282,9 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
     assert "REPRODUCIBLE from seed 0" in search.format_plan(loaded, [plan])
 
 
-def test_existing_results_need_resume(tiny_search: SearchRun, capsys: pytest.CaptureFixture,
-                                      monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+def test_existing_results_need_resume(
+    tiny_search: SearchRun, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     refusal = main_exit(capsys, "--space", str(TINY), "--storage", str(tiny_search.root.parent))
     assert "pass --resume to continue" in refusal
@@ -274,13 +296,17 @@ def test_existing_results_need_resume(tiny_search: SearchRun, capsys: pytest.Cap
 PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
 
 
-@pytest.mark.parametrize(("override", "named"), [
-    ("sampler.name=tpe", "sampler.name 'tpe' must be 'random'"),
-    ("scheduler={name: asha}", "scheduler must be absent: ASHA"),
-    ("training.diagnostics=true", "training.diagnostics must be false"),
-])
-def test_private_search_refuses_what_voids_the_bound_before_ray(capsys: pytest.CaptureFixture, tmp_path: Path,
-                                                                override: str, named: str) -> None:
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("sampler.name=tpe", "sampler.name 'tpe' must be 'random'"),
+        ("scheduler={name: asha}", "scheduler must be absent: ASHA"),
+        ("training.diagnostics=true", "training.diagnostics must be false"),
+    ],
+)
+def test_private_search_refuses_what_voids_the_bound_before_ray(
+    capsys: pytest.CaptureFixture, tmp_path: Path, override: str, named: str
+) -> None:
     message = main_exit(capsys, "--space", str(PRIVATE), "--storage", str(tmp_path), "--set", override)
     assert "privacy.private_selection" in message and named in message
     assert not ray.is_initialized() and not list(tmp_path.iterdir())
@@ -288,14 +314,16 @@ def test_private_search_refuses_what_voids_the_bound_before_ray(capsys: pytest.C
 
 def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess.CompletedProcess:
     overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
-    completed = run_cli(env, "--space", str(PRIVATE), "--storage", str(storage), "--name", name, "--no-report",
-                        *overrides)
+    completed = run_cli(
+        env, "--space", str(PRIVATE), "--storage", str(storage), "--name", name, "--no-report", *overrides
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
 
 
 def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothing_else(
-        search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path) -> None:
+    search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
+) -> None:
     first, second = (_private_search(search_env, tmp_path, name) for name in ("private", "again"))
     root = tmp_path / "private"
     inside = root / TRUST_BOUNDARY
@@ -307,14 +335,23 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     # independent check: Opacus' RDP of every feasible batch size at the per-trial ε and the score's
     # Gaussian, Papernot–Steinke Thm 2 by hand
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
-    feasible = [b for b in space.batch_size.candidates(TINY_TRAIN_EXAMPLES)
-                if total_steps(TINY_TRAIN_EXAMPLES, b, 5) >= space.min_steps]
+    feasible = [
+        b
+        for b in space.batch_size.candidates(TINY_TRAIN_EXAMPLES)
+        if total_steps(TINY_TRAIN_EXAMPLES, b, 5) >= space.min_steps
+    ]
     orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
     curves = []
     for b in feasible:
         q, steps = sample_rate(TINY_TRAIN_EXAMPLES, b), total_steps(TINY_TRAIN_EXAMPLES, b, 5)
-        curves.append(opacus_rdp(orders, privacy.calibrate_noise_multiplier(row.epsilon_per_trial, space.privacy.delta,
-                                                                            q, steps), q, steps))
+        curves.append(
+            opacus_rdp(
+                orders,
+                privacy.calibrate_noise_multiplier(row.epsilon_per_trial, space.privacy.delta, q, steps),
+                q,
+                steps,
+            )
+        )
     rdp = np.max(curves, axis=0) + orders / (2 * selection.score_noise_multiplier**2)
     assert papernot_steinke_geometric(rdp, orders, 3, space.privacy.delta) <= selection.epsilon
     # one release: the configuration of the best noisy validation score, and nothing that orders it
@@ -341,8 +378,16 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     assert "the release of this end-to-end private search" in out and "Only the release is covered" in out
     assert "max of noisy scores" in out and "biased upward" in out
     assert not [line for line in out.splitlines() if PROGRESS.match(line)]
-    for revealing in ("configurations:", "best so far", "trials with steps", "Σε", "whole search: ε",
-                      "search finished in", f"{len(trials)} configurations", "best configuration per cell"):
+    for revealing in (
+        "configurations:",
+        "best so far",
+        "trials with steps",
+        "Σε",
+        "whole search: ε",
+        "search finished in",
+        f"{len(trials)} configurations",
+        "best configuration per cell",
+    ):
         assert revealing not in out, revealing
     # the report of the results shows the release, and counts no run
     page = (build_report([str(root)], tmp_path / "report")).read_text()
@@ -358,8 +403,15 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
 
 def _plan(configurations: int) -> search.CellPlan:
     """A cell plan without calibration (the sampler reads only its keys, batch sizes and budget)."""
-    return search.CellPlan(Cell(epsilon=3.5, epochs=10), "normalized", TINY_TRAIN_EXAMPLES, (32, 64), (),
-                           {32: 1.0, 64: 1.0}, configurations)
+    return search.CellPlan(
+        Cell(epsilon=3.5, epochs=10),
+        "normalized",
+        TINY_TRAIN_EXAMPLES,
+        (32, 64),
+        (),
+        {32: 1.0, 64: 1.0},
+        configurations,
+    )
 
 
 def test_private_cell_samplers_propose_from_secret_coins_and_default_ones_from_the_public_seed() -> None:
@@ -380,8 +432,9 @@ def test_a_resumed_private_search_keeps_its_secret_trial_count(tmp_path: Path) -
     plans = [_plan(configurations=4)]
     first = search.kept_trial_counts(str(tmp_path), plans)
     redrawn = [replace(plan, configurations=plan.configurations + 7) for plan in plans]
-    assert [p.configurations for p in search.kept_trial_counts(str(tmp_path), redrawn)] == \
-        [p.configurations for p in first]
+    assert [p.configurations for p in search.kept_trial_counts(str(tmp_path), redrawn)] == [
+        p.configurations for p in first
+    ]
     assert [f.name for f in tmp_path.iterdir()] == [search.TRIAL_COUNT_FILE]  # written whole, no temporary left
 
 
@@ -415,19 +468,40 @@ if sys.argv and sys.argv[0].endswith("default_worker.py"):
 
 def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str, str], tmp_path: Path) -> None:
     # fused units (3 configurations × 2 replicates each): a kill between two fused groups' writes
-    args = ("--space", str(TINY), "--storage", str(tmp_path), "--no-report", "--set", "privacy.epsilons=[2]",
-            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[0.1,0.3,1.0]",
-            "--set", "replicates=2")
+    args = (
+        "--space",
+        str(TINY),
+        "--storage",
+        str(tmp_path),
+        "--no-report",
+        "--set",
+        "privacy.epsilons=[2]",
+        "--set",
+        "training.compare_auto_s=false",
+        "--set",
+        "clip_bound.values=[0.1,0.3,1.0]",
+        "--set",
+        "replicates=2",
+    )
     # The first fused group to finish records at once; every later one waits before recording, so
     # the kill lands between two groups' writes however fast the machine is.
     hook, marks = tmp_path / "hook", tmp_path / "marks"
     hook.mkdir()
     marks.mkdir()
     (hook / "sitecustomize.py").write_text(_HOLD_LATER_GROUPS)
-    held = {**search_env, "DPTUNE_TEST_MARKS": str(marks),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
-    process = subprocess.Popen(search_command(*args), cwd=REPO_ROOT, env=held, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    held = {
+        **search_env,
+        "DPTUNE_TEST_MARKS": str(marks),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p),
+    }
+    process = subprocess.Popen(
+        search_command(*args),
+        cwd=REPO_ROOT,
+        env=held,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     root = tmp_path / "tiny"
     deadline = time.monotonic() + 600
     try:
@@ -445,7 +519,8 @@ def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str,
     after = _ran(root)
     assert after["trial_id"].is_unique and len(after) == 12  # 3 C × 2 feasible B × 2 replicates
     assert sorted(map(tuple, after[["clip_bound", "batch_size", "replicate"]].values.tolist())) == sorted(
-        (c, b, r) for c in (0.1, 0.3, 1.0) for b in (32, 64) for r in (0, 1))
+        (c, b, r) for c in (0.1, 0.3, 1.0) for b in (32, 64) for r in (0, 1)
+    )
     assert set(after["engine"]) == {"fused"}
     # trials finished before the kill were not run again
     assert (after.set_index("trial_id").loc[before.index, "finished_at"] == before).all()
@@ -456,20 +531,47 @@ def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str,
 
 
 def _tiny_on_cluster_args(storage: Path) -> list[str]:
-    return ["--space", str(TINY), "--storage", str(storage), "--no-report", "--set", "privacy.epsilons=[2]",
-            "--set", "training.compare_auto_s=false", "--set", "clip_bound.values=[1.0]"]
+    return [
+        "--space",
+        str(TINY),
+        "--storage",
+        str(storage),
+        "--no-report",
+        "--set",
+        "privacy.epsilons=[2]",
+        "--set",
+        "training.compare_auto_s=false",
+        "--set",
+        "clip_bound.values=[1.0]",
+    ]
 
 
-def test_ray_job_submit_runs_a_search_on_a_token_authenticated_head(ray_head, search_env: dict[str, str],
-                                                                    tmp_path: Path) -> None:
+def test_ray_job_submit_runs_a_search_on_a_token_authenticated_head(
+    ray_head, search_env: dict[str, str], tmp_path: Path
+) -> None:
     env = {**search_env, **{k: v for k, v in ray_head.env.items() if k.startswith("RAY_AUTH") or k == "PATH"}}
     entrypoint = search_command(*_tiny_on_cluster_args(tmp_path))
     entrypoint[0] = "python"  # resolved on the head's PATH (the venv it was started from)
     # the job's environment: the test's feature cache, so the search starts at once
     runtime_env = f'{{"env_vars": {{"DPTUNE_CACHE_DIR": "{search_env["DPTUNE_CACHE_DIR"]}"}}}}'
     completed = subprocess.run(
-        ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--runtime-env-json", runtime_env, "--",
-         *entrypoint], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            ray_head.dashboard_url,
+            "--runtime-env-json",
+            runtime_env,
+            "--",
+            *entrypoint,
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "joined Ray cluster" in completed.stdout
     ran = _ran(tmp_path / "tiny")
@@ -490,11 +592,26 @@ def test_search_runs_trials_on_a_second_node(search_env: dict[str, str], tmp_pat
 
 
 def test_asha_stops_weak_trials_early_and_records_them(search_env: dict[str, str], tmp_path: Path) -> None:
-    completed = run_cli(search_env, "--space", str(TINY), "--storage", str(tmp_path), "--no-report",
-                        "--set", "privacy.epsilons=[2]", "--set", "training.compare_auto_s=false",
-                        "--set", "epochs=[4]", "--set", "clip_bound.values=[0.01,0.1,1.0]",
-                        "--set", "base_learning_rate.values=[0.00001,0.03]",
-                        "--set", "scheduler={name: asha, grace_period: 1, reduction_factor: 2}")
+    completed = run_cli(
+        search_env,
+        "--space",
+        str(TINY),
+        "--storage",
+        str(tmp_path),
+        "--no-report",
+        "--set",
+        "privacy.epsilons=[2]",
+        "--set",
+        "training.compare_auto_s=false",
+        "--set",
+        "epochs=[4]",
+        "--set",
+        "clip_bound.values=[0.01,0.1,1.0]",
+        "--set",
+        "base_learning_rate.values=[0.00001,0.03]",
+        "--set",
+        "scheduler={name: asha, grace_period: 1, reduction_factor: 2}",
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     ran = _ran(tmp_path / "tiny")
     assert len(ran) == 12 and ran["trial_id"].is_unique

@@ -27,8 +27,11 @@ def plan_for(space, clipping: str = "normalized") -> CellPlan:  # noqa: ANN001
 def test_random_trial_count_is_geometric_with_the_planned_mean() -> None:
     counts = []
     for seed in range(400):
-        space = parse_space(DEFAULT, "d.yaml", {"sampler.name": "random", "sampler.random_trial_count": True,
-                                                "sampler.trials_per_cell": 8, "seed": seed}).space
+        space = parse_space(
+            DEFAULT,
+            "d.yaml",
+            {"sampler.name": "random", "sampler.random_trial_count": True, "sampler.trials_per_cell": 8, "seed": seed},
+        ).space
         counts.append(_trial_count(space, plan_for(space)))
     counts = np.array(counts)
     assert counts.min() >= 1
@@ -44,8 +47,15 @@ def test_random_trial_count_needs_the_random_sampler() -> None:
 
 
 def test_grid_trial_count_covers_feasible_points_only() -> None:
-    space = parse_space(DEFAULT, "g.yaml", {"sampler.name": "grid", "clip_bound": {"values": [0.1, 1, 10]},
-                                            "base_learning_rate": {"values": [1e-3, 1e-2]}}).space
+    space = parse_space(
+        DEFAULT,
+        "g.yaml",
+        {
+            "sampler.name": "grid",
+            "clip_bound": {"values": [0.1, 1, 10]},
+            "base_learning_rate": {"values": [1e-3, 1e-2]},
+        },
+    ).space
     assert _trial_count(space, plan_for(space)) == 3 * 2 * 2
     assert _trial_count(space, plan_for(space, "auto_s")) == 1 * 2 * 2  # AUTO-S has no C
 
@@ -59,9 +69,15 @@ def test_configuration_id_is_content_based() -> None:
 
 
 def context_for(space, plan: CellPlan, root: str = "/nowhere") -> TrialContext:  # noqa: ANN001
-    return TrialContext(base=base_trial_config(space, plan, None, None), results_root=root, search_id="s",
-                        cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling=space.coupling.rule,
-                        reference_batch_size=space.coupling.reference_batch_size)
+    return TrialContext(
+        base=base_trial_config(space, plan, None, None),
+        results_root=root,
+        search_id="s",
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling=space.coupling.rule,
+        reference_batch_size=space.coupling.reference_batch_size,
+    )
 
 
 def test_trial_config_applies_sqrt_b_coupling_or_none() -> None:
@@ -85,9 +101,18 @@ def test_summary_selects_on_validation_not_test(tmp_path: Path) -> None:
     for val, test, b in ((0.60, 0.90, 32), (0.70, 0.50, 64)):  # the best on test is not the best on val
         params = {"clip_bound": 1.0, "batch_size": b, "base_learning_rate": 1e-3}
         result = TrialResult(config=trial_config(context, params), status="ok", val_accuracy=val, test_accuracy=test)
-        store.write_trial(trial_rows(result, search_id="s", trial_id=configuration_id(plan.cell_key, params),
-                                     cell_id=plan.cell.cell_id, reference_batch_size=256, versions={},
-                                     finished_at=pd.Timestamp.now(tz="UTC")), configuration_id(plan.cell_key, params))
+        store.write_trial(
+            trial_rows(
+                result,
+                search_id="s",
+                trial_id=configuration_id(plan.cell_key, params),
+                cell_id=plan.cell.cell_id,
+                reference_batch_size=256,
+                versions={},
+                finished_at=pd.Timestamp.now(tz="UTC"),
+            ),
+            configuration_id(plan.cell_key, params),
+        )
     best = summary_table(str(tmp_path))
     assert best["batch_size"].tolist() == [64] and best["test_accuracy"].tolist() == [0.5]
     assert "0.7" in format_summary(best)

@@ -51,10 +51,14 @@ SHAPES.append(("random", False, True))
 
 @pytest.mark.parametrize("official_test", [True, False], ids=["public-test", "carved-test"])
 @pytest.mark.parametrize("reproducible", [False, True], ids=["secret-coins", "reproducible"])
-@pytest.mark.parametrize(("sampler", "asha", "private"), SHAPES,
-                         ids=[f"{s}{'-asha' if a else ''}{'-private' if p else ''}" for s, a, p in SHAPES])
-def test_guarantee_text_says_what_each_search_shape_covers(sampler: str, asha: bool, private: bool,
-                                                           reproducible: bool, official_test: bool) -> None:
+@pytest.mark.parametrize(
+    ("sampler", "asha", "private"),
+    SHAPES,
+    ids=[f"{s}{'-asha' if a else ''}{'-private' if p else ''}" for s, a, p in SHAPES],
+)
+def test_guarantee_text_says_what_each_search_shape_covers(
+    sampler: str, asha: bool, private: bool, reproducible: bool, official_test: bool
+) -> None:
     space = _space(sampler, asha, private, reproducible)
     text = guarantee(space, official_test, None if private else COST, 7.9 if private else None)
     if reproducible:  # public coins: nothing is claimed, whatever the shape
@@ -62,8 +66,15 @@ def test_guarantee_text_says_what_each_search_shape_covers(sampler: str, asha: b
         return
     assert NO_GUARANTEE not in text
     if private:
-        present = {RELEASE_ONLY, MAX_OF_NOISY, BOUNDARY, "(8, 1e-05)-DP (bound 7.9)", "fresh OS entropy",
-                   "wall time, which grows with K", "Publishing any of them voids the guarantee"}
+        present = {
+            RELEASE_ONLY,
+            MAX_OF_NOISY,
+            BOUNDARY,
+            "(8, 1e-05)-DP (bound 7.9)",
+            "fresh OS entropy",
+            "wall time, which grows with K",
+            "Publishing any of them voids the guarantee",
+        }
         present.add(PUBLIC_TEST if official_test else CARVED_TEST_WITHHELD)
         absent = {PER_TRIAL_MODEL, COMPOSES, CARVED_TEST_RELEASED}
     else:
@@ -85,30 +96,50 @@ def test_guarantee_text_says_what_each_search_shape_covers(sampler: str, asha: b
 
 
 def test_tpe_asha_and_random_search_state_different_guarantees() -> None:
-    texts = {shape: guarantee(_space(*shape, private=False, reproducible=False), True, COST)
-             for shape in (("random", False), ("tpe", False), ("random", True))}
+    texts = {
+        shape: guarantee(_space(*shape, private=False, reproducible=False), True, COST)
+        for shape in (("random", False), ("tpe", False), ("random", True))
+    }
     assert len(set(texts.values())) == 3
 
 
 def _trial(status: str, steps_taken: int, steps: int, epsilon_spent: float) -> dict:
-    return {"noise_multiplier": 1.1, "sample_rate": 0.02, "steps": steps, "steps_taken": steps_taken,
-            "epsilon_spent": epsilon_spent, "status": status}
+    return {
+        "noise_multiplier": 1.1,
+        "sample_rate": 0.02,
+        "steps": steps,
+        "steps_taken": steps_taken,
+        "epsilon_spent": epsilon_spent,
+        "status": status,
+    }
 
 
 def test_a_diverged_run_is_charged_its_planned_steps_others_the_steps_they_took() -> None:
-    trials = pd.DataFrame([_trial("diverged", 2, 79, 2.0), _trial("ok", 79, 79, 2.0), _trial("error", 30, 79, 1.2),
-                           _trial("pruned_min_steps", 0, 5, 0.0)])
+    trials = pd.DataFrame(
+        [
+            _trial("diverged", 2, 79, 2.0),
+            _trial("ok", 79, 79, 2.0),
+            _trial("error", 30, 79, 1.2),
+            _trial("pruned_min_steps", 0, 5, 0.0),
+        ]
+    )
     cost = composition_cost(trials, 1e-5)
     assert cost.trials_with_steps == 3
     # independent: dp_accounting's PLD over (σ, q, T) with the diverged run at its 79 planned steps
-    assert cost.epsilon == pytest.approx(pld_epsilon([(1.1, 0.02, 79), (1.1, 0.02, 79), (1.1, 0.02, 30)], 1e-5),
-                                         rel=1e-9)
+    assert cost.epsilon == pytest.approx(
+        pld_epsilon([(1.1, 0.02, 79), (1.1, 0.02, 79), (1.1, 0.02, 30)], 1e-5), rel=1e-9
+    )
     assert cost.epsilon > pld_epsilon([(1.1, 0.02, 2), (1.1, 0.02, 79), (1.1, 0.02, 30)], 1e-5)
 
 
 def _scored(scores: list[float]) -> pd.DataFrame:
-    return pd.DataFrame({"status": ["ok"] * len(scores), "noisy_val_accuracy": scores,
-                         "clip_bound": [0.1 * (i + 1) for i in range(len(scores))]})
+    return pd.DataFrame(
+        {
+            "status": ["ok"] * len(scores),
+            "noisy_val_accuracy": scores,
+            "clip_bound": [0.1 * (i + 1) for i in range(len(scores))],
+        }
+    )
 
 
 def test_the_release_is_the_best_noisy_score_of_the_k_runs() -> None:

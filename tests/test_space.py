@@ -78,15 +78,20 @@ def test_overrides_are_validated_and_hashed() -> None:
 def test_batch_size_candidates_drop_values_above_n() -> None:
     space = parse_space(DEFAULT, "d.yaml").space
     assert space.batch_size.candidates(100) == [32, 64]
-    pow2 = parse_space(DEFAULT.replace("values: [32, 64, 128, 256, 512, 1024, 2048]",
-                                       "powers_of_two: {min: 16, max: 64, full_batch: true}"), "p.yaml").space
+    pow2 = parse_space(
+        DEFAULT.replace(
+            "values: [32, 64, 128, 256, 512, 1024, 2048]", "powers_of_two: {min: 16, max: 64, full_batch: true}"
+        ),
+        "p.yaml",
+    ).space
     assert pow2.batch_size.candidates(100) == [16, 32, 64, 100]
 
 
 def test_extends_deep_merges_the_base(tmp_path: Path) -> None:
     (tmp_path / "base.yaml").write_text(DEFAULT)
     (tmp_path / "child.yaml").write_text(
-        "extends: base.yaml\nname: child\ntask: {fraction: 0.5}\nprivacy: {epsilons: [2]}\n")
+        "extends: base.yaml\nname: child\ntask: {fraction: 0.5}\nprivacy: {epsilons: [2]}\n"
+    )
     loaded = load_space(tmp_path / "child.yaml")
     assert loaded.space.name == "child"
     assert (loaded.space.task.fraction, loaded.space.task.dataset) == (0.5, "20newsgroups")  # merged, not replaced
@@ -113,13 +118,17 @@ def test_paper_spaces_are_the_papers_grid() -> None:
 
 
 def test_duplicate_keys_tags_and_alias_bombs_are_refused_with_the_line() -> None:
-    with pytest.raises(SpaceError, match=r"dup.yaml: not valid YAML: line 3, column 1: key 'seed' is given twice "
-                                         r"\(first on line 1\)"):
+    with pytest.raises(
+        SpaceError,
+        match=r"dup.yaml: not valid YAML: line 3, column 1: key 'seed' is given twice "
+        r"\(first on line 1\)",
+    ):
         parse_space("seed: 1\nname: x\nseed: 2\n", "dup.yaml")
     with pytest.raises(SpaceError, match=r"tag.yaml: line 1: YAML tag '!env' is not allowed"):
         parse_space("seed: !env HOME\n", "tag.yaml")
     nested = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"b{i}: &b{i} [{', '.join(['*' + ('a' if i == 0 else f'b{i - 1}')] * 10)}]\n" for i in range(4))
+        f"b{i}: &b{i} [{', '.join(['*' + ('a' if i == 0 else f'b{i - 1}')] * 10)}]\n" for i in range(4)
+    )
     with pytest.raises(SpaceError, match="bomb.yaml: expands to more than 10000 YAML nodes"):
         parse_space(nested, "bomb.yaml")
 
@@ -147,16 +156,21 @@ def test_batch_sizes_above_n_are_reported_apart() -> None:
 PRIVATE = ROOT / "search_spaces" / "private.yaml"
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ({"privacy.epsilons": [1.0]}, "give exactly one of epsilons"),
-    ({"privacy.private_selection": None, "privacy.epsilons": None}, "give exactly one of epsilons"),
-    ({"epochs": [5, 10]}, "epochs must hold one epoch budget"),
-    ({"training.compare_auto_s": True}, "training.compare_auto_s must be false"),
-    ({"sampler.name": "grid", "clip_bound": {"values": [1.0]}, "base_learning_rate": {"values": [0.01]}},
-     "sampler.name 'grid' must be 'random'"),
-    ({"sampler.trials_per_cell": 1}, "sampler.trials_per_cell must be ≥ 2"),
-    ({"privacy.private_selection.score_noise_multiplier": 0}, "score_noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"privacy.epsilons": [1.0]}, "give exactly one of epsilons"),
+        ({"privacy.private_selection": None, "privacy.epsilons": None}, "give exactly one of epsilons"),
+        ({"epochs": [5, 10]}, "epochs must hold one epoch budget"),
+        ({"training.compare_auto_s": True}, "training.compare_auto_s must be false"),
+        (
+            {"sampler.name": "grid", "clip_bound": {"values": [1.0]}, "base_learning_rate": {"values": [0.01]}},
+            "sampler.name 'grid' must be 'random'",
+        ),
+        ({"sampler.trials_per_cell": 1}, "sampler.trials_per_cell must be ≥ 2"),
+        ({"privacy.private_selection.score_noise_multiplier": 0}, "score_noise_multiplier"),
+    ],
+)
 def test_private_selection_refuses_what_voids_its_bound(overrides: dict, expected: str) -> None:
     with pytest.raises(SpaceError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         load_space(PRIVATE, overrides)

@@ -43,13 +43,25 @@ def test_a_missing_library_is_refused_with_a_dptune_error() -> None:
 
 
 def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_accounting_torchvision() -> None:
-    private = {"_generate_noise", "_mark_as_processed", "_check_processed_flag", "_compute_rdp_repeat_and_select",
-               "_rdp", "_image_files", "_labels"}
+    private = {
+        "_generate_noise",
+        "_mark_as_processed",
+        "_check_processed_flag",
+        "_compute_rdp_repeat_and_select",
+        "_rdp",
+        "_image_files",
+        "_labels",
+    }
     users = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ({node.attr} if isinstance(node, ast.Attribute)
-                     else {alias.name for alias in node.names} if isinstance(node, ast.ImportFrom) else set())
+            names = (
+                {node.attr}
+                if isinstance(node, ast.Attribute)
+                else {alias.name for alias in node.names}
+                if isinstance(node, ast.ImportFrom)
+                else set()
+            )
             if names & private:
                 users.add(path.name)
     assert users == {"_thirdparty.py"}

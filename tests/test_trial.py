@@ -71,8 +71,9 @@ def test_trial_runs_the_planned_poisson_steps_at_the_calibrated_noise(
     assert result.status == "ok", result.reason
     assert result.sample_rate == pytest.approx(sample_rate(n, BASE.batch_size))
     assert result.steps == total_steps(n, BASE.batch_size, BASE.epochs)
-    assert result.noise_multiplier == calibrate_noise_multiplier(BASE.epsilon, BASE.delta, result.sample_rate,
-                                                                 result.steps)
+    assert result.noise_multiplier == calibrate_noise_multiplier(
+        BASE.epsilon, BASE.delta, result.sample_rate, result.steps
+    )
     assert [m.steps for m in result.epochs] == list(itertools.accumulate(epoch_steps(n, BASE.batch_size, BASE.epochs)))
     assert result.epochs[-1].steps == result.steps  # exactly the T steps σ was calibrated for
     assert result.epsilon_spent == epsilon_spent(result.noise_multiplier, result.sample_rate, result.steps, BASE.delta)
@@ -120,7 +121,8 @@ def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: 
         # largest norm nothing is clipped, so a larger C only adds noise
         assert 0 < record.optimal_clip_bound <= max(record.grad_norms)
         assert record.mse_variance * (record.optimal_clip_bound / BASE.clip_bound) ** 2 <= (
-            (record.mse_bias + record.mse_variance) * (1 + 1e-9))
+            (record.mse_bias + record.mse_variance) * (1 + 1e-9)
+        )
         assert sum(c.examples for c in record.classes) == len(record.grad_norms)
     assert result.diagnostics_wall_time_s == pytest.approx(sum(d.wall_time_s for d in result.diagnostics))
     assert result.diagnostics_wall_time_s < result.wall_time_s
@@ -183,8 +185,9 @@ def test_an_error_after_training_began_says_what_it_spent() -> None:
     failure = caught.value
     n = 100
     assert failure.steps_taken == sum(epoch_steps(n, COINS.batch_size, COINS.epochs)[:2]) < failure.steps
-    assert failure.epsilon_spent == epsilon_spent(failure.noise_multiplier, failure.sample_rate, failure.steps_taken,
-                                                  COINS.delta)
+    assert failure.epsilon_spent == epsilon_spent(
+        failure.noise_multiplier, failure.sample_rate, failure.steps_taken, COINS.delta
+    )
     assert 0 < failure.epsilon_spent < COINS.epsilon
     assert isinstance(failure.__cause__, RuntimeError)
 
@@ -221,10 +224,12 @@ def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
     assert len(diverged.epochs) < BASE.epochs
     assert 0 < diverged.steps_taken < diverged.steps
     # the stop read an exact, non-private loss: the run is charged its planned steps, not those it took
-    assert diverged.epsilon_spent == epsilon_spent(diverged.noise_multiplier, diverged.sample_rate, diverged.steps,
-                                                   BASE.delta)
-    assert diverged.epsilon_spent > epsilon_spent(diverged.noise_multiplier, diverged.sample_rate,
-                                                  diverged.steps_taken, BASE.delta)
+    assert diverged.epsilon_spent == epsilon_spent(
+        diverged.noise_multiplier, diverged.sample_rate, diverged.steps, BASE.delta
+    )
+    assert diverged.epsilon_spent > epsilon_spent(
+        diverged.noise_multiplier, diverged.sample_rate, diverged.steps_taken, BASE.delta
+    )
     assert "charged its 13 planned steps" in diverged.reason and "exact" in diverged.reason
     assert math.isnan(diverged.test_accuracy)
     private = run_trial(replace(config, score_noise_multiplier=5.0))  # decided from the parameters: charged all too
@@ -246,12 +251,18 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"workload": replace(BASE.workload, dataset="imagenet")},
-         "dataset 'imagenet' is unknown; choose one of 20newsgroups, "),
-        ({"workload": replace(BASE.workload, backbone="resnet50")},
-         "backbone 'resnet50' is unknown; choose one of .*minilm"),
-        ({"workload": replace(BASE.workload, peft="prompt")},
-         "peft 'prompt' is unknown; choose one of film, full, head, lora"),
+        (
+            {"workload": replace(BASE.workload, dataset="imagenet")},
+            "dataset 'imagenet' is unknown; choose one of 20newsgroups, ",
+        ),
+        (
+            {"workload": replace(BASE.workload, backbone="resnet50")},
+            "backbone 'resnet50' is unknown; choose one of .*minilm",
+        ),
+        (
+            {"workload": replace(BASE.workload, peft="prompt")},
+            "peft 'prompt' is unknown; choose one of film, full, head, lora",
+        ),
         ({"clipping": "hard"}, "standard, normalized, auto_s"),
         ({"optimizer": "lion"}, "adam, sgd"),
         ({"engine": "jax"}, "auto, opacus, film"),
@@ -280,8 +291,15 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
 
 #: Modules that must stay importable without torch and Ray (readers of results, the report, the
 #: search space): a notebook or the report CLI must not pay for them, nor need a GPU build.
-TORCH_FREE_MODULES = ("dptune.contract", "dptune.runners", "dptune.runners.trial", "dptune.records", "dptune.analysis",
-                      "dptune.report", "dptune.space")
+TORCH_FREE_MODULES = (
+    "dptune.contract",
+    "dptune.runners",
+    "dptune.runners.trial",
+    "dptune.records",
+    "dptune.analysis",
+    "dptune.report",
+    "dptune.space",
+)
 
 
 def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
@@ -307,15 +325,17 @@ def test_result_and_report_modules_import_neither_torch_nor_ray() -> None:
 def test_a_deleted_working_directory_does_not_kill_the_trial_process(tmp_path: Path) -> None:
     """oneMKL aborts `import torch` in a process whose working directory was deleted (the cause of
     trials dying on a Ray worker node started from a removed temp folder); run_trial moves away first."""
-    script = ("import os, sys\n"
-              f"os.mkdir({str(tmp_path / 'gone')!r}); os.chdir({str(tmp_path / 'gone')!r}); "
-              f"os.rmdir({str(tmp_path / 'gone')!r})\n"
-              "if sys.argv[1] == 'guarded':\n"
-              "    from dptune.runners.trial import leave_deleted_working_directory\n"
-              "    leave_deleted_working_directory()\n"
-              "import torch\n"
-              "a = torch.randn(64, 64)\n"
-              "print('matmul', float((a @ a).abs().sum()) > 0)\n")
+    script = (
+        "import os, sys\n"
+        f"os.mkdir({str(tmp_path / 'gone')!r}); os.chdir({str(tmp_path / 'gone')!r}); "
+        f"os.rmdir({str(tmp_path / 'gone')!r})\n"
+        "if sys.argv[1] == 'guarded':\n"
+        "    from dptune.runners.trial import leave_deleted_working_directory\n"
+        "    leave_deleted_working_directory()\n"
+        "import torch\n"
+        "a = torch.randn(64, 64)\n"
+        "print('matmul', float((a @ a).abs().sum()) > 0)\n"
+    )
     unguarded = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, timeout=120)
     assert unguarded.returncode != 0 and "oneMKL FATAL ERROR" in unguarded.stdout + unguarded.stderr
     guarded = subprocess.run([sys.executable, "-c", script, "guarded"], capture_output=True, text=True, timeout=120)

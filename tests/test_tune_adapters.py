@@ -52,8 +52,13 @@ from dptune.space import Cell, load_space
 N = 100
 EPOCHS = 4
 SIGMA = {32: 1.1, 64: 1.7}  # σ per feasible B, as a cell's plan gives it
-GRID = CellSpec(sampler="grid", seed=3, batch_sizes=(32, 64), feasible_batch_sizes=(32, 64),
-                ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.01]}})
+GRID = CellSpec(
+    sampler="grid",
+    seed=3,
+    batch_sizes=(32, 64),
+    feasible_batch_sizes=(32, 64),
+    ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.01]}},
+)
 PARAMS = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
 
 
@@ -71,9 +76,18 @@ def _driver_state() -> Iterator[None]:
 def context(root: Path, replicates: int = 2) -> TrialContext:
     space = load_space(REPO_ROOT / "tests/spaces/tiny.yaml", {"epochs": [EPOCHS], "privacy.epsilons": [8]}).space
     plan = CellPlan(Cell(8.0, EPOCHS), "normalized", N, (32, 64), (256,), SIGMA, 5)
-    return TrialContext(base=base_trial_config(space, plan, N, 60), results_root=str(root), search_id="s",
-                        cell_id=plan.cell.cell_id, cell_key=plan.cell_key, coupling="sqrt", reference_batch_size=64,
-                        replicates=replicates, num_train=N, noise_multipliers=SIGMA)
+    return TrialContext(
+        base=base_trial_config(space, plan, N, 60),
+        results_root=str(root),
+        search_id="s",
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling="sqrt",
+        reference_batch_size=64,
+        replicates=replicates,
+        num_train=N,
+        noise_multipliers=SIGMA,
+    )
 
 
 def trial(unit: Unit, last: dict[str, Any] | None = None) -> Trial:
@@ -91,11 +105,22 @@ def test_a_unit_is_a_plain_tune_config() -> None:
 
 def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> None:
     cells = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}
-    searcher = CellMultiplexer({"a": CellSampler(GRID), "b": CellSampler(GRID)}, budgets={"a": 4, "b": 3},
-                               unit_sizes={"a": 2, "b": 1}, contexts=cells, num_train=N, min_steps=1)
+    searcher = CellMultiplexer(
+        {"a": CellSampler(GRID), "b": CellSampler(GRID)},
+        budgets={"a": 4, "b": 3},
+        unit_sizes={"a": 2, "b": 1},
+        contexts=cells,
+        num_train=N,
+        min_steps=1,
+    )
     units = {trial_id: Unit.of(searcher.suggest(trial_id)) for trial_id in ("t0", "t1", "t2", "t3", "t4")}
-    assert [(u.cell_key, len(u.configurations)) for u in units.values()] == [("a", 2), ("b", 1), ("a", 2), ("b", 1),
-                                                                              ("b", 1)]
+    assert [(u.cell_key, len(u.configurations)) for u in units.values()] == [
+        ("a", 2),
+        ("b", 1),
+        ("a", 2),
+        ("b", 1),
+        ("b", 1),
+    ]
     assert searcher.suggest("t5") == CellMultiplexer.FINISHED  # every budget spent
 
     searcher.on_trial_complete("t0", {SCORES_KEY: [0.25, math.nan]})  # a unit that ran: a score each (NaN: failed)
@@ -103,8 +128,12 @@ def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> N
     searcher.on_trial_complete("t2", error=True)  # its process failed
     searcher.on_trial_complete("t2", {SCORES_KEY: [0.9, 0.9]})  # told once: a restarted unit is not told again
     a, b = searcher.samplers["a"], searcher.samplers["b"]
-    assert [(value, state) for _, value, state in a.told] == [(0.25, "complete"), (None, "fail"), (None, "fail"),
-                                                               (None, "fail")]
+    assert [(value, state) for _, value, state in a.told] == [
+        (0.25, "complete"),
+        (None, "fail"),
+        (None, "fail"),
+        (None, "fail"),
+    ]
     assert [params for params, _, _ in a.told] == units["t0"].configurations + units["t2"].configurations
     assert b.told == [(units["t1"].configurations[0], 0.5, "complete")]
     assert b.pending == [units["t3"].configurations[0], units["t4"].configurations[0]]
@@ -112,11 +141,21 @@ def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> N
 
 
 def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path: Path) -> None:
-    spec = replace(GRID, sampler="random", batch_sizes=(32, 64), feasible_batch_sizes=(32,),
-                   ranges={"clip_bound": {"low": 0.1, "high": 1.0, "log": True},
-                           "base_learning_rate": {"values": [0.01]}})
-    searcher = CellMultiplexer({"a": CellSampler(spec)}, budgets={"a": 6}, unit_sizes={"a": 6},
-                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=10)
+    spec = replace(
+        GRID,
+        sampler="random",
+        batch_sizes=(32, 64),
+        feasible_batch_sizes=(32,),
+        ranges={"clip_bound": {"low": 0.1, "high": 1.0, "log": True}, "base_learning_rate": {"values": [0.01]}},
+    )
+    searcher = CellMultiplexer(
+        {"a": CellSampler(spec)},
+        budgets={"a": 6},
+        unit_sizes={"a": 6},
+        contexts={"a": context(tmp_path)},
+        num_train=N,
+        min_steps=10,
+    )
     unit = Unit.of(searcher.suggest("t0"))
     assert len(unit.configurations) == 6 and {p["batch_size"] for p in unit.configurations} == {32}
     pruned = read_table(str(tmp_path), "trials")
@@ -126,8 +165,14 @@ def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path:
 
 
 def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None:
-    searcher = CellMultiplexer({"a": CellSampler(GRID)}, budgets={"a": 4}, unit_sizes={"a": 2},
-                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=1)
+    searcher = CellMultiplexer(
+        {"a": CellSampler(GRID)},
+        budgets={"a": 4},
+        unit_sizes={"a": 2},
+        contexts={"a": context(tmp_path)},
+        num_train=N,
+        min_steps=1,
+    )
     unit = Unit.of(searcher.suggest("t0"))
     blob = pickle.dumps(searcher)
     assert b"optuna" not in blob and b"Unit" not in blob  # no study, no class of this module's state
@@ -135,8 +180,14 @@ def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None
     assert copy.owner == {"t0": unit} and copy.contexts == searcher.contexts
     checkpoint = tmp_path / "searcher.json"
     searcher.save(str(checkpoint))
-    restored = CellMultiplexer({"a": CellSampler(GRID)}, budgets={"a": 4}, unit_sizes={"a": 2},
-                               contexts={"a": context(tmp_path)}, num_train=N, min_steps=1)
+    restored = CellMultiplexer(
+        {"a": CellSampler(GRID)},
+        budgets={"a": 4},
+        unit_sizes={"a": 2},
+        contexts={"a": context(tmp_path)},
+        num_train=N,
+        min_steps=1,
+    )
     restored.restore(str(checkpoint))
     assert restored.owner == {"t0": unit} and restored.suggested == {"a": 2} and restored.turn == 1
     restored.on_trial_complete("t0", {SCORES_KEY: [0.5, 0.6]})
@@ -144,8 +195,9 @@ def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None
 
 
 def test_each_cell_has_its_own_asha() -> None:
-    schedulers = {key: ASHAScheduler(time_attr="epoch", max_t=EPOCHS, grace_period=1, reduction_factor=2)
-                  for key in ("a", "b")}
+    schedulers = {
+        key: ASHAScheduler(time_attr="epoch", max_t=EPOCHS, grace_period=1, reduction_factor=2) for key in ("a", "b")
+    }
     asha = PerCellASHA(schedulers)
     assert asha.set_search_properties(METRIC, "max")
     good, poor = trial(Unit("a", [PARAMS])), trial(Unit("a", [PARAMS]))
@@ -164,23 +216,34 @@ def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytes
     unit = Unit("eps8-E4", [PARAMS, other])
     last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: '{"ok": 3, "error": 1}'}
     callback.on_trial_complete(0, [], trial(unit, last))
-    assert capsys.readouterr().out == ("[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
-                                       "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n")
+    assert capsys.readouterr().out == (
+        "[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
+        "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n"
+    )
     quiet = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, quiet=True)
     quiet.on_trial_complete(0, [], trial(unit, last))
     assert capsys.readouterr().out == "" and quiet.finished == {"eps8-E4": 2}
 
 
-def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     cell = context(tmp_path)
     pending = [PendingRun(0, PARAMS, replicate, trial_config(cell, PARAMS, replicate)) for replicate in (0, 1)]
     run_ids = charge_runs(cell, pending)  # as the unit did before its first step
-    finished = TrialResult(config=pending[0].config, status="ok", steps=12, steps_taken=12, epsilon_spent=2.0,
-                           num_train=N, val_accuracy=0.7)
+    finished = TrialResult(
+        config=pending[0].config,
+        status="ok",
+        steps=12,
+        steps_taken=12,
+        epsilon_spent=2.0,
+        num_train=N,
+        val_accuracy=0.7,
+    )
     write_result(cell, FinishedRun(PARAMS, 0, finished, run_ids[0]), ledger=True)  # replicate 0 recorded itself
-    report = EpochMetrics(epoch=1, steps=3, train_loss=1.5, val_loss=1.4, val_accuracy=0.4, wall_time_s=0.2,
-                          examples_per_s=500.0)
+    report = EpochMetrics(
+        epoch=1, steps=3, train_loss=1.5, val_loss=1.4, val_accuracy=0.4, wall_time_s=0.2, examples_per_s=500.0
+    )
     last = {**asdict(report), "done_recording": False}  # what the trainable reported after epoch 1
     callback = RecordAndReport({cell.cell_key: CellRun(cell, "eps=8|epochs=4 normalized", 5)})
     callback.on_trial_complete(0, [], trial(Unit(cell.cell_key, [PARAMS]), last))

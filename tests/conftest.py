@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,10 +245,20 @@ def search_command(*args: str) -> list[str]:
     ]
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder ``name`` that every pytest-xdist worker of this run shares (the parent of the
+    workers' own base folders), or this session's own one without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One DPTUNE_CACHE_DIR for the session's subprocesses (features encoded once)."""
-    return tmp_path_factory.mktemp("dptune-cache")
+    """One DPTUNE_CACHE_DIR for the run's subprocesses, every xdist worker's included (features
+    encoded once: the cache's own file locks make a second encoder wait and reuse the first's)."""
+    return shared_folder(tmp_path_factory, "dptune-cache")
 
 
 @pytest.fixture(scope="session")
@@ -268,18 +279,28 @@ class SearchRun:
 
 @pytest.fixture(scope="session")
 def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, str]) -> SearchRun:
-    """The real tiny grid search of ``tests/spaces/tiny.yaml`` on an embedded local Ray."""
-    storage = tmp_path_factory.mktemp("results")
-    completed = subprocess.run(
-        search_command("--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"),
-        cwd=REPO_ROOT,
-        env=search_env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert completed.returncode == 0, f"tiny search failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}"
-    return SearchRun(root=storage / "tiny", stdout=completed.stdout)
+    """The real tiny grid search of ``tests/spaces/tiny.yaml`` on an embedded local Ray, run once per
+    test run: the first xdist worker to ask runs it under a file lock, the others read its results.
+    Tests only read them (a test that changes results works on a copy)."""
+    folder = shared_folder(tmp_path_factory, "tiny-search")
+    storage, printed = folder / "results", folder / "stdout.txt"
+    with FileLock(folder / "lock"):
+        if not printed.is_file():
+            completed = subprocess.run(
+                search_command(
+                    "--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"
+                ),
+                cwd=REPO_ROOT,
+                env=search_env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            assert completed.returncode == 0, (
+                f"tiny search failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-5000:]}"
+            )
+            printed.write_text(completed.stdout)
+    return SearchRun(root=storage / "tiny", stdout=printed.read_text())
 
 
 # --------------------------------------------------------------------------- a private dptune cache
@@ -287,7 +308,7 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, 
 
 @pytest.fixture(scope="session")
 def _dptune_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dptune-cache")
+    return shared_folder(tmp_path_factory, "dptune-cache-in-process")
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +449,15 @@ def ray_processes_below() -> set[int]:
         if name in ("raylet", "gcs_server") or name.startswith("ray::"):
             found.add(pid)
     return found
+
+
+# --------------------------------------------------------------------------- pytest-xdist groups
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``), every test of the ``ray_head`` fixture
+    runs on one worker, so that one head serves them all; a module whose fixtures are costly marks
+    itself ``xdist_group`` so that they are built once. Other tests go to whichever worker is free."""
+    for item in items:
+        if "ray_head" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray_head"))

@@ -15,6 +15,9 @@ from dptune.plan import DEFAULT_TOLERANCE
 from dptune.records import read_table
 from tiny_results import Replicated, copy_results, write_replicated_search
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("analysis")
+
 
 @pytest.fixture(scope="module")
 def results(result_datasets: list[str]) -> an.Results:

@@ -25,6 +25,9 @@ from dptune.runners import trainer
 from dptune.runners.trial import TrialConfig, TrialConfigError, check_trial_can_run, run_trial
 from test_film import assert_relative, perturb_film_parameters, trainable
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("batch_norm")
+
 torch.set_num_threads(1)
 
 BACKBONE = "efficientnet_lite0"

@@ -26,6 +26,9 @@ from dptune.dp.opacus_engine import OpacusEngine, grad_sample_hooks
 from dptune.dp.optimizers import per_example_norms
 from dptune.models import build_model, load_tokenizer
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("film")
+
 torch.set_num_threads(1)
 
 VIT = "vit_tiny_patch16_224.augreg_in21k"

@@ -49,6 +49,9 @@ BASE = TrialConfig(
     diagnostic_examples=40,
 )
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("fused")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def cache(dptune_cache_dir: Path) -> Path:

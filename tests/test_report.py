@@ -19,6 +19,9 @@ from dptune import analysis as an
 from dptune import report
 from tiny_results import Replicated, copy_results, write_replicated_search
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("report")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -44,6 +44,9 @@ BASE = TrialConfig(
     diagnostic_examples=40,
 )
 
+# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
+pytestmark = pytest.mark.xdist_group("trial")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

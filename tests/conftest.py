@@ -454,10 +454,17 @@ def ray_processes_below() -> set[int]:
 # --------------------------------------------------------------------------- pytest-xdist groups
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (``make test``), every test of the ``ray_head`` fixture
-    runs on one worker, so that one head serves them all; a module whose fixtures are costly marks
-    itself ``xdist_group`` so that they are built once. Other tests go to whichever worker is free."""
+    """Under ``pytest -n N --dist loadgroup`` (``make test``):
+
+    - every test of the ``ray_head`` fixture runs on one worker, so that one head serves them all
+      (a module whose fixtures are costly marks itself ``xdist_group`` likewise);
+    - the tests that run searches of their own (``search_env`` without ``tiny_search``: a
+      minute each) are handed out first, so that no long one is left to run alone at the end.
+    """
     for item in items:
         if "ray_head" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray_head"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not ("search_env" in item.fixturenames and "tiny_search" not in item.fixturenames))

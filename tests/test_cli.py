@@ -18,6 +18,7 @@ from conftest import REPO_ROOT, SearchRun, search_command
 from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
 from dptune.contract import EpochMetrics, TrialResult
+from dptune.errors import shown
 from dptune.records import ResultsStore, read_table, trial_rows
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.execution import TrialContext, configuration_id, trial_config
@@ -46,7 +47,7 @@ def test_an_unwritable_report_location_fails_before_compute(capsys: pytest.Captu
         search.main(["--storage", str(tmp_path / "results"), "--report-dir", str(blocker / "report")])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"error: --report-dir: '{blocker}' exists and is not a folder" in err, err
+    assert f"error: --report-dir: {shown(str(blocker))} exists and is not a folder" in err, err
     assert not ray.is_initialized()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 

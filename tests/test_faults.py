@@ -82,11 +82,10 @@ def test_a_second_search_on_a_held_folder_is_refused_at_once_and_a_dead_holders_
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        for resume in ((), ("--resume",)):
-            started = time.monotonic()
+        for resume in ((), ("--resume",)):  # a search that waited for the lease would outlive the holder's 600 s
             with pytest.raises(SystemExit) as info:
                 search.main([*SMALL, "--storage", str(tmp_path), *resume])
-            assert info.value.code == 2 and time.monotonic() - started < 30
+            assert info.value.code == 2
             message = capsys.readouterr()
             assert f"pid {holder.pid}" in message.err and "another search is running" in message.err
             assert "--resume" in message.err and "--name" in message.err

@@ -254,6 +254,13 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     return folder
 
 
+def run_search(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    """``python -m dptune.search`` with the test caps and ``args``, run to its end in a subprocess."""
+    return subprocess.run(
+        search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.fixture(scope="session")
 def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One DPTUNE_CACHE_DIR for the run's subprocesses, every xdist worker's included (features
@@ -460,11 +467,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     - every test of the ``ray_head`` fixture runs on one worker, so that one head serves them all
       (a module whose fixtures are costly marks itself ``xdist_group`` likewise);
-    - the tests that run searches of their own (``search_env`` without ``tiny_search``: a
-      minute each) are handed out first, so that no long one is left to run alone at the end.
+    - the analysis and report tests (``result_datasets``, one group) are handed out first, so that
+      the real tiny search they read starts at once, then the tests that run searches of their own
+      (``search_env`` without ``tiny_search``: a minute each), so that no long one is left to run
+      alone at the end, then the rest.
     """
     for item in items:
         if "ray_head" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray_head"))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not ("search_env" in item.fixturenames and "tiny_search" not in item.fixturenames))
+        items.sort(key=_handout_order)
+
+
+def _handout_order(item: pytest.Item) -> int:
+    if "result_datasets" in item.fixturenames:
+        return 0
+    return 1 if "search_env" in item.fixturenames and "tiny_search" not in item.fixturenames else 2

@@ -15,8 +15,9 @@ from dptune.plan import DEFAULT_TOLERANCE
 from dptune.records import read_table
 from tiny_results import Replicated, copy_results, write_replicated_search
 
-# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
-pytestmark = pytest.mark.xdist_group("analysis")
+# Under pytest-xdist this module and test_report.py run on one worker: their results fixtures are
+# built once, and one worker waits for the real tiny search, not two.
+pytestmark = pytest.mark.xdist_group("results")
 
 
 @pytest.fixture(scope="module")

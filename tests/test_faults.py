@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, search_command
+from conftest import REPO_ROOT, run_search, search_command
 from dptune import search
 from dptune.records import read_table
 from dptune.search import lease
@@ -25,12 +25,6 @@ from expected import pld_epsilon
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 #: One cell, 4 configurations (C × B = 2 × 2), pruned B = 256 recorded without compute.
 SMALL = ("--space", str(TINY), "--no-report", "--set", "privacy.epsilons=[2]", "--set", "training.compare_auto_s=false")
-
-
-def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def ledger_entries(root: Path) -> tuple[list[dict], list[dict]]:
@@ -216,7 +210,7 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
         "--set",
         "resources.configurations_per_trial=1",
     )
-    failed = run_cli(env, *args)
+    failed = run_search(env, *args)
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]  # Tune logs each lost process above; the command ends in one line
     assert last.startswith("error: 1 run(s) of this search did not finish") and "--resume" in last, last
@@ -232,7 +226,7 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
     retried = ran[(ran["clip_bound"] == 1.0) & (ran["batch_size"] == 32)]["trial_id"].item()
     assert [s["trial_id"] for s in lost].count(retried) == 1  # killed, then run again and recorded
     assert not (root / "search").exists()  # not finished: --resume must run the rest
-    resumed = run_cli(search_env, *args, "--resume")
+    resumed = run_search(search_env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ran = recorded(root)
     assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
@@ -409,7 +403,7 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
     assert not list(root.rglob(".tmp-*")) and not list(root.rglob("*.tmp-*"))
     assert len(recorded(root)) < 6  # the disk filled mid-search
     full_disk.free()
-    resumed = run_cli(full_disk.env, *args, "--resume")
+    resumed = run_search(full_disk.env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ran = recorded(root)
     assert len(ran) == 6 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}

@@ -19,8 +19,9 @@ from dptune import analysis as an
 from dptune import report
 from tiny_results import Replicated, copy_results, write_replicated_search
 
-# Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
-pytestmark = pytest.mark.xdist_group("report")
+# Under pytest-xdist this module and test_analysis.py run on one worker: their results fixtures are
+# built once, and one worker waits for the real tiny search, not two.
+pytestmark = pytest.mark.xdist_group("results")
 
 REPO = Path(__file__).resolve().parent.parent
 

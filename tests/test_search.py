@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,15 @@ import pytest
 import ray
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
-from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, SearchRun, ray_processes_below, search_command
+from conftest import (
+    REPO_ROOT,
+    TINY_EVAL_EXAMPLES,
+    TINY_TRAIN_EXAMPLES,
+    SearchRun,
+    ray_processes_below,
+    run_search,
+    search_command,
+)
 from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.records import TRUST_BOUNDARY, read_table
@@ -30,12 +39,6 @@ from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
-
-
-def run_cli(env: dict[str, str], *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        search_command(*args), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 # --------------------------------------------------------------------------- before any compute
@@ -314,7 +317,7 @@ def test_private_search_refuses_what_voids_the_bound_before_ray(
 
 def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess.CompletedProcess:
     overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
-    completed = run_cli(
+    completed = run_search(
         env, "--space", str(PRIVATE), "--storage", str(storage), "--name", name, "--no-report", *overrides
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -324,7 +327,8 @@ def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess
 def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothing_else(
     search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
 ) -> None:
-    first, second = (_private_search(search_env, tmp_path, name) for name in ("private", "again"))
+    with ThreadPoolExecutor(2) as pool:  # two independent searches, at once
+        first, second = pool.map(lambda name: _private_search(search_env, tmp_path, name), ("private", "again"))
     root = tmp_path / "private"
     inside = root / TRUST_BOUNDARY
     trials, release = read_table(str(inside), "trials"), read_table(str(root), "release")
@@ -514,7 +518,7 @@ def test_sigkill_then_resume_runs_every_trial_exactly_once(search_env: dict[str,
         process.wait()
     before = _ran(root).set_index("trial_id")["finished_at"]
     assert 2 <= len(before) < 12
-    resumed = run_cli(search_env, *args, "--resume")
+    resumed = run_search(search_env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = _ran(root)
     assert after["trial_id"].is_unique and len(after) == 12  # 3 C × 2 feasible B × 2 replicates
@@ -585,14 +589,14 @@ def test_search_runs_trials_on_a_second_node(search_env: dict[str, str], tmp_pat
     from conftest import start_two_node_cluster
 
     with start_two_node_cluster(search_env) as address:
-        completed = run_cli(search_env, *_tiny_on_cluster_args(tmp_path), "--address", address)
+        completed = run_search(search_env, *_tiny_on_cluster_args(tmp_path), "--address", address)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ran = _ran(tmp_path / "tiny")
     assert sorted(ran["batch_size"]) == [32, 64] and set(ran["status"]) == {"ok"}, ran[["status", "reason"]]
 
 
 def test_asha_stops_weak_trials_early_and_records_them(search_env: dict[str, str], tmp_path: Path) -> None:
-    completed = run_cli(
+    completed = run_search(
         search_env,
         "--space",
         str(TINY),

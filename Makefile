@@ -10,8 +10,11 @@ STAMP := $(VENV)/.installed
 # (or UV_INDEX_URL), or run `make venv INSTALLER=pip`.
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
+# Both compile the packages' bytecode at install (pip by default, uv when asked): where
+# PYTHONDONTWRITEBYTECODE is set, every process (each Ray worker, each test's search) would otherwise
+# compile torch, Ray and the rest from source at every import (bench/RESULTS.md).
 ifeq ($(INSTALLER),uv)
-INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
+INSTALL := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)
 else ifeq ($(INSTALLER),pip)
 INSTALL := $(PY) -m pip install --quiet
 else

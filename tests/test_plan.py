@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,19 +246,25 @@ def test_cli_prints_one_block_per_epsilon_with_the_recommended_row_marked(
         assert len({len(line.removesuffix(RECOMMENDED_MARK).rstrip()) for line in table}) == 1
 
 
-def test_python_dash_m_on_a_warm_cache_computes_nothing(rows: list[PlanRow], dptune_cache_dir: Path) -> None:
+def test_python_dash_m_on_a_warm_cache_computes_nothing(
+    rows: list[PlanRow], dptune_cache_dir: Path, tmp_path: Path
+) -> None:
+    # a copy of the cache that ``rows`` warmed: other tests (other xdist workers) write to the shared one
+    cache = tmp_path / "cache"
+    shutil.copytree(dptune_cache_dir, cache)
+
     def entries() -> dict[Path, int]:
-        return {path: path.stat().st_mtime_ns for path in dptune_cache_dir.rglob("*.json")}
+        return {path: path.stat().st_mtime_ns for path in cache.rglob("*.json")}
 
     before = entries()
     result = subprocess.run(
         [sys.executable, "-m", "dptune.plan", *CLI_ARGS],
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(cache)},
         check=True,
     )
-    assert entries() == before  # every σ and ε was read from the cache: none was computed and written
+    assert before and entries() == before  # every σ and ε was read from the cache: none computed and written
     assert result.stdout.count(RECOMMENDED_MARK) == 2
     assert "calibrating σ" in result.stderr  # the tqdm bar (on stderr)
 

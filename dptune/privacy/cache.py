@@ -59,14 +59,16 @@ def _cache_folder() -> Path:
     return folder
 
 
-@lru_cache(maxsize=1)
-def _cache_key_secret() -> bytes:
-    """A per-user secret (32 random bytes in a 0600 file of the cache folder) that signs entries.
+@lru_cache(maxsize=64)
+def _cache_key_secret(folder: Path) -> bytes:
+    """The per-user secret (32 random bytes in a 0600 file of the cache ``folder``) that signs its
+    entries; one per folder, so that a process whose ``DPTUNE_CACHE_DIR`` changes signs each
+    folder's entries with that folder's own key.
 
     An entry whose HMAC does not verify (edited, copied from elsewhere, written by another user,
     truncated) is recomputed, never trusted: a tampered σ cannot weaken a trial's guarantee.
     """
-    path = _cache_folder() / ".hmac-key"
+    path = folder / ".hmac-key"
     try:
         secret = path.read_bytes()
         if len(secret) == 32 and path.stat().st_uid == os.getuid() and not path.stat().st_mode & 0o077:
@@ -85,7 +87,7 @@ def _cache_key_secret() -> bytes:
 
 def _signature(key: dict[str, object], value: float) -> str:
     message = json.dumps({"key": key, "value": value}, sort_keys=True).encode()
-    return hmac.new(_cache_key_secret(), message, hashlib.sha256).hexdigest()
+    return hmac.new(_cache_key_secret(_cache_folder()), message, hashlib.sha256).hexdigest()
 
 
 def _cache_path(key: dict[str, object]) -> Path:

@@ -10,11 +10,8 @@ STAMP := $(VENV)/.installed
 # (or UV_INDEX_URL), or run `make venv INSTALLER=pip`.
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
-# Both compile the packages' bytecode at install (pip by default, uv when asked): where
-# PYTHONDONTWRITEBYTECODE is set, every process (each Ray worker, each test's search) would otherwise
-# compile torch, Ray and the rest from source at every import (bench/RESULTS.md).
 ifeq ($(INSTALLER),uv)
-INSTALL := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)
+INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
 else ifeq ($(INSTALLER),pip)
 INSTALL := $(PY) -m pip install --quiet
 else
@@ -37,8 +34,14 @@ $(STAMP): pyproject.toml
 
 # --resume: the first run starts the search; a later one continues an interrupted search, or, for
 # a finished one, computes nothing and prints its summary and rebuilds its report (seconds).
+# `run` and `test` write the bytecode of what they import (into .venv/ and __pycache__/, both this
+# clone's own) even where the environment sets PYTHONDONTWRITEBYTECODE: otherwise every process (the
+# driver, each Ray worker, each test's search) compiles torch, Ray and the rest from source at every
+# import. Measured against compiling everything at install (bench/RESULTS.md).
+BYTECODE := PYTHONDONTWRITEBYTECODE=
+
 run: venv
-	$(PY) -m dptune.search --space search_spaces/default.yaml --resume
+	$(BYTECODE) $(PY) -m dptune.search --space search_spaces/default.yaml --resume
 
 # ruff and mypy (pinned in the test extra, configured in pyproject.toml): the formatter's check, then
 # import order, pyflakes, pycodestyle, bugbear, pyupgrade, then the types of dptune/ (about 30 s of CPU
@@ -54,7 +57,7 @@ lint: venv
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: venv
 	$(PY) bench/run_all.py

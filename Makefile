@@ -32,14 +32,14 @@ $(STAMP): pyproject.toml
 	$(INSTALL) --no-deps $(NO_DEPS)
 	touch $(STAMP)
 
-# --resume: the first run starts the search; a later one continues an interrupted search, or, for
-# a finished one, computes nothing and prints its summary and rebuilds its report (seconds).
 # `run` and `test` write the bytecode of what they import (into .venv/ and __pycache__/, both this
 # clone's own) even where the environment sets PYTHONDONTWRITEBYTECODE: otherwise every process (the
 # driver, each Ray worker, each test's search) compiles torch, Ray and the rest from source at every
 # import. Measured against compiling everything at install (bench/RESULTS.md).
 BYTECODE := PYTHONDONTWRITEBYTECODE=
 
+# --resume: the first run starts the search; a later one continues an interrupted search, or, for
+# a finished one, computes nothing and prints its summary and rebuilds its report (seconds).
 run: venv
 	$(BYTECODE) $(PY) -m dptune.search --space search_spaces/default.yaml --resume
 
@@ -52,7 +52,7 @@ lint: venv
 	$(PY) -m mypy
 
 # Two pytest-xdist workers: the suite spends much of its time waiting on Ray processes to start and
-# register, so 2 workers on 2 cores finish it in about half the time of one (bench/RESULTS.md).
+# register, so 2 workers on 2 cores finish it in 0.7 of the time of one (bench/RESULTS.md).
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 

@@ -293,14 +293,13 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory, search_env: dict[str, 
     storage, printed = folder / "results", folder / "stdout.txt"
     with FileLock(folder / "lock"):
         if not printed.is_file():
-            completed = subprocess.run(
-                search_command(
-                    "--space", str(REPO_ROOT / "tests/spaces/tiny.yaml"), "--storage", str(storage), "--no-report"
-                ),
-                cwd=REPO_ROOT,
-                env=search_env,
-                capture_output=True,
-                text=True,
+            completed = run_search(
+                search_env,
+                "--space",
+                str(REPO_ROOT / "tests/spaces/tiny.yaml"),
+                "--storage",
+                str(storage),
+                "--no-report",
                 timeout=1800,
             )
             assert completed.returncode == 0, (

@@ -1,19 +1,21 @@
-"""bf16 against fp32 for the MiniLM feature encoding of 20 Newsgroups: speed and accuracy.
+"""Each encoding precision against torch fp32 for the MiniLM features of 20 Newsgroups: speed and accuracy.
 
-bf16 is what ``dptune.data.features`` runs: the encoder's weights cast to bf16 (until 2026-12-01: a
-bf16 autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` before that date measured).
+The precisions are ``dptune.data.features.PRECISIONS`` (``--precisions`` picks some; torch fp32, the
+reference, is always one): torch bf16 casts the encoder's weights to bf16 (until 2026-12-01: a bf16
+autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` before that date measured);
+``openvino-fp32``/``openvino-bf16`` run it on OpenVINO's CPU runtime at that inference precision.
 
 1. Speed: ``--docs`` documents of the training split (a seeded sample), truncated to
-   ``--max-tokens``, encoded by ``dptune.data.features.encode_texts`` in fp32 and in bf16, each
+   ``--max-tokens``, encoded by ``dptune.data.features.encode_texts`` in each precision, each
    after a warm-up of one batch; documents per second of wall time and of process CPU time (the
-   fairer figure on a shared machine), and the cosine similarity of each document's bf16
-   features to its fp32 ones (minimum and median).
+   fairer figure on a shared machine), and the cosine similarity of each document's features to
+   its fp32 ones (minimum and median).
 2. Accuracy: the same DP linear-probe configurations (``run_trial``, peft ``head``, the default
-   search's ε and epoch budgets, DP-Adam with normalized clipping, explicit seed) trained on fp32
-   and on bf16 features of the same split (``--train-examples``/``--eval-examples`` caps, encoded
-   through the feature cache with ``DPTUNE_ENCODE_PRECISION`` forced); per cell the test and
-   validation accuracy of the configuration selected on validation, and the largest difference
-   over all configurations.
+   search's ε and epoch budgets, DP-Adam with normalized clipping, explicit seed) trained on the
+   features of each precision of the same split (``--train-examples``/``--eval-examples`` caps,
+   encoded through the feature cache with ``DPTUNE_ENCODE_PRECISION`` forced); per cell the test
+   and validation accuracy of the configuration selected on validation, and per precision the
+   largest difference to fp32 over all configurations.
 
 Prints a markdown summary; ``--out FILE.json`` also writes every figure.
 
@@ -21,6 +23,7 @@ Prints a markdown summary; ``--out FILE.json`` also writes every figure.
    each precision (``--rounds`` interleaved rounds; medians), on another seeded sample.
 
     OMP_NUM_THREADS=2 nice .venv/bin/python bench/bench_encoding_precision.py --out build/bench/precision.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --precisions openvino-bf16
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --skip-accuracy --batch-tokens 4096,8192,16384
 """
 
@@ -57,8 +60,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def encoding_speed(docs: int, max_tokens: int, seed: int) -> dict:
-    """Docs/s of fp32 and bf16 encoding of ``docs`` training documents, and their agreement."""
+def encoding_speed(docs: int, max_tokens: int, seed: int, precisions: tuple[str, ...]) -> dict:
+    """Docs/s of each precision's encoding of ``docs`` training documents, and its agreement with fp32."""
     raw = load_20newsgroups()
     rng = np.random.default_rng(seed)
     rows = rng.choice(raw.num_official_train, size=docs, replace=False)
@@ -68,20 +71,27 @@ def encoding_speed(docs: int, max_tokens: int, seed: int) -> dict:
     dim = BACKBONES["minilm"].feature_dim
     figures: dict = {"docs": docs, "max_tokens": max_tokens, "threads": torch.get_num_threads()}
     features = {}
-    for precision in PRECISIONS:
+    for precision in precisions:
         encode_texts(extractor, tokenizer, texts[:64], max_tokens, dim, precision)  # warm-up
         wall, cpu = time.perf_counter(), time.process_time()
         features[precision] = encode_texts(extractor, tokenizer, texts, max_tokens, dim, precision)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        figures[precision] = {"wall_s": wall, "cpu_s": cpu, "docs_per_s": docs / wall, "docs_per_cpu_s": docs / cpu}
-    similarity = cosine(features["fp32"], features["bf16"])
-    figures["cosine_min"], figures["cosine_median"] = float(similarity.min()), float(np.median(similarity))
-    figures["speedup_wall"] = figures["bf16"]["docs_per_s"] / figures["fp32"]["docs_per_s"]
-    figures["speedup_cpu"] = figures["bf16"]["docs_per_cpu_s"] / figures["fp32"]["docs_per_cpu_s"]
+        similarity = cosine(features["fp32"], features[precision])
+        figures[precision] = {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "docs_per_s": docs / wall,
+            "docs_per_cpu_s": docs / cpu,
+            "speedup_wall": docs / wall / figures["fp32"]["docs_per_s"] if precision != "fp32" else 1.0,
+            "cosine_min": float(similarity.min()),
+            "cosine_median": float(np.median(similarity)),
+        }
     return figures
 
 
-def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int], rounds: int) -> dict:
+def batch_budget_speed(
+    docs: int, max_tokens: int, seed: int, budgets: list[int], rounds: int, precisions: tuple[str, ...]
+) -> dict:
     """Docs/s of CPU encoding (each precision) at each tokens-per-batch budget: ``rounds`` rounds, the
     budgets interleaved within a round (a drifting machine affects them alike); median over rounds."""
     raw = load_20newsgroups()
@@ -90,9 +100,9 @@ def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int]
     extractor, tokenizer = build_feature_extractor("minilm"), load_tokenizer("minilm")
     dim = BACKBONES["minilm"].feature_dim
     default = TEXT_BATCH_TOKENS["cpu"]
-    rates: dict[str, dict[int, list[float]]] = {p: {b: [] for b in budgets} for p in PRECISIONS}
+    rates: dict[str, dict[int, list[float]]] = {p: {b: [] for b in budgets} for p in precisions}
     try:
-        for precision in PRECISIONS:
+        for precision in precisions:
             encode_texts(extractor, tokenizer, texts[:64], max_tokens, dim, precision)  # warm-up
             for _ in range(rounds):
                 for budget in budgets:
@@ -108,12 +118,14 @@ def batch_budget_speed(docs: int, max_tokens: int, seed: int, budgets: list[int]
     }
 
 
-def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, seed: int) -> list[dict]:
+def probe_accuracies(
+    train_examples: int, eval_examples: int, max_tokens: int, seed: int, precisions: tuple[str, ...]
+) -> list[dict]:
     """One row per (precision, ε, E, C, B, η₀): validation and test accuracy of the DP probe."""
     from dptune.runners import common
 
     rows = []
-    for precision in PRECISIONS:
+    for precision in precisions:
         os.environ[PRECISION_ENV] = precision
         common.cached_workload.cache_clear()  # the memo is keyed by spec, not by precision
         for epsilon, epochs, clip, batch, base_lr in itertools.product(
@@ -161,8 +173,9 @@ def probe_accuracies(train_examples: int, eval_examples: int, max_tokens: int, s
     return rows
 
 
-def compare(rows: list[dict]) -> dict:
-    """Per cell, the best-on-validation trial of each precision; the largest gap over configurations."""
+def compare(rows: list[dict], precisions: tuple[str, ...]) -> dict:
+    """Per cell, the best-on-validation trial of each precision; per precision the largest gap to fp32
+    over configurations."""
     import pandas as pd
 
     frame = pd.DataFrame(rows)
@@ -171,7 +184,7 @@ def compare(rows: list[dict]) -> dict:
     best = {}
     for (epsilon, epochs), cell in frame.groupby(["epsilon", "epochs"]):
         picks = {
-            p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0] for p in PRECISIONS
+            p: cell[cell["precision"] == p].sort_values("val_accuracy", ascending=False).iloc[0] for p in precisions
         }
         best[f"eps={epsilon:g}|epochs={epochs}"] = {
             p: {
@@ -182,11 +195,12 @@ def compare(rows: list[dict]) -> dict:
         }
     return {
         "best_per_cell": best,
-        **{
-            f"max_abs_{split}_gap_points": float(
-                100 * (paired[f"{split}_accuracy"]["bf16"] - paired[f"{split}_accuracy"]["fp32"]).abs().max()
-            )
-            for split in ("test", "val")
+        "max_abs_gap_points": {
+            p: {
+                split: float(100 * (paired[f"{split}_accuracy"][p] - paired[f"{split}_accuracy"]["fp32"]).abs().max())
+                for split in ("test", "val")
+            }
+            for p in precisions[1:]
         },
         "configurations": len(paired),
     }
@@ -207,50 +221,63 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --batch-tokens comparison")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    parser.add_argument(
+        "--precisions",
+        default=",".join(PRECISIONS[1:]),
+        help=f"precisions compared with fp32, comma-separated, of {list(PRECISIONS[1:])} (default: all)",
+    )
     args = parser.parse_args()
+    precisions = ("fp32", *(p for p in args.precisions.split(",") if p and p != "fp32"))
+    unknown = sorted(set(precisions) - set(PRECISIONS))
+    if unknown:
+        parser.error(f"--precisions: unknown {unknown}; expected some of {list(PRECISIONS[1:])}")
     flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    figures: dict = {"cpu_bf16_flags": flags, "speed": encoding_speed(args.docs, args.max_tokens, args.seed)}
-    speed = figures["speed"]
+    speed = encoding_speed(args.docs, args.max_tokens, args.seed, precisions)
+    figures: dict = {"cpu_bf16_flags": flags, "speed": speed}
     print(
         f"\nCPU bf16 flags: {flags or 'none'}; {speed['threads']} threads; {args.docs} docs, {args.max_tokens} tokens"
     )
-    print("| precision | docs/s (wall) | docs/s (process CPU) |\n|---|---|---|")
-    for precision in PRECISIONS:
-        print(f"| {precision} | {speed[precision]['docs_per_s']:.1f} | {speed[precision]['docs_per_cpu_s']:.1f} |")
-    print(
-        f"bf16/fp32: {speed['speedup_wall']:.2f}x wall, {speed['speedup_cpu']:.2f}x CPU; "
-        f"cosine(bf16, fp32) min {speed['cosine_min']:.6f}, median {speed['cosine_median']:.6f}"
-    )
+    print("| precision | docs/s (wall) | docs/s (process CPU) | vs fp32 (wall) | cosine to fp32 min / median |")
+    print("|---|---|---|---|---|")
+    for p in precisions:
+        row = speed[p]
+        print(
+            f"| {p} | {row['docs_per_s']:.1f} | {row['docs_per_cpu_s']:.1f} | {row['speedup_wall']:.2f}x "
+            f"| {row['cosine_min']:.6f} / {row['cosine_median']:.6f} |"
+        )
     if args.batch_tokens:
         budgets = [int(b) for b in args.batch_tokens.split(",")]
-        figures["batch_tokens"] = batch_budget_speed(args.docs, args.max_tokens, args.seed, budgets, args.rounds)
-        print(f"\n| tokens per batch | {' | '.join(f'{p} docs/s (median of {args.rounds})' for p in PRECISIONS)} |")
-        print("|---|" + "---|" * len(PRECISIONS))
+        figures["batch_tokens"] = batch_budget_speed(
+            args.docs, args.max_tokens, args.seed, budgets, args.rounds, precisions
+        )
+        print(f"\n| tokens per batch | {' | '.join(f'{p} docs/s (median of {args.rounds})' for p in precisions)} |")
+        print("|---|" + "---|" * len(precisions))
         for budget in budgets:
             print(
                 f"| {budget} | "
-                + " | ".join(f"{figures['batch_tokens'][p][str(budget)]['median_docs_per_s']:.1f}" for p in PRECISIONS)
+                + " | ".join(f"{figures['batch_tokens'][p][str(budget)]['median_docs_per_s']:.1f}" for p in precisions)
                 + " |"
             )
     if not args.skip_accuracy:
-        figures["accuracy"] = compare(
-            probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens, args.seed)
+        accuracy = compare(
+            probe_accuracies(args.train_examples, args.eval_examples, args.max_tokens, args.seed, precisions),
+            precisions,
         )
-        print("\n| cell | fp32 val / test | bf16 val / test |\n|---|---|---|")
-        for cell, picks in figures["accuracy"]["best_per_cell"].items():
+        figures["accuracy"] = accuracy
+        print(f"\n| cell | {' | '.join(f'{p} val / test' for p in precisions)} |\n|---|" + "---|" * len(precisions))
+        for cell, picks in accuracy["best_per_cell"].items():
             print(
                 f"| {cell} | "
                 + " | ".join(
-                    f"{100 * picks[p]['val_accuracy']:.2f} / {100 * picks[p]['test_accuracy']:.2f}" for p in PRECISIONS
+                    f"{100 * picks[p]['val_accuracy']:.2f} / {100 * picks[p]['test_accuracy']:.2f}" for p in precisions
                 )
                 + " |"
             )
-        accuracy = figures["accuracy"]
-        print(
-            f"largest |bf16 − fp32| over {accuracy['configurations']} configurations: "
-            f"test {accuracy['max_abs_test_gap_points']:.2f} points, "
-            f"val {accuracy['max_abs_val_gap_points']:.2f} points"
-        )
+        for p, gaps in accuracy["max_abs_gap_points"].items():
+            print(
+                f"largest |{p} − fp32| over {accuracy['configurations']} configurations: "
+                f"test {gaps['test']:.2f} points, val {gaps['val']:.2f} points"
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1))

@@ -3,19 +3,21 @@
 Text is mean-pooled over the attention mask (``dptune.models.TextEncoder``); images use the
 backbone's own pooled output. Encoding runs under ``torch.inference_mode`` on CUDA when
 available, else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
-``torch.set_num_threads`` says otherwise). Precision (``choose_precision``) is chosen by
-measurement, not by CPU flags: on first use per machine and backbone, a few batches of the rows to
-encode are timed in each of ``PRECISIONS`` (interleaved rounds, median), and the fastest whose
-features agree with fp32 ones (cosine ≥ ``MIN_COSINE`` on every probe row) is chosen and recorded
-in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU model and flags,
-threads, device, torch version); ``DPTUNE_ENCODE_PRECISION=fp32|bf16`` overrides it. (bf16 was
-2.4–2.7x faster than fp32 on CPUs with AMX or, with an autocast, on an AMD EPYC with AVX-512
-BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX: flags do not tell.) A text
-encoder runs in bf16 throughout (its weights cast to bf16; the mean pooling in float32), which on
-a CPU was 1.1–1.2x faster than a bf16 autocast of the same model in two hand-timed runs of 1,536
-documents (autocast keeps layer norms, softmax and the casts between them in float32); an image
-encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of MiniLM text
-are within cosine 0.9998 of fp32 ones, and DP linear probes trained on either agree within 0.3
+``torch.set_num_threads`` says otherwise). How it runs (``PRECISIONS``: torch in fp32 or bf16, and,
+for text on the CPU, OpenVINO's CPU runtime at fp32 or bf16 inference precision) is chosen by
+measurement, not by CPU flags (``choose_precision``): on first use per machine and backbone, a few
+batches of the rows to encode are timed in each candidate (interleaved rounds, median), and the
+fastest whose features agree with torch's fp32 ones (cosine ≥ ``MIN_COSINE`` on every probe row) is
+chosen and recorded in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU
+model and flags, threads, device, torch version, the candidates); ``DPTUNE_ENCODE_PRECISION``
+overrides it. (bf16 was 2.4–2.7x faster than fp32 on CPUs with AMX or on an AMD EPYC with AVX-512
+BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX; on the EPYC, OpenVINO in bf16 was
+1.3x torch in bf16, with features closer to fp32: flags do not tell, ``bench/RESULTS.md``.) torch
+runs a text encoder in bf16 throughout (its weights cast to bf16; the mean pooling in float32),
+which on a CPU was 1.1–1.2x faster than a bf16 autocast of the same model in two hand-timed runs of
+1,536 documents (autocast keeps layer norms, softmax and the casts between them in float32); an
+image encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of MiniLM
+text are within cosine 0.9998 of fp32 ones, and DP linear probes trained on either agree within 0.3
 accuracy points (``bench/bench_encoding_precision.py``). Text is sorted
 by token count and batched by a token budget, each batch padded only to its own longest document
 (dynamic padding): the attention mask makes this equal to padding every document to
@@ -37,18 +39,22 @@ from __future__ import annotations
 import copy
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
@@ -62,15 +68,19 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 FORMAT_VERSION = 2  # 2: bf16 text features from bf16 weights (1: from a bf16 autocast)
-#: Precisions features are encoded in: full fp32, or bf16 (text: bf16 weights; images: bf16 autocast).
-PRECISIONS = ("fp32", "bf16")
+#: How features are encoded: torch in full fp32 or in bf16 (text: bf16 weights; images: bf16
+#: autocast), or (text on the CPU only) OpenVINO's CPU runtime at fp32 or bf16 inference precision.
+#: The first, torch fp32, is the reference the others must agree with.
+PRECISIONS = ("fp32", "bf16", "openvino-fp32", "openvino-bf16")
+OPENVINO = "openvino-"
 #: Environment variable that forces one of ``PRECISIONS`` (unset or ``auto``: the measured choice).
 PRECISION_ENV = "DPTUNE_ENCODE_PRECISION"
 #: A precision is chosen only if its features agree with fp32 ones to this cosine on every probe row.
 MIN_COSINE = 0.9999
-#: Rows of the data to encode that the measurement times, and its interleaved rounds (median).
+#: Rows of the data to encode that the measurement times, and its interleaved rounds (median; the
+#: order reverses every round, so two rounds time each candidate once early and once late).
 PROBE_ROWS = 48
-PROBE_ROUNDS = 3
+PROBE_ROUNDS = 2
 #: Tokens per text batch by device type. On a 2-core CPU, 4,096 (32 documents of 128 tokens) encoded
 #: MiniLM 1.11x faster than 16,384 in bf16 and 1.15x in fp32 (medians of 3 interleaved rounds;
 #: ``bench/bench_encoding_precision.py --batch-tokens``, ``bench/RESULTS.md``); a GPU gets larger
@@ -117,14 +127,22 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def forced_precision() -> str | None:
-    """``$DPTUNE_ENCODE_PRECISION`` when it names one of ``PRECISIONS``; None when unset or ``auto``.
+def candidate_precisions(device: torch.device, modality: str) -> tuple[str, ...]:
+    """The ``PRECISIONS`` that can encode ``modality`` on ``device``: OpenVINO's only for text on the
+    CPU, and only where it is installed; torch fp32 first."""
+    if device.type == "cpu" and modality == "text" and importlib.util.find_spec("openvino") is not None:
+        return PRECISIONS
+    return tuple(p for p in PRECISIONS if not p.startswith(OPENVINO))
+
+
+def forced_precision(candidates: tuple[str, ...] = PRECISIONS) -> str | None:
+    """``$DPTUNE_ENCODE_PRECISION`` when it names one of ``candidates``; None when unset or ``auto``.
     Raises ``ValueError`` for any other value."""
     forced = os.environ.get(PRECISION_ENV, "auto").strip().lower()
-    if forced in PRECISIONS:
+    if forced in candidates:
         return forced
     if forced != "auto":
-        raise ValueError(f"{PRECISION_ENV}={forced!r}: expected one of {[*PRECISIONS, 'auto']}")
+        raise ValueError(f"{PRECISION_ENV}={forced!r}: expected one of {[*candidates, 'auto']}")
     return None
 
 
@@ -132,15 +150,15 @@ def forced_precision() -> str | None:
 class PrecisionChoice:
     """The precision features are encoded in, and why.
 
-    ``rows_per_s`` holds the measured speed of each precision (rows per second of wall time,
-    median of interleaved rounds); ``min_cosine`` the least cosine of a probe row's bf16 features
-    to its fp32 ones; both empty/None when the precision was forced.
+    ``rows_per_s`` holds the measured speed of each candidate (rows per second of wall time,
+    median of interleaved rounds); ``min_cosine`` each candidate's least cosine of a probe row's
+    features to its torch fp32 ones; both empty when the precision was forced.
     """
 
     precision: str
     reason: str
     rows_per_s: dict[str, float]
-    min_cosine: float | None
+    min_cosine: dict[str, float]
 
 
 def machine_identity(device: torch.device) -> dict[str, str | int]:
@@ -173,73 +191,83 @@ def machine_identity(device: torch.device) -> dict[str, str | int]:
 def measure_precision(
     encode: Callable[[str], np.ndarray],
     rows: int,
+    candidates: tuple[str, ...] = PRECISIONS[:2],
     clock: Callable[[], float] = time.perf_counter,
     rounds: int = PROBE_ROUNDS,
 ) -> PrecisionChoice:
     """Time ``encode(precision)`` (the same ``rows`` probe rows, features returned) in each of
-    ``PRECISIONS`` and choose the fastest whose features agree with fp32 (``MIN_COSINE``).
+    ``candidates`` (the first is the fp32 reference) and choose the fastest whose features agree
+    with the reference's (``MIN_COSINE`` on every row).
 
     One warm-up call each (its features give the agreement), then ``rounds`` interleaved rounds,
-    the order alternating between rounds so that a drift of the machine's speed favours neither;
-    each precision's speed is ``rows`` over its median time.
+    the order reversing between rounds so that a drift of the machine's speed favours none; each
+    candidate's speed is ``rows`` over its median time.
     """
-    reference = encode("fp32")
-    candidate = encode("bf16")
-    similarity = (candidate * reference).sum(1) / (
-        np.linalg.norm(candidate, axis=1) * np.linalg.norm(reference, axis=1)
-    )
-    min_cosine = float(similarity.min())
-    seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
+    reference = encode(candidates[0])
+    min_cosine = {candidates[0]: 1.0}
+    for precision in candidates[1:]:
+        found = encode(precision)
+        similarity = (found * reference).sum(1) / (np.linalg.norm(found, axis=1) * np.linalg.norm(reference, axis=1))
+        min_cosine[precision] = float(similarity.min())
+    seconds: dict[str, list[float]] = {precision: [] for precision in candidates}
     for round_ in range(rounds):
-        for precision in PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]:
+        for precision in candidates if round_ % 2 == 0 else candidates[::-1]:
             start = clock()
             encode(precision)
             seconds[precision].append(clock() - start)
     rates = {precision: rows / max(statistics.median(times), 1e-9) for precision, times in seconds.items()}
-    agrees = min_cosine >= MIN_COSINE
-    eligible = [p for p in PRECISIONS if p == "fp32" or agrees]
+    eligible = [p for p in candidates if min_cosine[p] >= MIN_COSINE]
     chosen = max(eligible, key=lambda p: rates[p])
-    ratio = rates["bf16"] / rates["fp32"]
+    others = ", ".join(
+        f"{p} {rates[p]:.0f}" + ("" if p in eligible else f" (cosine {min_cosine[p]:.5f} < {MIN_COSINE}: not eligible)")
+        for p in sorted(candidates, key=lambda p: -rates[p])
+        if p != chosen
+    )
     reason = (
-        f"measured: bf16 {ratio:.2f}x fp32 ({rates['bf16']:.0f} vs {rates['fp32']:.0f} rows/s), "
-        f"cosine to fp32 ≥ {min_cosine:.5f}" + ("" if agrees else f" < {MIN_COSINE}: bf16 not eligible")
+        f"measured: {rates[chosen] / rates[candidates[0]]:.2f}x {candidates[0]}, {rates[chosen]:.0f} rows/s "
+        f"(cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}); {others}"
     )
     return PrecisionChoice(chosen, reason, rates, min_cosine)
 
 
-def _precision_record(device: torch.device, backbone: str) -> Path:
-    identity = {**machine_identity(device), "backbone": backbone}
+def _precision_record(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> Path:
+    identity = {**machine_identity(device), "backbone": backbone, "candidates": list(candidates)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir("precision") / f"{backbone}-{digest}.json"
 
 
-def recorded_precision(device: torch.device, backbone: str) -> PrecisionChoice | None:
+def recorded_precision(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> PrecisionChoice | None:
     """The choice forced by ``$DPTUNE_ENCODE_PRECISION``, else the one measured on this machine for
-    ``backbone`` and recorded, else None (nothing measured yet)."""
-    forced = forced_precision()
+    ``backbone`` among ``candidates`` and recorded, else None (nothing measured yet)."""
+    forced = forced_precision(candidates)
     if forced is not None:
-        return PrecisionChoice(forced, f"forced by {PRECISION_ENV}", {}, None)
-    path = _precision_record(device, backbone)
+        return PrecisionChoice(forced, f"forced by {PRECISION_ENV}", {}, {})
+    path = _precision_record(device, backbone, candidates)
     try:
         recorded = json.loads(path.read_text())
         choice = PrecisionChoice(**recorded["choice"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none yet, or unreadable: measure again
-    return choice if choice.precision in PRECISIONS else None
+    return choice if choice.precision in candidates and isinstance(choice.min_cosine, dict) else None
 
 
 def choose_precision(
-    device: torch.device, backbone: str, encode: Callable[[str], np.ndarray], rows: int
+    device: torch.device,
+    backbone: str,
+    encode: Callable[[str], np.ndarray],
+    rows: int,
+    candidates: tuple[str, ...],
 ) -> PrecisionChoice:
     """:func:`recorded_precision`, or a new :func:`measure_precision` of ``encode`` (``rows`` probe
-    rows), recorded for this machine and backbone."""
-    choice = recorded_precision(device, backbone)
+    rows) among ``candidates``, recorded for this machine and backbone."""
+    choice = recorded_precision(device, backbone, candidates)
     if choice is None:
-        choice = measure_precision(encode, rows)
-        path = _precision_record(device, backbone)
+        choice = measure_precision(encode, rows, candidates)
+        path = _precision_record(device, backbone, candidates)
         data = {
             "machine": machine_identity(device),
             "backbone": backbone,
+            "candidates": list(candidates),
             "choice": asdict(choice),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -249,6 +277,81 @@ def choose_precision(
 
 def _autocast(device: torch.device, precision: str) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+#: Per text encoder, its OpenVINO model (converted once) and the compilations of it, by
+#: (inference precision, threads): the measurement's rounds and the encoding reuse them.
+_OPENVINO: weakref.WeakKeyDictionary[nn.Module, dict[object, Any]] = weakref.WeakKeyDictionary()
+
+
+def openvino_text_encoder(extractor: nn.Module, precision: str) -> Callable[[torch.Tensor, torch.Tensor], np.ndarray]:
+    """``extractor`` (a text encoder of ``(input_ids, attention_mask)``, any batch and length) run by
+    OpenVINO on the CPU at ``precision`` (``"fp32"`` or ``"bf16"`` inference precision) with torch's
+    thread count; returns the features as float32.
+
+    The model is traced by OpenVINO's PyTorch frontend once per extractor; threads are not pinned, so
+    nothing changes the process's CPU affinity. OpenVINO's usage telemetry is kept out: where the
+    ``openvino_telemetry`` package is installed and not yet imported, its import is blocked first (with
+    it, ``import openvino`` sends usage events and writes a client id under the home folder; without it
+    OpenVINO uses its own no-op stub). ``make venv`` does not install it.
+    """
+    if "openvino_telemetry" not in sys.modules:
+        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]  # None: its import raises ImportError
+    import openvino as ov
+    from openvino.frontend import FrontEndManager
+    from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
+    from transformers.utils import logging as transformers_logging
+
+    compiled = _OPENVINO.setdefault(extractor, {})
+    if "model" not in compiled:
+        example = torch.ones(2, 8, dtype=torch.long)
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # tracing reads config fields it warns about
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tracer's warnings on Python branches of shapes
+                decoder = TorchScriptPythonDecoder(extractor.cpu().eval(), example_input=(example, example))
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        frontend = FrontEndManager().load_by_framework("pytorch")
+        compiled["model"] = frontend.convert(frontend.load(decoder))
+    key = (precision, torch.get_num_threads())
+    if key not in compiled:
+        compiled[key] = (
+            ov.Core()
+            .compile_model(
+                compiled["model"],
+                "CPU",
+                {
+                    "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
+                    "PERFORMANCE_HINT": "LATENCY",
+                    "INFERENCE_NUM_THREADS": key[1],
+                    "ENABLE_CPU_PINNING": False,
+                },
+            )
+            .create_infer_request()
+        )
+    request = compiled[key]
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> np.ndarray:
+        outputs = request.infer({0: input_ids.numpy(), 1: attention_mask.numpy()})
+        return np.array(outputs[0], dtype=np.float32)  # a copy: the request reuses its output buffer
+
+    return forward
+
+
+def _text_forward(
+    extractor: nn.Module, precision: str, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], np.ndarray]:
+    """``extractor``'s features as float32 arrays, computed in ``precision`` on ``device``."""
+    if precision.startswith(OPENVINO):
+        return openvino_text_encoder(extractor, precision.removeprefix(OPENVINO))
+    if precision == "bf16":
+        extractor = copy.deepcopy(extractor).to(torch.bfloat16)
+    model = extractor.to(device).eval()
+    return lambda input_ids, attention_mask: (
+        model(input_ids.to(device), attention_mask.to(device)).float().cpu().numpy()
+    )
 
 
 def encode_texts(
@@ -262,7 +365,8 @@ def encode_texts(
 ) -> np.ndarray:
     """Features ``(len(texts), feature_dim)`` float32 of ``texts`` truncated to ``max_tokens`` (None:
     the tokenizer's own limit), computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16
-    copy of ``extractor``). ``why`` follows the precision in the progress bar; None: no bar."""
+    copy of ``extractor``; the ``openvino-`` ones OpenVINO's CPU runtime). ``why`` follows the precision
+    in the progress bar; None: no bar."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
@@ -270,9 +374,7 @@ def encode_texts(
     lengths = np.array([len(row) for row in ids])
     order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
     features = np.empty((len(texts), feature_dim), dtype=np.float32)
-    if precision == "bf16":
-        extractor = copy.deepcopy(extractor).to(torch.bfloat16)
-    extractor = extractor.to(device).eval()
+    forward = _text_forward(extractor, precision, device)
     with (
         torch.inference_mode(),
         tqdm(
@@ -292,8 +394,7 @@ def encode_texts(
             for position, row in enumerate(chunk):
                 input_ids[position, : lengths[row]] = torch.tensor(ids[row])
                 attention_mask[position, : lengths[row]] = 1
-            output = extractor(input_ids.to(device), attention_mask.to(device))
-            features[chunk] = output.float().cpu().numpy()
+            features[chunk] = forward(input_ids, attention_mask)
             start += len(chunk)
             bar.update(len(chunk))
     return features
@@ -308,7 +409,7 @@ def encode_images(
     why: str | None = "",
 ) -> np.ndarray:
     """Features ``(len(rows), feature_dim)`` float32 of ``images[rows]`` (uint8 in [0, 255]),
-    computed in ``precision`` (one of ``PRECISIONS``); ``why`` as for :func:`encode_texts`."""
+    computed in ``precision`` (``"fp32"`` or ``"bf16"``: torch's); ``why`` as for :func:`encode_texts`."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
@@ -408,7 +509,8 @@ def cached_features(
 
     info = BACKBONES[backbone]
     device = encoding_device()
-    choice = recorded_precision(device, backbone)
+    candidates = candidate_precisions(device, raw.modality)
+    choice = recorded_precision(device, backbone, candidates)
     extractor: nn.Module | None = None
     source = info.weight_source() if info.weight_source is not None else None
     if source is None:  # weights from a hub or a builder: identified by the loaded state dict
@@ -440,7 +542,7 @@ def cached_features(
         return full, folder / _file_name(raw.name, backbone, key), key
 
     # Nothing chosen yet: an entry in either precision serves as it is (nothing to encode, nothing to choose).
-    for precision in [choice.precision] if choice is not None else PRECISIONS:
+    for precision in [choice.precision] if choice is not None else candidates:
         full_path, path, _ = entry(precision)
         full = _read(full_path, total, info.feature_dim)
         if full is not None:
@@ -455,7 +557,7 @@ def cached_features(
             np.unique(np.linspace(0, len(target_rows) - 1, min(PROBE_ROWS, len(target_rows))).astype(int))
         ]
         encode_probe = partial(encode_rows, extractor, raw, probe, backbone, max_tokens, info.feature_dim, why=None)
-        choice = choose_precision(device, backbone, encode_probe, len(probe))
+        choice = choose_precision(device, backbone, encode_probe, len(probe), candidates)
     _, path, key = entry(choice.precision)
     with _exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)

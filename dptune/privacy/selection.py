@@ -104,12 +104,28 @@ def selection_epsilon(
     from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 
     delta = checked_delta(delta)
+    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    rdp = selection_rdp(orders, candidates, mean_trials, shape=shape, score_noise_multiplier=score_noise_multiplier)
+    epsilon, _ = compute_epsilon(orders, rdp, delta)
+    return float(epsilon)
+
+
+def selection_rdp(
+    orders: np.ndarray,
+    candidates: Sequence[TrialMechanism],
+    mean_trials: float,
+    *,
+    shape: float = 1.0,
+    score_noise_multiplier: float | None = None,
+) -> np.ndarray:
+    """The RDP curve at ``orders`` of private selection (:func:`selection_epsilon`, before its
+    conversion to (ε, δ)): Papernot & Steinke's Thm 2 over ``_trial_rdp``, minimised over λ̂ among
+    ``orders``. ∞ where an order's bound does not converge."""
     require(len(candidates) > 0, "candidates", candidates, "a non-empty list of trial mechanisms")
     checked = [m.checked() for m in candidates]
     if score_noise_multiplier is not None:
         require(score_noise_multiplier > 0, "score_noise_multiplier", score_noise_multiplier, "> 0")
     trial_count_gamma(mean_trials, shape)  # checks the mean and the shape
-    orders = np.array(DEFAULT_RDP_ORDERS, dtype=float)
     # dp_accounting logs a warning for each fractional RDP order whose series does not converge; it
     # then sets that order's RDP to ∞, which only drops the order from the minimum (still a bound).
     absl_logger = logging.getLogger("absl")
@@ -117,11 +133,9 @@ def selection_epsilon(
     absl_logger.setLevel(logging.ERROR)
     try:
         rdp = _trial_rdp(orders, checked, score_noise_multiplier)
-        selected = rdp_repeat_and_select(orders, rdp, float(mean_trials), float(shape))
-        epsilon, _ = compute_epsilon(orders, selected, delta)
+        return np.asarray(rdp_repeat_and_select(orders, rdp, float(mean_trials), float(shape)), dtype=float)
     finally:
         absl_logger.setLevel(level)
-    return float(epsilon)
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,9 @@ def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, tempor
         max_train_examples=12,
         max_eval_examples=6,
     )
-    workload = load_workload(spec)
+    split_seen = []  # (training rows, encoder calls so far) when the split was announced
+    workload = load_workload(spec, on_split=lambda num_train: split_seen.append((num_train, len(encoder_calls))))
+    assert split_seen == [(12, 0)]  # announced once, before anything was encoded
     assert workload.modality == "features" and workload.feature_dim == 384 and workload.num_classes == 3
     raw = load_20newsgroups()
     assert workload.class_names == [raw.class_names[3], raw.class_names[7], raw.class_names[11]]
@@ -524,3 +526,21 @@ def test_openvino_encodes_without_its_usage_telemetry(tmp_path):
     )
     subprocess.run([sys.executable, "-c", encode], env=env, check=True)
     assert not marker.exists() and not (tmp_path / "intel").exists()
+
+
+def test_tokens_of_long_documents_come_from_a_prefix_and_equal_the_whole_documents():
+    from dptune.models import load_tokenizer
+
+    tokenizer = load_tokenizer("minilm")
+    raw = load_20newsgroups()
+    by_length = np.argsort([len(text) for text in raw.inputs])
+    rows = np.concatenate([by_length[-300:], by_length[:: len(by_length) // 300]])  # the longest, and a spread
+    texts = [raw.inputs[row] for row in rows] + [
+        "spaced " + " " * 2000 + "out words " * 50,  # a short prefix in tokens: tokenized whole
+        "x" * 3000,  # no space to cut at
+        "Ünïcödé ÀccÉnts, punctuation!? and 中文 characters " * 40,
+    ]
+    for max_tokens in (16, 128):
+        expected = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"]
+        assert features.token_ids(tokenizer, texts, max_tokens) == list(expected)
+    assert sum(len(text) > features.PREFIX_CHARS_PER_TOKEN * 128 for text in texts) > 300  # prefixes were used

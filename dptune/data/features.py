@@ -79,8 +79,12 @@ PRECISION_ENV = "DPTUNE_ENCODE_PRECISION"
 MIN_COSINE = 0.9999
 #: Rows of the data to encode that the measurement times, and its interleaved rounds (median; the
 #: order reverses every round, so two rounds time each candidate once early and once late).
-PROBE_ROWS = 48
+PROBE_ROWS = 32
 PROBE_ROUNDS = 2
+#: A long document is first tokenized from its first ``PREFIX_CHARS_PER_TOKEN × max_tokens``
+#: characters (``token_ids``): at 128 tokens, 40 of the 18,821 20 Newsgroups documents needed their
+#: whole text after that, and tokenizing them all took 3.5 s instead of 6.7 s on 2 cores.
+PREFIX_CHARS_PER_TOKEN = 6
 #: Tokens per text batch by device type. On a 2-core CPU, 4,096 (32 documents of 128 tokens) encoded
 #: MiniLM 1.11x faster than 16,384 in bf16 and 1.15x in fp32 (medians of 3 interleaved rounds;
 #: ``bench/bench_encoding_precision.py --batch-tokens``, ``bench/RESULTS.md``); a GPU gets larger
@@ -354,6 +358,44 @@ def _text_forward(
     )
 
 
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_tokens: int | None) -> list[list[int]]:
+    """``tokenizer(texts, truncation=True, max_length=max_tokens)["input_ids"]``, without tokenizing
+    more of a long document than its first ``max_tokens`` need.
+
+    With a BERT tokenizer (``BertNormalizer``, ``BertPreTokenizer``: normalisation character by
+    character, words split at whitespace and punctuation), the words before a space tokenize alike in
+    a prefix cut there and in the whole text, so a prefix's truncated tokens are the whole document's
+    whenever they reach ``max_tokens``. Each document longer than ``PREFIX_CHARS_PER_TOKEN ×
+    max_tokens`` characters is cut at its last space before that; the few whose prefix comes out
+    shorter, and every document of another kind of tokenizer, are tokenized whole.
+    """
+
+    def tokenize(batch: list[str]) -> list[list[int]]:
+        return list(tokenizer(batch, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"])
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    bert = backend is not None and [type(backend.normalizer).__name__, type(backend.pre_tokenizer).__name__] == [
+        "BertNormalizer",
+        "BertPreTokenizer",
+    ]
+    if max_tokens is None or not bert:
+        return tokenize(texts)
+    limit = PREFIX_CHARS_PER_TOKEN * max_tokens
+    prefixes = [
+        text if len(text) <= limit or text.rfind(" ", 0, limit) <= 0 else text[: text.rfind(" ", 0, limit)]
+        for text in texts
+    ]
+    ids = tokenize(prefixes)
+    whole = [
+        i
+        for i, (prefix, text) in enumerate(zip(prefixes, texts, strict=True))
+        if len(prefix) < len(text) and len(ids[i]) < max_tokens
+    ]
+    for i, row in zip(whole, tokenize([texts[i] for i in whole]) if whole else [], strict=True):
+        ids[i] = row
+    return ids
+
+
 def encode_texts(
     extractor: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -370,7 +412,7 @@ def encode_texts(
     from tqdm.auto import tqdm
 
     device = encoding_device()
-    ids = tokenizer(texts, truncation=True, max_length=max_tokens, return_attention_mask=False)["input_ids"]
+    ids = token_ids(tokenizer, texts, max_tokens)
     lengths = np.array([len(row) for row in ids])
     order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
     features = np.empty((len(texts), feature_dim), dtype=np.float32)

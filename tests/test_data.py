@@ -197,9 +197,7 @@ def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, tempor
         max_train_examples=12,
         max_eval_examples=6,
     )
-    split_seen = []  # (training rows, encoder calls so far) when the split was announced
-    workload = load_workload(spec, on_split=lambda num_train: split_seen.append((num_train, len(encoder_calls))))
-    assert split_seen == [(12, 0)]  # announced once, before anything was encoded
+    workload = load_workload(spec)
     assert workload.modality == "features" and workload.feature_dim == 384 and workload.num_classes == 3
     raw = load_20newsgroups()
     assert workload.class_names == [raw.class_names[3], raw.class_names[7], raw.class_names[11]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -135,17 +134,13 @@ def split_rows(labels: np.ndarray, num_classes: int, num_official_train: int | N
     return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
 
 
-def load_workload(
-    spec: WorkloadSpec, *, data_dir: Path | None = None, on_split: Callable[[int], object] | None = None
-) -> Workload:
+def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Workload:
     """Build the train/validation/test datasets of ``spec`` (see ``dptune.data`` and
     :class:`Workload`). ``data_dir`` overrides ``$DPTUNE_DATA_DIR`` for on-disk datasets.
 
     The spec is checked before anything is read; for ``peft == "head"`` the frozen pretrained
     backbone's features come from the cache (encoded on first use: every row of the dataset,
     or only the kept rows when ``max_train_examples``/``max_eval_examples`` cap the splits).
-    ``on_split`` is called with the number of training rows as soon as the split is known, before
-    any feature is encoded (the search driver checks and plans its privacy there, beside the encoding).
     """
     from dptune.models import BACKBONES, load_tokenizer
 
@@ -153,8 +148,6 @@ def load_workload(
     backbone = BACKBONES[spec.backbone]
     raw = info.load(data_dir, backbone.image_size)
     rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
-    if on_split is not None:
-        on_split(len(rows.train))
     labels = {
         name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
     }

@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -367,20 +366,9 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         print(init_ray(options.address), flush=True)
         check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
-    # The privacy plan (σ of every cell and batch size, single-threaded) runs beside the encoding of
-    # the features, from the moment the split gives N; its step checks fail before anything is encoded.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptune-plan") as planner:
-        planned: list[Future[list[CellPlan]]] = []
-
-        def plan_beside_encoding(num_train: int) -> None:
-            preflight.check_steps(space, num_train)
-            planned.append(planner.submit(plan_cells, space, num_train, False))
-
-        spec = task_workload(space, options.max_train_examples, options.max_eval_examples)
-        workload = load_workload(spec, on_split=plan_beside_encoding)
-        if not planned[0].done():
-            print("finishing the privacy plan (σ per cell and batch size)...", flush=True)
-        plans = planned[0].result()
+    workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
+    preflight.check_steps(space, len(workload.train))
+    plans = plan_cells(space, len(workload.train))
     if private and not options.dry_run:  # K once per search, inside the trust boundary
         write_file_atomic(runs, "README.txt", TRUST_BOUNDARY_README.encode())
         plans = kept_trial_counts(runs, plans)

@@ -44,23 +44,21 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import uuid
-import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_text_runner
 from dptune.data.sources import ImageFiles, RawDataset
 from dptune.paths import cache_dir
 
@@ -281,82 +279,6 @@ def choose_precision(
 
 def _autocast(device: torch.device, precision: str) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-#: Per text encoder, its OpenVINO model (converted once) and the compilations of it, by
-#: (inference precision, threads, bulk): the measurement's rounds and the encoding reuse them.
-_OPENVINO: weakref.WeakKeyDictionary[nn.Module, dict[object, Any]] = weakref.WeakKeyDictionary()
-
-#: A padded batch of token ids: (rows of the output it fills, input_ids, attention_mask), both (rows, longest).
-TextBatch = tuple[np.ndarray, torch.Tensor, torch.Tensor]
-#: Fills the features' rows of every batch, calling its second argument with each batch's row count.
-TextRunner = Callable[[Iterator[TextBatch], Callable[[int], object]], None]
-
-
-def openvino_text_runner(extractor: nn.Module, precision: str, features: np.ndarray, bulk: bool) -> TextRunner:
-    """Runs ``extractor`` (a text encoder of ``(input_ids, attention_mask)``, any batch and length) on
-    OpenVINO's CPU runtime at ``precision`` (``"fp32"`` or ``"bf16"`` inference precision) with
-    torch's thread count, writing each batch's features into ``features``.
-
-    The model is traced by OpenVINO's PyTorch frontend once per extractor. ``bulk`` compiles it for
-    throughput (several inference streams, their requests kept busy by an ``AsyncInferQueue``): on 2
-    cores, 2 streams of one thread encoded 8–11 % more documents per second than one request on 2
-    threads. Several streams need several batches, so the measurement's one or two batches run one
-    request at a time on every thread (``bulk=False``, ``"LATENCY"``): the measurement understates the
-    bulk encoding's speed, never overstates it.
-    Threads are not pinned, so nothing changes the process's CPU affinity. OpenVINO's usage
-    telemetry is kept out: where the ``openvino_telemetry`` package is installed and not yet imported,
-    its import is blocked first (with it, ``import openvino`` sends usage events and writes a client id
-    under the home folder; without it OpenVINO uses its own no-op stub). ``make venv`` does not
-    install it.
-    """
-    if "openvino_telemetry" not in sys.modules:
-        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]  # None: its import raises ImportError
-    import openvino as ov
-    from openvino.frontend import FrontEndManager
-    from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
-    from transformers.utils import logging as transformers_logging
-
-    compiled = _OPENVINO.setdefault(extractor, {})
-    if "model" not in compiled:
-        example = torch.ones(2, 8, dtype=torch.long)
-        verbosity = transformers_logging.get_verbosity()
-        transformers_logging.set_verbosity_error()  # tracing reads config fields it warns about
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the tracer's warnings on Python branches of shapes
-                decoder = TorchScriptPythonDecoder(extractor.cpu().eval(), example_input=(example, example))
-        finally:
-            transformers_logging.set_verbosity(verbosity)
-        frontend = FrontEndManager().load_by_framework("pytorch")
-        compiled["model"] = frontend.convert(frontend.load(decoder))
-    key = (precision, torch.get_num_threads(), bulk)
-    if key not in compiled:
-        compiled[key] = ov.Core().compile_model(
-            compiled["model"],
-            "CPU",
-            {
-                "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
-                "PERFORMANCE_HINT": "THROUGHPUT" if bulk else "LATENCY",
-                "INFERENCE_NUM_THREADS": key[1],
-                "ENABLE_CPU_PINNING": False,
-            },
-        )
-    model = compiled[key]
-
-    def run(batches: Iterator[TextBatch], done: Callable[[int], object]) -> None:
-        queue = ov.AsyncInferQueue(model, model.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
-
-        def fill(request: Any, rows: np.ndarray) -> None:  # on an OpenVINO thread, one per finished batch
-            features[rows] = request.get_output_tensor(0).data
-            done(len(rows))
-
-        queue.set_callback(fill)
-        for rows, input_ids, attention_mask in batches:
-            queue.start_async({0: input_ids.numpy(), 1: attention_mask.numpy()}, rows)
-        queue.wait_all()
-
-    return run
 
 
 def _text_runner(

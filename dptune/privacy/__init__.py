@@ -14,6 +14,9 @@ The modules, each with its own invariants:
 - ``calibration``: ``calibrate_noise_multiplier``, σ certified for an (ε, δ) target;
 - ``composition``: ``composed_epsilon``, many trials on the same data (PLD accountant);
 - ``selection``: private selection, the best of a secret random number of trials (Papernot & Steinke);
+- ``subsampled_tuning``: tuning on a Poisson subsample, then a release trained on the full data
+  (Koskela & Kulkarni 2023, variant 1): Zhu & Wang's subsampled-RDP bound and the plan of one total ε
+  (import it as ``dptune.privacy.subsampled_tuning``);
 - ``search``: a search's cost from its records and what its (ε, δ) covers, in words (reads pandas
   tables; import it as ``dptune.privacy.search``, it is not re-exported here).
 

@@ -1,15 +1,17 @@
 """Tuning on a private subsample, then one release trained on the full data: one (ε, δ) for both.
 
-Koskela & Kulkarni, "Practical differentially private hyperparameter tuning with subsampling"
-(NeurIPS 2023), their variant 1, as dptune runs it:
+The accounting of Koskela & Kulkarni, "Practical differentially private hyperparameter tuning with
+subsampling" (NeurIPS 2023), their variant 1. The bound holds for this procedure, and only under these
+assumptions (the search mode that runs it is issue 23's next step; today the accounting is used by
+``bench/bench_subsampled_tuning.py`` and its tests):
 
 1. **Subsample.** Every row of the private pool (training and validation rows alike) is kept
    independently with probability q₁ (``tuning_fraction``), from secret coins: X₁.
 2. **Tune on X₁.** Papernot–Steinke private selection (``selection``): a secret random number K of
    random-search runs, each DP-SGD on X₁'s training rows plus a Gaussian-noised count of X₁'s
    correct validation predictions; the best run's configuration is the tuning's output. Each run's
-   Poisson rate is fixed from public numbers (q = B₁ / (q₁·N), N the public training size), never
-   from |X₁|, so its RDP curve as a function of X₁ is the accountant's.
+   Poisson rate must be fixed from public numbers (for example q = B₁ / (q₁·N), N the public training
+   size), never from |X₁|, so that its RDP curve as a function of X₁ is the accountant's.
 3. **Amplify.** The tuning T, a mechanism of X₁ with RDP ε_T(α), applied to a Poisson subsample of
    rate q₁ is RDP with :func:`poisson_subsampled_rdp` (Zhu & Wang, ICML 2019, Thm 6).
 4. **Release.** The selected configuration, transferred to the full data by a public rule, trains
@@ -20,7 +22,7 @@ Total: ε(α) ≤ ε_{T∘S}(α) + max_i ε_release,i(α) at integer α ∈ [2, 
 (ε, δ) by dp_accounting's conversion. ``plan_subsampled_tuning`` finds the per-run ε (every run,
 tuning and release, calibrated to the same (ε_run, δ) by the PRV accountant) whose total meets a
 budget. Only variant 1 is analysed here: training the release on the rows left out of X₁ (their
-variant 2) is not covered, and the search refuses it.
+variant 2) is not covered.
 
 Torch-free and Ray-free, like the rest of ``dptune.privacy``.
 """

@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from dptune.privacy import plan_private_selection
+from dptune.privacy import PrivacyParameterError, plan_private_selection
 from dptune.privacy.subsampled_tuning import plan_subsampled_tuning
 
 N_TRAIN = 10_164
@@ -44,42 +44,43 @@ def main() -> None:
     runs = [(batch / N_TRAIN, round(EPOCHS * N_TRAIN / batch)) for batch in BATCH_SIZES]
     rows = []
     for total in (float(t) for t in args.totals.split(",")):
-        start = time.perf_counter()
-        today = plan_private_selection(
-            total, DELTA, MEAN_TRIALS, *zip(*runs, strict=True), score_noise_multiplier=SCORE_NOISE
-        )
-        rows.append(
-            {
-                "epsilon_total": total,
-                "mode": "private selection on the full data (today)",
-                "tuning_fraction": 1.0,
-                "epsilon_per_run": today.epsilon_per_trial,
-                "epsilon_bound": today.epsilon_selection,
-                "epsilon_tuning": today.epsilon_selection,
-                "epsilon_release": None,
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        for fraction in (float(f) for f in args.fractions.split(",")):
+        modes = [("private selection on the full data (today)", 1.0)] + [
+            (f"tuning on a q₁ = {f:g} subsample, release on the full data", f)
+            for f in (float(f) for f in args.fractions.split(","))
+        ]
+        for mode, fraction in modes:
             start = time.perf_counter()
-            plan = plan_subsampled_tuning(
-                total, DELTA, fraction, MEAN_TRIALS, runs, runs, score_noise_multiplier=SCORE_NOISE
-            )
-            rows.append(
-                {
-                    "epsilon_total": total,
-                    "mode": f"tuning on a q₁ = {fraction:g} subsample, release on the full data",
-                    "tuning_fraction": fraction,
-                    "epsilon_per_run": plan.epsilon_per_run,
-                    "epsilon_bound": plan.cost.epsilon,
-                    "epsilon_tuning": plan.cost.epsilon_tuning,
-                    "epsilon_release": plan.cost.epsilon_release,
-                    "seconds": time.perf_counter() - start,
-                }
-            )
+            row: dict = {"epsilon_total": total, "mode": mode, "tuning_fraction": fraction}
+            try:
+                if fraction == 1.0:
+                    today = plan_private_selection(
+                        total, DELTA, MEAN_TRIALS, *zip(*runs, strict=True), score_noise_multiplier=SCORE_NOISE
+                    )
+                    row |= {
+                        "epsilon_per_run": today.epsilon_per_trial,
+                        "epsilon_bound": today.epsilon_selection,
+                        "epsilon_tuning": today.epsilon_selection,
+                        "epsilon_release": None,
+                    }
+                else:
+                    plan = plan_subsampled_tuning(
+                        total, DELTA, fraction, MEAN_TRIALS, runs, runs, score_noise_multiplier=SCORE_NOISE
+                    )
+                    row |= {
+                        "epsilon_per_run": plan.epsilon_per_run,
+                        "epsilon_bound": plan.cost.epsilon,
+                        "epsilon_tuning": plan.cost.epsilon_tuning,
+                        "epsilon_release": plan.cost.epsilon_release,
+                    }
+            except PrivacyParameterError as error:
+                row["unreachable"] = str(error)
+            rows.append(row | {"seconds": time.perf_counter() - start})
         print(f"ε_total = {total:g} done", flush=True)
     print("\n| ε total | mode | per-run ε | bound | tuning alone | release alone |\n|---|---|---|---|---|---|")
     for row in rows:
+        if "unreachable" in row:
+            print(f"| {row['epsilon_total']:g} | {row['mode']} | unreachable | | | |")
+            continue
         release = "–" if row["epsilon_release"] is None else f"{row['epsilon_release']:.2f}"
         print(
             f"| {row['epsilon_total']:g} | {row['mode']} | {row['epsilon_per_run']:.2f} | {row['epsilon_bound']:.2f} "

@@ -404,16 +404,10 @@ def encode_images(
     if isinstance(images, torch.Tensor):
         batches: Iterator[torch.Tensor] = (images[rows[i : i + IMAGE_BATCH]] for i in range(0, len(rows), IMAGE_BATCH))
     else:
-        # Decoding workers start from a forkserver, not by forking this process: a fork copies whatever
-        # its threads (torch's, Ray's, OpenVINO's, a thread pool's) hold, in whatever state. With fork, a
-        # pytest worker that had run many other tests died in this loader (twice, cause not isolated).
-        loader = DataLoader(
-            Subset(images, rows.tolist()),
-            batch_size=IMAGE_BATCH,
-            num_workers=min(8, os.cpu_count() or 1),
-            multiprocessing_context="forkserver",
+        workers = min(8, os.cpu_count() or 1)
+        batches = (
+            batch[0] for batch in DataLoader(Subset(images, rows.tolist()), batch_size=IMAGE_BATCH, num_workers=workers)
         )
-        batches = (batch[0] for batch in loader)
     features = np.empty((len(rows), feature_dim), dtype=np.float32)
     extractor = extractor.to(device).eval()
     done = 0

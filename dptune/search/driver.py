@@ -12,7 +12,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -384,7 +383,6 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         return results_root
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
-    embedded = not cluster and not ray_is_initialized()
     if not cluster:
         print(init_ray(options.address), flush=True)
     started = time.monotonic()
@@ -428,7 +426,6 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             "privacy ledger"
         )
     check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
-    stopping = stop_ray_beside() if embedded else None  # the composition and the report need no Ray
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
     ran = plans_that_ran(runs, search_id, plans)
     _warn(
@@ -463,26 +460,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
     conclude(results_root, report, private=private)
-    if stopping is not None:
-        stopping.join()
     return results_root
-
-
-def ray_is_initialized() -> bool:
-    """Whether this process has already joined or started Ray (a caller's own Ray is left running)."""
-    import ray
-
-    return bool(ray.is_initialized())
-
-
-def stop_ray_beside() -> threading.Thread:
-    """Shut down the Ray this search started, on a thread of its own (1.4–1.8 s of stopping its
-    processes, hand-timed on 2 cores), beside what follows; join it before returning."""
-    import ray
-
-    thread = threading.Thread(target=ray.shutdown, name="dptune-ray-shutdown")
-    thread.start()
-    return thread
 
 
 def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:

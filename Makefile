@@ -53,11 +53,12 @@ lint: venv
 
 # Two pytest-xdist workers: the suite spends much of its time waiting on Ray processes to start and
 # register, so 2 workers on 2 cores finish it in 0.7 of the time of one (bench/RESULTS.md).
-# TEST_WORKERS=0 runs it in one process.
+# TEST_WORKERS=0 runs it in one process. A worker that dies ends the run at once, naming the test it
+# was running (pytest-xdist would restart it, and its loadgroup scheduler can then wait forever).
 TEST_WORKERS ?= 2
 
 test: lint
-	$(BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0
 
 bench: venv
 	$(PY) bench/run_all.py

@@ -502,9 +502,11 @@ def test_every_precision_agrees_with_fp32_and_is_cached_apart(monkeypatch, encod
         assert np.abs(low - reference).max() > 1e-4, f"{precision} did not take effect"
 
 
-def test_openvino_encodes_without_its_usage_telemetry(tmp_path):
+def test_openvino_encodes_without_telemetry_and_leaves_the_signal_stack_valid(tmp_path):
     """A fake ``openvino_telemetry`` on the path records its import: a bare ``import openvino`` imports
-    it (the control), dptune's OpenVINO encoder does not."""
+    it (the control), dptune's OpenVINO encoder does not. The same process then encodes at both
+    OpenVINO precisions with two encoders, frees them and handles a signal: OpenVINO plugins freed
+    out of order would leave the signal stack unmapped and this process killed by SIGSEGV."""
     import subprocess
     import sys
 
@@ -516,13 +518,18 @@ def test_openvino_encodes_without_its_usage_telemetry(tmp_path):
     assert marker.exists()
     marker.unlink()
     encode = (
-        "import numpy as np, torch; from dptune.data import features; from dptune.models import "
-        "build_feature_extractor, load_tokenizer; torch.set_num_threads(1); "
-        "f = features.encode_texts(build_feature_extractor('minilm'), load_tokenizer('minilm'), "
-        "['a private text', 'another one'], 16, 384, 'openvino-fp32', why=None); "
-        "assert f.shape == (2, 384) and np.isfinite(f).all()"
+        "import gc, os, signal, numpy as np, torch; from dptune.data import features; from dptune.models import "
+        "build_feature_extractor, load_tokenizer; torch.set_num_threads(1)\n"
+        "for precision in ('openvino-fp32', 'openvino-bf16'):\n"
+        "    f = features.encode_texts(build_feature_extractor('minilm'), load_tokenizer('minilm'), "
+        "['a private text', 'another one'], 16, 384, precision, why=None)\n"
+        "    assert f.shape == (2, 384) and np.isfinite(f).all()\n"
+        "gc.collect(); received = []\n"
+        "signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); assert received == [signal.SIGUSR1]"
     )
-    subprocess.run([sys.executable, "-c", encode], env=env, check=True)
+    done = subprocess.run([sys.executable, "-c", encode], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert not marker.exists() and not (tmp_path / "intel").exists()
 
 

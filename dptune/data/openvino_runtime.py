@@ -20,6 +20,28 @@ from torch import nn
 #: Per text encoder, its OpenVINO model (converted once) and the compilations of it, by
 #: (inference precision, threads, bulk): the measurement's rounds and the encoding reuse them.
 _OPENVINO: weakref.WeakKeyDictionary[nn.Module, dict[object, Any]] = weakref.WeakKeyDictionary()
+#: The process's one ``openvino.Core``, created on first use and never released (see :func:`_core`).
+_CORE: list[Any] = []
+
+
+def _core() -> Any:
+    """The process's one OpenVINO ``Core``, kept for the process's life.
+
+    Each ``Core`` loads its own CPU plugin, and the plugin's constructor installs an alternate signal
+    stack of its own on the calling thread (OpenVINO 2026.4), which its destructor unmaps and replaces
+    with the one it found. Plugins released out of order (a second ``Core`` outliving the first, as
+    compiled models freed by the garbage collector are) leave the thread's signal stack pointing at
+    unmapped memory: the next signal the process handles (SIGCHLD of a child, SIGINT, Ray Tune's
+    SIGUSR1) kills it with SIGSEGV, or, if the pages were mapped again, writes its frame over
+    whatever lives there. One plugin that is never released keeps the stack valid.
+    ``tests/test_data.py::test_openvino_encodes_without_telemetry_and_leaves_the_signal_stack_valid``
+    checks it."""
+    if not _CORE:
+        import openvino as ov
+
+        _CORE.append(ov.Core())
+    return _CORE[0]
+
 
 #: A padded batch of token ids: (rows of the output it fills, input_ids, attention_mask), both (rows, longest).
 TextBatch = tuple[np.ndarray, torch.Tensor, torch.Tensor]
@@ -66,7 +88,7 @@ def openvino_text_runner(extractor: nn.Module, precision: str, features: np.ndar
         compiled["model"] = frontend.convert(frontend.load(decoder))
     key = (precision, torch.get_num_threads(), bulk)
     if key not in compiled:
-        compiled[key] = ov.Core().compile_model(
+        compiled[key] = _core().compile_model(
             compiled["model"],
             "CPU",
             {

@@ -179,6 +179,23 @@ def test_dotdot_name_cannot_write_outside_storage(tmp_path: Path, capsys: pytest
     assert (tmp_path / "index.html").read_text() == "the user's own page" and not list(storage.iterdir())
 
 
+def test_tuning_on_a_subsample_is_refused_before_any_data_until_it_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused(
+        capsys,
+        search.main,
+        "--space",
+        str(REPO_ROOT / "search_spaces/private.yaml"),
+        "--storage",
+        str(tmp_path),
+        "--set",
+        "privacy.private_selection.tuning_subsample={fraction: 0.1}",
+    )
+    assert "tuning_subsample: this version plans tuning on a subsample (--dry-run prints the plan" in err
+    assert not list(tmp_path.iterdir())  # refused before the lease: no results folder
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def broken(options: search.SearchOptions) -> str:
         raise KeyError("a bug, not a user error")

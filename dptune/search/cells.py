@@ -29,6 +29,7 @@ from dptune.privacy import (
 )
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.sampler import CellSpec
+from dptune.search.subsample import TuningPlan, plan_tuning, tunable_batch_sizes
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -51,6 +52,7 @@ class CellPlan:
     pruned_batch_sizes: tuple[int, ...]
     noise_multipliers: dict[int, float]  # σ per feasible B
     configurations: int  # configurations the sampler will propose (each runs `replicates` times)
+    tuning: TuningPlan | None = None  # tuning on a private subsample: its runs' schedules and σ
 
     @property
     def cell_key(self) -> str:
@@ -120,6 +122,20 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
     epochs = space.epochs[0]
     feasible, pruned = _feasible(space, candidates, num_train, epochs, f"epochs={epochs}")
     print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
+    if selection.tuning_subsample is not None:
+        tunable = tunable_batch_sizes(space, feasible, num_train)
+        tuning = plan_tuning(space, tunable, num_train, epochs, tuple(b for b in feasible if b not in tunable))
+        plan = CellPlan(
+            Cell(epsilon=tuning.epsilon_per_run, epochs=epochs),
+            space.training.clipping,
+            num_train,
+            tunable,
+            pruned,
+            tuning.release_noise_multipliers,
+            0,
+            tuning,
+        )
+        return replace(plan, configurations=_trial_count(space, plan))
     try:
         found = plan_private_selection(
             selection.epsilon,
@@ -214,6 +230,8 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             f"{space.sampler.trials_per_cell}), noisy validation score "
             f"σ_s = {selection.score_noise_multiplier:g}"
         )
+    if (tuning := plans[0].tuning) is not None:
+        lines += _format_tuning(tuning)
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
     for plan in plans:
         count = (
@@ -238,6 +256,24 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             f"{len(plans)} cell runs"
         )
     return "\n".join(lines)
+
+
+def _format_tuning(tuning: TuningPlan) -> list[str]:
+    """The dry run's lines on tuning on a subsample: the split of the total and each tuning run's schedule."""
+    lines = [
+        f"tuning on a secret subsample: q₁ = {tuning.fraction:g} of the training and validation rows, "
+        f"transfer '{tuning.transfer}'; σ of every tuning run and of the release calibrated to ε = "
+        f"{tuning.epsilon_per_run:.4g} each; the RDP bound of the whole: ε = {tuning.epsilon_total:.4g} (the "
+        f"amplified tuning alone {tuning.epsilon_tuning:.4g}, the release alone {tuning.epsilon_release:.4g})",
+        "  a tuning run (on the subsample) per full-data B:",
+        "      B   q        T      σ",
+    ]
+    for b, (rate, steps) in tuning.schedules.items():
+        lines.append(f"  {b:>5}   {rate:<8.4g} {steps:>6}   {tuning.noise_multipliers[b]:.4f}")
+    if tuning.untunable:
+        lines.append(f"  not tuned, larger than the subsample's q₁·N rows: B = {list(tuning.untunable)}")
+    lines.append("  the release, on every training row: the cell's table below")
+    return lines
 
 
 def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:

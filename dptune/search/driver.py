@@ -334,6 +334,12 @@ def run_search(options: SearchOptions) -> str:
     check_location_and_cluster(options, loaded, name, results_root)
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
+    selection = loaded.space.privacy.private_selection
+    if selection is not None and selection.tuning_subsample is not None:
+        raise SearchError(
+            "privacy.private_selection.tuning_subsample: this version plans tuning on a subsample (--dry-run "
+            "prints the plan and its ε) but cannot run it yet; remove tuning_subsample to tune on every row"
+        )
     with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
         return _run_search(options, loaded, name, results_root)
 

@@ -55,6 +55,25 @@ class TaskSpec(_Strict):
     validation_fraction: float = Field(0.1, gt=0, lt=1)
 
 
+class TuningSubsampleSpec(_Strict):
+    """Tune on a private subsample X₁ (Koskela & Kulkarni 2023, variant 1), then train the release on
+    every training row with the chosen configuration, transferred by ``transfer``.
+
+    Every training and validation row joins X₁ independently with probability ``fraction`` (q₁),
+    from secret coins. A tuning run of a proposed full-data configuration (C, B, η₀) keeps C and η₀
+    and runs on X₁ with a Poisson rate and a step count fixed from public numbers:
+
+    - ``sample_rate``: the release's q = B/N and T = round(E·N/B) (an expected batch of q₁·B);
+    - ``batch_size``: the release's expected batch B, so q = B/(q₁·N) and T = round(E·q₁·N/B)
+      (B above q₁·N cannot be tuned and is pruned).
+    """
+
+    fraction: float = Field(gt=0, lt=1, description="q₁: the probability that a row joins the tuning set")
+    transfer: Literal["sample_rate", "batch_size"] = Field(
+        "sample_rate", description="what a tuning run keeps of the full-data configuration it stands for"
+    )
+
+
 class PrivateSelectionSpec(_Strict):
     """End-to-end private tuning: one (ε, δ) for the whole search *and* the release of its best trial.
 
@@ -62,7 +81,8 @@ class PrivateSelectionSpec(_Strict):
     ``trial_count_shape``, 1 = geometric, mean ``sampler.trials_per_cell``), each with the per-trial ε
     that makes Papernot & Steinke's private-selection bound meet ``epsilon``, scores each trial by
     its noisy validation count (Gaussian, std ``score_noise_multiplier`` correct predictions) and
-    releases only the best one.
+    releases only the best one. With ``tuning_subsample`` the runs tune on a secret subsample and
+    the release is one more training, on every training row, of the best run's configuration.
     """
 
     epsilon: float = Field(
@@ -72,6 +92,9 @@ class PrivateSelectionSpec(_Strict):
         5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions"
     )
     trial_count_shape: float = Field(1.0, gt=0, le=100, description="η of the random trial count (1 = geometric)")
+    tuning_subsample: TuningSubsampleSpec | None = Field(
+        None, description="tune on a secret subsample, release a model trained on all rows (one ε for both)"
+    )
 
 
 class PrivacySpec(_Strict):

@@ -10,7 +10,9 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -91,28 +93,45 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
     if space.privacy.private_selection is not None:
         return [_plan_private_cell(space, candidates, num_train)]
     variants: list[ClippingRule] = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
+    cells = [(cell, *_feasible(space, candidates, num_train, cell.epochs, cell.cell_id)) for cell in space.cells()]
+    sigmas = _calibrate(
+        space, num_train, {(cell.epsilon, cell.epochs, b) for cell, feasible, _ in cells for b in feasible}, progress
+    )
     plans = []
-    for cell in space.cells():
-        feasible, pruned = _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)
-        sigmas = {}
-        for batch_size in tqdm(
-            feasible,
-            desc=f"calibrating σ for {cell.cell_id}",
-            unit="B",
-            file=sys.stderr,
-            disable=not progress,
-            leave=False,
-        ):
-            sigmas[batch_size] = calibrate_noise_multiplier(
-                cell.epsilon,
-                space.privacy.delta,
-                sample_rate(num_train, batch_size),
-                total_steps(num_train, batch_size, cell.epochs),
-            )
+    for cell, feasible, pruned in cells:
+        cell_sigmas = {b: sigmas[cell.epsilon, cell.epochs, b] for b in feasible}
         for clipping in variants:
-            plan = CellPlan(cell, clipping, num_train, feasible, pruned, sigmas, 0)
+            plan = CellPlan(cell, clipping, num_train, feasible, pruned, cell_sigmas, 0)
             plans.append(replace(plan, configurations=_trial_count(space, plan)))
     return plans
+
+
+def _calibrate(
+    space: SearchSpace, num_train: int, points: set[tuple[float, int, int]], progress: bool
+) -> dict[tuple[float, int, int], float]:
+    """σ of every (ε, epochs, B) point at the space's δ, q = B/N and T = round(E·N/B), in one thread per
+    core: the PRV accountant's numpy work releases the GIL, so on 2 cores the default space's 28 points
+    took 4.4–4.8 s instead of 8.6–8.7 s one after another (from an empty cache, hand-timed)."""
+    order = sorted(points)
+    with (
+        ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool,
+        tqdm(
+            total=len(order), desc="calibrating σ", unit="B", file=sys.stderr, disable=not progress, leave=False
+        ) as bar,
+    ):
+        futures = {
+            point: pool.submit(
+                calibrate_noise_multiplier,
+                point[0],
+                space.privacy.delta,
+                sample_rate(num_train, point[2]),
+                total_steps(num_train, point[2], point[1]),
+            )
+            for point in order
+        }
+        for _ in as_completed(futures.values()):
+            bar.update()
+        return {point: future.result() for point, future in futures.items()}
 
 
 def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int) -> CellPlan:

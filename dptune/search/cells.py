@@ -141,40 +141,34 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
     epochs = space.epochs[0]
     feasible, pruned = _feasible(space, candidates, num_train, epochs, f"epochs={epochs}")
     print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
+    tuning = None
     if selection.tuning_subsample is not None:
         tunable = tunable_batch_sizes(space, feasible, num_train)
         tuning = plan_tuning(space, tunable, num_train, epochs, tuple(b for b in feasible if b not in tunable))
-        plan = CellPlan(
-            Cell(epsilon=tuning.epsilon_per_run, epochs=epochs),
-            space.training.clipping,
-            num_train,
-            tunable,
-            pruned,
-            tuning.release_noise_multipliers,
-            0,
-            tuning,
-        )
-        return replace(plan, configurations=_trial_count(space, plan))
-    try:
-        found = plan_private_selection(
-            selection.epsilon,
-            space.privacy.delta,
-            space.sampler.trials_per_cell,
-            [sample_rate(num_train, b) for b in feasible],
-            [total_steps(num_train, b, epochs) for b in feasible],
-            shape=selection.trial_count_shape,
-            score_noise_multiplier=selection.score_noise_multiplier,
-        )
-    except PrivacyParameterError as error:
-        raise SearchError(f"privacy.private_selection: {error}") from None
+        feasible, epsilon_per_trial, sigmas = tunable, tuning.epsilon_per_run, tuning.release_noise_multipliers
+    else:
+        try:
+            found = plan_private_selection(
+                selection.epsilon,
+                space.privacy.delta,
+                space.sampler.trials_per_cell,
+                [sample_rate(num_train, b) for b in feasible],
+                [total_steps(num_train, b, epochs) for b in feasible],
+                shape=selection.trial_count_shape,
+                score_noise_multiplier=selection.score_noise_multiplier,
+            )
+        except PrivacyParameterError as error:
+            raise SearchError(f"privacy.private_selection: {error}") from None
+        epsilon_per_trial, sigmas = found.epsilon_per_trial, dict(zip(feasible, found.noise_multipliers, strict=True))
     plan = CellPlan(
-        Cell(epsilon=found.epsilon_per_trial, epochs=epochs),
+        Cell(epsilon=epsilon_per_trial, epochs=epochs),
         space.training.clipping,
         num_train,
         feasible,
         pruned,
-        dict(zip(feasible, found.noise_multipliers, strict=True)),
+        sigmas,
         0,
+        tuning,
     )
     return replace(plan, configurations=_trial_count(space, plan))
 

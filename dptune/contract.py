@@ -19,7 +19,7 @@ readers: space, records, analysis) can import it without a cycle.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
 #: Parameter-efficient fine-tuning methods (implementations: ``dptune.models.PEFTS``).
@@ -79,6 +79,9 @@ class WorkloadSpec:
       for hyperparameter selection. Selection uses validation, never test.
     - ``max_train_examples`` / ``max_eval_examples``: stratified caps for tests and smoke runs;
       when set, only the kept examples are encoded (cached under their own key).
+    - ``tuning_rows``: a file holding a secret tuning subsample X₁ (positions in the training and
+      validation splits, ``dptune.data.tuning_subset``): only those rows are kept in both; the test
+      split is whole. It lives inside the search's trust boundary and never leaves it.
     """
 
     dataset: str
@@ -92,6 +95,26 @@ class WorkloadSpec:
     validation_fraction: float = 0.1
     max_train_examples: int | None = None
     max_eval_examples: int | None = None
+    tuning_rows: str | None = None
+
+
+@dataclass(frozen=True)
+class PublicSchedule:
+    """A run's Poisson schedule fixed from public numbers rather than from its training split's size.
+
+    A tuning run on a secret subsample X₁ (``privacy.private_selection.tuning_subsample``) must not
+    take q or T from |X₁|, or its privacy curve as a function of X₁ is not the accountant's
+    (Koskela & Kulkarni 2023, and ``dptune.privacy.subsampled_tuning``, assumption 2): it samples
+    every row of X₁ with probability ``sample_rate`` (q) at each of ``steps`` (T) steps, cut into
+    epochs by ``epoch_steps`` (E entries summing to T), and divides its clipped sum by
+    ``expected_batch_size`` = q·q₁·N (examples; q₁·N, X₁'s public nominal size), which also sets
+    its √B-coupled learning rate. ``dptune.search.subsample.public_schedule`` builds it.
+    """
+
+    sample_rate: float
+    steps: int
+    epoch_steps: tuple[int, ...]
+    expected_batch_size: float
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,8 @@ class TrialConfig:
     # diagnostics: a fixed probe of ≤ diagnostic_examples training examples at a few epochs
     diagnostics: bool = True
     diagnostic_examples: int = 256
+    # a tuning run on a secret subsample: q, T and the expected batch from public numbers (None: from N)
+    schedule: PublicSchedule | None = None
 
     def row(self) -> dict[str, Any]:
         """The config as one flat dict, as result rows store it: the workload's fields beside the
@@ -145,7 +170,10 @@ class TrialConfig:
         flat = {
             "split_seed" if f.name == "seed" else f.name: getattr(self.workload, f.name) for f in fields(WorkloadSpec)
         }
-        flat.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "workload"})
+        for f in fields(self):
+            if f.name != "workload":
+                value = getattr(self, f.name)
+                flat[f.name] = asdict(value) if isinstance(value, PublicSchedule) else value
         return flat
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dptune import __version__
+from dptune.contract import PublicSchedule, TrialConfig
 from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
 from dptune.paths import probe_writable
 from dptune.privacy import MAX_EPSILON, MIN_EPSILON, calibrate_noise_multiplier, check_delta
@@ -112,12 +113,26 @@ def epoch_steps(num_examples: int, batch_size: int, epochs: int) -> list[int]:
     return [end - start for start, end in itertools.pairwise(ends)]
 
 
-def coupled_learning_rate(base_learning_rate: float, batch_size: int, reference_batch_size: int) -> float:
-    """√B coupling: η = η₀·√(B/B_ref)."""
+def run_schedule(config: TrialConfig, num_train: int) -> PublicSchedule:
+    """The Poisson schedule ``config`` trains by on ``num_train`` rows: its public one where it has one
+    (a tuning run on a secret subsample), else q = B/N, T = ``total_steps``, ``epoch_steps`` and q·N = B."""
+    if config.schedule is not None:
+        return config.schedule
+    batch_size, epochs = config.batch_size, config.epochs
+    return PublicSchedule(
+        sample_rate=sample_rate(num_train, batch_size),
+        steps=total_steps(num_train, batch_size, epochs),
+        epoch_steps=tuple(epoch_steps(num_train, batch_size, epochs)),
+        expected_batch_size=float(batch_size),
+    )
+
+
+def coupled_learning_rate(base_learning_rate: float, batch_size: float, reference_batch_size: int) -> float:
+    """√B coupling: η = η₀·√(B/B_ref) (B an expected batch: a tuning run's q·q₁·N may be fractional)."""
     if not base_learning_rate > 0:
         raise ValueError(f"base_learning_rate (η₀) must be > 0, got {base_learning_rate!r}")
-    if not (batch_size >= 1 and reference_batch_size >= 1):
-        raise ValueError(f"batch sizes must be ≥ 1, got B={batch_size!r}, B_ref={reference_batch_size!r}")
+    if not (batch_size > 0 and reference_batch_size >= 1):
+        raise ValueError(f"batch sizes must be > 0 (B_ref ≥ 1), got B={batch_size!r}, B_ref={reference_batch_size!r}")
     return base_learning_rate * math.sqrt(batch_size / reference_batch_size)
 
 

@@ -116,17 +116,22 @@ def opacus_rdp(orders: np.ndarray, sigma: float, q: float, steps: int) -> np.nda
     return np.array(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders))
 
 
-def papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: float, delta: float) -> float:
+def papernot_steinke_geometric_rdp(rdp: np.ndarray, orders: np.ndarray, trials: float) -> np.ndarray:
     """Theorem 2 of Papernot & Steinke (ICLR 2022) with η = 1 (geometric, γ = 1/k), written out by hand
-    over a trial's RDP curve, converted to (ε, δ) with Opacus' formula."""
+    over a trial's RDP curve: the selection's RDP curve at ``orders``."""
+    gamma = 1 / trials
+    constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
+    selected = rdp + math.log(trials) / (orders - 1) + constant
+    return np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
+
+
+def papernot_steinke_geometric(rdp: np.ndarray, orders: np.ndarray, trials: float, delta: float) -> float:
+    """:func:`papernot_steinke_geometric_rdp` converted to (ε, δ) with Opacus' formula."""
     import warnings
 
     from opacus.accountants.analysis.rdp import get_privacy_spent
 
-    gamma = 1 / trials
-    constant = 2 * np.min((1 - 1 / orders) * rdp - math.log(gamma) / orders)
-    selected = rdp + math.log(trials) / (orders - 1) + constant
-    selected = np.array([selected[orders >= order].min() for order in orders])  # RDP is monotone in the order
+    selected = papernot_steinke_geometric_rdp(rdp, orders, trials)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         epsilon, _ = get_privacy_spent(orders=orders, rdp=selected, delta=delta)
@@ -144,3 +149,39 @@ def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> flo
         [SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials]
     )
     return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
+
+
+def subsampled_tuning_epsilon(
+    tuning: Sequence[tuple[float, float, int]],
+    release: Sequence[tuple[float, float, int]],
+    fraction: float,
+    trials: float,
+    score_noise_multiplier: float,
+    delta: float,
+) -> float:
+    """Koskela & Kulkarni (NeurIPS 2023) variant 1 by hand, for the geometric trial count: each tuning
+    candidate (σ, q, T) by Opacus' RDP plus the score's Gaussian, the worst of them through
+    :func:`papernot_steinke_geometric_rdp`, amplified by a Poisson subsample of rate ``fraction`` with
+    Zhu & Wang's Thm 6 in exact integer binomials, plus the worst release candidate's RDP, converted
+    with Canonne, Kamath & Steinke's formula ε = min_α ε(α) + log((α−1)/α) − (log δ + log α)/(α−1)."""
+    orders = np.arange(2, 129, dtype=float)
+    score = orders / (2 * score_noise_multiplier**2)
+    run = np.max([opacus_rdp(orders, s, q, t) for s, q, t in tuning], axis=0) + score
+    selected = papernot_steinke_geometric_rdp(run, orders, trials)
+    amplified = []
+    for alpha in range(2, 129):
+        logs = [(alpha - 1) * math.log1p(-fraction) + math.log1p((alpha - 1) * fraction)]
+        for ell in range(2, alpha + 1):
+            logs.append(
+                math.log(math.comb(alpha, ell))
+                + ell * math.log(fraction)
+                + (alpha - ell) * math.log1p(-fraction)
+                + (ell - 1) * selected[ell - 2]
+                + (math.log(3) if ell >= 3 else 0.0)
+            )
+        top = max(logs)
+        moment = top + math.log(math.fsum(math.exp(v - top) for v in logs))
+        amplified.append(min(moment / (alpha - 1), selected[alpha - 2]))
+    total = np.array(amplified) + np.max([opacus_rdp(orders, s, q, t) for s, q, t in release], axis=0)
+    candidates = total + np.log((orders - 1) / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
+    return float(max(0.0, candidates.min()))

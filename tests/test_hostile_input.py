@@ -179,20 +179,24 @@ def test_dotdot_name_cannot_write_outside_storage(tmp_path: Path, capsys: pytest
     assert (tmp_path / "index.html").read_text() == "the user's own page" and not list(storage.iterdir())
 
 
-def test_tuning_on_a_subsample_is_refused_before_any_data_until_it_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("training.runner=trial", "training.runner 'trial' cannot run tuning_subsample"), ("task.peft=film", "task.peft")],
+)
+def test_tuning_on_a_subsample_without_the_fused_runner_is_refused_before_any_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, named: str
 ) -> None:
     err = refused(
         capsys,
         search.main,
         "--space",
-        str(REPO_ROOT / "search_spaces/private.yaml"),
+        str(REPO_ROOT / "search_spaces/private_subsample.yaml"),
         "--storage",
         str(tmp_path),
         "--set",
-        "privacy.private_selection.tuning_subsample={fraction: 0.1}",
+        override,
     )
-    assert "tuning_subsample: this version plans tuning on a subsample (--dry-run prints the plan" in err
+    assert "privacy.private_selection" in err and named in err and "public numbers" in err
     assert not list(tmp_path.iterdir())  # refused before the lease: no results folder
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import io
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,6 +135,37 @@ def split_rows(labels: np.ndarray, num_classes: int, num_official_train: int | N
     return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
 
 
+def tuning_rows_bytes(train: np.ndarray, val: np.ndarray, sizes: tuple[int, int]) -> bytes:
+    """The file of a tuning subsample X₁ (``WorkloadSpec.tuning_rows``): the kept positions ``train``
+    and ``val`` (sorted, in the training and validation splits of sizes ``sizes``), as ``.npz`` bytes."""
+    buffer = io.BytesIO()
+    np.savez(buffer, train=np.asarray(train, np.int64), val=np.asarray(val, np.int64), sizes=np.asarray(sizes))
+    return buffer.getvalue()
+
+
+def tuning_subset(rows: SplitRows, location: str) -> SplitRows:
+    """``rows`` with only the training and validation rows of the tuning subsample stored at
+    ``location`` (written by :func:`tuning_rows_bytes`); the test rows unchanged. Raises
+    :class:`WorkloadError` when the file is missing or unreadable, or was drawn for other splits."""
+    from dptune.paths import read_file
+
+    folder, _, name = location.rpartition("/")
+    try:
+        data = read_file(folder, name)
+        if data is None:
+            raise FileNotFoundError("no such file")
+        with np.load(io.BytesIO(data)) as kept:
+            train, val, sizes = kept["train"], kept["val"], tuple(int(n) for n in kept["sizes"])
+    except (OSError, KeyError, ValueError) as error:
+        raise WorkloadError(f"tuning_rows {location!r}: cannot read the tuning subsample ({error})") from None
+    if sizes != (len(rows.train), len(rows.val)):
+        raise WorkloadError(
+            f"tuning_rows {location!r} was drawn for {sizes[0]} training and {sizes[1]} validation rows; "
+            f"this workload has {len(rows.train)} and {len(rows.val)}"
+        )
+    return replace(rows, train=rows.train[train], val=rows.val[val])
+
+
 def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Workload:
     """Build the train/validation/test datasets of ``spec`` (see ``dptune.data`` and
     :class:`Workload`). ``data_dir`` overrides ``$DPTUNE_DATA_DIR`` for on-disk datasets.
@@ -148,6 +180,8 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     backbone = BACKBONES[spec.backbone]
     raw = info.load(data_dir, backbone.image_size)
     rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
+    if spec.tuning_rows is not None:
+        rows = tuning_subset(rows, spec.tuning_rows)
     labels = {
         name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
     }

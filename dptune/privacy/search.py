@@ -136,6 +136,30 @@ def guarantee(
         )
     dataset = space.task.dataset
     selection = space.privacy.private_selection
+    if selection is not None and selection.tuning_subsample is not None:
+        subsample = selection.tuning_subsample
+        bound = "" if epsilon_selection is None else f" (RDP total {epsilon_selection:.3g})"
+        return (
+            f"Only the release is covered: the model trained once on every training row with the configuration "
+            f"tuned on a secret subsample and transferred by the public rule '{subsample.transfer}' (C and η₀ "
+            f"kept, η = η₀·√(B/B_ref)), that configuration, and the tuning's best noisy validation score are "
+            f"({selection.epsilon:g}, {delta:g})-DP{bound} by Koskela & Kulkarni (NeurIPS 2023, variant 1): the "
+            f"subsample X₁ keeps each training and validation row with probability q₁ = {subsample.fraction:g} "
+            f"(fresh OS entropy, drawn once per search); on it, a secret random number K of random-search runs "
+            f"(truncated negative binomial, η = {selection.trial_count_shape:g}, mean "
+            f"{space.sampler.trials_per_cell}), each DP-SGD with q and T fixed from public numbers (never from "
+            f"|X₁|) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), only the "
+            f"best kept (Papernot & Steinke, ICLR 2022); that tuning amplified by the subsampling (Zhu & Wang, "
+            f"ICML 2019, Thm 6) and composed in RDP with the release's DP-SGD at the worst of the candidate batch "
+            f"sizes. The released score is the maximum of K noisy scores on X₁: biased upward, not an estimate "
+            f"of the model's accuracy. "
+            + _test_split(dataset, official_test_split, private_selection=True)
+            + " NOT covered, and kept inside the data owner's trust boundary "
+            f"({TRUST_BOUNDARY}/ in the results): X₁, K, the per-run records of the tuning runs and of the "
+            f"release's training (trials, epochs, classes tables; Ray Tune's state), which hold {_OUTSIDE}; and "
+            "the search's wall time, which grows with K. Publishing any of them voids the guarantee. Training "
+            "the release on the rows left out of X₁ (the paper's variant 2) is not what runs, and not covered."
+        )
     if selection is not None:
         bound = "" if epsilon_selection is None else f" (bound {epsilon_selection:.3g})"
         return (

@@ -118,8 +118,9 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 
 def check_fits_workload(config: TrialConfig, num_train: int) -> None:
-    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N."""
-    if config.batch_size > num_train:
+    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N (a run with a
+    public schedule samples at its own q ≤ 1, whatever its B)."""
+    if config.schedule is None and config.batch_size > num_train:
         raise TrialConfigError(
             f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
             f"{config.workload.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"

@@ -20,7 +20,9 @@ Per configuration k, exactly as a trial (:mod:`dptune.runners.trainer`):
   so each one is an independent (ε, δ)-DP mechanism and composition across them holds as across
   trials;
 - T = ``plan.total_steps(N, B, E)`` Poisson steps at q = B/N cut into epochs by
-  ``plan.epoch_steps``, σ from ``privacy.calibrate_noise_multiplier(ε, δ, q, T)``;
+  ``plan.epoch_steps``, σ from ``privacy.calibrate_noise_multiplier(ε, δ, q, T)`` (a tuning run on a
+  secret subsample takes q, T, the epochs and the expected batch from its public schedule instead:
+  ``plan.run_schedule``);
 - each step: per-example gradients g_i of the summed cross-entropy of the head y = W x + b,
   factors f_i = ``clip_factors(‖g_i‖, C_k, rule)``, released gradient
   ``update_scale(C_k, rule, q·N) · (Σ_i f_i g_i + N(0, s_k² I))`` with s_k = ``noise_std(σ, C_k,
@@ -61,10 +63,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dptune.contract import TrialConfig, TrialResult
+from dptune.contract import PublicSchedule, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.errors import DptuneError, TrialConfigError
-from dptune.plan import sample_rate, total_steps
+from dptune.plan import run_schedule
 from dptune.privacy import calibrate_noise_multiplier
 from dptune.runners.common import cached_workload, check_config, check_fits_workload, torch_threads
 from dptune.runners.fused_group import FUSED_ENGINE, DeviceWorkload, FusedGroup, chunk_steps
@@ -73,7 +75,14 @@ from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
 #: Working-set budget of one fused group on its device (bytes): :func:`max_fused_configurations`.
 FUSED_MEMORY_BYTES: int = 2 << 30
 #: The fields in which the configurations of one ``run_fused`` call may differ.
-FUSABLE_FIELDS: tuple[str, ...] = ("clip_bound", "batch_size", "learning_rate", "base_learning_rate", "seed")
+FUSABLE_FIELDS: tuple[str, ...] = (
+    "clip_bound",
+    "batch_size",
+    "learning_rate",
+    "base_learning_rate",
+    "seed",
+    "schedule",
+)
 #: Engines a fused configuration may ask for: the fused runner computes the head's per-example
 #: gradients in closed form, as the FiLM engine does.
 FUSABLE_ENGINES: tuple[str, ...] = ("auto", "film")
@@ -206,11 +215,11 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
         raise TrialConfigError(
             "the fused runner trains heads on cached features; this workload has none (peft must be 'head')"
         )
-    by_batch_size: dict[int, list[int]] = {}
+    by_batch_size: dict[tuple[int, PublicSchedule | None], list[int]] = {}  # a tuning run's schedule goes with its B
     for index, config in enumerate(configs):
-        by_batch_size.setdefault(config.batch_size, []).append(index)
+        by_batch_size.setdefault((config.batch_size, config.schedule), []).append(index)
     plans: list[GroupPlan] = []
-    for batch_size, members in by_batch_size.items():
+    for (batch_size, _), members in by_batch_size.items():
         first = configs[members[0]]
         fits = max_fused_configurations(first, num_train, feature_dim, workload.num_classes, memory_bytes)
         if fits < 1:
@@ -219,22 +228,23 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
                 f"bytes (N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                 f"smaller batch_size or a larger memory budget"
             )
-        rate, steps = sample_rate(num_train, batch_size), total_steps(num_train, batch_size, first.epochs)
-        sigma = calibrate_noise_multiplier(first.epsilon, first.delta, rate, steps)
+        schedule = run_schedule(first, num_train)
+        sigma = calibrate_noise_multiplier(first.epsilon, first.delta, schedule.sample_rate, schedule.steps)
         plans += [GroupPlan(members[i : i + fits], batch_size, sigma) for i in range(0, len(members), fits)]
     return plans
 
 
 def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplier: float) -> TrialResult:
     """The ``error`` record of a configuration whose group never took a step: nothing spent."""
+    schedule = run_schedule(config, num_train)
     return TrialResult(
         config=config,
         status="error",
         reason=reason[:2000],
         noise_multiplier=noise_multiplier,
-        sample_rate=sample_rate(num_train, config.batch_size),
+        sample_rate=schedule.sample_rate,
         num_train=num_train,
-        steps=total_steps(num_train, config.batch_size, config.epochs),
+        steps=schedule.steps,
         steps_taken=0,
         epsilon_spent=0.0,
         engine=FUSED_ENGINE,

@@ -34,7 +34,7 @@ from dptune.dp.clipping import noise_std, update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
 from dptune.dp.diagnostics import diagnose
 from dptune.models import build_model
-from dptune.plan import epoch_steps, sample_rate, total_steps
+from dptune.plan import run_schedule
 from dptune.privacy import epsilon_spent
 from dptune.runners.common import Evaluation, diagnostic_epochs, diverged_charge, noisy_score, probe_indices
 from dptune.runners.heads import (
@@ -177,14 +177,15 @@ class GroupSchedule:
 
     @classmethod
     def of(cls, config: TrialConfig, num_train: int, noise_multiplier: float) -> GroupSchedule:
-        """The schedule of ``config``'s batch size on ``num_train`` examples with σ = ``noise_multiplier``."""
-        rate = sample_rate(num_train, config.batch_size)
+        """The schedule of ``config``'s batch size on ``num_train`` examples with σ = ``noise_multiplier``
+        (``config``'s public schedule where it has one: ``dptune.plan.run_schedule``)."""
+        schedule = run_schedule(config, num_train)
         return cls(
-            sample_rate=rate,
-            steps=total_steps(num_train, config.batch_size, config.epochs),
-            epoch_steps=tuple(epoch_steps(num_train, config.batch_size, config.epochs)),
+            sample_rate=schedule.sample_rate,
+            steps=schedule.steps,
+            epoch_steps=schedule.epoch_steps,
             noise_multiplier=noise_multiplier,
-            expected_batch_size=rate * num_train,
+            expected_batch_size=schedule.expected_batch_size,
             delta=config.delta,
         )
 

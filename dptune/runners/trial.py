@@ -43,9 +43,18 @@ def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResul
     (imported here on first use, so that importing this module stays torch-free).
     """
     leave_deleted_working_directory()
+    _refuse_public_schedule(config)
     from dptune.runners.trainer import run
 
     return run(config, report)
+
+
+def _refuse_public_schedule(config: TrialConfig) -> None:
+    if config.schedule is not None:
+        raise TrialConfigError(
+            "a run with a public schedule (tuning on a private subsample) trains with the fused runner only "
+            "(peft 'head', training.runner auto or fused); this runner takes q and T from its training split"
+        )
 
 
 def check_trial_can_run(config: TrialConfig) -> None:
@@ -70,6 +79,7 @@ def check_trial_can_run(config: TrialConfig) -> None:
     from dptune.runners.common import check_config
 
     check_config(config)
+    _refuse_public_schedule(config)
     spec = config.workload
     check_spec(spec)
     classes = len(spec.classes) if spec.classes is not None else DATASETS[spec.dataset].num_classes

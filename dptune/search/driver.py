@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,14 @@ from dptune.search.execution import TrialContext
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
 from dptune.search.sampler import CellSampler
+from dptune.search.subsample import (
+    RELEASE_PARAMETERS,
+    draw_tuning_rows,
+    kept_release_choice,
+    on_tuning_rows,
+    public_schedules,
+    release_context,
+)
 from dptune.space import LoadedSpace, SearchSpace, load_space
 
 if TYPE_CHECKING:
@@ -334,12 +343,6 @@ def run_search(options: SearchOptions) -> str:
     check_location_and_cluster(options, loaded, name, results_root)
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
-    selection = loaded.space.privacy.private_selection
-    if selection is not None and selection.tuning_subsample is not None:
-        raise SearchError(
-            "privacy.private_selection.tuning_subsample: this version plans tuning on a subsample (--dry-run "
-            "prints the plan and its ε) but cannot run it yet; remove tuning_subsample to tune on every row"
-        )
     with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
         return _run_search(options, loaded, name, results_root)
 
@@ -382,11 +385,22 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     notes += data_notes
     base = base_trial_config(space, plans[0], options.max_train_examples, options.max_eval_examples)
     fused = check_runner(space, plans, base, workload)
+    subsample = plans[0].tuning is not None
+    if subsample and not fused:
+        raise SearchError(
+            "privacy.private_selection.tuning_subsample: the tuning runs take q and T from public numbers, which "
+            "only the fused runner does (peft 'head', training.runner auto or fused, no scheduler)"
+        )
     if not fused:  # the model and its engine (Opacus or FiLM): what run_trial trains; the fused runner uses neither
         check_trial_can_run(base)
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root
+    tuning_rows = (  # X₁, once per search, inside the trust boundary
+        draw_tuning_rows(runs, len(workload.train), len(workload.val), plans[0].tuning.fraction)
+        if plans[0].tuning is not None
+        else None
+    )
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
     if not cluster:
@@ -394,7 +408,9 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     started = time.monotonic()
     contexts = [
         TrialContext(
-            base=base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples),
+            base=on_tuning_rows(
+                base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples), tuning_rows
+            ),
             results_root=runs,
             search_id=search_id,
             cell_id=plan.cell.cell_id,
@@ -405,7 +421,8 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             replicates=space.replicates,
             fused=fused,
             num_train=plan.num_train,
-            noise_multipliers=dict(plan.noise_multipliers),
+            noise_multipliers=dict(plan.noise_multipliers if plan.tuning is None else plan.tuning.noise_multipliers),
+            schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
         )
         for plan in plans
     ]
@@ -432,6 +449,8 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             "privacy ledger"
         )
     check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
+    if subsample:
+        train_releases(space, plans, contexts)
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
     ran = plans_that_ran(runs, search_id, plans)
     _warn(
@@ -467,6 +486,36 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         store.write_part("search", search_id, rows)
     conclude(results_root, report, private=private)
     return results_root
+
+
+def train_releases(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext]) -> None:
+    """Tuning on a subsample: per cell, the configuration its tuning chose (the best noisy validation
+    score, ``privacy.search.select_release``, kept inside the trust boundary before anything trains:
+    ``subsample.kept_release_choice``) trains once on every training row, as one Ray task through
+    ``execution.run_configurations`` (charged in the privacy ledger before its first step, recorded,
+    skipped when a resume finds it recorded). Nothing is trained for a cell none of whose runs finished."""
+    import ray
+
+    from dptune.search.execution import run_configurations
+
+    train = ray.remote(num_cpus=space.resources.cpus, num_gpus=space.resources.gpu)(run_configurations)
+    for plan, context in zip(plans, contexts, strict=True):
+        assert plan.tuning is not None
+        params = kept_release_choice(context.results_root, plan.cell_key, partial(_chosen, context, plan))
+        if params is None:
+            continue
+        print("training the release on every training row with the tuned configuration...", flush=True)
+        ray.get(train.remote(release_context(context, plan.tuning), [params]))
+
+
+def _chosen(context: TrialContext, plan: CellPlan) -> dict[str, float] | None:
+    """The sampled configuration of cell ``plan``'s run with the best noisy validation score (None: no run finished)."""
+    from dptune.privacy.search import select_release
+
+    trials = read_table(context.results_root, "trials")
+    mine = trials[(trials["search_id"] == context.search_id) & (trials["cell_id"] == plan.cell.cell_id)]
+    chosen = select_release(mine, runs=plan.configurations)
+    return None if chosen is None else {name: float(chosen[name]) for name in RELEASE_PARAMETERS}
 
 
 def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:

@@ -30,9 +30,9 @@ from typing import Any
 
 import pandas as pd
 
-from dptune.contract import EpochMetrics, Reporter, TrialConfig, TrialResult
+from dptune.contract import EpochMetrics, PublicSchedule, Reporter, TrialConfig, TrialResult
 from dptune.errors import TrialFailed
-from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.plan import coupled_learning_rate, run_schedule, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
 from dptune.records.ledger import RunEnd, RunStart, record_ends, record_starts
 from dptune.runners.trial import run_trial
@@ -53,7 +53,10 @@ class TrialContext:
     ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
     ``num_train`` (N) and ``noise_multipliers`` (σ per feasible B, from the cell's plan) let every
     run be charged in the privacy ledger before its first step; a search always gives N (without
-    it, as in unit tests that call the runners directly, no ledger is written).
+    it, as in unit tests that call the runners directly, no ledger is written). ``schedules`` (per
+    B): the public schedules of a cell that tunes on a secret subsample
+    (``dptune.search.subsample.public_schedules``); each run then samples, steps, is charged and has
+    its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)).
     """
 
     base: TrialConfig
@@ -68,6 +71,7 @@ class TrialContext:
     fused: bool = False
     num_train: int | None = None
     noise_multipliers: Mapping[int, float] | None = None
+    schedules: Mapping[int, PublicSchedule] | None = None
 
 
 def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
@@ -88,9 +92,11 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
     """
     batch_size = int(params["batch_size"])
     base_lr = float(params["base_learning_rate"])
+    schedule = None if context.schedules is None else context.schedules.get(batch_size)  # None: a pruned B
     lr = base_lr
     if context.coupling == "sqrt":
-        lr = coupled_learning_rate(base_lr, batch_size, context.reference_batch_size)
+        coupled = batch_size if schedule is None else schedule.expected_batch_size
+        lr = coupled_learning_rate(base_lr, coupled, context.reference_batch_size)
     clip_bound = float(params.get("clip_bound", context.base.clip_bound))
     seed = None
     if context.reproducible_seed is not None:
@@ -104,6 +110,7 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
         base_learning_rate=base_lr,
         learning_rate=lr,
         seed=seed,
+        schedule=schedule,
     )
 
 
@@ -196,8 +203,8 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
     starts = []
     for run in runs:
         config = run.config
-        rate = sample_rate(context.num_train, config.batch_size)
-        steps = total_steps(context.num_train, config.batch_size, config.epochs)
+        schedule = run_schedule(config, context.num_train)
+        rate, steps = schedule.sample_rate, schedule.steps
         sigma = (context.noise_multipliers or {}).get(config.batch_size)
         if sigma is None:
             sigma = calibrate_noise_multiplier(config.epsilon, config.delta, rate, steps)

@@ -16,6 +16,7 @@ from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.search import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, read_table
+from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
 
 if TYPE_CHECKING:
@@ -122,12 +123,16 @@ def search_rows(
                 )
                 for b in plan.feasible_batch_sizes
             ]
-            epsilon_selection = selection_epsilon(
-                candidates,
-                space.sampler.trials_per_cell or 0,
-                delta,
-                shape=selection.trial_count_shape,
-                score_noise_multiplier=selection.score_noise_multiplier,
+            epsilon_selection = (
+                plan.tuning.epsilon_total  # tuning on a subsample: the plan's RDP total of tuning and release
+                if plan.tuning is not None
+                else selection_epsilon(
+                    candidates,
+                    space.sampler.trials_per_cell or 0,
+                    delta,
+                    shape=selection.trial_count_shape,
+                    score_noise_multiplier=selection.score_noise_multiplier,
+                )
             )
             row.update({name: None for name in RUN_COUNT_COLUMNS})
             row.update(
@@ -152,15 +157,18 @@ def release_rows(
     """An end-to-end private search's release: per cell, the configuration of the run with the best
     noisy validation score (``privacy.search.select_release``), that score (the maximum of the K
     noisy scores: biased upward), its test accuracy where the test split is public, and the budget;
-    nothing that orders it among the runs (no trial id, no time). Empty for other searches."""
+    nothing that orders it among the runs (no trial id, no time). Tuning on a subsample: the release
+    run's configuration and test accuracy (:func:`_subsample_release`). Empty for other searches."""
     selection = space.privacy.private_selection
     if selection is None:
         return []
     rows = []
     for plan, row in zip(plans, search_rows_, strict=True):
-        chosen = select_release(
-            trials[(trials["search_id"] == row["search_id"]) & (trials["cell_id"] == plan.cell.cell_id)],
-            runs=plan.configurations,
+        mine = trials[trials["search_id"] == row["search_id"]]
+        chosen = (
+            select_release(mine[mine["cell_id"] == plan.cell.cell_id], runs=plan.configurations)
+            if plan.tuning is None
+            else _subsample_release(mine, plan.cell.cell_id, plan.tuning.fraction)
         )
         if chosen is None:
             continue
@@ -191,6 +199,22 @@ def release_rows(
             }
         )
     return rows
+
+
+def _subsample_release(trials: pd.DataFrame, cell_id: str, fraction: float) -> pd.Series | None:
+    """The release of a cell tuned on a subsample of rate ``fraction`` (q₁): its finished release run
+    (cell id ``<cell>|release``) with the noisy validation count of the tuning run whose configuration it
+    trained, divided by the public nominal q₁·N_val (N_val: the release run's validation rows), never by
+    X₁'s own validation size, which stays inside the trust boundary. None: no release finished."""
+    release = trials[(trials["cell_id"] == cell_id + RELEASE_SUFFIX) & (trials["status"] == "ok")]
+    if release.empty:
+        return None
+    chosen = release.iloc[0].copy()
+    tuned = trials[(trials["cell_id"] == cell_id) & (trials["status"] == "ok")]
+    same = tuned[(tuned[list(RELEASE_PARAMETERS)] == chosen[list(RELEASE_PARAMETERS)].to_numpy()).all(axis=1)]
+    count = (same["noisy_val_accuracy"] * same["num_val"]).max() if not same.empty else math.nan
+    chosen["noisy_val_accuracy"] = count / (fraction * chosen["num_val"])
+    return chosen
 
 
 def summary_table(results_root: str) -> pd.DataFrame:

@@ -7,19 +7,45 @@ count are fixed from public numbers (N and q₁), never from |X₁|, so that the
 the run's (``dptune.privacy.subsampled_tuning``, assumption 2). ``tuning_schedule`` is the
 transfer rule read backwards: the (q, T) a tuning run uses to stand for a full-data (B, E).
 
+What a run of the mode needs besides the plan, also here and Ray-free: the tuning runs' public
+schedules (``public_schedules``), the secret draw of X₁ kept inside the trust boundary
+(``draw_tuning_rows``), and the release's run (``release_context``, ``kept_release_choice``). The
+driver trains the tuning as a private search's cell and the release as one more run.
+
 Ray-free and torch-free: the planner and ``--dry-run`` use it before any compute.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from dptune.contract import PublicSchedule, TrialConfig
 from dptune.errors import SearchError
-from dptune.plan import sample_rate, total_steps
+from dptune.paths import read_file, write_file_atomic
+from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import PrivacyParameterError
 from dptune.privacy.subsampled_tuning import plan_subsampled_tuning
 from dptune.space import SearchSpace
 from dptune.space.spec import TuningSubsampleSpec
+
+if TYPE_CHECKING:
+    from dptune.search.execution import TrialContext
+
+#: The files inside a private search's trust boundary that keep X₁ (the tuning subsample, drawn once)
+#: and, per cell, the configuration the tuning chose for the release (fixed before the release trains).
+TUNING_ROWS_FILE = "tuning_subsample.npz"
+RELEASE_CHOICE_FILE = "release_choice.json"
+#: The suffix of a release run's cell id and cell key: its records sit beside the tuning runs'.
+RELEASE_SUFFIX = "|release"
+#: What the tuning hands the release: the chosen run's sampled configuration (the rule keeps all three).
+RELEASE_PARAMETERS = ("clip_bound", "batch_size", "base_learning_rate")
 
 
 def tuning_schedule(num_train: int, batch_size: int, epochs: int, fraction: float, transfer: str) -> tuple[float, int]:
@@ -119,3 +145,83 @@ def _subsample(space: SearchSpace) -> TuningSubsampleSpec:
     if selection is None or selection.tuning_subsample is None:
         raise ValueError("the space has no privacy.private_selection.tuning_subsample")
     return selection.tuning_subsample
+
+
+def public_schedules(plan: TuningPlan, num_train: int, epochs: int) -> dict[int, PublicSchedule]:
+    """Per tunable B, the :class:`~dptune.contract.PublicSchedule` of its tuning runs: the plan's (q, T),
+    cut into ``epochs`` epochs (``sample_rate``: the release's own split ``epoch_steps(N, B, E)``;
+    ``batch_size``: epoch e ends at step round(e·T/E)), with the expected batch q·q₁·N."""
+    nominal = plan.fraction * num_train
+    schedules = {}
+    for batch_size, (rate, steps) in plan.schedules.items():
+        if plan.transfer == "sample_rate":
+            split = tuple(epoch_steps(num_train, batch_size, epochs))
+        else:
+            ends = [round(Fraction(e * steps, epochs)) for e in range(epochs + 1)]
+            split = tuple(b - a for a, b in zip(ends, ends[1:], strict=False))
+        schedules[batch_size] = PublicSchedule(rate, steps, split, rate * nominal)
+    return schedules
+
+
+def draw_tuning_rows(runs: str, num_train: int, num_val: int, fraction: float) -> str:
+    """The location of X₁, the search's tuning subsample, inside its trust boundary ``runs``: each of the
+    ``num_train`` training and ``num_val`` validation rows kept with probability ``fraction`` (q₁), from a
+    generator seeded with 128 bits of fresh OS entropy that is never stored. The first start draws and
+    writes it (atomically, before any run); a resume reads it back, so X₁ is drawn once per search, as
+    the accounting assumes. Raises ``SearchError`` when a kept file was drawn for other splits."""
+    from dptune.data.workload import tuning_rows_bytes
+
+    location = f"{runs.rstrip('/')}/{TUNING_ROWS_FILE}"
+    kept = read_file(runs, TUNING_ROWS_FILE)
+    if kept is not None:
+        with np.load(io.BytesIO(kept)) as rows:
+            sizes = tuple(int(n) for n in rows["sizes"])
+        if sizes != (num_train, num_val):
+            raise SearchError(
+                f"{location} was drawn for {sizes[0]} training and {sizes[1]} validation rows, this search has "
+                f"{num_train} and {num_val}: it belongs to another search; choose another --name or --storage"
+            )
+        return location
+    coins = np.random.default_rng(np.random.SeedSequence())  # 128 bits of OS entropy, never stored
+    train = np.flatnonzero(coins.random(num_train) < fraction)
+    val = np.flatnonzero(coins.random(num_val) < fraction)
+    write_file_atomic(runs, TUNING_ROWS_FILE, tuning_rows_bytes(train, val, (num_train, num_val)), durable=True)
+    return location
+
+
+def on_tuning_rows(base: TrialConfig, location: str | None) -> TrialConfig:
+    """``base`` training on the tuning subsample kept at ``location`` (None: unchanged)."""
+    return base if location is None else replace(base, workload=replace(base.workload, tuning_rows=location))
+
+
+def kept_release_choice(
+    runs: str, cell_key: str, choose: Callable[[], dict[str, float] | None]
+) -> dict[str, float] | None:
+    """The release configuration (C, B, η₀) of cell ``cell_key``: the one kept inside the trust boundary
+    ``runs`` when a start already chose it, else ``choose()`` (None: nothing to release), kept before the
+    release trains. So a resume never chooses again (``privacy.search.select_release`` may draw which K
+    of more than K recorded runs compete; drawing again until a preferred one wins would not be private)."""
+    kept = json.loads(read_file(runs, RELEASE_CHOICE_FILE) or b"{}")
+    if cell_key not in kept:
+        kept[cell_key] = choose()
+        write_file_atomic(runs, RELEASE_CHOICE_FILE, json.dumps(kept).encode(), durable=True)
+    return kept[cell_key]
+
+
+def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
+    """The :class:`~dptune.search.execution.TrialContext` of the release of the cell whose tuning runs
+    under ``tuning`` by ``plan``: every training row (no X₁), the full data's own schedule, the
+    release's σ at the plan's per-run ε, no DP score (the release's validation accuracy is never
+    released), one run; its cell id and key are the tuning's with ``RELEASE_SUFFIX`` and ``-release``."""
+    base = tuning.base
+    return replace(
+        tuning,
+        base=replace(
+            base, workload=replace(base.workload, tuning_rows=None), score_noise_multiplier=None, schedule=None
+        ),
+        cell_id=tuning.cell_id + RELEASE_SUFFIX,
+        cell_key=tuning.cell_key + "-release",
+        replicates=1,
+        noise_multipliers=dict(plan.release_noise_multipliers),
+        schedules=None,
+    )

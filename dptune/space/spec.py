@@ -404,6 +404,19 @@ class SearchSpace(_Strict):
             ),
             "replicates": (self.replicates != 1, "must be 1: the bound counts each run as one candidate"),
         }
+        subsample = self.privacy.private_selection is not None and self.privacy.private_selection.tuning_subsample
+        voids |= {
+            "task.peft": (
+                bool(subsample) and self.task.peft != "head",
+                f"'{self.task.peft}' must be 'head' with tuning_subsample: only the fused runner takes a tuning "
+                "run's q and T from public numbers (never from the subsample's size), as the analysis assumes",
+            ),
+            "training.runner": (
+                bool(subsample) and self.training.runner == "trial",
+                "'trial' cannot run tuning_subsample: only the fused runner takes a tuning run's q and T from "
+                "public numbers (use auto or fused)",
+            ),
+        }
         problems = [f"{key} {why}" for key, (bad, why) in voids.items() if bad]
         if problems:
             raise ValueError("privacy.private_selection: " + "; ".join(problems))

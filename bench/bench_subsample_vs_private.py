@@ -45,6 +45,7 @@ SPACES = {
 def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """One end-to-end private tuning of ``mode`` at ``epsilon_total``: what it releases and what it cost."""
     from dptune.data import load_workload
+    from dptune.errors import SearchError
     from dptune.runners.fused import run_fused
     from dptune.search.cells import base_trial_config, cell_spec, plan_cells, task_workload
     from dptune.search.execution import TrialContext, trial_config
@@ -58,7 +59,10 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
     space = load_space(SPACES[mode], overrides).space
     started = time.perf_counter()
     workload = load_workload(task_workload(space, None, None))
-    (plan,) = plan_cells(space, len(workload.train), progress=False)  # K from fresh OS entropy
+    try:
+        (plan,) = plan_cells(space, len(workload.train), progress=False)  # K from fresh OS entropy
+    except SearchError as error:  # the total cannot pay for the mode's mean number of runs
+        return {"mode": mode, "epsilon_total": epsilon_total, "unreachable": str(error)}
     base = base_trial_config(space, plan, None, None)
     schedules = None
     if plan.tuning is not None:
@@ -113,6 +117,9 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for key in sorted({(r["epsilon_total"], r["mode"]) for r in rows}):
         mine = [r for r in rows if (r["epsilon_total"], r["mode"]) == key]
+        if any("unreachable" in r for r in mine):
+            table.append({"epsilon_total": key[0], "mode": key[1], "unreachable": mine[0]["unreachable"]})
+            continue
         accuracy = np.array([r["released_test_accuracy"] for r in mine if r["released_test_accuracy"] is not None])
         half = stats.t.ppf(0.975, len(accuracy) - 1) * accuracy.std(ddof=1) / np.sqrt(len(accuracy))
         table.append(
@@ -154,6 +161,9 @@ def main() -> None:
                     folder = Path(scratch) / f"{mode}-{epsilon_total:g}-{repetition}"
                     row = procedure(mode, epsilon_total, args, folder)
                     rows.append(row)
+                    if "unreachable" in row:
+                        print(f"ε_total {epsilon_total:g}, {mode}: {row['unreachable']}", flush=True)
+                        continue
                     print(
                         f"ε_total {epsilon_total:g}, {mode:<9} #{repetition}: K = {row['runs']:>2}, released test "
                         f"accuracy {row['released_test_accuracy']}, {row['trial_epochs']:.1f} trial-epochs, "
@@ -162,6 +172,9 @@ def main() -> None:
                     )
     table = summarise(rows)
     for r in table:
+        if "unreachable" in r:
+            print(f"ε_total {r['epsilon_total']:g} {r['mode']:<9} unreachable")
+            continue
         print(
             f"ε_total {r['epsilon_total']:g} {r['mode']:<9} test {100 * r['test_mean']:.2f} % "
             f"[{100 * r['test_low']:.2f}, {100 * r['test_high']:.2f}] (range {100 * r['test_min']:.2f}–"

@@ -852,3 +852,53 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     assert sorted(epochs["epoch"]) == [1, 2, 3]
     search = read_table(results, "search")
     assert search["cell_id"].tolist() == ["eps=8|epochs=3"] and search["name"].tolist() == ["default"]
+
+
+@pytest.mark.ray
+def test_private_tuning_on_a_subsample_runs_through_ray_job_submit(
+    ray_head, test_cache_dir: Path, tmp_path: Path
+) -> None:
+    # search_spaces/private_subsample.yaml as a user submits it to a cluster: the tuning runs as Ray
+    # Tune trials and the release as one Ray task, on the head's cluster, at the suite's caps.
+    storage = tmp_path / "results"
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
+    command = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard_url,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        "python",
+        "-m",
+        "dptune.search",
+        "--space",
+        "search_spaces/private_subsample.yaml",
+        "--set",
+        "sampler.trials_per_cell=2",
+        "--set",
+        "epochs=[5]",
+        "--set",
+        "privacy.private_selection.tuning_subsample.fraction=0.5",
+        "--max-train-examples",
+        str(TINY_TRAIN_EXAMPLES),
+        "--max-eval-examples",
+        str(TINY_EVAL_EXAMPLES),
+        "--storage",
+        str(storage),
+        "--no-report",
+    ]
+    completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    assert "joined Ray cluster" in completed.stdout and "training the release on every training row" in completed.stdout
+    root = storage / "private_subsample"
+    (release,) = read_table(str(root), "release").itertuples()
+    assert (release.tuning_fraction, release.transfer) == (0.5, "sample_rate") and 0 < release.test_accuracy <= 1
+    trials = read_table(str(root / "inside_trust_boundary"), "trials")
+    (trained,) = trials[trials["cell_id"].str.endswith("|release")].itertuples()
+    assert (trained.num_train, trained.status) == (TINY_TRAIN_EXAMPLES, "ok")
+    assert trained.test_accuracy == release.test_accuracy

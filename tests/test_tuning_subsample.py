@@ -243,7 +243,10 @@ def test_a_private_subsample_search_trains_one_release_on_every_row_and_shows_no
         np.isnan(trained.noisy_val_accuracy)
         and trained.noise_multiplier == plan.tuning.release_noise_multipliers[trained.batch_size]
     )
-    assert len(release) == 1
+    assert len(release) == 1 and (release["tuning_fraction"].iloc[0], release["transfer"].iloc[0]) == (
+        0.5,
+        "sample_rate",
+    )
     for column in ("clip_bound", "batch_size", "base_learning_rate"):
         assert release[column].iloc[0] == best[column] == getattr(trained, column)
     # the released score: the best run's noisy count over X₁'s public nominal validation size q₁·N_val
@@ -258,5 +261,7 @@ def test_a_private_subsample_search_trains_one_release_on_every_row_and_shows_no
     for column in ("sample_rate", "steps", "noise_multiplier"):
         assert (charged.loc[ran.index, column].to_numpy() == ran[column].to_numpy()).all(), column
     out = completed.stdout
-    assert "Koskela & Kulkarni" in out and "variant 2" in out and "configurations:" not in out
+    assert (
+        "Koskela & Kulkarni" in out and "variant 2" in out and "tuned on (q₁)" in out and "configurations:" not in out
+    )
     assert not (root / "trials").exists() and not (root / TUNING_ROWS_FILE).exists()

@@ -28,7 +28,8 @@ from dptune.errors import DptuneError
 #: the runs) and gains test_split_public; trials.released is false on every run record.
 #: 5: search gains runs_charged and runs_unrecorded: the whole-search cost composes the privacy ledger
 #: (``dptune.records.ledger``), every run that was charged before its first step, recorded or not.
-SCHEMA_VERSION = 5
+#: 6: release gains tuning_fraction and transfer (tuning on a private subsample; null otherwise).
+SCHEMA_VERSION = 6
 
 #: The quantiles of per-class gradient norms the ``classes`` table keeps, as column suffixes.
 QUANTILES = ("q05", "q25", "q50", "q75", "q95")
@@ -187,6 +188,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("score_noise_multiplier", pa.float64()),
             ("mean_trials", pa.float64()),
             ("trial_count_shape", pa.float64()),
+            ("tuning_fraction", pa.float64()),  # q₁ of the tuning's secret subsample; null: tuned on every row
+            ("transfer", pa.string()),  # the rule that took the tuned configuration to the full data; null as above
             ("guarantee", pa.string()),
         ]
     ),

@@ -195,6 +195,8 @@ def release_rows(
                 "score_noise_multiplier": selection.score_noise_multiplier,
                 "mean_trials": float(space.sampler.trials_per_cell or 0),
                 "trial_count_shape": selection.trial_count_shape,
+                "tuning_fraction": plan.tuning.fraction if plan.tuning is not None else None,
+                "transfer": plan.tuning.transfer if plan.tuning is not None else None,
                 "guarantee": row["guarantee"],
             }
         )
@@ -306,6 +308,7 @@ RELEASE_COLUMNS = {
     "learning_rate": "η",
     "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
     "test_accuracy": "test acc",
+    "tuning_fraction": "tuned on (q₁)",
     "epsilon_total": "ε total",
     "delta_total": "δ",
 }
@@ -325,6 +328,7 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
             lines.append("none: no run finished")
         else:
             table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
+            table["tuned on (q₁)"] = table["tuned on (q₁)"].where(release["tuning_fraction"].notna(), "all rows")
             table["test acc"] = table["test acc"].where(
                 release["test_split_public"].fillna(True).astype(bool),
                 "withheld (test split carved from the private pool)",

@@ -26,6 +26,13 @@ own seeded coins (a benchmark, reproducible; the service draws secret coins).
 
     nice .venv/bin/python bench/bench_transfer_rules.py [--fractions 0.125,0.25,0.5] [--replicates 3]
         [--out bench/results/transfer_rules.json]
+
+``--draw poisson`` measures the service's own mode instead (any q₁, default 0.1, 0.2, 0.5): per
+replicate a fresh Poisson X₁ of the training *and validation* rows (``subsample.draw_tuning_rows``),
+the grid's configurations run on it as tuning runs with their public schedules under each rule
+(``execution.trial_config``, ``subsample.public_schedules``), the one with the best validation
+accuracy on X₁'s validation rows chosen (exact, not the private mode's noisy score), and its
+full-data truth read off the full grid. Under ``batch_size``, the B above q₁·N cannot be tuned.
 """
 
 from __future__ import annotations
@@ -167,23 +174,116 @@ def evaluate(full: pd.DataFrame, subsamples: dict[float, pd.DataFrame]) -> list[
     return rows
 
 
+def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> list[tuple[float, int, float]]:
+    """Per replicate, the full-data configuration a search on a fresh Poisson X₁ chooses under ``rule``
+    (``--draw poisson``, see the docstring)."""
+    import tempfile
+
+    from dptune import search
+    from dptune.data import load_workload
+    from dptune.runners.fused import run_fused
+    from dptune.search.cells import task_workload
+    from dptune.search.execution import TrialContext, trial_config
+    from dptune.search.subsample import (
+        TuningPlan,
+        draw_tuning_rows,
+        on_tuning_rows,
+        public_schedules,
+        tuning_schedule,
+    )
+    from dptune.space import load_space
+
+    overrides = {"privacy.epsilons": [args.epsilon], "epochs": [args.epochs], "training.diagnostics": False}
+    space = load_space(DEFAULT_SPACE, overrides).space  # the default space's B = 32…2048
+    workload = load_workload(task_workload(space, None, None))
+    num_train = len(workload.train)
+    plan = search.plan_cells(space, num_train, progress=False)[0]
+    tunable = [b for b in plan.feasible_batch_sizes if rule == "sample_rate" or b <= fraction * num_train]
+    schedules = {b: tuning_schedule(num_train, b, args.epochs, fraction, rule) for b in tunable}
+    nan = float("nan")
+    tuning = TuningPlan(fraction, rule, args.epsilon, schedules, {}, {}, nan, nan, nan)
+    clips = np.geomspace(0.01, 10.0, args.clip_values).tolist()
+    lr_values = np.geomspace(1e-4, 1e-1, args.lr_values).tolist()
+    points = list(itertools.product(clips, tunable, lr_values))
+    chosen = []
+    for replicate in range(args.replicates):
+        with tempfile.TemporaryDirectory(prefix="bench-transfer-") as scratch:
+            rows = draw_tuning_rows(scratch, num_train, len(workload.val), fraction)
+            context = TrialContext(
+                base=on_tuning_rows(search.base_trial_config(space, plan, None, None), rows),
+                results_root=scratch,
+                search_id="bench",
+                cell_id=plan.cell.cell_id,
+                cell_key=plan.cell_key,
+                coupling=space.coupling.rule,
+                reference_batch_size=space.coupling.reference_batch_size,
+                schedules=public_schedules(tuning, num_train, args.epochs),
+            )
+            configs = [
+                replace(
+                    trial_config(context, {"clip_bound": c, "batch_size": b, "base_learning_rate": lr0}),
+                    seed=run_seed("poisson", fraction, rule, c, b, lr0, replicate),
+                )
+                for c, b, lr0 in points
+            ]
+            started = time.perf_counter()
+            results = run_fused(configs)
+        values = [r.val_accuracy if r.status == "ok" else 0.0 for r in results]
+        best = points[int(np.argmax(values))]
+        print(
+            f"q₁ = {fraction:g}, rule '{rule}', replicate {replicate}: {len(configs)} runs on X₁ "
+            f"({results[0].num_train} training, {results[0].num_val} validation rows) in "
+            f"{time.perf_counter() - started:.0f} s; chose C = {best[0]:g}, B = {best[1]}, η₀ = {best[2]:g}",
+            flush=True,
+        )
+        chosen.append((float(best[0]), int(best[1]), float(best[2])))
+    return chosen
+
+
+def evaluate_poisson(full: pd.DataFrame, chosen: dict[tuple[float, str], list[tuple[float, int, float]]]) -> list[dict]:
+    """The gap table of ``--draw poisson``: per (q₁, rule), the gaps of the choices to the full grid's optimum."""
+    truth = full.groupby(["clip_bound", "batch_size", "base_learning_rate"])["test_accuracy"].mean()
+    optimum = float(truth.max())
+    rows = []
+    for (fraction, rule), targets in chosen.items():
+        gaps = [100 * (optimum - float(truth.get(target, np.nan))) for target in targets]
+        rows.append(
+            {
+                "tuning": f"q₁ = {fraction:g} (Poisson X₁), rule '{rule}'",
+                "fraction": fraction,
+                "gap_mean_points": float(np.nanmean(gaps)),
+                "gap_min_points": float(np.nanmin(gaps)),
+                "gap_max_points": float(np.nanmax(gaps)),
+                "off_grid": int(np.isnan(gaps).sum()),
+                "choices": [list(t) for t in targets],
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fractions", default="0.125,0.25,0.5")
+    parser.add_argument("--fractions", help="q₁ values (default 0.125,0.25,0.5; with --draw poisson 0.1,0.2,0.5)")
     parser.add_argument("--epsilon", type=float, default=4.0)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--clip-values", type=int, default=4)
     parser.add_argument("--lr-values", type=int, default=5)
     parser.add_argument("--replicates", type=int, default=3)
+    parser.add_argument("--draw", choices=("stratified", "poisson"), default="stratified")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.perf_counter()
     full = grid(1.0, list(BATCH_SIZES), args)
-    subsamples = {}
-    for fraction in (float(x) for x in args.fractions.split(",")):
-        kept = [round(fraction * b) for b in BATCH_SIZES]  # the 'sample_rate' rule's tuning runs
-        subsamples[fraction] = grid(fraction, sorted(set(kept) | set(BATCH_SIZES)), args)
-    rows = evaluate(full, subsamples)
+    if args.draw == "poisson":
+        fractions = [float(x) for x in (args.fractions or "0.1,0.2,0.5").split(",")]
+        chosen = {(f, rule): poisson_choices(f, rule, args) for f in fractions for rule in RULES}
+        rows = evaluate(full, {}) + evaluate_poisson(full, chosen)
+    else:
+        subsamples = {}
+        for fraction in (float(x) for x in (args.fractions or "0.125,0.25,0.5").split(",")):
+            kept = [round(fraction * b) for b in BATCH_SIZES]  # the 'sample_rate' rule's tuning runs
+            subsamples[fraction] = grid(fraction, sorted(set(kept) | set(BATCH_SIZES)), args)
+        rows = evaluate(full, subsamples)
     for r in rows:
         print(
             f"{r['tuning']:<34} gap {r['gap_mean_points']:6.2f} points (range {r['gap_min_points']:.2f}–"

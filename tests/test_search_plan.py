@@ -116,26 +116,3 @@ def test_summary_selects_on_validation_not_test(tmp_path: Path) -> None:
     best = summary_table(str(tmp_path))
     assert best["batch_size"].tolist() == [64] and best["test_accuracy"].tolist() == [0.5]
     assert "0.7" in format_summary(best)
-
-
-def test_sigmas_calibrated_ahead_are_what_the_plan_then_reads_from_the_cache(
-    dptune_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from dptune.privacy import calibration
-    from dptune.search.cells import calibrate_ahead, plan_cells
-    from dptune.space import load_space
-
-    default = Path(__file__).resolve().parent.parent / "search_spaces"
-    overrides = {"privacy.epsilons": [2.5, 6.5], "epochs": [3], "batch_size": {"values": [64, 128, 1024]}}
-    space = load_space(default / "default.yaml", overrides).space
-    ahead = calibrate_ahead(space, 7_777)
-    assert ahead is not None and ahead.name == "dptune-calibrate-ahead"
-    ahead.join()
-
-    def refuse(*args: object) -> float:
-        raise AssertionError(f"σ {args} was not calibrated ahead")
-
-    monkeypatch.setattr(calibration, "_calibrate", refuse)
-    plans = plan_cells(space, 7_777, progress=False)
-    assert [sorted(plan.noise_multipliers) for plan in plans] == [[64, 128, 1024]] * 2  # every σ from the cache
-    assert calibrate_ahead(load_space(default / "private.yaml").space, 7_777) is None  # its plan bisects: nothing ahead

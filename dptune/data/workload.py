@@ -166,17 +166,6 @@ def tuning_subset(rows: SplitRows, location: str) -> SplitRows:
     return replace(rows, train=rows.train[train], val=rows.val[val])
 
 
-def training_rows(spec: WorkloadSpec, *, data_dir: Path | None = None) -> int:
-    """N, the training rows :func:`load_workload` gives ``spec``, from the split alone (no features
-    encoded, no model built): what the planner needs, known before the encoding."""
-    from dptune.models import BACKBONES
-
-    info = check_spec(spec)
-    raw = info.load(data_dir, BACKBONES[spec.backbone].image_size)
-    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
-    return len(rows.train if spec.tuning_rows is None else tuning_subset(rows, spec.tuning_rows).train)
-
-
 def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Workload:
     """Build the train/validation/test datasets of ``spec`` (see ``dptune.data`` and
     :class:`Workload`). ``data_dir`` overrides ``$DPTUNE_DATA_DIR`` for on-disk datasets.

@@ -6,14 +6,12 @@ that trains them. Ray-free.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
 import math
 import os
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
@@ -108,43 +106,15 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
     return plans
 
 
-def calibrate_ahead(space: SearchSpace, num_train: int) -> threading.Thread | None:
-    """Start computing, on one background thread, the σ :func:`plan_cells` will ask for with N =
-    ``num_train`` (per-trial cells only), so that they are in the σ cache when it does. The driver
-    starts it once the split is known and joins it before planning. A cold run thus calibrates on the
-    core its single-threaded start (imports, the encoder's build and measurement) leaves idle, instead of
-    after the encoding. Any error is left for :func:`plan_cells` to raise; None when there is nothing to do."""
-    if space.privacy.private_selection is not None:
-        return None
-    try:
-        candidates = space.batch_size.candidates(num_train)
-        points = {
-            (cell.epsilon, cell.epochs, b)
-            for cell in space.cells()
-            for b in _feasible(space, candidates, num_train, cell.epochs, cell.cell_id)[0]
-        }
-    except (SearchError, ValueError):
-        return None
-
-    def calibrate() -> None:
-        with contextlib.suppress(Exception):  # plan_cells calibrates again, and raises, what failed here
-            _calibrate(space, num_train, points, progress=False, workers=1)
-
-    thread = threading.Thread(target=calibrate, name="dptune-calibrate-ahead", daemon=True)
-    thread.start()
-    return thread
-
-
 def _calibrate(
-    space: SearchSpace, num_train: int, points: set[tuple[float, int, int]], progress: bool, workers: int | None = None
+    space: SearchSpace, num_train: int, points: set[tuple[float, int, int]], progress: bool
 ) -> dict[tuple[float, int, int], float]:
-    """σ of every (ε, epochs, B) point at the space's δ, q = B/N and T = round(E·N/B), in ``workers``
-    threads (default one per core): the PRV accountant's numpy work releases the GIL, so on 2 cores the
-    default space's 28 points took 4.4–4.8 s instead of 8.6–8.7 s one after another (from an empty
-    cache, hand-timed)."""
+    """σ of every (ε, epochs, B) point at the space's δ, q = B/N and T = round(E·N/B), in one thread per
+    core: the PRV accountant's numpy work releases the GIL, so on 2 cores the default space's 28 points
+    took 4.4–4.8 s instead of 8.6–8.7 s one after another (from an empty cache, hand-timed)."""
     order = sorted(points)
     with (
-        ThreadPoolExecutor(max_workers=max(1, min(len(order), workers or os.cpu_count() or 1))) as pool,
+        ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool,
         tqdm(
             total=len(order), desc="calibrating σ", unit="B", file=sys.stderr, disable=not progress, leave=False
         ) as bar,

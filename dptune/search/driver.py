@@ -30,7 +30,6 @@ from dptune.search import preflight
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,
-    calibrate_ahead,
     cell_spec,
     check_runner,
     format_plan,
@@ -350,7 +349,6 @@ def run_search(options: SearchOptions) -> str:
 
 def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
     from dptune.data import DATASETS, load_workload
-    from dptune.data.workload import training_rows
 
     space = loaded.space
     private = space.privacy.private_selection is not None
@@ -377,11 +375,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         print(init_ray(options.address), flush=True)
         check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
-    spec = task_workload(space, options.max_train_examples, options.max_eval_examples)
-    ahead = None if options.dry_run else calibrate_ahead(space, training_rows(spec))  # σ beside the encoder's start
-    workload = load_workload(spec)
-    if ahead is not None:
-        ahead.join()
+    workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
     preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
     if private and not options.dry_run:  # K once per search, inside the trust boundary

@@ -241,16 +241,24 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
 
 
 def evaluate_poisson(full: pd.DataFrame, chosen: dict[tuple[float, str], list[tuple[float, int, float]]]) -> list[dict]:
-    """The gap table of ``--draw poisson``: per (q₁, rule), the gaps of the choices to the full grid's optimum."""
+    """The gap table of ``--draw poisson``: per (q₁, rule), the gaps of the choices to the full grid's
+    optimum, each replicate's, their mean with a 95 % t interval, and their range."""
+    from scipy import stats
+
     truth = full.groupby(["clip_bound", "batch_size", "base_learning_rate"])["test_accuracy"].mean()
     optimum = float(truth.max())
     rows = []
     for (fraction, rule), targets in chosen.items():
         gaps = [100 * (optimum - float(truth.get(target, np.nan))) for target in targets]
+        finite = np.array([g for g in gaps if np.isfinite(g)])
+        half = stats.t.ppf(0.975, len(finite) - 1) * finite.std(ddof=1) / np.sqrt(len(finite))
         rows.append(
             {
                 "tuning": f"q₁ = {fraction:g} (Poisson X₁), rule '{rule}'",
                 "fraction": fraction,
+                "gaps_points": gaps,
+                "gap_low_points": float(finite.mean() - half),
+                "gap_high_points": float(finite.mean() + half),
                 "gap_mean_points": float(np.nanmean(gaps)),
                 "gap_min_points": float(np.nanmin(gaps)),
                 "gap_max_points": float(np.nanmax(gaps)),
@@ -285,8 +293,9 @@ def main() -> None:
             subsamples[fraction] = grid(fraction, sorted(set(kept) | set(BATCH_SIZES)), args)
         rows = evaluate(full, subsamples)
     for r in rows:
+        interval = f" [{r['gap_low_points']:.2f}, {r['gap_high_points']:.2f}]" if "gap_low_points" in r else ""
         print(
-            f"{r['tuning']:<34} gap {r['gap_mean_points']:6.2f} points (range {r['gap_min_points']:.2f}–"
+            f"{r['tuning']:<34} gap {r['gap_mean_points']:6.2f}{interval} points (range {r['gap_min_points']:.2f}–"
             f"{r['gap_max_points']:.2f}; off the grid: {r['off_grid']})"
         )
     figures = {"args": vars(args) | {"out": str(args.out)}, "rows": rows, "seconds": time.perf_counter() - started}

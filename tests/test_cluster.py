@@ -783,6 +783,28 @@ def test_job_api_refuses_clients_without_the_token(ray_head) -> None:
     assert ray_head.job_api_status(token=ray_head.token) == 200
 
 
+def ray_job_submit(ray_head, cache: Path, cwd: Path, entrypoint: list[str]) -> subprocess.CompletedProcess:  # noqa: ANN001
+    """``ray job submit --working-dir <repo> -- <entrypoint>`` to the head, with the session's dptune cache
+    and one thread per trial; asserts that it succeeded."""
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(cache)}}
+    command = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard_url,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        *entrypoint,
+    ]
+    completed = subprocess.run(command, cwd=cwd, env=ray_head.env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    return completed
+
+
 @pytest.mark.ray
 def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir: Path, tmp_path: Path) -> None:
     # The entrypoint exactly as the RayJob gives it, then overrides (argparse keeps the last
@@ -815,23 +837,7 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
         str(storage),
         "--resume",
     ]
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
-    command = [
-        "ray",
-        "job",
-        "submit",
-        "--address",
-        ray_head.dashboard_url,
-        "--working-dir",
-        str(REPO_ROOT),
-        "--runtime-env-json",
-        json.dumps(runtime_env),
-        "--",
-        *entrypoint,
-        *overrides,
-    ]
-    completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=900)
-    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    completed = ray_job_submit(ray_head, test_cache_dir, tmp_path, [*entrypoint, *overrides])
     assert "joined Ray cluster" in completed.stdout, "the search must run on the head's cluster, not an embedded one"
     assert f"--resume: no search to resume at {storage / name}; starting it" in completed.stdout
     report = storage / name / "report" / "index.html"
@@ -861,18 +867,7 @@ def test_private_tuning_on_a_subsample_runs_through_ray_job_submit(
     # search_spaces/private_subsample.yaml as a user submits it to a cluster: the tuning runs as Ray
     # Tune trials and the release as one Ray task, on the head's cluster, at the suite's caps.
     storage = tmp_path / "results"
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
-    command = [
-        "ray",
-        "job",
-        "submit",
-        "--address",
-        ray_head.dashboard_url,
-        "--working-dir",
-        str(REPO_ROOT),
-        "--runtime-env-json",
-        json.dumps(runtime_env),
-        "--",
+    entrypoint = [
         "python",
         "-m",
         "dptune.search",
@@ -892,8 +887,7 @@ def test_private_tuning_on_a_subsample_runs_through_ray_job_submit(
         str(storage),
         "--no-report",
     ]
-    completed = subprocess.run(command, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=900)
-    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    completed = ray_job_submit(ray_head, test_cache_dir, tmp_path, entrypoint)
     assert "joined Ray cluster" in completed.stdout and "training the release on every training row" in completed.stdout
     root = storage / "private_subsample"
     (release,) = read_table(str(root), "release").itertuples()

@@ -31,7 +31,7 @@ from dptune.privacy import (
 )
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.sampler import CellSpec
-from dptune.search.subsample import TuningPlan, plan_tuning, tunable_batch_sizes
+from dptune.search.subsample import TuningPlan, plan_tuning
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -143,9 +143,9 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
     print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
     tuning = None
     if selection.tuning_subsample is not None:
-        tunable = tunable_batch_sizes(space, feasible, num_train)
-        tuning = plan_tuning(space, tunable, num_train, epochs, tuple(b for b in feasible if b not in tunable))
-        feasible, epsilon_per_trial, sigmas = tunable, tuning.epsilon_per_run, tuning.release_noise_multipliers
+        tuning = plan_tuning(space, feasible, num_train, epochs)
+        feasible, epsilon_per_trial = tuple(tuning.schedules), tuning.epsilon_per_run
+        sigmas = tuning.release_noise_multipliers
     else:
         try:
             found = plan_private_selection(

@@ -396,10 +396,9 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     print(format_plan(loaded, plans), flush=True)
     if options.dry_run:
         return results_root
-    tuning_rows = (  # X₁, once per search, inside the trust boundary
-        draw_tuning_rows(runs, len(workload.train), len(workload.val), plans[0].tuning.fraction)
-        if plans[0].tuning is not None
-        else None
+    tuning = plans[0].tuning  # X₁, once per search, inside the trust boundary
+    tuning_rows = (
+        None if tuning is None else draw_tuning_rows(runs, len(workload.train), len(workload.val), tuning.fraction)
     )
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary

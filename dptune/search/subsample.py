@@ -102,15 +102,16 @@ def tunable_batch_sizes(space: SearchSpace, feasible: tuple[int, ...], num_train
     return tunable
 
 
-def plan_tuning(
-    space: SearchSpace, batch_sizes: tuple[int, ...], num_train: int, epochs: int, untunable: tuple[int, ...] = ()
-) -> TuningPlan:
+def plan_tuning(space: SearchSpace, feasible: tuple[int, ...], num_train: int, epochs: int) -> TuningPlan:
     """The per-run ε whose tuning on the subsample plus the release meets the space's total budget
-    (``privacy.plan_subsampled_tuning``), for the tunable ``batch_sizes`` (``untunable``: those left
-    out, for the record); raises ``SearchError`` when the budget is unreachable."""
+    (``privacy.plan_subsampled_tuning``), over the B of ``feasible`` a tuning run can stand for
+    (:func:`tunable_batch_sizes`; the others are kept as ``untunable``); raises ``SearchError`` when
+    none can, or the budget is unreachable."""
     selection = space.privacy.private_selection
     subsample = _subsample(space)
     assert selection is not None and space.sampler.trials_per_cell is not None
+    batch_sizes = tunable_batch_sizes(space, feasible, num_train)
+    untunable = tuple(b for b in feasible if b not in batch_sizes)
     schedules = {b: tuning_schedule(num_train, b, epochs, subsample.fraction, subsample.transfer) for b in batch_sizes}
     releases = [(sample_rate(num_train, b), total_steps(num_train, b, epochs)) for b in batch_sizes]
     try:

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -305,6 +306,7 @@ PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
         ("sampler.name=tpe", "sampler.name 'tpe' must be 'random'"),
         ("scheduler={name: asha}", "scheduler must be absent: ASHA"),
         ("training.diagnostics=true", "training.diagnostics must be false"),
+        ("reproducible=true", "reproducible must be false: reproducible coins"),
     ],
 )
 def test_private_search_refuses_what_voids_the_bound_before_ray(
@@ -317,8 +319,19 @@ def test_private_search_refuses_what_voids_the_bound_before_ray(
 
 def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess.CompletedProcess:
     overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
+    # the search's own temporary folder, short (Ray's sockets go below it): Ray's session folder goes there
+    temporary = Path(tempfile.mkdtemp(prefix=f"{name[:3]}-", dir="/tmp"))
+    (storage / f"{name}-tmp").symlink_to(temporary)
     completed = run_search(
-        env, "--space", str(PRIVATE), "--storage", str(storage), "--name", name, "--no-report", *overrides
+        {**env, "TMPDIR": str(temporary)},
+        "--space",
+        str(PRIVATE),
+        "--storage",
+        str(storage),
+        "--name",
+        name,
+        "--no-report",
+        *overrides,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
@@ -397,12 +410,43 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     page = (build_report([str(root)], tmp_path / "report")).read_text()
     assert "Releases of end-to-end private searches" in page and "0 trial records" in page
     assert "Trials per search cell" not in page
+    _assert_nothing_of_the_hidden_runs_outside(root, trials, release, out, (tmp_path / "private-tmp").resolve())
     # a second search of the same space proposes other configurations: the proposals are secret
     again = read_table(str(tmp_path / "again" / TRUST_BOUNDARY), "trials")
     proposed = {tuple(r) for r in trials[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     proposed_again = {tuple(r) for r in again[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     assert proposed and proposed_again and not proposed & proposed_again
     assert not [line for line in second.stdout.splitlines() if PROGRESS.match(line)]
+
+
+#: A timestamp as Ray's and Tune's log lines print one.
+_LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
+
+
+def _assert_nothing_of_the_hidden_runs_outside(
+    root: Path, trials: pd.DataFrame, release: pd.DataFrame, out: str, temporary: Path
+) -> None:
+    """Outside ``inside_trust_boundary/``: no trial or configuration id of any run, no noisy score of a run
+    that was not released, no Ray session folder left behind, no timestamped log line on the console; and
+    Ray Tune ran a number of units that does not depend on K (one per trial slot)."""
+    outside = b"".join(
+        path.read_bytes() for path in root.rglob("*") if path.is_file() and TRUST_BOUNDARY not in path.parts
+    )
+    outside += out.encode()
+    for run in trials.itertuples():
+        assert run.trial_id.encode() not in outside and run.configuration_id.encode() not in outside
+    released = set(release["noisy_val_accuracy"])
+    hidden = [v for v in trials["noisy_val_accuracy"].dropna() if v not in released]
+    for value in hidden:
+        assert repr(float(value)).encode() not in outside, value
+    # the embedded Ray's owner-only session folder is gone, and Ray left no shared one there
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith("dptune-ray-") or p.name == "ray"]
+    assert not _LOG_TIME.search(out)
+    units = [p for p in (root / TRUST_BOUNDARY / "_tune" / "search").iterdir() if p.is_dir()]
+    assert len(units) == (os.cpu_count() or 1)  # the trial slots of the embedded Ray (1 CPU a trial)
+    for unit in units:  # each unit's results hold the same constant report
+        (line,) = (unit / "result.json").read_text().splitlines()
+        assert json.loads(line)["val_accuracy"] == 0.0
 
 
 def _plan(configurations: int) -> search.CellPlan:

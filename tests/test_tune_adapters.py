@@ -220,9 +220,6 @@ def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytes
         "[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
         "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n"
     )
-    quiet = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, quiet=True)
-    quiet.on_trial_complete(0, [], trial(unit, last))
-    assert capsys.readouterr().out == "" and quiet.finished == {"eps8-E4": 2}
 
 
 def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(

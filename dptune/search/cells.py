@@ -351,6 +351,16 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
     return max(1, min(MAX_UNIT_CONFIGURATIONS, math.ceil(plan.configurations / max(1, slots))))
 
 
+def private_chunk_size(space: SearchSpace, fused: bool) -> int:
+    """Configurations a private unit runs at once (``dptune.search.private_units``): a public number,
+    ``resources.configurations_per_trial``, or under ``auto`` ``MAX_UNIT_CONFIGURATIONS`` with the
+    fused runner (which splits them to fit memory itself), else one."""
+    asked = space.resources.configurations_per_trial
+    if asked != "auto":
+        return int(asked)
+    return MAX_UNIT_CONFIGURATIONS if fused else 1
+
+
 def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_examples: int | None) -> WorkloadSpec:
     """The workload of the search's task (the space's ``task`` and public ``seed``), with the
     command line's subset caps: what the driver loads and every trial trains on."""

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dptune import __version__
 from dptune.errors import (
@@ -35,13 +39,15 @@ from dptune.search.cells import (
     format_plan,
     kept_trial_counts,
     plan_cells,
+    private_chunk_size,
     record_pruned_grid,
     task_workload,
     unit_size,
 )
-from dptune.search.execution import TrialContext
+from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
+from dptune.search.private_units import kept_proposals, unrecorded_runs
 from dptune.search.sampler import CellSampler
 from dptune.search.subsample import (
     RELEASE_PARAMETERS,
@@ -57,14 +63,26 @@ if TYPE_CHECKING:
     from dptune.search.options import SearchOptions
 
 
+#: Where :func:`private_ray_folder` puts the session folder of a private search's embedded Ray (set
+#: while the search runs; read by :func:`init_ray`).
+PRIVATE_RAY_FOLDER_ENV = "DPTUNE_PRIVATE_RAY_FOLDER"
+
+#: The longest session folder parent Ray can use: it adds ``/session_<date>_<time>_<pid>/sockets/plasma_store``
+#: (about 63 characters) below it, and a Unix socket's path holds at most 107 bytes.
+RAY_FOLDER_MAX_CHARS = 40
+
 #: Tries of an embedded Ray start whose processes time out registering (an overloaded machine: Ray
 #: waits a fixed 30 s), and the seconds between them.
 RAY_START_ATTEMPTS = 3
 RAY_START_RETRY_PAUSE_S = 15.0
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> str:
+def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool = False) -> str:
     """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
+
+    ``private`` (an end-to-end private search): Ray logs errors only, so the console (and ``ray job
+    logs``) carries none of Ray's or Tune's timestamped lines; an embedded Ray keeps its session folder in
+    the owner-only temporary folder :func:`private_ray_folder` made (``RAY_TMPDIR``), removed at the end.
 
     A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
     the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
@@ -78,12 +96,15 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     target = address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return "already initialised"
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR} if private else {}
+    if private:  # Tune's own INFO lines (its end line, with a time) go through the same logger
+        logging.getLogger("ray").setLevel(logging.ERROR)
     # Every worker process first leaves a deleted working directory (inherited from the
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
     runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
     if target:
         try:
-            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env)
+            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env, **quiet)
         except (ConnectionError, RuntimeError) as error:
             raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
         return f"joined Ray cluster at {target}"
@@ -91,7 +112,13 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(
-                address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env=runtime_env,
+                _temp_dir=os.environ.get(PRIVATE_RAY_FOLDER_ENV) if private else None,
+                **quiet,
             )
             break
         except Exception as error:  # Ray raises a bare Exception for this
@@ -116,6 +143,28 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> str:
             )
             time.sleep(RAY_START_RETRY_PAUSE_S)
     return f"started embedded local Ray ({cpus} CPUs)"
+
+
+@contextlib.contextmanager
+def private_ray_folder() -> Iterator[str]:
+    """An owner-only (0700) temporary folder for the session folder of a private search's embedded
+    Ray: Ray keeps there its logs, its Tune staging folders and its object spill, which a shared
+    ``/tmp/ray`` would leave world-readable after the search. On the way out Ray is shut down and
+    the folder removed, whatever ended the search."""
+    folder = tempfile.mkdtemp(prefix="dptune-ray-")
+    if len(folder) > RAY_FOLDER_MAX_CHARS:  # Ray's sockets live below it, and a socket's path has ≤ 107 bytes
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="dptune-ray-", dir="/tmp")
+    os.environ[PRIVATE_RAY_FOLDER_ENV] = folder
+    try:
+        yield folder
+    finally:
+        os.environ.pop(PRIVATE_RAY_FOLDER_ENV, None)
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_cluster_resources(space: SearchSpace) -> None:
@@ -149,60 +198,77 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     returns what ended it early (``tune_adapters.DRIVER_FAILURES``: a results write that failed), empty
     when it ran to its end.
 
-    The cells share the trial processes (one set-up, not one per cell) and run side by side; each
-    keeps its own sampler, budget and, with ASHA, its own scheduler. A Tune trial carries a unit
-    of configurations of one cell (:func:`unit_size`). A unit whose process is lost runs again up to
-    ``resources.max_retries`` times (Tune's ``FailureConfig``); ``resume`` restarts units that
-    still errored, and those a stopped search left unfinished.
+    The cells share the trial processes (one set-up, not one per cell) and run side by side. A unit
+    whose process is lost runs again up to ``resources.max_retries`` times (Tune's ``FailureConfig``);
+    ``resume`` restarts units that still errored, and those a stopped search left unfinished. A
+    search's units carry sampled configurations (:func:`_search_tuner`); an end-to-end private
+    search's carry public unit numbers only (:func:`_private_tuner`).
     """
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.search.tune_adapters import (
-        DRIVER_FAILURES,
-        METRIC,
-        CellMultiplexer,
-        CellRun,
-        PerCellASHA,
-        RecordAndReport,
-        tune_trainable,
-    )
+    from dptune.search.tune_adapters import DRIVER_FAILURES, private_unit_trainable, tune_trainable
 
     DRIVER_FAILURES.clear()
-
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order (dicts keep it).
     cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
     by_key = {plan.cell_key: context for plan, context in cells}
-    trainable = tune.with_resources(
-        tune.with_parameters(tune_trainable, contexts=by_key),
-        {"cpu": space.resources.cpus, "gpu": space.resources.gpu},
+    private = space.privacy.private_selection is not None
+    function = (
+        tune.with_parameters(
+            private_unit_trainable, contexts=by_key, chunk=private_chunk_size(space, contexts[0].fused)
+        )
+        if private
+        else tune.with_parameters(tune_trainable, contexts=by_key)
     )
+    trainable = tune.with_resources(function, {"cpu": space.resources.cpus, "gpu": space.resources.gpu})
     storage = _tune_storage(contexts[0].results_root)
     experiment = f"{storage}/search"
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
-    if space.privacy.private_selection is not None:  # Tune's default output prints a trial count; verbose=0 of
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # the older one prints nothing
+    if private:  # Tune's default output prints a trial count and times; verbose=0 of the older one prints nothing
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(
             experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
         )
-        tuner.fit()
-        return list(DRIVER_FAILURES)
-    if resume:
-        print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
+    else:
+        if resume:
+            print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
+        run_config = tune.RunConfig(
+            name="search",
+            storage_path=storage,
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=space.resources.max_retries, fail_fast=False),
+        )
+        build = _private_tuner if private else _search_tuner
+        tuner = build(space, [plan for plan, _ in cells], by_key, trainable, run_config)
+    tuner.fit()
+    return list(DRIVER_FAILURES)
+
+
+def _search_tuner(
+    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+) -> Any:
+    """The Tuner of a search: each cell keeps its own sampler and budget and, with ASHA, its own
+    scheduler; a Tune trial carries a unit of configurations of one cell (:func:`unit_size`), and the
+    driver's callback prints each cell's progress."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from dptune.search.tune_adapters import METRIC, CellMultiplexer, CellRun, PerCellASHA, RecordAndReport
+
     slots = trial_slots(space)
-    units = {plan.cell_key: unit_size(space, plan, slots, context.fused) for plan, context in cells}
+    units = {plan.cell_key: unit_size(space, plan, slots, contexts[plan.cell_key].fused) for plan in plans}
     if space.sampler.name == "grid":
-        for plan, context in cells:
-            record_pruned_grid(space, plan, context)
+        for plan in plans:
+            record_pruned_grid(space, plan, contexts[plan.cell_key])
     searcher = CellMultiplexer(
-        samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan, _ in cells},
-        budgets={plan.cell_key: plan.configurations for plan, _ in cells},
+        samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan in plans},
+        budgets={plan.cell_key: plan.configurations for plan in plans},
         unit_sizes=units,
-        contexts=by_key,
+        contexts=contexts,
         num_train=plans[0].num_train,
         min_steps=space.min_steps,
     )
@@ -217,40 +283,60 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
                     grace_period=min(spec.grace_period, plan.cell.epochs),
                     reduction_factor=spec.reduction_factor,
                 )
-                for plan, _ in cells
+                for plan in plans
             }
         )
     callback = RecordAndReport(
         {
-            plan.cell_key: CellRun(context, f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
-            for plan, context in cells
-        },
-        quiet=space.privacy.private_selection is not None,
+            plan.cell_key: CellRun(contexts[plan.cell_key], f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
+            for plan in plans
+        }
     )
-    tuner = tune.Tuner(
+    run_config.callbacks = [callback]
+    return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=searcher,
             scheduler=scheduler,
             metric=METRIC,
             mode="max",
-            # a private search's unit count would reveal K: run until the searcher finishes
-            num_samples=-1
-            if space.privacy.private_selection is not None
-            else sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
+            num_samples=sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
-        run_config=tune.RunConfig(
-            name="search",
-            storage_path=storage,
-            callbacks=[callback],
-            verbose=0,
-            failure_config=tune.FailureConfig(max_failures=space.resources.max_retries, fail_fast=False),
-        ),
+        run_config=run_config,
     )
-    tuner.fit()
-    return list(DRIVER_FAILURES)
+
+
+def _private_tuner(
+    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+) -> Any:
+    """The Tuner of an end-to-end private search: per cell a public number of units
+    (``private_units.unit_count`` of the trial slots), each running its share of the cell's proposals
+    kept inside the trust boundary; Tune's searcher, trial names, results and callbacks hold nothing
+    that depends on K or on the runs (the one callback ends the search on a storage error)."""
+    from ray import tune
+
+    from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
+    from dptune.search.tune_adapters import METRIC, StopOnStorageError
+
+    units = unit_count(trial_slots(space))
+    run_config.callbacks = [StopOnStorageError()]
+    return tune.Tuner(
+        trainable,
+        param_space={
+            CELL_KEY: tune.grid_search([plan.cell_key for plan in plans]),
+            UNIT_KEY: tune.grid_search(list(range(units))),
+            UNITS_KEY: units,
+        },
+        tune_config=tune.TuneConfig(
+            metric=METRIC,
+            mode="max",
+            max_concurrent_trials=space.resources.max_concurrent_trials,
+            reuse_actors=True,
+        ),
+        run_config=run_config,
+    )
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -343,7 +429,13 @@ def run_search(options: SearchOptions) -> str:
     check_location_and_cluster(options, loaded, name, results_root)
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
-    with hold_lease(results_root, f"--storage {options.storage!r} --name {name!r}:"):
+    private = loaded.space.privacy.private_selection is not None
+    embedded = not (options.address or os.environ.get("RAY_ADDRESS"))
+    # a private search's lease (whose times bracket the search) and Ray's session folder stay inside
+    with (
+        hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:"),
+        private_ray_folder() if private and embedded else contextlib.nullcontext(),
+    ):
         return _run_search(options, loaded, name, results_root)
 
 
@@ -372,7 +464,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
 
     cluster = options.address or os.environ.get("RAY_ADDRESS")
     if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
-        print(init_ray(options.address), flush=True)
+        print(init_ray(options.address, private=private), flush=True)
         check_cluster_resources(space)
     print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
     workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
@@ -403,7 +495,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
 
     preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
     if not cluster:
-        print(init_ray(options.address), flush=True)
+        print(init_ray(options.address, private=private), flush=True)
     started = time.monotonic()
     contexts = [
         TrialContext(
@@ -439,6 +531,10 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             f"cell runs side by side ({runner})",
             flush=True,
         )
+    if private:  # every proposal of every cell, drawn once from its secret sampler, kept inside the boundary
+        proposals = kept_proposals(
+            runs, [plan.cell_key for plan in plans], partial(_propose, space, {p.cell_key: p for p in plans}, contexts)
+        )
     failures = run_cells(space, plans, contexts, options.resume)
     if failures:
         raise SearchIncomplete(
@@ -448,6 +544,12 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             "privacy ledger"
         )
     check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
+    if private and any(unrecorded_runs(context, proposals[context.cell_key]) for context in contexts):
+        raise SearchIncomplete(
+            "the private search stopped before every planned run was recorded; nothing is released. Run the same "
+            "command with --resume to run the rest (what finished is kept, and every training that took a step "
+            "stays charged in the privacy ledger)"
+        )
     if subsample:
         train_releases(space, plans, contexts)
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
@@ -487,24 +589,38 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     return results_root
 
 
+def _propose(
+    space: SearchSpace, plans: dict[str, CellPlan], contexts: list[TrialContext], cell_key: str
+) -> list[dict[str, Any]]:
+    """Cell ``cell_key``'s K proposals from its secret sampler (fresh OS entropy); proposals of a B the
+    min-step rule removes are recorded inside the boundary (no compute) and drawn again."""
+    plan = plans[cell_key]
+    (context,) = [c for c in contexts if c.cell_key == cell_key]
+    sampler = CellSampler(cell_spec(space, plan))
+    return sampler.ask(
+        plan.configurations, partial(record_pruned, context, num_train=plan.num_train, min_steps=space.min_steps)
+    )
+
+
 def train_releases(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext]) -> None:
     """Tuning on a subsample: per cell, the configuration its tuning chose (the best noisy validation
     score, ``privacy.search.select_release``, kept inside the trust boundary before anything trains:
     ``subsample.kept_release_choice``) trains once on every training row, as one Ray task through
-    ``execution.run_configurations`` (charged in the privacy ledger before its first step, recorded,
-    skipped when a resume finds it recorded). Nothing is trained for a cell none of whose runs finished."""
+    ``private_units.run_release`` (charged in the privacy ledger before its first step, recorded,
+    skipped when a resume finds it recorded; it returns nothing). Nothing is trained for a cell none of
+    whose runs finished."""
     import ray
 
-    from dptune.search.execution import run_configurations
+    from dptune.search.private_units import run_release
 
-    train = ray.remote(num_cpus=space.resources.cpus, num_gpus=space.resources.gpu)(run_configurations)
+    train = ray.remote(num_cpus=space.resources.cpus, num_gpus=space.resources.gpu)(run_release)
     for plan, context in zip(plans, contexts, strict=True):
         assert plan.tuning is not None
         params = kept_release_choice(context.results_root, plan.cell_key, partial(_chosen, context, plan))
         if params is None:
             continue
         print("training the release on every training row with the tuned configuration...", flush=True)
-        ray.get(train.remote(release_context(context, plan.tuning), [params]))
+        ray.get(train.remote(release_context(context, plan.tuning), params))
 
 
 def _chosen(context: TrialContext, plan: CellPlan) -> dict[str, float] | None:

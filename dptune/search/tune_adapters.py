@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import traceback
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ from ray.tune.search import Searcher
 
 from dptune.contract import EpochMetrics, TrialResult, TrialStatus
 from dptune.errors import storage_error
+from dptune.paths import write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import ResultsStore, replicate_trial_id
@@ -47,6 +49,7 @@ from dptune.search.execution import (
     trial_config,
     write_result,
 )
+from dptune.search.private_units import UNIT_DONE, PrivateUnit, run_private_unit
 from dptune.search.sampler import CellSampler
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
@@ -130,6 +133,55 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
             "done_recording": True,
         }
     )
+
+
+#: The file (inside the trust boundary) where a private unit that failed keeps its traceback.
+PRIVATE_UNIT_ERRORS = "unit_errors"
+
+
+class PrivateUnitFailed(RuntimeError):
+    """A private search's unit failed; what failed is kept inside the trust boundary, not in this message
+    (Tune and Ray keep a unit's error in their own state, which is outside the boundary)."""
+
+
+def private_unit_trainable(params: dict[str, Any], contexts: dict[str, TrialContext], chunk: int) -> None:
+    """Ray Tune function trainable of an end-to-end private search: one :class:`PrivateUnit`
+    (``dptune.search.private_units``), whose runs are read and recorded inside the trust boundary.
+
+    What reaches Tune, and so Ray's state, logs and session folders, is the same whatever the runs
+    did: one constant report (``UNIT_DONE``) and, on a failure, a storage error's one line
+    (``STORAGE_ERROR_KEY``: the OS's words, no path) or :class:`PrivateUnitFailed` naming the file
+    inside the boundary that holds the traceback.
+    """
+    unit = PrivateUnit.of(params)
+    context = contexts[unit.cell_key]
+    try:
+        run_private_unit(context, unit, chunk)
+    except Exception as error:
+        if (line := storage_error(error)) is not None:  # the driver ends the search; --resume runs the rest
+            tune.report({STORAGE_ERROR_KEY: line, METRIC: float("nan"), "done_recording": False})
+            raise PrivateUnitFailed(f"a private unit could not write its records: {line}") from None
+        name = f"{unit.cell_key}-unit{unit.unit}.txt"
+        with contextlib.suppress(Exception):
+            write_file_atomic(
+                f"{context.results_root.rstrip('/')}/{PRIVATE_UNIT_ERRORS}",
+                name,
+                "".join(traceback.format_exception(error)).encode(),
+            )
+        where = f"{context.results_root}/{PRIVATE_UNIT_ERRORS}/{name}"
+        raise PrivateUnitFailed(f"a unit of the private search failed; its traceback is kept at {where}") from None
+    tune.report(dict(UNIT_DONE))
+
+
+class StopOnStorageError(Callback):
+    """Driver-side: ends the search (:func:`stop_search`) when a unit reports that it could not write
+    its records (``STORAGE_ERROR_KEY``: a full or read-only results folder)."""
+
+    def on_trial_result(
+        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+    ) -> None:
+        if result.get(STORAGE_ERROR_KEY):
+            stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
 
 class CellMultiplexer(Searcher):
@@ -278,20 +330,19 @@ def stop_search(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
-class RecordAndReport(Callback):
+class RecordAndReport(StopOnStorageError):
     """Driver-side: a progress line per unit, and the records of runs a unit could not write itself.
 
     ``cells`` maps a ``cell_key`` to its :class:`CellRun`. A unit stopped by ASHA records the steps
     of its last report (rows and a ledger end entry). A unit whose process was lost is retried by
     Tune (``FailureConfig``); its unrecorded runs stay charged their planned steps in the ledger, get
-    no row, and run again on a retry or on ``--resume``. ``quiet``: no progress line (an end-to-end
-    private search, whose number of runs and running best must not be shown); the records are
-    written all the same. No hook raises: a failure (a full disk) ends the search through :func:`stop_search`.
+    no row, and run again on a retry or on ``--resume``. No hook raises: a failure (a full disk) ends
+    the search through :func:`stop_search`. (An end-to-end private search has none of this: its units
+    report nothing of their runs, :func:`private_unit_trainable`.)
     """
 
-    def __init__(self, cells: dict[str, CellRun], quiet: bool = False) -> None:
+    def __init__(self, cells: dict[str, CellRun]) -> None:
         self.cells = cells
-        self.quiet = quiet
         self.finished = dict.fromkeys(cells, 0)
         self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -304,8 +355,6 @@ class RecordAndReport(Callback):
         if runs is not None:
             self.finished[unit.cell_key] += len(unit.configurations)
             self.runs[unit.cell_key].update(runs)
-        if self.quiet:
-            return
         cell = self.cells[unit.cell_key]
         replicates = f" × {cell.context.replicates} replicates" if cell.context.replicates > 1 else ""
         counts = (
@@ -349,12 +398,6 @@ class RecordAndReport(Callback):
             if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
                 self.best[unit.cell_key] = (score, params)
         self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
-
-    def on_trial_result(
-        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
-    ) -> None:
-        if result.get(STORAGE_ERROR_KEY):
-            stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
     def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):

@@ -403,6 +403,11 @@ class SearchSpace(_Strict):
                 "must be ≥ 2: the mean of the random trial count",
             ),
             "replicates": (self.replicates != 1, "must be 1: the bound counts each run as one candidate"),
+            "reproducible": (
+                self.reproducible,
+                "must be false: reproducible coins (from the space's public seed) make K, the proposals and "
+                "every run's noise computable by anyone who reads the space, so nothing would be private",
+            ),
         }
         subsample = self.privacy.private_selection is not None and self.privacy.private_selection.tuning_subsample
         voids |= {

@@ -896,3 +896,15 @@ def test_private_tuning_on_a_subsample_runs_through_ray_job_submit(
     (trained,) = trials[trials["cell_id"].str.endswith("|release")].itertuples()
     assert (trained.num_train, trained.status) == (TINY_TRAIN_EXAMPLES, "ok")
     assert trained.test_accuracy == release.test_accuracy
+    # nothing of the hidden runs in the job's logs or in the head's Ray folders (logs, Tune's staging
+    # folders of the driver, GCS-backed files): no run or configuration id, no timestamped Ray line
+    ids = [id_.encode() for id_ in (*trials["trial_id"], *trials["configuration_id"])]
+    assert not any(id_ in completed.stdout.encode() for id_ in ids)
+    job_lines = [  # dptune's output: not the lines of the `ray job submit` client or Ray's job manager
+        line for line in completed.stdout.splitlines() if not re.search(r"\t\w+ (cli|sdk|job_manager)\.py:\d+ --", line)
+    ]
+    assert not [line for line in job_lines if re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", line)]
+    for path in ray_head.temp_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 24:
+            content = path.read_bytes()
+            assert not any(id_ in content for id_ in ids), path

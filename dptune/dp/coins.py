@@ -6,7 +6,7 @@ drew one of 2³² streams: enumerable, and two trials in ~77,000 collide. Here e
 mechanism comes instead from a child of the trial's ``SeedSequence`` (:func:`trial_coins`, by
 ``SeedSequence.spawn``), and:
 
-- CPU (Poisson masks, score noise, Gaussian noise of a CPU trial): :func:`cpu_generator` sets
+- CPU (Poisson masks, Gaussian noise of a CPU trial): :func:`cpu_generator` sets
   torch's MT19937 state word for word to numpy's ``np.random.MT19937(seed_sequence)`` (624
   32-bit words from ``seed_sequence.generate_state(624, np.uint32)``, the first replaced by
   0x80000000 as numpy does; 19,937 bits of state), so torch's draws continue exactly numpy's
@@ -21,10 +21,14 @@ mechanism comes instead from a child of the trial's ``SeedSequence`` (:func:`tri
   the seed sequence's 128 bits of entropy. (Untested on a GPU in this project's CI; written from
   torch's ``Generator.manual_seed``/``set_offset`` API.)
 
+- Score noise (the DP selection score): :func:`score_generator`, a numpy ``Generator`` on
+  ``PCG64(seed_sequence)`` (128-bit state and increment from the sequence's entropy), whose uniform
+  integers feed the exact discrete Gaussian sampler of :mod:`dptune.dp.discrete_gaussian`.
+
 Initialisation (and dropout) draw from torch's global generators under ``torch.manual_seed`` of
 64 bits of the initialisation stream (:func:`init_seed`): no privacy guarantee rests on them.
 
-Not cryptographic: MT19937 and Philox are statistical generators (an observer of enough raw
+Not cryptographic: MT19937, PCG64 and Philox are statistical generators (an observer of enough raw
 outputs could reconstruct MT19937's state; the mechanism releases only noised sums), and Opacus'
 ``secure_mode`` (torchcsprng) is not used. An integer seed reproduces every draw (CPU: bit for
 bit; CUDA: same device and kernels).
@@ -111,6 +115,11 @@ def cpu_generator(coins: np.random.SeedSequence) -> torch.Generator:
     generator = torch.Generator()
     generator.set_state(mt19937_state(coins))
     return generator
+
+
+def score_generator(coins: np.random.SeedSequence) -> np.random.Generator:
+    """The score noise's generator: numpy's ``PCG64(coins)``, for :mod:`dptune.dp.discrete_gaussian`."""
+    return np.random.Generator(np.random.PCG64(coins))
 
 
 class DeviceCoins:

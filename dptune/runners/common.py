@@ -11,8 +11,9 @@ The one-trial runner (:mod:`dptune.runners.trainer`) and the fused runner
 - the diagnostics: :func:`probe_indices` (the probe rows, the same for every trial of a search)
   and :func:`diagnostic_epochs` (0, ⌈E/2⌉ and E);
 - the outcome: :class:`Evaluation` (loss, accuracy, per-class counts of one split),
-  :func:`noisy_score` (the DP selection score) and :func:`diverged_charge` (why a diverged run is
-  charged its planned steps).
+  :func:`noisy_count` and :func:`noisy_score` (the DP selection score: the validation count plus
+  exact discrete Gaussian noise, over the public number of validation rows) and
+  :func:`diverged_charge` (why a diverged run is charged its planned steps).
 
 The coins of the mechanism live in :mod:`dptune.dp.coins`.
 """
@@ -31,6 +32,7 @@ import torch
 from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
+from dptune.dp.discrete_gaussian import sample_discrete_gaussian
 from dptune.dp.engine import check_engine
 from dptune.dp.optimizers import check_optimizer
 from dptune.errors import TrialConfigError
@@ -163,15 +165,27 @@ def probe_indices(config: TrialConfig, num_train: int, dimension: int) -> torch.
     return torch.randperm(num_train, generator=torch.Generator().manual_seed(int(seed)))[:size]
 
 
-def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: torch.Generator) -> float:
-    """The DP selection score: (correct validation predictions + N(0, σ_s²)) / num_val.
+def noisy_count(val: Evaluation, score_noise_multiplier: float, generator: np.random.Generator) -> int:
+    """The DP release behind the selection score: correct validation predictions + N_Z(0, σ_s²).
 
-    The count has sensitivity 1 under add/remove of one validation row, so this is the Gaussian
-    mechanism with noise multiplier σ_s = ``score_noise_multiplier`` (split sizes are treated
-    as public, as q = B/N already treats N). Its draw comes from the trial's own coins (``generator``).
+    The count has sensitivity 1 under add/remove of one validation row, and the noise is the exact
+    discrete Gaussian (:func:`~dptune.dp.discrete_gaussian.sample_discrete_gaussian`) with σ_s =
+    ``score_noise_multiplier`` in counts: ρ = 1/(2σ_s²)-zCDP, RDP α/(2σ_s²), the Gaussian bound the
+    accounting composes. An integer plus integer noise has no floating-point low bits to leak (the
+    float32 Gaussian it replaces ruled out neighbouring counts: Mironov 2012). The draw comes from
+    the trial's own score coins (``generator``, :func:`~dptune.dp.coins.score_generator`).
     """
-    noise = float(torch.normal(0.0, score_noise_multiplier, size=(), generator=generator))
-    return (float(val.correct_per_class.sum()) + noise) / float(val.examples_per_class.sum())
+    return int(val.correct_per_class.sum()) + sample_discrete_gaussian(score_noise_multiplier, generator)
+
+
+def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: np.random.Generator) -> float:
+    """The DP selection score: :func:`noisy_count` / num_val, a noisy validation accuracy.
+
+    Dividing the integer release by the number of validation rows (public, as q = B/N already
+    treats N as public) is post-processing: the float64 quotient is a function of the integer alone,
+    which ``round(score · num_val)`` recovers exactly.
+    """
+    return noisy_count(val, score_noise_multiplier, generator) / int(val.examples_per_class.sum())
 
 
 def diverged_charge(planned_steps: int, private_score: bool) -> str:

@@ -10,9 +10,10 @@ Per configuration k, exactly as a trial (:mod:`dptune.runners.trainer`):
 - coins: its own ``np.random.SeedSequence(seed_k)`` (``None``: 128 bits of fresh OS entropy)
   spawned into the trial's four child streams (:func:`~dptune.dp.coins.trial_coins`): the head is
   built under ``torch.manual_seed`` of 64 bits of the init stream (zero-initialised, as the
-  trial's), the Poisson masks come from a CPU generator and the DP score noise from another, each
-  with its whole MT19937 state (624 32-bit words) set from its stream
-  (:func:`~dptune.dp.coins.cpu_generator`), and the Gaussian noise from the noise stream's
+  trial's), the Poisson masks come from a CPU generator with its whole MT19937 state (624 32-bit
+  words) set from its stream (:func:`~dptune.dp.coins.cpu_generator`), the DP score's exact
+  discrete Gaussian noise from a numpy PCG64 of its stream (:func:`~dptune.dp.coins.score_generator`),
+  and the Gaussian noise from the noise stream's
   :class:`~dptune.dp.coins.DeviceCoins` (CPU: the same full MT19937 state; CUDA: Philox with a
   fresh 64-bit key and 62-bit offset, 126 bits, from a PCG64 stream before every draw of up to
   :data:`MAX_CHUNK_STEPS` steps). Every stream is a function of the seed sequence's whole entropy,

@@ -31,7 +31,7 @@ from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrialConfig
 from dptune.data import Workload
 from dptune.data.spec import Split
 from dptune.dp.clipping import noise_std, update_scale
-from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
+from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose
 from dptune.models import build_model
 from dptune.plan import run_schedule
@@ -207,7 +207,7 @@ class GroupCoins:
         weights, biases = [], []
         self.samplers: list[PoissonSteps] = []
         self.noise_coins: list[DeviceCoins] = []
-        self.score_generators: list[torch.Generator] = []
+        self.score_generators: list[np.random.Generator] = []
         for config in configs:
             coins = trial_coins(config.seed)
             with torch.random.fork_rng(devices=[]):
@@ -219,7 +219,7 @@ class GroupCoins:
             biases.append(head.get_parameter("bias").detach())
             self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))
             self.noise_coins.append(DeviceCoins(coins.noise, data.device))
-            self.score_generators.append(cpu_generator(coins.score))
+            self.score_generators.append(score_generator(coins.score))
         #: (K, classes, dim + 1) on the device: every configuration's initial head (:func:`stack_heads`).
         self.initial_heads = stack_heads(weights, biases).to(data.device)
 

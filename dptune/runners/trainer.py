@@ -20,17 +20,21 @@ Coins: every random draw of the mechanism (initialisation, Poisson masks, Gaussi
 noise) comes from ``np.random.SeedSequence(config.seed)``, which with ``seed=None`` (the default)
 takes 128 bits of fresh OS entropy: independent across trials and never stored. It is split into
 four child seed sequences (``SeedSequence.spawn``, :func:`dptune.dp.coins.trial_coins`). The Poisson
-masks and the score noise come from CPU generators whose whole MT19937 state (624 32-bit words,
-19,937 bits) is set from their child sequence (:func:`dptune.dp.coins.cpu_generator`), so they are
-a function of all 128 bits of the seed's entropy, not of the 32 bits ``manual_seed`` keeps on the
-CPU; so does the Gaussian noise of a CPU trial. On CUDA the noise comes from torch's Philox
-generator (64-bit key, 64-bit offset in multiples of 4), given a fresh key and offset (126 bits)
-before every step from a PCG64 stream of the noise sequence (:class:`dptune.dp.coins.DeviceCoins`).
+masks come from a CPU generator whose whole MT19937 state (624 32-bit words, 19,937 bits) is set
+from its child sequence (:func:`dptune.dp.coins.cpu_generator`), so they are a function of all 128
+bits of the seed's entropy, not of the 32 bits ``manual_seed`` keeps on the CPU; so does the
+Gaussian noise of a CPU trial. The score noise is exact discrete Gaussian noise on the integer
+validation count (:func:`dptune.runners.common.noisy_count`), drawn with integer arithmetic from a
+numpy ``PCG64`` of its child sequence (:func:`dptune.dp.coins.score_generator`). On CUDA the
+noise comes from torch's Philox generator (64-bit key, 64-bit offset in multiples of 4), given a
+fresh key and offset (126 bits) before every step from a PCG64 stream of the noise sequence
+(:class:`dptune.dp.coins.DeviceCoins`).
 Initialisation uses ``torch.manual_seed`` of 64 bits of its stream (no guarantee rests on it).
 These are statistical generators, not cryptographically secure ones (Opacus' ``secure_mode`` needs
-torchcsprng, which is not installed), and floating-point sampling is not hardened against attacks
-on the Gaussian sampler's low bits. With an integer seed (reproducibility opt-in) the same seed and
-device give the same result (CPU: bit-identical).
+torchcsprng, which is not installed), and the floating-point sampling of the training noise is not
+hardened against attacks on the Gaussian sampler's low bits (the score's integer noise has none).
+With an integer seed (reproducibility opt-in) the same seed and device give the same result (CPU:
+bit-identical).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torch.utils.data import DataLoader, default_collate
 from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.data.spec import Split
-from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, trial_coins
+from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
 from dptune.dp.engine import DPEngine, DPStepSpec, summed_cross_entropy
 from dptune.dp.engine_registry import select_engine
@@ -112,7 +116,7 @@ class Trial:
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
         coins = trial_coins(config.seed)
         torch.manual_seed(init_seed(coins.init))
-        self.score_generator = cpu_generator(coins.score)
+        self.score_generator = score_generator(coins.score)
         self.steps_taken = 0
         num_train = len(workload.train)
         self.model = build_model(

@@ -1,4 +1,4 @@
-"""Workloads: spec checks, seeded stratified splits, embedded datasets, feature cache."""
+"""Workloads: spec checks, per-row seeded splits and stratified knobs, embedded datasets, feature cache."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from PIL import Image
 
 import dptune.data.features as features
 from dptune.data import DATASETS, WorkloadError, WorkloadSpec, list_datasets, load_workload
-from dptune.data.sources import RawDataset, load_20newsgroups, load_mnist5k
-from dptune.data.splits import TEST_FRACTION, allocate
-from dptune.data.workload import split_rows
+from dptune.data.sources import ImageFiles, RawDataset, load_20newsgroups, load_mnist5k
+from dptune.data.splits import TEST_FRACTION, allocate, content_digests
+from dptune.data.workload import row_digests, split_rows
 
 torch.set_num_threads(1)
 
@@ -116,44 +116,144 @@ def synthetic_labels() -> np.ndarray:
     return rng.permutation(np.repeat(np.arange(5), [40, 60, 80, 100, 120]))  # 400 rows
 
 
-def test_official_test_split_is_kept_and_validation_is_stratified():
+def documents(ids) -> list[bytes]:
+    """Distinct row contents: document ``i`` is ``b"document i"``."""
+    return [f"document {i}".encode() for i in ids]
+
+
+def synthetic_digests(labels: np.ndarray) -> np.ndarray:
+    return content_digests(documents(range(len(labels))), labels)
+
+
+def binomially_close(count: int, n: int, p: float, sigmas: float = 4.0) -> bool:
+    return abs(count - n * p) <= sigmas * np.sqrt(n * p * (1 - p))
+
+
+def test_official_test_split_is_kept_and_validation_is_a_per_row_share():
     labels = synthetic_labels()
-    rows = split_rows(labels, 5, 300, WorkloadSpec("x", "minilm", "head", validation_fraction=0.2))
+    spec = WorkloadSpec("x", "minilm", "head", validation_fraction=0.2)
+    rows = split_rows(labels, 5, 300, spec, synthetic_digests(labels))
     np.testing.assert_array_equal(rows.test, np.arange(300, 400))
     assert set(rows.train).isdisjoint(rows.val) and set(rows.train) | set(rows.val) == set(range(300))
-    pool = np.bincount(labels[:300], minlength=5)
-    assert len(rows.val) == 60
-    assert np.all(np.abs(np.bincount(labels[rows.val], minlength=5) - 0.2 * pool) < 1)
+    assert binomially_close(len(rows.val), 300, 0.2)
 
 
 def test_same_seed_same_splits_other_seed_other_validation_same_test():
     labels = synthetic_labels()
+    digests = synthetic_digests(labels)
     spec = WorkloadSpec("x", "minilm", "head", seed=3, fraction=0.5)
-    first, again = split_rows(labels, 5, None, spec), split_rows(labels, 5, None, spec)
-    other = split_rows(labels, 5, None, dataclasses.replace(spec, seed=4))
+    first, again = split_rows(labels, 5, None, spec, digests), split_rows(labels, 5, None, spec, digests)
+    other = split_rows(labels, 5, None, dataclasses.replace(spec, seed=4), digests)
     for name in ("train", "val", "test"):
         np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
     assert not np.array_equal(first.val, other.val) and not np.array_equal(first.train, other.train)
     np.testing.assert_array_equal(first.test, other.test)  # fixed-seed test split without an official one
-    assert len(first.test) == round(TEST_FRACTION * 400)
+    assert binomially_close(len(first.test), 400, TEST_FRACTION)
     assert len({*first.train, *first.val, *first.test}) == len(first.train) + len(first.val) + len(first.test)
+
+
+def membership(rows, ids: list[int]) -> dict[int, str]:
+    """Document id → the split its row is in."""
+    return {ids[row]: name for name in ("train", "val", "test") for row in getattr(rows, name)}
+
+
+@pytest.mark.parametrize("official", [True, False])
+def test_adding_or_removing_one_row_moves_no_other_row(official):
+    rng = np.random.default_rng(7)
+    ids = list(range(2000))
+    labels = rng.integers(0, 5, len(ids))
+    spec = WorkloadSpec("x", "minilm", "head", seed=11, validation_fraction=0.3)
+
+    def split(ids: list[int], labels: np.ndarray) -> dict[int, str]:
+        # documents 1500..1999 are the official test rows (they come last), the others training rows
+        official_train = sum(not 1500 <= i < 2000 for i in ids) if official else None
+        digests = content_digests(documents(ids), labels)
+        return membership(split_rows(labels, 5, official_train, spec, digests), ids)
+
+    before = split(ids, labels)
+    assert set(before.values()) == {"train", "val", "test"} and len(before) == len(ids)
+    # one more row in the middle of the pool (every later row id shifts by one)
+    added_ids = [*ids[:700], 5000, *ids[700:]]
+    added = split(added_ids, np.insert(labels, 700, 3))
+    assert set(added) == {*before, 5000}
+    assert {i: added[i] for i in before} == before
+    # one row fewer
+    removed_ids = ids[:300] + ids[301:]
+    removed = split(removed_ids, np.delete(labels, 300))
+    assert removed == {i: side for i, side in before.items() if i != 300}
+
+
+def test_validation_and_carved_test_shares_are_binomial_on_10000_rows():
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 10, 10_000)
+    digests = synthetic_digests(labels)
+    spec = WorkloadSpec("x", "minilm", "head", seed=0, validation_fraction=0.1)
+    official = split_rows(labels, 10, 10_000 - 1, spec, digests)
+    assert binomially_close(len(official.val), 9_999, 0.1)
+    carved = split_rows(labels, 10, None, spec, digests)
+    assert binomially_close(len(carved.test), 10_000, TEST_FRACTION)
+    assert binomially_close(len(carved.val), 10_000 - len(carved.test), 0.1)
+    # other seeds: other validation rows (about 10% overlap, as independent draws), same test rows
+    for seed in (1, 2):
+        other = split_rows(labels, 10, None, dataclasses.replace(spec, seed=seed), digests)
+        np.testing.assert_array_equal(other.test, carved.test)
+        shared = len(np.intersect1d(other.val, carved.val))
+        assert binomially_close(shared, len(carved.val), 0.1)
+
+
+def test_identical_rows_land_on_the_same_side():
+    labels = np.array([2, 2, 1] * 200)
+    contents = [b"the same document", b"the same document", b"the same document"] * 200
+    contents[::3] = documents(range(200))  # every third row distinct
+    digests = content_digests(contents, labels)
+    for seed in range(5):
+        rows = split_rows(labels, 3, 300, WorkloadSpec("x", "minilm", "head", seed=seed), digests)
+        side = membership(rows, list(range(len(labels))))
+        same_label = [side[row] for row in range(1, 300, 3)]  # label 2, identical content: one side
+        assert len(set(same_label)) == 1
+        assert len({side[row] for row in range(2, 300, 3)}) == 1  # label 1, identical content
+        assert {side[row] for row in range(300, 600)} == {"test"}
+
+
+def test_row_digests_hash_text_pixels_and_file_names_with_the_label(tmp_path):
+    text = RawDataset("t", "text", ["a", "b"], ["same", "same", "same", "other"], np.array([0, 0, 1, 0]), None, "t")
+    digests = row_digests(text)
+    assert digests.shape == (4, 16) and digests.dtype == np.uint8
+    assert (digests[0] == digests[1]).all() and len({row.tobytes() for row in digests}) == 3
+    images = torch.zeros(3, 1, 4, 4, dtype=torch.uint8)
+    images[2, 0, 3, 3] = 1  # one pixel differs
+    pixels = row_digests(RawDataset("i", "image", ["a"], images, np.zeros(3, np.int64), None, "i"))
+    assert (pixels[0] == pixels[1]).all() and not (pixels[0] == pixels[2]).all()
+    files = ImageFiles([tmp_path / "a" / "x.png", tmp_path / "b" / "x.png", tmp_path / "a" / "y.png"], 32)
+    named = row_digests(RawDataset("f", "image", ["a", "b"], files, np.array([0, 0, 0]), None, "f"))
+    assert (named[0] == named[1]).all() and not (named[0] == named[2]).all()
+
+
+def test_an_empty_split_fails_with_a_clear_message():
+    labels = np.array([0, 1, 0, 1])
+    spec = WorkloadSpec("x", "minilm", "head", validation_fraction=0.5)
+    with pytest.raises(WorkloadError, match=r"the (training|validation) split is empty: the training pool has 1 rows"):
+        split_rows(labels, 2, 1, spec, synthetic_digests(labels))  # one training row: one of the two is empty
+    with pytest.raises(WorkloadError, match="the test split is empty"):
+        split_rows(labels, 2, 4, spec, synthetic_digests(labels))
 
 
 def test_fraction_examples_per_class_and_class_subset():
     labels = synthetic_labels()
+    digests = synthetic_digests(labels)
     base = WorkloadSpec("x", "minilm", "head", seed=1)
-    full = split_rows(labels, 5, 300, base)
-    half = split_rows(labels, 5, 300, dataclasses.replace(base, fraction=0.5))
+    full = split_rows(labels, 5, 300, base, digests)
+    half = split_rows(labels, 5, 300, dataclasses.replace(base, fraction=0.5), digests)
     np.testing.assert_array_equal(half.val, full.val)  # knobs act on training rows only
     assert set(half.train) <= set(full.train) and len(half.train) == round(0.5 * len(full.train))
     assert np.all(np.abs(np.bincount(labels[half.train]) - 0.5 * np.bincount(labels[full.train])) < 1)
 
-    shots = split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=3))
+    shots = split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=3), digests)
     np.testing.assert_array_equal(np.bincount(labels[shots.train]), [3] * 5)
     with pytest.raises(WorkloadError, match="examples_per_class=200 exceeds.*class"):
-        split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=200))
+        split_rows(labels, 5, 300, dataclasses.replace(base, examples_per_class=200), digests)
 
-    subset = split_rows(labels, 5, 300, dataclasses.replace(base, classes=(4, 1)))
+    subset = split_rows(labels, 5, 300, dataclasses.replace(base, classes=(4, 1)), digests)
     for part in (subset.train, subset.val, subset.test):
         assert set(labels[part]) == {1, 4}
     assert subset.kept == (4, 1) and subset.label_map[4] == 0 and subset.label_map[1] == 1
@@ -204,7 +304,7 @@ def test_20newsgroups_minilm_head_features_and_cache_reuse(encoder_calls, tempor
     assert [len(workload.train), len(workload.val), len(workload.test)] == [12, 6, 6]
     assert encoder_calls == [24]  # only the kept rows were encoded
 
-    rows = split_rows(raw.labels, 20, raw.num_official_train, spec)
+    rows = split_rows(raw.labels, 20, raw.num_official_train, spec, row_digests(raw))
     x, y = workload.train.tensors
     assert x.dtype == torch.float32 and x.shape == (12, 384)
     np.testing.assert_array_equal(y.numpy(), rows.label_map[raw.labels[rows.train]])
@@ -279,7 +379,7 @@ def test_20newsgroups_tokens_for_fine_tuning():
     input_ids, attention_mask, labels = workload.train.tensors
     assert input_ids.shape == attention_mask.shape == (10, 24) and input_ids.dtype == torch.int64
     raw = load_20newsgroups()
-    rows = split_rows(raw.labels, 20, raw.num_official_train, spec)
+    rows = split_rows(raw.labels, 20, raw.num_official_train, spec, row_digests(raw))
     tokenizer = load_tokenizer("minilm")
     first = tokenizer(raw.inputs[rows.train[0]], truncation=True, max_length=24)["input_ids"]
     assert input_ids[0, : len(first)].tolist() == first and attention_mask[0].sum() == len(first)
@@ -292,14 +392,14 @@ def test_mnist5k_splits_and_efficientnet_features(encoder_calls):
     raw = load_mnist5k()
     assert raw.inputs.shape == (5000, 1, 28, 28) and raw.inputs.dtype == torch.uint8
     np.testing.assert_array_equal(np.bincount(raw.labels), [500] * 10)
-    full = split_rows(raw.labels, 10, None, WorkloadSpec("mnist5k", "efficientnet_lite0", "head"))
-    assert [len(full.train), len(full.val), len(full.test)] == [3600, 400, 1000]
-    np.testing.assert_array_equal(np.bincount(raw.labels[full.test]), [100] * 10)
+    full = split_rows(raw.labels, 10, None, WorkloadSpec("mnist5k", "efficientnet_lite0", "head"), row_digests(raw))
+    assert len(full.train) + len(full.val) + len(full.test) == 5000
+    assert binomially_close(len(full.test), 5000, TEST_FRACTION) and binomially_close(len(full.val), 4000, 0.1)
 
     spec = WorkloadSpec("mnist5k", "efficientnet_lite0", "head", max_train_examples=20, max_eval_examples=10)
     workload = load_workload(spec)
     assert workload.feature_dim == 1280 and workload.train.tensors[0].shape == (20, 1280)
-    rows = split_rows(raw.labels, 10, None, spec)
+    rows = split_rows(raw.labels, 10, None, spec, row_digests(raw))
     extractor = build_feature_extractor("efficientnet_lite0").eval()
     with torch.no_grad():
         expected = extractor(raw.inputs[torch.from_numpy(rows.val[:3])])
@@ -340,12 +440,12 @@ def test_cassava_image_folder_lazy_images_and_features(monkeypatch, tmp_path, en
 
     workload = load_workload(WorkloadSpec("cassava", "wrn16_4", "full"))
     assert workload.class_names == classes and workload.image_size == 32
-    assert [len(workload.train), len(workload.val), len(workload.test)] == [22, 2, 6]
+    assert [len(workload.train), len(workload.val), len(workload.test)] == [21, 2, 7]  # per-row hash of 30 files
     for index in range(len(workload.train)):
         image, label = workload.train[index]
         assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
         assert torch.all(image == 40 * int(label))  # each class has its own grey level
-    torch.testing.assert_close(workload.labels("train"), torch.stack([workload.train[i][1] for i in range(22)]))
+    torch.testing.assert_close(workload.labels("train"), torch.stack([workload.train[i][1] for i in range(21)]))
 
     head = load_workload(
         WorkloadSpec("cassava", "efficientnet_lite0", "head", max_train_examples=5, max_eval_examples=5)

@@ -1,6 +1,15 @@
-"""Seeded, stratified split arithmetic on label arrays (no data touched)."""
+"""Split arithmetic on label arrays and per-row content digests (no data read here).
+
+The train/validation membership of a row, and the test membership of a row of a dataset without
+an official test split, is a *per-row* decision (:func:`held_out`): a keyed hash of the row's
+content digest against the fraction, so that adding or removing one row of the pool moves no
+other row. The difficulty knobs and caps are seeded stratified samples (:func:`stratified_sample`).
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -9,8 +18,56 @@ TEST_FRACTION = 0.2
 TEST_SPLIT_SEED = 20_251_020
 """Fixed seed of that test split: every trial of every seed is tested on the same examples."""
 
-# Independent random streams per use, so that changing one knob does not reshuffle another.
-_VALIDATION, _FRACTION, _EXAMPLES_PER_CLASS, _CAP = 1, 2, 3, 4
+DIGEST_SIZE = 16
+"""Bytes of a row's content digest (:func:`content_digests`)."""
+VALIDATION, TEST = "validation", "test"
+"""Purposes of :func:`held_out`: each has its own key, so the two decisions are independent."""
+
+# Independent random streams per use, so that changing one knob does not reshuffle another
+# (1 was the validation split's stream before it became a per-row hash).
+_FRACTION, _EXAMPLES_PER_CLASS, _CAP = 2, 3, 4
+
+
+def content_digests(contents: Iterable[bytes | memoryview], labels: np.ndarray) -> np.ndarray:
+    """``(n, DIGEST_SIZE)`` uint8: blake2b of each row's label (int64) and content bytes.
+
+    ``contents[i]`` is what identifies row ``i`` in the raw dataset (see
+    ``dptune.data.workload.row_digests``); identical label and content give identical digests.
+    """
+    digests = bytearray()
+    for label, content in zip(labels.tolist(), contents, strict=True):
+        digest = hashlib.blake2b(int(label).to_bytes(8, "little", signed=True), digest_size=DIGEST_SIZE)
+        digest.update(content)
+        digests += digest.digest()
+    return np.frombuffer(bytes(digests), dtype=np.uint8).reshape(len(labels), DIGEST_SIZE)
+
+
+def split_key(seed: int, purpose: str) -> bytes:
+    """The blake2b key of the per-row decision for ``purpose`` under the public split ``seed``."""
+    return hashlib.blake2b(f"{purpose}:{seed}".encode(), digest_size=32, person=b"dptune-split").digest()
+
+
+def uniform_draws(digests: np.ndarray, seed: int, purpose: str) -> np.ndarray:
+    """uint64 ``u`` per row of ``digests`` (``(n, DIGEST_SIZE)``, :func:`content_digests`): the
+    keyed blake2b (8 bytes, big-endian) of its digest, uniform in ``[0, 2**64)`` over rows and a
+    function of that row's digest, ``seed`` and ``purpose`` alone."""
+    key, data = split_key(seed, purpose), memoryview(np.ascontiguousarray(digests, dtype=np.uint8).tobytes())
+    draws = b"".join(
+        hashlib.blake2b(data[start : start + DIGEST_SIZE], key=key, digest_size=8).digest()
+        for start in range(0, len(data), DIGEST_SIZE)
+    )
+    return np.frombuffer(draws, dtype=">u8").astype(np.uint64)
+
+
+def held_out(digests: np.ndarray, fraction: float, seed: int, purpose: str) -> np.ndarray:
+    """Boolean mask: row ``i`` is held out iff ``uniform_draws(...)[i] < fraction·2**64``.
+
+    Each row is held out with probability ``fraction``, independently of every other row: adding
+    or removing a row changes no other row's side; rows with identical digests (identical label
+    and content) land on the same side. The number held out is binomial, ≈ ``fraction·n``.
+    """
+    threshold = np.uint64(min(int(fraction * 2**64), 2**64 - 1))
+    return uniform_draws(digests, seed, purpose) < threshold
 
 
 def allocate(class_sizes: np.ndarray, total: int) -> np.ndarray:
@@ -38,14 +95,6 @@ def stratified_sample(rows: np.ndarray, labels: np.ndarray, total: int, rng: np.
 def stream(seed: int, purpose: int) -> np.random.Generator:
     """The random stream for one purpose under ``seed``."""
     return np.random.default_rng([seed, purpose])
-
-
-def carve(
-    rows: np.ndarray, labels: np.ndarray, fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Split ``rows`` into (held out ≈ fraction, rest), stratified; both sorted."""
-    held = stratified_sample(rows, labels, round(fraction * len(rows)), rng)
-    return held, np.setdiff1d(rows, held)
 
 
 def cap(rows: np.ndarray, labels: np.ndarray, limit: int | None, rng: np.random.Generator) -> np.ndarray:

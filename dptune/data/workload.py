@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,19 +88,50 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     return info
 
 
-def split_rows(labels: np.ndarray, num_classes: int, num_official_train: int | None, spec: WorkloadSpec) -> SplitRows:
-    """Seeded stratified splits of a dataset's rows under ``spec`` (see ``dptune.data``).
+def row_digests(raw: RawDataset) -> np.ndarray:
+    """Content digest of every row of ``raw`` (``splits.content_digests``), what a row's split
+    membership is decided from: the label with, for text, the document's UTF-8 bytes; for
+    in-memory images, the image's uint8 pixel bytes; for image files (read lazily), the file's
+    name (reading every image of SUN397 to split it would cost far more than the split). Rows with
+    the same label and the same text, pixels or file name get the same digest."""
+    contents: Iterable[bytes | memoryview]
+    if isinstance(raw.inputs, list):
+        contents = (document.encode("utf-8") for document in raw.inputs)
+    elif isinstance(raw.inputs, torch.Tensor):
+        pixels = np.ascontiguousarray(raw.inputs.numpy()).reshape(len(raw.inputs), -1)
+        contents = (row.data for row in pixels)
+    else:
+        contents = (path.name.encode("utf-8") for path in raw.inputs.files)
+    return splits.content_digests(contents, raw.labels)
+
+
+def split_rows(
+    labels: np.ndarray, num_classes: int, num_official_train: int | None, spec: WorkloadSpec, digests: np.ndarray
+) -> SplitRows:
+    """The splits of a dataset's rows under ``spec`` (see ``dptune.data``).
 
     ``labels`` are the raw class ids (``0..num_classes-1``) of every row, official training rows
-    first. Order: official test split (or a fixed-seed stratified ``TEST_FRACTION``); class
-    subset on all splits; validation carved from the training rows with ``spec.seed``; then
-    ``fraction`` or ``examples_per_class`` on the training rows; then the ``max_*_examples`` caps.
+    first; ``digests`` their content digests (:func:`row_digests`). Order: the official test
+    split, or, without one, the rows whose keyed hash (key: ``TEST_SPLIT_SEED``) falls below
+    ``TEST_FRACTION``; class subset on all splits; validation: the training rows whose keyed hash
+    (key: ``spec.seed``) falls below ``validation_fraction``; then ``fraction`` or
+    ``examples_per_class`` on the training rows; then the ``max_*_examples`` caps.
+
+    The per-row rule (``splits.held_out``): a row's train/validation (and carved test) membership
+    depends on that row's label and content alone, so adding or removing one row of the pool
+    moves no other row, and identical rows (same label and content) land on the same side. Sizes
+    are binomial (≈ fraction·n), not stratified. The later knobs ``fraction``,
+    ``examples_per_class`` and the caps are seeded stratified samples of the pool, which depend
+    on the whole population: with them, the DP guarantee is for the training and validation sets
+    they produce, with their sizes treated as public. Raises :class:`WorkloadError` when a split
+    comes out empty or a class has fewer than ``examples_per_class`` training rows.
     """
     everything = np.arange(len(labels))
+    if len(digests) != len(labels):
+        raise ValueError(f"{len(digests)} row digests for {len(labels)} rows")
     if num_official_train is None:
-        test, train = splits.carve(
-            everything, labels, splits.TEST_FRACTION, np.random.default_rng(splits.TEST_SPLIT_SEED)
-        )
+        carved = splits.held_out(digests, splits.TEST_FRACTION, splits.TEST_SPLIT_SEED, splits.TEST)
+        test, train = everything[carved], everything[~carved]
     else:
         train, test = everything[:num_official_train], everything[num_official_train:]
     label_map = np.full(num_classes, -1, dtype=np.int64)
@@ -107,7 +139,15 @@ def split_rows(labels: np.ndarray, num_classes: int, num_official_train: int | N
     label_map[list(kept)] = np.arange(len(kept))
     train, test = train[label_map[labels[train]] >= 0], test[label_map[labels[test]] >= 0]
 
-    val, train = splits.carve(train, labels, spec.validation_fraction, splits.stream(spec.seed, splits._VALIDATION))
+    held = splits.held_out(digests[train], spec.validation_fraction, spec.seed, splits.VALIDATION)
+    pool, val, train = len(train), train[held], train[~held]
+    for name, split in (("training", train), ("validation", val), ("test", test)):
+        if len(split) == 0:
+            raise WorkloadError(
+                f"the {name} split is empty: the training pool has {pool} rows and the test split "
+                f"{len(test)} at validation_fraction={spec.validation_fraction} (seed {spec.seed}); "
+                f"use more rows or classes, or another validation_fraction"
+            )
     if spec.fraction < 1.0:
         train = splits.stratified_sample(
             train,
@@ -179,7 +219,7 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     info = check_spec(spec)
     backbone = BACKBONES[spec.backbone]
     raw = info.load(data_dir, backbone.image_size)
-    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec)
+    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec, row_digests(raw))
     if spec.tuning_rows is not None:
         rows = tuning_subset(rows, spec.tuning_rows)
     labels = {

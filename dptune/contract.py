@@ -75,8 +75,9 @@ class WorkloadSpec:
     - ``examples_per_class``: keep exactly this many training examples per class (few-shot).
     - ``classes``: keep only these classes, in train, validation and test.
     - ``max_tokens``: text truncation/padding length in tokens; ``None`` = the backbone's default.
-    - ``validation_fraction``: stratified share of the (class-filtered) training split held out
-      for hyperparameter selection. Selection uses validation, never test.
+    - ``validation_fraction``: expected share of the (class-filtered) training split held out
+      for hyperparameter selection, row by row (a keyed hash of each row's content:
+      ``dptune.data.splits``). Selection uses validation, never test.
     - ``max_train_examples`` / ``max_eval_examples``: stratified caps for tests and smoke runs;
       when set, only the kept examples are encoded (cached under their own key).
     - ``tuning_rows``: a file holding a secret tuning subsample X₁ (positions in the training and

@@ -35,7 +35,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
 from dptune.contract import EpochMetrics, TrialResult, TrialStatus
-from dptune.errors import storage_error
+from dptune.errors import DptuneError, storage_error
 from dptune.paths import write_file_atomic
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import epsilon_spent
@@ -139,7 +139,7 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
 PRIVATE_UNIT_ERRORS = "unit_errors"
 
 
-class PrivateUnitFailed(RuntimeError):
+class PrivateUnitFailed(DptuneError, RuntimeError):
     """A private search's unit failed; what failed is kept inside the trust boundary, not in this message
     (Tune and Ray keep a unit's error in their own state, which is outside the boundary)."""
 
@@ -173,7 +173,7 @@ def private_unit_trainable(params: dict[str, Any], contexts: dict[str, TrialCont
     tune.report(dict(UNIT_DONE))
 
 
-class StopOnStorageError(Callback):
+class StopOnStorageFailure(Callback):
     """Driver-side: ends the search (:func:`stop_search`) when a unit reports that it could not write
     its records (``STORAGE_ERROR_KEY``: a full or read-only results folder)."""
 
@@ -330,7 +330,7 @@ def stop_search(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
-class RecordAndReport(StopOnStorageError):
+class RecordAndReport(StopOnStorageFailure):
     """Driver-side: a progress line per unit, and the records of runs a unit could not write itself.
 
     ``cells`` maps a ``cell_key`` to its :class:`CellRun`. A unit stopped by ASHA records the steps

@@ -1,0 +1,114 @@
+"""The two Ray Tune ``Tuner`` shapes of a search (Ray appears here, in :mod:`dptune.search.driver` and
+in :mod:`dptune.search.tune_adapters`): a search's units carry sampled configurations; an end-to-end
+private search's carry public unit numbers only (:mod:`dptune.search.private_units`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dptune.search.cells import CellPlan, cell_spec, record_pruned_grid, unit_size
+from dptune.search.execution import TrialContext
+from dptune.search.sampler import CellSampler
+from dptune.space import SearchSpace
+
+
+def trial_slots(space: SearchSpace) -> int:
+    """Tune trials that can run at once: the cluster's CPUs over a trial's, within ``max_concurrent_trials``."""
+    import ray
+
+    slots = int(ray.cluster_resources().get("CPU", 1) // space.resources.cpus) or 1
+    if space.resources.gpu:
+        slots = min(slots, int(ray.cluster_resources().get("GPU", 0) // space.resources.gpu) or 1)
+    return min(slots, space.resources.max_concurrent_trials or slots)
+
+
+def search_tuner(
+    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+) -> Any:
+    """The Tuner of a search: each cell keeps its own sampler and budget and, with ASHA, its own
+    scheduler; a Tune trial carries a unit of configurations of one cell (:func:`unit_size`), and the
+    driver's callback prints each cell's progress."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from dptune.search.tune_adapters import METRIC, CellMultiplexer, CellRun, PerCellASHA, RecordAndReport
+
+    slots = trial_slots(space)
+    units = {plan.cell_key: unit_size(space, plan, slots, contexts[plan.cell_key].fused) for plan in plans}
+    if space.sampler.name == "grid":
+        for plan in plans:
+            record_pruned_grid(space, plan, contexts[plan.cell_key])
+    searcher = CellMultiplexer(
+        samplers={plan.cell_key: CellSampler(cell_spec(space, plan)) for plan in plans},
+        budgets={plan.cell_key: plan.configurations for plan in plans},
+        unit_sizes=units,
+        contexts=contexts,
+        num_train=plans[0].num_train,
+        min_steps=space.min_steps,
+    )
+    scheduler = None
+    if space.scheduler is not None:
+        spec = space.scheduler
+        scheduler = PerCellASHA(
+            {
+                plan.cell_key: ASHAScheduler(
+                    time_attr="epoch",
+                    max_t=plan.cell.epochs,
+                    grace_period=min(spec.grace_period, plan.cell.epochs),
+                    reduction_factor=spec.reduction_factor,
+                )
+                for plan in plans
+            }
+        )
+    callback = RecordAndReport(
+        {
+            plan.cell_key: CellRun(contexts[plan.cell_key], f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
+            for plan in plans
+        }
+    )
+    run_config.callbacks = [callback]
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=searcher,
+            scheduler=scheduler,
+            metric=METRIC,
+            mode="max",
+            num_samples=sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
+            max_concurrent_trials=space.resources.max_concurrent_trials,
+            reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
+        ),
+        run_config=run_config,
+    )
+
+
+def private_tuner(
+    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+) -> Any:
+    """The Tuner of an end-to-end private search: per cell a public number of units
+    (``private_units.unit_count`` of the trial slots), each running its share of the cell's proposals
+    kept inside the trust boundary; Tune's searcher, trial names, results and callbacks hold nothing
+    that depends on K or on the runs (the one callback ends the search on a storage error)."""
+    from ray import tune
+
+    from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
+    from dptune.search.tune_adapters import METRIC, StopOnStorageFailure
+
+    units = unit_count(trial_slots(space))
+    run_config.callbacks = [StopOnStorageFailure()]
+    return tune.Tuner(
+        trainable,
+        param_space={
+            CELL_KEY: tune.grid_search([plan.cell_key for plan in plans]),
+            UNIT_KEY: tune.grid_search(list(range(units))),
+            UNITS_KEY: units,
+        },
+        tune_config=tune.TuneConfig(
+            metric=METRIC,
+            mode="max",
+            max_concurrent_trials=space.resources.max_concurrent_trials,
+            reuse_actors=True,
+        ),
+        run_config=run_config,
+    )

@@ -250,7 +250,7 @@ class TrialResult:
     num_classes: int = 0
     trainable_parameters: int = 0
     val_accuracy: float = float("nan")  # after the last epoch (selection metric; exact, not private)
-    noisy_val_accuracy: float = float("nan")  # (correct + N(0, σ_s²)) / num_val with score noise; else NaN
+    noisy_val_accuracy: float = float("nan")  # (correct + N_Z(0, σ_s²)) / num_val with score noise; else NaN
     test_accuracy: float = float("nan")  # after the last epoch (never used for selection)
     train_loss: float = float("nan")
     wall_time_s: float = 0.0  # training + evaluation + diagnostics (data loading and σ excluded)

@@ -70,11 +70,11 @@ class UniformIntegers:
         """Bernoulli(exp(−γ)) for γ = numerator / denominator ≥ 0 (CKS Algorithm 2)."""
         whole, numerator = divmod(numerator, denominator)
         for _ in range(whole):
-            if not self._bernoulli_exp_below_one(1, 1):
+            if not self.bernoulli_exp_within_one(1, 1):
                 return False
-        return self._bernoulli_exp_below_one(numerator, denominator)
+        return self.bernoulli_exp_within_one(numerator, denominator)
 
-    def _bernoulli_exp_below_one(self, numerator: int, denominator: int) -> bool:
+    def bernoulli_exp_within_one(self, numerator: int, denominator: int) -> bool:
         """Bernoulli(exp(−γ)) for γ = numerator / denominator ∈ [0, 1]: the least K with
         A_K ~ Bernoulli(γ/K) equal to 0 is odd with probability Σ_k (−γ)ᵏ/k! = exp(−γ)."""
         k = 1
@@ -99,10 +99,10 @@ def discrete_gaussian_samples(sigma_squared: Fraction, uniform: UniformIntegers,
     samples: list[int] = []
     while len(samples) < count:
         u = uniform.below(t)
-        if not uniform._bernoulli_exp_below_one(u, t):
+        if not uniform.bernoulli_exp_within_one(u, t):
             continue
         v = 0
-        while uniform._bernoulli_exp_below_one(1, 1):
+        while uniform.bernoulli_exp_within_one(1, 1):
             v += 1
         x = u + t * v
         negative = uniform.bits(1) == 1

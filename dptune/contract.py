@@ -139,6 +139,9 @@ class TrialConfig:
     (research and tests), and then the guarantee does not hold for its released results.
     ``score_noise_multiplier`` (σ_s, a count's std) asks for a DP selection score: the number of
     correct validation predictions plus N(0, σ_s²) (sensitivity 1 under add/remove of a row).
+    ``release_run`` marks the release of a private search tuned on a subsample: it trains all its
+    steps and is published whatever its loss (its charge covers it), so nothing it computes on the
+    private rows decides whether, or how long, it trains.
     """
 
     workload: WorkloadSpec
@@ -153,6 +156,7 @@ class TrialConfig:
     clipping: ClippingRule = "normalized"
     seed: int | None = None
     score_noise_multiplier: float | None = None
+    release_run: bool = False
     # execution
     device: str = "auto"
     max_physical_batch_size: int = 256
@@ -163,6 +167,12 @@ class TrialConfig:
     diagnostic_examples: int = 256
     # a tuning run on a secret subsample: q, T and the expected batch from public numbers (None: from N)
     schedule: PublicSchedule | None = None
+
+    @property
+    def stops_on_exact_loss(self) -> bool:
+        """Whether a non-finite exact (non-private) training or validation loss ends the run as
+        diverged: not with a DP selection score, and not for a release run."""
+        return self.score_noise_multiplier is None and not self.release_run
 
     def row(self) -> dict[str, Any]:
         """The config as one flat dict, as result rows store it: the workload's fields beside the

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from dptune.contract import TrialConfig, WorkloadSpec
+from dptune.contract import TrialConfig
 from dptune.dp.coins import DeviceCoins, cpu_generator, trial_coins
 from dptune.runners.common import cached_workload
 from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup
 from dptune.runners.trainer import Trial
+from trial_configs import HEAD_TRIAL as BASE
 
 CPU = torch.device("cpu")
 LOW32 = 0x1234_5678
@@ -30,25 +31,6 @@ SAME_LOW_64 = (LOW32 + (5 << 64), LOW32 + (6 << 64))
 #: ``manual_seed`` of those words such trials drew the same noise, resp. the same Poisson masks.
 OLD_NOISE_COLLISION = (14375, 53572)
 OLD_SAMPLING_COLLISION = (92369, 92670)
-
-BASE = TrialConfig(
-    workload=WorkloadSpec(
-        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=100, max_eval_examples=60
-    ),
-    epsilon=8.0,
-    delta=1e-5,
-    epochs=2,
-    clip_bound=1.0,
-    batch_size=50,
-    learning_rate=0.05,
-    base_learning_rate=0.05,
-    optimizer="adam",
-    clipping="normalized",
-    seed=1,
-    engine="film",
-    threads=1,
-    diagnostics=False,
-)
 
 
 def test_torch_manual_seed_keeps_only_32_bits_on_the_cpu() -> None:

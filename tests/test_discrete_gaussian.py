@@ -17,12 +17,12 @@ import pytest
 import torch
 from scipy import stats
 
-from dptune.contract import TrialConfig, WorkloadSpec
 from dptune.dp.coins import score_generator, trial_coins
 from dptune.dp.discrete_gaussian import UniformIntegers, discrete_gaussian_samples, sample_discrete_gaussian
 from dptune.runners.common import Evaluation, noisy_count, noisy_score
 from dptune.runners.fused import run_fused
 from dptune.runners.trial import run_trial
+from trial_configs import HEAD_TRIAL
 
 DRAWS = 100_000
 #: The issue's setting: σ_s = 5 counts on N_val = 1000 validation rows, 700 of them correct.
@@ -130,25 +130,7 @@ def test_the_score_stream_is_the_trials_own() -> None:
     assert _stream(score_generator(trial_coins(2**100 + 6).score)) != scores
 
 
-SCORED = TrialConfig(
-    workload=WorkloadSpec(
-        dataset="20newsgroups", backbone="minilm", peft="head", max_train_examples=100, max_eval_examples=60
-    ),
-    epsilon=8.0,
-    delta=1e-5,
-    epochs=2,
-    clip_bound=1.0,
-    batch_size=50,
-    learning_rate=0.05,
-    base_learning_rate=0.05,
-    optimizer="adam",
-    clipping="normalized",
-    seed=1,
-    engine="film",
-    threads=1,
-    diagnostics=False,
-    score_noise_multiplier=SCORE_SIGMA,
-)
+SCORED = replace(HEAD_TRIAL, score_noise_multiplier=SCORE_SIGMA)
 
 
 def test_both_runners_release_an_integer_count_over_num_val(dptune_cache_dir: Path) -> None:

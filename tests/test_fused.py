@@ -328,6 +328,11 @@ def test_a_diverging_configuration_stops_while_the_others_train_on() -> None:
     assert private.status == "diverged" and private.reason.startswith("non-finite parameters after epoch 1")
     assert private.steps_taken < private.steps and f"charged its {private.steps} planned steps" in private.reason
     assert private.epsilon_spent == diverged.epsilon_spent
+    # the release of a subsample tuning trains every step and is published whatever its loss
+    release = run_fused([replace(wild, release_run=True)])[0]
+    assert release.status == "ok" and release.steps_taken == release.steps and len(release.epochs) == BASE.epochs
+    assert math.isnan(release.epochs[-1].val_loss) and 0 <= release.test_accuracy <= 1
+    assert release.epsilon_spent == diverged.epsilon_spent
 
 
 def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:

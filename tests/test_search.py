@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -38,6 +37,7 @@ from dptune.search import execution
 from dptune.search.sampler import CellSampler
 from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
+from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
@@ -298,6 +298,8 @@ def test_existing_results_need_resume(
 # --------------------------------------------------------------------------- end-to-end private tuning
 
 PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
+#: A private search short enough for a test: K has mean 3, five epochs.
+_SHORT = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
 
 
 @pytest.mark.parametrize(
@@ -317,31 +319,13 @@ def test_private_search_refuses_what_voids_the_bound_before_ray(
     assert not ray.is_initialized() and not list(tmp_path.iterdir())
 
 
-def _private_search(env: dict[str, str], storage: Path, name: str) -> subprocess.CompletedProcess:
-    overrides = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
-    # the search's own temporary folder, short (Ray's sockets go below it): Ray's session folder goes there
-    temporary = Path(tempfile.mkdtemp(prefix=f"{name[:3]}-", dir="/tmp"))
-    (storage / f"{name}-tmp").symlink_to(temporary)
-    completed = run_search(
-        {**env, "TMPDIR": str(temporary)},
-        "--space",
-        str(PRIVATE),
-        "--storage",
-        str(storage),
-        "--name",
-        name,
-        "--no-report",
-        *overrides,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return completed
-
-
 def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothing_else(
     search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_cache_dir: Path
 ) -> None:
     with ThreadPoolExecutor(2) as pool:  # two independent searches, at once
-        first, second = pool.map(lambda name: _private_search(search_env, tmp_path, name), ("private", "again"))
+        first, second = pool.map(
+            lambda name: private_search(search_env, tmp_path, PRIVATE, name, *_SHORT), ("private", "again")
+        )
     root = tmp_path / "private"
     inside = root / TRUST_BOUNDARY
     trials, release = read_table(str(inside), "trials"), read_table(str(root), "release")
@@ -413,43 +397,13 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     page = (build_report([str(root)], tmp_path / "report")).read_text()
     assert "Releases of end-to-end private searches" in page and "0 trial records" in page
     assert "Trials per search cell" not in page
-    _assert_nothing_of_the_hidden_runs_outside(root, trials, release, out, (tmp_path / "private-tmp").resolve())
+    assert_nothing_of_the_hidden_runs_outside(root, out, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1)
     # a second search of the same space proposes other configurations: the proposals are secret
     again = read_table(str(tmp_path / "again" / TRUST_BOUNDARY), "trials")
     proposed = {tuple(r) for r in trials[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     proposed_again = {tuple(r) for r in again[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}
     assert proposed and proposed_again and not proposed & proposed_again
     assert not [line for line in second.stdout.splitlines() if PROGRESS.match(line)]
-
-
-#: A timestamp as Ray's and Tune's log lines print one.
-_LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
-
-
-def _assert_nothing_of_the_hidden_runs_outside(
-    root: Path, trials: pd.DataFrame, release: pd.DataFrame, out: str, temporary: Path
-) -> None:
-    """Outside ``inside_trust_boundary/``: no trial or configuration id of any run, no noisy score of a run
-    that was not released, no Ray session folder left behind, no timestamped log line on the console; and
-    Ray Tune ran a number of units that does not depend on K (one per trial slot)."""
-    outside = b"".join(
-        path.read_bytes() for path in root.rglob("*") if path.is_file() and TRUST_BOUNDARY not in path.parts
-    )
-    outside += out.encode()
-    for run in trials.itertuples():
-        assert run.trial_id.encode() not in outside and run.configuration_id.encode() not in outside
-    released = set(release["noisy_val_accuracy"])
-    hidden = [v for v in trials["noisy_val_accuracy"].dropna() if v not in released]
-    for value in hidden:
-        assert repr(float(value)).encode() not in outside, value
-    # the embedded Ray's owner-only session folder is gone, and Ray left no shared one there
-    assert not [p.name for p in temporary.iterdir() if p.name.startswith("dptune-ray-") or p.name == "ray"]
-    assert not _LOG_TIME.search(out)
-    units = [p for p in (root / TRUST_BOUNDARY / "_tune" / "search").iterdir() if p.is_dir()]
-    assert len(units) == (os.cpu_count() or 1)  # the trial slots of the embedded Ray (1 CPU a trial)
-    for unit in units:  # each unit's results hold the same constant report
-        (line,) = (unit / "result.json").read_text().splitlines()
-        assert json.loads(line)["val_accuracy"] == 0.0
 
 
 def _plan(configurations: int) -> search.CellPlan:
@@ -487,6 +441,14 @@ def test_a_resumed_private_search_keeps_its_secret_trial_count(tmp_path: Path) -
         p.configurations for p in first
     ]
     assert [f.name for f in tmp_path.iterdir()] == [search.TRIAL_COUNT_FILE]  # written whole, no temporary left
+    # a cell the kept file lacks keeps the count drawn now, and a second resume reads that one back
+    other = replace(plans[0], cell=Cell(epsilon=1.0, epochs=10))
+    (_, added) = search.kept_trial_counts(str(tmp_path), [*redrawn, other])
+    again = replace(other, configurations=other.configurations + 5)
+    assert [p.configurations for p in search.kept_trial_counts(str(tmp_path), [*redrawn, again])] == [
+        4,
+        added.configurations,
+    ]
 
 
 # --------------------------------------------------------------------------- crash, kill, resume
@@ -595,40 +557,6 @@ def _tiny_on_cluster_args(storage: Path) -> list[str]:
         "--set",
         "clip_bound.values=[1.0]",
     ]
-
-
-def test_ray_job_submit_runs_a_search_on_a_token_authenticated_head(
-    ray_head, search_env: dict[str, str], tmp_path: Path
-) -> None:
-    env = {**search_env, **{k: v for k, v in ray_head.env.items() if k.startswith("RAY_AUTH") or k == "PATH"}}
-    entrypoint = search_command(*_tiny_on_cluster_args(tmp_path))
-    entrypoint[0] = "python"  # resolved on the head's PATH (the venv it was started from)
-    # the job's environment: the test's feature cache, so the search starts at once
-    runtime_env = f'{{"env_vars": {{"DPTUNE_CACHE_DIR": "{search_env["DPTUNE_CACHE_DIR"]}"}}}}'
-    completed = subprocess.run(
-        [
-            "ray",
-            "job",
-            "submit",
-            "--address",
-            ray_head.dashboard_url,
-            "--runtime-env-json",
-            runtime_env,
-            "--",
-            *entrypoint,
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    assert "joined Ray cluster" in completed.stdout
-    ran = _ran(tmp_path / "tiny")
-    assert sorted(ran["batch_size"]) == [32, 64] and set(ran["status"]) == {"ok"}
-    # without the token the job API refuses the client
-    assert ray_head.job_api_status(None) in (401, 403)
 
 
 def test_search_runs_trials_on_a_second_node(search_env: dict[str, str], tmp_path: Path) -> None:

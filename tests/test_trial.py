@@ -240,6 +240,11 @@ def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
     assert private.status == "diverged" and private.reason.startswith("non-finite parameters after epoch 1")
     assert private.steps_taken < private.steps and "charged its 13 planned steps" in private.reason
     assert private.epsilon_spent == diverged.epsilon_spent
+    # the release of a subsample tuning trains every step and is published whatever its loss
+    release = run_trial(replace(config, release_run=True))
+    assert release.status == "ok" and release.steps_taken == release.steps and len(release.epochs) == BASE.epochs
+    assert math.isnan(release.epochs[-1].val_loss) and 0 <= release.test_accuracy <= 1
+    assert release.epsilon_spent == diverged.epsilon_spent
 
 
 @pytest.fixture

@@ -4,14 +4,14 @@ a total ε recomputed independently from the plan's σ."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, run_search
+from conftest import TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES
 from dptune.contract import PublicSchedule, TrialConfig, WorkloadSpec
 from dptune.data.spec import WorkloadError
 from dptune.data.workload import SplitRows, tuning_rows_bytes, tuning_subset
@@ -36,6 +36,7 @@ from dptune.search.subsample import (
 )
 from dptune.space import SpaceError, load_space
 from expected import subsampled_tuning_epsilon
+from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
 
 PRIVATE = Path(__file__).resolve().parent.parent / "search_spaces" / "private.yaml"
 SUBSAMPLE = "privacy.private_selection.tuning_subsample"
@@ -216,10 +217,7 @@ def test_a_private_subsample_search_trains_one_release_on_every_row_and_shows_no
     space_file = Path(__file__).resolve().parent.parent / "search_spaces" / "private_subsample.yaml"
     overrides = {"sampler.trials_per_cell": 3, "epochs": [5], f"{SUBSAMPLE}.fraction": 0.5}
     flags = [part for name, value in overrides.items() for part in ("--set", f"{name}={json.dumps(value)}")]
-    completed: subprocess.CompletedProcess = run_search(
-        search_env, "--space", str(space_file), "--storage", str(tmp_path), "--no-report", *flags
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = private_search(search_env, tmp_path, space_file, "private_subsample", *flags)
     root = tmp_path / "private_subsample"
     inside = root / TRUST_BOUNDARY
     trials, release = read_table(str(inside), "trials"), read_table(str(root), "release")
@@ -265,3 +263,6 @@ def test_a_private_subsample_search_trains_one_release_on_every_row_and_shows_no
         "Koskela & Kulkarni" in out and "variant 2" in out and "tuned on (q₁)" in out and "configurations:" not in out
     )
     assert not (root / "trials").exists() and not (root / TUNING_ROWS_FILE).exists()
+    assert_nothing_of_the_hidden_runs_outside(
+        root, out, (tmp_path / "private_subsample-tmp").resolve(), os.cpu_count() or 1
+    )

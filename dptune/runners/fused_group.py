@@ -341,7 +341,7 @@ class FusedGroup:
         self.private_score = first.score_noise_multiplier is not None
         self.coins = GroupCoins(self.configs, self.schedule, data)
         self.lock_step = LockStep(
-            self.configs, self.coins.initial_heads, self.schedule, stop_on_loss=not self.private_score
+            self.configs, self.coins.initial_heads, self.schedule, stop_on_loss=first.stops_on_exact_loss
         )
         self.parameters = self.lock_step.heads[0].numel()
         self.results = [self._new_result(config) for config in self.configs]
@@ -433,7 +433,7 @@ class FusedGroup:
         epoch_time = time.perf_counter() - epoch_start
         still = []
         for i in live:
-            if not math.isfinite(val[i].loss) and not self.private_score:
+            if not math.isfinite(val[i].loss) and self.configs[i].stops_on_exact_loss:
                 self._diverge(i, f"non-finite validation loss ({val[i].loss}) after epoch {epoch}")
                 continue
             still.append(i)

@@ -10,7 +10,8 @@ into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnos
 A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
 exception). With a DP selection score (``score_noise_multiplier``) the trial decides divergence
 only from its DP outputs (non-finite parameters after an epoch), never from the exact losses of
-private rows, and releases the noisy validation count. ε spent is the PRV accountant's for the
+private rows, and releases the noisy validation count; the release run of a subsample tuning
+(``release_run``) never stops on anything it computes. ε spent is the PRV accountant's for the
 steps actually taken (≤ ε by calibration), except for a diverged trial: its stop depends on the
 data (an exact, non-private loss, or with a DP score a data-dependent stopping rule), so it is
 charged its planned ``steps`` (ε of the whole plan), as a lost trial process is;
@@ -219,7 +220,7 @@ class Trial:
                 self.noise_coins.refresh()  # CUDA: a fresh secret Philox key and offset; CPU: nothing
                 loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
                 self.steps_taken += 1
-                if not math.isfinite(loss) and not private_score:
+                if not math.isfinite(loss) and config.stops_on_exact_loss:
                     result.status = "diverged"
                     result.reason = f"non-finite training loss ({loss}) at step {self.steps_taken} (epoch {epoch})"
                     break
@@ -236,7 +237,7 @@ class Trial:
             if result.status == "diverged":
                 break
             val = self.evaluate(self.workload.val)
-            if not math.isfinite(val.loss) and not private_score:
+            if not math.isfinite(val.loss) and config.stops_on_exact_loss:
                 result.status = "diverged"
                 result.reason = f"non-finite validation loss ({val.loss}) after epoch {epoch}"
                 break

@@ -196,16 +196,14 @@ TRIAL_COUNT_FILE = "trial_count.json"
 def kept_trial_counts(runs: str, plans: list[CellPlan]) -> list[CellPlan]:
     """The plans with the trial counts a private search drew when it started, kept in
     ``<runs>/trial_count.json`` inside its trust boundary: the first start writes the counts it
-    drew (atomically, before any run), a resume reads them back, so K is drawn once per search."""
+    drew (atomically and durably, before any run), a resume reads them back (and keeps the draw of
+    a cell the file lacks), so K is drawn once per search."""
     kept = read_file(runs, TRIAL_COUNT_FILE)
-    if kept is None:
-        counts = {plan.cell_key: plan.configurations for plan in plans}
-        write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode())
-        return plans
-    counts = json.loads(kept)
-    return [
-        replace(plan, configurations=int(counts[plan.cell_key])) if plan.cell_key in counts else plan for plan in plans
-    ]
+    counts = json.loads(kept) if kept is not None else {}
+    if not {plan.cell_key for plan in plans} <= set(counts):
+        counts = {plan.cell_key: plan.configurations for plan in plans} | counts
+        write_file_atomic(runs, TRIAL_COUNT_FILE, json.dumps(counts).encode(), durable=True)
+    return [replace(plan, configurations=int(counts[plan.cell_key])) for plan in plans]
 
 
 def _cell_seed(space: SearchSpace, plan: CellPlan) -> int:

@@ -218,7 +218,11 @@ def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
     return replace(
         tuning,
         base=replace(
-            base, workload=replace(base.workload, tuning_rows=None), score_noise_multiplier=None, schedule=None
+            base,
+            workload=replace(base.workload, tuning_rows=None),
+            score_noise_multiplier=None,
+            schedule=None,
+            release_run=True,
         ),
         cell_id=tuning.cell_id + RELEASE_SUFFIX,
         cell_key=tuning.cell_key + "-release",

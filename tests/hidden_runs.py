@@ -1,0 +1,114 @@
+"""The scan of what an end-to-end private search leaves outside its trust boundary.
+
+A private search's runs (their number K, configurations, scores, statuses and ids) live inside
+``<results>/inside_trust_boundary/`` only. :func:`hidden_needles` lists what of them a scan looks
+for; :func:`assert_none_in` scans bytes for it; :func:`assert_nothing_of_the_hidden_runs_outside`
+scans a finished search's results folder and console.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from conftest import run_search
+from dptune.records import TRUST_BOUNDARY
+
+#: A timestamp as Ray's and Tune's log lines print one.
+LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
+#: The released configuration's columns (published in the release table, so not searched for).
+_CONFIGURATION = ("clip_bound", "batch_size", "base_learning_rate")
+
+
+def private_search(
+    env: dict[str, str], storage: Path, space: Path, name: str, *flags: str
+) -> subprocess.CompletedProcess:
+    """Run the private search of ``space`` into ``storage`` under its own short temporary folder
+    (``TMPDIR``, linked at ``<storage>/<name>-tmp``: the embedded Ray's session folder goes below it,
+    and a socket's path has ≤ 107 bytes); assert it exited 0."""
+    temporary = Path(tempfile.mkdtemp(prefix=f"{name[:3]}-", dir="/tmp"))
+    (storage / f"{name}-tmp").symlink_to(temporary)
+    completed = run_search(
+        {**env, "TMPDIR": str(temporary)},
+        "--space",
+        str(space),
+        "--storage",
+        str(storage),
+        "--name",
+        name,
+        "--no-report",
+        *flags,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+#: The shortest float a scan looks for: a shorter one (a noisy score of 0.2 = 30/150) stands for too many
+#: other numbers (ε, δ, an accuracy rounded for print) to be told apart.
+_MIN_FLOAT_CHARS = 6
+
+
+def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame) -> dict[bytes, str]:
+    """What identifies a hidden run, each with what it is: every run's trial and configuration id,
+    and every noisy score, clipping bound and learning rate (as Python and JSON write a float, at
+    least ``_MIN_FLOAT_CHARS`` long) other than the released ones."""
+    needles = {}
+    for run in trials.itertuples():
+        needles[run.trial_id.encode()] = f"trial id of {run.trial_id}"
+        needles[run.configuration_id.encode()] = f"configuration id of {run.trial_id}"
+    released_score = set(release["noisy_val_accuracy"])
+    released_configuration = set(map(tuple, release[list(_CONFIGURATION)].to_numpy().tolist()))
+    floats = {}
+    for run in trials.itertuples():
+        if tuple(getattr(run, column) for column in _CONFIGURATION) not in released_configuration:
+            for column in ("clip_bound", "base_learning_rate"):
+                floats[float(getattr(run, column))] = f"{column} of {run.trial_id}"
+        score = run.noisy_val_accuracy
+        if not pd.isna(score) and score not in released_score:
+            floats[float(score)] = f"noisy score of {run.trial_id}"
+    needles |= {repr(value).encode(): what for value, what in floats.items() if len(repr(value)) >= _MIN_FLOAT_CHARS}
+    return needles
+
+
+def assert_none_in(blob: bytes, needles: dict[bytes, str], where: str) -> None:
+    """Fail naming the first needles found in ``blob`` (a number only where no digit or point
+    continues it: 0.25 is not found in 0.257) and ``where`` they were."""
+    found = [
+        what
+        for needle, what in needles.items()
+        if needle in blob and re.search(rb"(?<![0-9.])" + re.escape(needle) + rb"(?![0-9])", blob)
+    ]
+    assert not found, f"{where} holds {found[:5]}"
+
+
+def outside_bytes(root: Path) -> bytes:
+    """Every file of the results folder ``root`` outside its trust boundary, concatenated."""
+    return b"".join(
+        path.read_bytes() for path in root.rglob("*") if path.is_file() and TRUST_BOUNDARY not in path.parts
+    )
+
+
+def assert_nothing_of_the_hidden_runs_outside(root: Path, out: str, temporary: Path | None, slots: int) -> None:
+    """Outside ``inside_trust_boundary/`` of the private search at ``root`` that printed ``out``: none of
+    :func:`hidden_needles`, no timestamped log line on the console; an embedded Ray's owner-only
+    session folder gone from ``temporary``, and no shared one left there; and Ray Tune ran a number of
+    units that does not depend on K (``slots``, the trial slots, per cell), each holding one constant
+    report."""
+    inside = root / TRUST_BOUNDARY
+    trials, release = pd.read_parquet(inside / "trials"), pd.read_parquet(root / "release")
+    needles = hidden_needles(trials, release)
+    assert_none_in(outside_bytes(root), needles, f"{root} outside {TRUST_BOUNDARY}")
+    assert_none_in(out.encode(), needles, "the console")
+    assert not LOG_TIME.search(out), LOG_TIME.search(out)
+    if temporary is not None:
+        assert not [p.name for p in temporary.iterdir() if p.name.startswith("dptune-ray-") or p.name == "ray"]
+    units = [p for p in (inside / "_tune" / "search").iterdir() if p.is_dir()]
+    assert len(units) == slots
+    for unit in units:
+        (line,) = (unit / "result.json").read_text().splitlines()
+        assert json.loads(line)["val_accuracy"] == 0.0

@@ -1,0 +1,165 @@
+"""End-to-end private searches submitted with ``ray job submit`` to the suite's token-authenticated
+head (which refuses a client without the token): nothing of the hidden runs reaches the job's logs,
+Ray's state API, the dashboard or the head's session folders, and the number of actors is the same
+for K = 1 and K = 20."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+
+from conftest import REPO_ROOT, TINY_TRAIN_EXAMPLES, RayHead, search_command
+from dptune.records import TRUST_BOUNDARY
+from dptune.search import TRIAL_COUNT_FILE
+from dptune.search.cells import plan_cells
+from dptune.space import load_space
+from hidden_runs import (
+    assert_none_in,
+    assert_nothing_of_the_hidden_runs_outside,
+    hidden_needles,
+)
+
+PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
+SUBSAMPLE = REPO_ROOT / "search_spaces/private_subsample.yaml"
+#: The head's trial slots (``ray_head``: 2 CPUs, 1 a trial).
+HEAD_SLOTS = 2
+#: Files of the head's temp folder larger than this are not scanned (none is, in a test session).
+_SCAN_MAX_BYTES = 64 * 2**20
+
+
+def _client_env(ray_head: RayHead, search_env: dict[str, str]) -> dict[str, str]:
+    return {**search_env, **{k: v for k, v in ray_head.env.items() if k.startswith("RAY_AUTH") or k == "PATH"}}
+
+
+def _ray(env: dict[str, str], *args: str) -> str:
+    """A ``ray`` CLI command's stdout (it must succeed)."""
+    completed = subprocess.run(["ray", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    return completed.stdout
+
+
+def _submit(ray_head: RayHead, env: dict[str, str], space: Path, storage: Path, name: str, *flags: str) -> str:
+    """Submit the private search of ``space`` as a job and wait for it; returns its submission id."""
+    entrypoint = search_command("--space", str(space), "--storage", str(storage), "--name", name, "--no-report", *flags)
+    entrypoint[0] = "python"  # resolved on the head's PATH (the venv it was started from)
+    submission = f"dptune-{name}-{uuid.uuid4().hex[:8]}"
+    runtime_env = json.dumps({"env_vars": {"DPTUNE_CACHE_DIR": env["DPTUNE_CACHE_DIR"]}})
+    _ray(
+        env,
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard_url,
+        "--submission-id",
+        submission,
+        "--runtime-env-json",
+        runtime_env,
+        "--",
+        *entrypoint,
+    )
+    return submission
+
+
+def _dashboard(ray_head: RayHead, path: str) -> bytes:
+    """``GET path`` of the head's dashboard (the HTTP API behind ``ray list`` and ``ray job logs``)."""
+    request = urllib.request.Request(f"{ray_head.dashboard_url}{path}")
+    request.add_header("Authorization", f"Bearer {ray_head.token}")
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.read()
+
+
+def _state(ray_head: RayHead, resource: str, **filters: str) -> list[dict]:
+    """``ray list <resource> --detail`` (dead entries included), through the state API's HTTP endpoint."""
+    query = "&".join(
+        ["detail=1", "limit=10000"]
+        + [f"filter_keys={key}&filter_predicates=%3D&filter_values={value}" for key, value in filters.items()]
+    )
+    answer = json.loads(_dashboard(ray_head, f"/api/v0/{resource}?{query}"))
+    assert answer["result"], answer
+    return answer["data"]["result"]["result"]
+
+
+def _job_actors(ray_head: RayHead, submission: str) -> collections.Counter[str]:
+    """The actors the job ``submission`` started (dead ones included), counted by class."""
+    (job_id,) = [
+        job["job_id"] for job in json.loads(_dashboard(ray_head, "/api/jobs/")) if job["submission_id"] == submission
+    ]
+    return collections.Counter(actor["class_name"] for actor in _state(ray_head, "actors", job_id=job_id))
+
+
+def _head_files(ray_head: RayHead) -> bytes:
+    """Every regular file of the head's temp folder (its session folders, logs, Tune staging)."""
+    chunks = []
+    for folder, _, names in os.walk(ray_head.temp_dir):
+        for name in names:
+            path = Path(folder, name)
+            if path.is_file() and not path.is_symlink() and path.stat().st_size <= _SCAN_MAX_BYTES:
+                try:
+                    chunks.append(path.read_bytes())
+                except OSError:  # rotated away while we looked
+                    continue
+    return b"".join(chunks)
+
+
+def _released_to_ray(ray_head: RayHead, submissions: list[str]) -> dict[str, bytes]:
+    """What Ray itself shows of the jobs: their logs, the state API (actors, tasks, jobs, placement
+    groups, workers), the dashboard's job and actor endpoints, and the head's files."""
+    shown = {f"`ray job logs {s}`": _dashboard(ray_head, f"/api/jobs/{s}/logs") for s in submissions}
+    for resource in ("actors", "tasks", "jobs", "placement_groups", "workers"):
+        shown[f"`ray list {resource}`"] = json.dumps(_state(ray_head, resource)).encode()
+    for path in ("/api/jobs/", "/logical/actors"):
+        shown[f"the dashboard's {path}"] = _dashboard(ray_head, path)
+    shown["the head's temp folder"] = _head_files(ray_head)
+    return shown
+
+
+def _seed_trial_count(space: Path, storage: Path, name: str, overrides: dict, trials: int) -> None:
+    """Fix the cell's K before the search starts, as a resume finds it kept inside the trust boundary."""
+    (plan,) = plan_cells(load_space(space, overrides).space, TINY_TRAIN_EXAMPLES, progress=False)
+    inside = storage / name / TRUST_BOUNDARY
+    inside.mkdir(parents=True)
+    (inside / TRIAL_COUNT_FILE).write_text(json.dumps({plan.cell_key: trials}))
+
+
+def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_as_many_actors_for_k_1_and_20(
+    ray_head: RayHead, search_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = _client_env(ray_head, search_env)
+    short = {"epochs": [5]}
+    flags = ("--set", "epochs=[5]")
+    submissions = {}
+    for name, trials in (("k1", 1), ("k20", 20)):
+        _seed_trial_count(PRIVATE, tmp_path, name, short, trials)
+        submissions[name] = _submit(ray_head, env, PRIVATE, tmp_path, name, *flags)
+    subsample_flags = ("--set", "sampler.trials_per_cell=3", *flags)
+    submissions["subsample"] = _submit(ray_head, env, SUBSAMPLE, tmp_path, "subsample", *subsample_flags)
+    # K as seeded: every proposal ran (beside one record per B the min-step rule prunes, a public number)
+    for name, trials in (("k1", 1), ("k20", 20)):
+        recorded = pd.read_parquet(tmp_path / name / TRUST_BOUNDARY / "trials")
+        ran = recorded[recorded["status"] != "pruned_min_steps"]
+        assert len(ran) == trials and set(ran["status"]) == {"ok"}, ran["reason"]
+    # the same actors, one per trial slot, whatever K
+    k1, k20 = (_job_actors(ray_head, submissions[name]) for name in ("k1", "k20"))
+    assert k1 == k20 and 0 < sum(k1.values()) <= HEAD_SLOTS, (k1, k20)
+    shown = _released_to_ray(ray_head, list(submissions.values()))
+    for name, submission in submissions.items():
+        root = tmp_path / name
+        logs = json.loads(shown[f"`ray job logs {submission}`"])["logs"]
+        assert "joined Ray cluster" in logs and "the release of this end-to-end private search" in logs
+        # Ray's job manager stamps the job's start before the search runs (its start and end times are
+        # in Ray's job table too: the wall time is seen by whoever watches the cluster, docs/PRIVACY.md)
+        ray_lines, search_output = logs.split(f"Running entrypoint for job {submission}", 1)
+        assert ray_lines.count("\n") == 1 and "Runtime env is setting up." in ray_lines
+        assert_nothing_of_the_hidden_runs_outside(root, search_output, None, HEAD_SLOTS)
+        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), pd.read_parquet(root / "release"))
+        for where, blob in shown.items():
+            assert_none_in(blob, needles, where)
+    # without the token the job API refuses the client
+    assert ray_head.job_api_status(None) in (401, 403)

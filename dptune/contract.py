@@ -58,6 +58,38 @@ def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
     return table
 
 
+#: ``task.backbone`` of a dataset that holds its rows' own embeddings: the head trains on them as they are.
+NO_BACKBONE = "none"
+#: Formats of a data owner's own dataset file (``DatasetFile.format``; ``auto``: by the file's suffix).
+DatasetFormat = Literal["auto", "csv", "tsv", "jsonl", "parquet"]
+DATASET_FORMATS: tuple[str, ...] = get_args(DatasetFormat)
+
+
+@dataclass(frozen=True)
+class DatasetFile:
+    """A data owner's own dataset: a table of rows, one row = one record (the DP adjacency unit).
+
+    ``path`` (and ``test_path``): an absolute local path. ``input_column`` holds a text (a string) or
+    an embedding (a list of floats, the rows' own features: backbone ``none``); ``label_column`` an
+    int or a string (string labels become class ids in sorted order, their names kept). Without
+    ``test_path`` a test split is carved from the rows. ``test_public``: the test file is outside the
+    private data and may be published (otherwise its accuracy is a release about private rows, and a
+    private search withholds it). Read and checked by :mod:`dptune.data.files`.
+    """
+
+    path: str
+    input_column: str
+    label_column: str
+    format: DatasetFormat = "auto"
+    test_path: str | None = None
+    test_public: bool = False
+
+    @property
+    def display_name(self) -> str:
+        """The dataset's name in records, reports and the console: ``file:<file name>``."""
+        return "file:" + self.path.replace("\\", "/").rsplit("/", 1)[-1]
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """Names one workload: dataset × backbone × PEFT, plus the difficulty knobs and the public split seed.
@@ -80,6 +112,8 @@ class WorkloadSpec:
       ``dptune.data.splits``). Selection uses validation, never test.
     - ``max_train_examples`` / ``max_eval_examples``: stratified caps for tests and smoke runs;
       when set, only the kept examples are encoded (cached under their own key).
+    - ``dataset_file``: a data owner's own dataset (:class:`DatasetFile`); ``dataset`` is then its
+      display name (``file:<name>``), not a registry name.
     - ``tuning_rows``: a file holding a secret tuning subsample X₁ (positions in the training and
       validation splits, ``dptune.data.tuning_subset``): only those rows are kept in both; the test
       split is whole. It lives inside the search's trust boundary and never leaves it.
@@ -97,6 +131,7 @@ class WorkloadSpec:
     max_train_examples: int | None = None
     max_eval_examples: int | None = None
     tuning_rows: str | None = None
+    dataset_file: DatasetFile | None = None
 
 
 @dataclass(frozen=True)
@@ -179,12 +214,13 @@ class TrialConfig:
         trial's, the workload's ``seed`` named ``split_seed`` (so the Parquet schema and the
         ``config`` JSON stay those of the flat config that preceded the nested one)."""
         flat = {
-            "split_seed" if f.name == "seed" else f.name: getattr(self.workload, f.name) for f in fields(WorkloadSpec)
+            "split_seed" if f.name == "seed" else f.name: _plain(getattr(self.workload, f.name))
+            for f in fields(WorkloadSpec)
         }
         for f in fields(self):
             if f.name != "workload":
                 value = getattr(self, f.name)
-                flat[f.name] = asdict(value) if isinstance(value, PublicSchedule) else value
+                flat[f.name] = _plain(value)
         return flat
 
 
@@ -276,3 +312,8 @@ class TrialResult:
 
 
 Reporter = Callable[[EpochMetrics], None]
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as plain data: a dataclass as its dict, anything else as it is."""
+    return asdict(value) if isinstance(value, (PublicSchedule, DatasetFile)) else value

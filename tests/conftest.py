@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -482,3 +483,31 @@ def _handout_order(item: pytest.Item) -> int:
     if "result_datasets" in item.fixturenames:
         return 0
     return 1 if "search_env" in item.fixturenames and "tiny_search" not in item.fixturenames else 2
+
+
+# --------------------------------------------------------------------------- a job on the head
+
+
+def ray_job_submit(
+    ray_head: RayHead, cache: Path, cwd: Path, entrypoint: list[str], submission_id: str | None = None
+) -> subprocess.CompletedProcess:
+    """``ray job submit --working-dir <repo> -- <entrypoint>`` to the head, with the session's dptune cache
+    and one thread per trial (as ``submission_id`` when given); asserts that it succeeded."""
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(cache)}}
+    command = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard_url,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        *(["--submission-id", submission_id] if submission_id else []),
+        "--",
+        *entrypoint,
+    ]
+    completed = subprocess.run(command, cwd=cwd, env=ray_head.env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    return completed

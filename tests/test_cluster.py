@@ -19,7 +19,6 @@ Kubernetes or Docker allows.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
@@ -40,7 +39,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES
+from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, ray_job_submit
 from dptune.records import read_table
 from dptune.space import load_space
 
@@ -783,28 +782,6 @@ def test_job_api_refuses_clients_without_the_token(ray_head) -> None:
     assert ray_head.job_api_status(token=ray_head.token) == 200
 
 
-def ray_job_submit(ray_head, cache: Path, cwd: Path, entrypoint: list[str]) -> subprocess.CompletedProcess:  # noqa: ANN001
-    """``ray job submit --working-dir <repo> -- <entrypoint>`` to the head, with the session's dptune cache
-    and one thread per trial; asserts that it succeeded."""
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(cache)}}
-    command = [
-        "ray",
-        "job",
-        "submit",
-        "--address",
-        ray_head.dashboard_url,
-        "--working-dir",
-        str(REPO_ROOT),
-        "--runtime-env-json",
-        json.dumps(runtime_env),
-        "--",
-        *entrypoint,
-    ]
-    completed = subprocess.run(command, cwd=cwd, env=ray_head.env, capture_output=True, text=True, timeout=900)
-    assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
-    return completed
-
-
 @pytest.mark.ray
 def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir: Path, tmp_path: Path) -> None:
     # The entrypoint exactly as the RayJob gives it, then overrides (argparse keeps the last
@@ -858,53 +835,3 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     assert sorted(epochs["epoch"]) == [1, 2, 3]
     search = read_table(results, "search")
     assert search["cell_id"].tolist() == ["eps=8|epochs=3"] and search["name"].tolist() == ["default"]
-
-
-@pytest.mark.ray
-def test_private_tuning_on_a_subsample_runs_through_ray_job_submit(
-    ray_head, test_cache_dir: Path, tmp_path: Path
-) -> None:
-    # search_spaces/private_subsample.yaml as a user submits it to a cluster: the tuning runs as Ray
-    # Tune trials and the release as one Ray task, on the head's cluster, at the suite's caps.
-    storage = tmp_path / "results"
-    entrypoint = [
-        "python",
-        "-m",
-        "dptune.search",
-        "--space",
-        "search_spaces/private_subsample.yaml",
-        "--set",
-        "sampler.trials_per_cell=2",
-        "--set",
-        "epochs=[5]",
-        "--set",
-        "privacy.private_selection.tuning_subsample.fraction=0.5",
-        "--max-train-examples",
-        str(TINY_TRAIN_EXAMPLES),
-        "--max-eval-examples",
-        str(TINY_EVAL_EXAMPLES),
-        "--storage",
-        str(storage),
-        "--no-report",
-    ]
-    completed = ray_job_submit(ray_head, test_cache_dir, tmp_path, entrypoint)
-    assert "joined Ray cluster" in completed.stdout and "training the release on every training row" in completed.stdout
-    root = storage / "private_subsample"
-    (release,) = read_table(str(root), "release").itertuples()
-    assert (release.tuning_fraction, release.transfer) == (0.5, "sample_rate") and 0 < release.test_accuracy <= 1
-    trials = read_table(str(root / "inside_trust_boundary"), "trials")
-    (trained,) = trials[trials["cell_id"].str.endswith("|release")].itertuples()
-    assert (trained.num_train, trained.status) == (TINY_TRAIN_EXAMPLES, "ok")
-    assert trained.test_accuracy == release.test_accuracy
-    # nothing of the hidden runs in the job's logs or in the head's Ray folders (logs, Tune's staging
-    # folders of the driver, GCS-backed files): no run or configuration id, no timestamped Ray line
-    ids = [id_.encode() for id_ in (*trials["trial_id"], *trials["configuration_id"])]
-    assert not any(id_ in completed.stdout.encode() for id_ in ids)
-    job_lines = [  # dptune's output: not the lines of the `ray job submit` client or Ray's job manager
-        line for line in completed.stdout.splitlines() if not re.search(r"\t\w+ (cli|sdk|job_manager)\.py:\d+ --", line)
-    ]
-    assert not [line for line in job_lines if re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", line)]
-    for path in ray_head.temp_dir.rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 24:
-            content = path.read_bytes()
-            assert not any(id_ in content for id_ in ids), path

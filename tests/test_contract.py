@@ -7,6 +7,7 @@ by name, without importing torch.
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dptune.contract import (
     ENGINE_NAMES,
     OPTIMIZER_NAMES,
     PEFT_NAMES,
+    DatasetFile,
     TrialConfig,
     WorkloadSpec,
     check_registry,
@@ -91,7 +93,7 @@ def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() 
         seed=7,
     )
     row = config.row()
-    assert set(row) == {  # the 28 fields of the flat TrialConfig the Parquet schema and config JSON were made for
+    assert set(row) == {  # the fields of the flat TrialConfig the Parquet schema and config JSON were made for
         "dataset",
         "backbone",
         "peft",
@@ -122,6 +124,19 @@ def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() 
         "diagnostic_examples",
         "tuning_rows",
         "schedule",
+        "release_run",
+        "dataset_file",
+    }
+    assert row["dataset_file"] is None and row["release_run"] is False
+    own = DatasetFile("/data/tickets.csv", "text", "label")
+    flat = replace(config, workload=replace(workload, dataset="file:tickets.csv", dataset_file=own)).row()
+    assert flat["dataset_file"] == {
+        "path": "/data/tickets.csv",
+        "input_column": "text",
+        "label_column": "label",
+        "format": "auto",
+        "test_path": None,
+        "test_public": False,
     }
     assert (row["split_seed"], row["seed"], row["classes"], row["max_train_examples"]) == (3, 7, (1, 2), 50)
     assert (row["dataset"], row["backbone"], row["peft"], row["epsilon"]) == ("20newsgroups", "minilm", "head", 1.0)

@@ -131,9 +131,12 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 def candidate_precisions(device: torch.device, modality: str) -> tuple[str, ...]:
     """The ``PRECISIONS`` that can encode ``modality`` on ``device``: OpenVINO's only for text on the
-    CPU, and only where it is installed; torch fp32 first."""
+    CPU, and only where it is installed, its bf16 only where the CPU computes in bf16
+    (``openvino_runtime.native_bf16``); torch fp32 first."""
     if device.type == "cpu" and modality == "text" and importlib.util.find_spec("openvino") is not None:
-        return PRECISIONS
+        from dptune.data.openvino_runtime import native_bf16
+
+        return PRECISIONS if native_bf16() else tuple(p for p in PRECISIONS if p != f"{OPENVINO}bf16")
     return tuple(p for p in PRECISIONS if not p.startswith(OPENVINO))
 
 
@@ -143,6 +146,12 @@ def forced_precision(candidates: tuple[str, ...] = PRECISIONS) -> str | None:
     forced = os.environ.get(PRECISION_ENV, "auto").strip().lower()
     if forced in candidates:
         return forced
+    if forced in PRECISIONS:
+        raise ValueError(
+            f"{PRECISION_ENV}={forced!r} is not available here (OpenVINO encodes only text on the CPU where it is "
+            f"installed, and its bf16 only on a CPU that computes in bf16: AVX-512 BF16 or AMX); "
+            f"choose one of {[*candidates, 'auto']}"
+        )
     if forced != "auto":
         raise ValueError(f"{PRECISION_ENV}={forced!r}: expected one of {[*candidates, 'auto']}")
     return None
@@ -448,6 +457,7 @@ def encode_rows(
         texts = [raw.inputs[row] for row in rows]
         tokenizer = load_tokenizer(backbone)
         return encode_texts(extractor, tokenizer, texts, max_tokens, feature_dim, precision, why, bulk)
+    assert not isinstance(raw.inputs, np.ndarray), "embeddings are features already: nothing encodes them"
     return encode_images(extractor, raw.inputs, rows, feature_dim, precision, why)
 
 

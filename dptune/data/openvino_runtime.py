@@ -37,10 +37,19 @@ def _core() -> Any:
     ``tests/test_data.py::test_openvino_encodes_without_telemetry_and_leaves_the_signal_stack_valid``
     checks it."""
     if not _CORE:
+        if "openvino_telemetry" not in sys.modules:
+            sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]  # None: its import raises ImportError
         import openvino as ov
 
         _CORE.append(ov.Core())
     return _CORE[0]
+
+
+def native_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin computes in bf16 on this CPU (AVX-512 BF16 or AMX). Elsewhere (an
+    AVX2-only CPU) it ignores a bf16 inference precision and computes in fp32, so ``openvino-bf16``
+    would be ``openvino-fp32`` under another name."""
+    return "BF16" in _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 #: A padded batch of token ids: (rows of the output it fills, input_ids, attention_mask), both (rows, longest).
@@ -66,8 +75,7 @@ def openvino_text_runner(extractor: nn.Module, precision: str, features: np.ndar
     under the home folder; without it OpenVINO uses its own no-op stub). ``make venv`` does not
     install it.
     """
-    if "openvino_telemetry" not in sys.modules:
-        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]  # None: its import raises ImportError
+    _core()  # blocks the telemetry import first
     import openvino as ov
     from openvino.frontend import FrontEndManager
     from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder

@@ -36,16 +36,17 @@ class RawDataset:
     """All examples of one dataset, before any split.
 
     ``inputs`` is a list of documents (text), a uint8 tensor ``(n, channels, H, W)`` (in-memory
-    images), or a :class:`ImageFiles` whose item ``i`` is such an image (image folders).
+    images), a :class:`ImageFiles` whose item ``i`` is such an image (image folders), or a float32
+    array ``(n, d)`` of the rows' own embeddings (``features``: a data owner's file, backbone ``none``).
     ``num_official_train`` rows come first and form the official training split; the rest is the
     official test split. ``None``: the dataset has no official split (a test split is carved).
     ``fingerprint`` identifies the content (hash of the source files or arrays) for caches.
     """
 
     name: str
-    modality: Literal["text", "image"]
+    modality: Literal["text", "image", "features"]
     class_names: list[str]
-    inputs: list[str] | torch.Tensor | ImageFiles
+    inputs: list[str] | torch.Tensor | ImageFiles | np.ndarray
     labels: np.ndarray
     num_official_train: int | None
     fingerprint: str
@@ -64,7 +65,7 @@ class DatasetInfo:
     """
 
     name: str
-    modality: Literal["text", "image"]
+    modality: Literal["text", "image", "features"]
     num_classes: int
     load: Callable[[Path | None, int | None], RawDataset]
     source: str

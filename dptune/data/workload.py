@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from dptune.contract import WorkloadSpec
+from dptune.contract import NO_BACKBONE, WorkloadSpec
 from dptune.data import splits
 from dptune.data.features import cached_features
+from dptune.data.files import dataset_file_info
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
 from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError
 
@@ -39,9 +40,10 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     valid values. Returns the dataset's registry entry."""
     from dptune.models import ModelError, check_model_request
 
-    if spec.dataset not in DATASETS:
-        raise WorkloadError(f"unknown dataset {spec.dataset!r}; choose one of {list_datasets()}")
-    info = DATASETS[spec.dataset]
+    info = dataset_info(spec)
+    if spec.backbone == NO_BACKBONE or info.modality == "features":
+        _check_features_spec(spec, info)
+        return _check_knobs(spec, info)
     try:
         backbone = check_model_request(spec.backbone, spec.peft, feature_input=spec.peft == "head")
     except ModelError as error:
@@ -56,6 +58,39 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
             f"backbone {spec.backbone!r} is trained from scratch, so peft 'head' would fit a linear "
             f"probe on random features; use peft 'full' (or 'film')"
         )
+    return _check_knobs(spec, info)
+
+
+def dataset_info(spec: WorkloadSpec) -> DatasetInfo:
+    """The registry entry of ``spec.dataset``, or of its own file (``spec.dataset_file``, read and
+    checked: :mod:`dptune.data.files`); :class:`WorkloadError` for an unknown name."""
+    if spec.dataset_file is not None:
+        return dataset_file_info(spec.dataset_file)
+    if spec.dataset not in DATASETS:
+        raise WorkloadError(f"unknown dataset {spec.dataset!r}; choose one of {list_datasets()}")
+    return DATASETS[spec.dataset]
+
+
+def _check_features_spec(spec: WorkloadSpec, info: DatasetInfo) -> None:
+    """Embeddings train a linear head as they are: backbone ``none`` with peft ``head``, and only them."""
+    if info.modality != "features":
+        raise WorkloadError(
+            f"backbone {NO_BACKBONE!r} trains on a dataset's own embeddings; {spec.dataset!r} holds "
+            f"{info.modality}: name a {info.modality} backbone (dptune.models.list_backbones())"
+        )
+    if spec.backbone != NO_BACKBONE:
+        raise WorkloadError(
+            f"dataset {spec.dataset!r} holds embeddings (the rows' own features): use backbone {NO_BACKBONE!r}, "
+            f"not {spec.backbone!r}"
+        )
+    if spec.peft != "head":
+        raise WorkloadError(
+            f"backbone {NO_BACKBONE!r} trains a linear head on the embeddings: peft 'head', not {spec.peft!r}"
+        )
+
+
+def _check_knobs(spec: WorkloadSpec, info: DatasetInfo) -> DatasetInfo:
+    """The checks of the difficulty knobs, split and caps (no data read)."""
     if not isinstance(spec.seed, int) or spec.seed < 0:
         raise WorkloadError(f"seed must be a non-negative integer, got {spec.seed!r}")
     if not 0.0 < spec.fraction <= 1.0:
@@ -97,6 +132,8 @@ def row_digests(raw: RawDataset) -> np.ndarray:
     contents: Iterable[bytes | memoryview]
     if isinstance(raw.inputs, list):
         contents = (document.encode("utf-8") for document in raw.inputs)
+    elif isinstance(raw.inputs, np.ndarray):  # embeddings: their float32 bytes
+        contents = (row.data for row in np.ascontiguousarray(raw.inputs, dtype=np.float32))
     elif isinstance(raw.inputs, torch.Tensor):
         pixels = np.ascontiguousarray(raw.inputs.numpy()).reshape(len(raw.inputs), -1)
         contents = (row.data for row in pixels)
@@ -217,14 +254,11 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     from dptune.models import BACKBONES, load_tokenizer
 
     info = check_spec(spec)
+    if info.modality == "features":
+        return _own_features(spec, info.load(data_dir, None))
     backbone = BACKBONES[spec.backbone]
     raw = info.load(data_dir, backbone.image_size)
-    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec, row_digests(raw))
-    if spec.tuning_rows is not None:
-        rows = tuning_subset(rows, spec.tuning_rows)
-    labels = {
-        name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
-    }
+    rows, labels = _rows_and_labels(spec, raw)
     max_tokens = spec.max_tokens or backbone.max_tokens
     common = (spec, len(rows.kept), [raw.class_names[c] for c in rows.kept])
     train: Split
@@ -247,6 +281,28 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
         return Workload(*common, train, val, test, modality="text", max_tokens=max_tokens)
     train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)
     return Workload(*common, train, val, test, modality="image", image_size=backbone.image_size)
+
+
+def _rows_and_labels(spec: WorkloadSpec, raw: RawDataset) -> tuple[SplitRows, dict[str, torch.Tensor]]:
+    """The split rows of ``raw`` under ``spec`` (its tuning subsample applied) and each split's labels."""
+    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec, row_digests(raw))
+    if spec.tuning_rows is not None:
+        rows = tuning_subset(rows, spec.tuning_rows)
+    labels = {
+        name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
+    }
+    return rows, labels
+
+
+def _own_features(spec: WorkloadSpec, raw: RawDataset) -> Workload:
+    """The workload of a dataset of embeddings (backbone ``none``): its rows' vectors are the features."""
+    assert isinstance(raw.inputs, np.ndarray), "a features dataset's inputs are an (n, d) array"
+    rows, labels = _rows_and_labels(spec, raw)
+    train, val, test = (
+        TensorDataset(torch.from_numpy(raw.inputs[getattr(rows, name)]), labels[name]) for name in labels
+    )
+    names = [raw.class_names[c] for c in rows.kept]
+    return Workload(spec, len(rows.kept), names, train, val, test, modality="features", feature_dim=raw.inputs.shape[1])
 
 
 def _positions(needed: np.ndarray, total: int) -> np.ndarray:

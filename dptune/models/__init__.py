@@ -47,6 +47,7 @@ from dptune.models.build import (
     check_dp_compatible,
     check_model_request,
     load_tokenizer,
+    new_head,
     trainable_parameter_count,
 )
 from dptune.models.opacus_support import register_opacus_grad_samplers
@@ -64,6 +65,7 @@ __all__ = [
     "check_model_request",
     "list_backbones",
     "load_tokenizer",
+    "new_head",
     "register_opacus_grad_samplers",
     "trainable_parameter_count",
 ]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dptune.contract import DatasetFile
 from dptune.privacy.composition import TrialMechanism, composed_epsilon
 from dptune.records import TRUST_BOUNDARY
 from dptune.space import SearchSpace
@@ -93,22 +94,32 @@ _OUTSIDE = (
 )
 
 
-def _test_split(dataset: str, official_test_split: bool, *, private_selection: bool) -> str:
-    """What the guarantee says of test accuracy: public when the dataset ships its own test split."""
+def _test_split(dataset: str, official_test_split: bool, own: DatasetFile | None, *, private_selection: bool) -> str:
+    """What the guarantee says of test accuracy (public when the dataset ships its own test split, or a
+    data owner's test file is declared ``test_public``) and, for a data owner's file (``own``), of its rows."""
     if official_test_split:
-        return (
+        text = (
             f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
             "used for selection."
         )
-    if private_selection:
-        return (
-            f"{dataset} has no official test split: its test rows are carved from the same private pool as "
-            "the training rows, so the release withholds test accuracy (it would not be covered)."
+    else:
+        where = (
+            "its test rows are the test file's, not declared test_public, so private rows"
+            if own is not None and own.test_path is not None
+            else "its test rows are carved from the same private pool as the training rows"
         )
-    return (
-        f"{dataset} has no official test split: its test rows are carved from the same private pool as the "
-        "training rows, so every trial's test accuracy (overall and per class) is a release about private "
-        "rows that (ε, δ) does NOT cover."
+        text = (
+            f"{dataset} has no official test split: {where}, so the release withholds test accuracy (it would "
+            "not be covered)."
+            if private_selection
+            else f"{dataset} has no official test split: {where}, so every trial's test accuracy (overall and "
+            "per class) is a release about private rows that (ε, δ) does NOT cover."
+        )
+    if own is None:
+        return text
+    return text + (
+        f" One row of {dataset} is one record: (ε, δ) protects each row; a person who contributes several rows "
+        "is protected per row, not as a person."
     )
 
 
@@ -134,7 +145,7 @@ def guarantee(
             "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
             "the noise. The ε figures describe the mechanism as if its coins were secret (research use only)."
         )
-    dataset = space.task.dataset
+    dataset = space.task.dataset_name
     selection = space.privacy.private_selection
     if selection is not None and selection.tuning_subsample is not None:
         subsample = selection.tuning_subsample
@@ -153,7 +164,7 @@ def guarantee(
             f"ICML 2019, Thm 6) and composed in RDP with the release's DP-SGD at the worst of the candidate batch "
             f"sizes. The released score is the maximum of K noisy scores on X₁: biased upward, not an estimate "
             f"of the model's accuracy. "
-            + _test_split(dataset, official_test_split, private_selection=True)
+            + _test_split(dataset, official_test_split, space.task.dataset_file, private_selection=True)
             + " NOT covered, and kept inside the data owner's trust boundary "
             f"({TRUST_BOUNDARY}/ in the results): X₁, K, the per-run records of the tuning runs and of the "
             f"release's training (trials, epochs, classes tables; Ray Tune's state), which hold {_OUTSIDE}; and "
@@ -171,7 +182,7 @@ def guarantee(
             f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
             f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
             f"an estimate of the model's accuracy. "
-            + _test_split(dataset, official_test_split, private_selection=True)
+            + _test_split(dataset, official_test_split, space.task.dataset_file, private_selection=True)
             + " NOT covered, and kept inside the data owner's trust boundary "
             f"({TRUST_BOUNDARY}/ in the results): K, the per-run records (trials, epochs, classes tables; "
             f"Ray Tune's state), which hold {_OUTSIDE}; "
@@ -229,7 +240,7 @@ def guarantee(
         )
     parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
     parts.append(f"NOT covered by (ε, δ): {_OUTSIDE}.")
-    parts.append(_test_split(dataset, official_test_split, private_selection=False))
+    parts.append(_test_split(dataset, official_test_split, space.task.dataset_file, private_selection=False))
     parts.append(
         "Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
         "privacy.private_selection for an end-to-end guarantee."

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dptune.contract import TrialConfig, WorkloadSpec
+from dptune.contract import NO_BACKBONE, TrialConfig, WorkloadSpec
 from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.discrete_gaussian import sample_discrete_gaussian
@@ -56,12 +56,14 @@ def check_config(config: TrialConfig) -> torch.device:
 
     Cheap checks only (no data, no weights). Returns the device the trial runs on.
     """
+    workload = config.workload
     for kind, value, registry in (
-        ("dataset", config.workload.dataset, DATASETS),
-        ("backbone", config.workload.backbone, BACKBONES),
-        ("peft", config.workload.peft, PEFTS),
+        ("dataset", workload.dataset, DATASETS),
+        ("backbone", workload.backbone, BACKBONES),
+        ("peft", workload.peft, PEFTS),
     ):
-        if value not in registry:
+        own = (kind == "dataset" and workload.dataset_file is not None) or (kind, value) == ("backbone", NO_BACKBONE)
+        if value not in registry and not own:  # a data owner's file, embeddings: checked with the data (check_spec)
             raise TrialConfigError(f"{kind} {value!r} is unknown; choose one of {_choices(registry)}")
     try:
         check_rule(config.clipping)

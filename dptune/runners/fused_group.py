@@ -33,7 +33,7 @@ from dptune.data.spec import Split
 from dptune.dp.clipping import noise_std, update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose
-from dptune.models import build_model
+from dptune.models import new_head
 from dptune.plan import run_schedule
 from dptune.privacy import epsilon_spent
 from dptune.runners.common import Evaluation, diagnostic_epochs, diverged_charge, noisy_score, probe_indices
@@ -212,9 +212,7 @@ class GroupCoins:
             coins = trial_coins(config.seed)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(init_seed(coins.init))
-                head = build_model(
-                    config.workload.backbone, config.workload.peft, data.workload.num_classes, feature_input=True
-                )
+                head = new_head(data.features.shape[1] - 1, data.workload.num_classes)  # x̃ = (x, 1)
             weights.append(head.get_parameter("weight").detach())
             biases.append(head.get_parameter("bias").detach())
             self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))

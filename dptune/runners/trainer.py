@@ -59,7 +59,7 @@ from dptune.dp.optimizers import build_optimizer
 from dptune.dp.precision import autocast
 from dptune.dp.sampling import physical_batches, poisson_loader
 from dptune.errors import TrialFailed
-from dptune.models import build_model, check_dp_compatible, trainable_parameter_count
+from dptune.models import build_model, check_dp_compatible, new_head, trainable_parameter_count
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.runners.common import (
@@ -120,11 +120,10 @@ class Trial:
         self.score_generator = score_generator(coins.score)
         self.steps_taken = 0
         num_train = len(workload.train)
-        self.model = build_model(
-            config.workload.backbone,
-            config.workload.peft,
-            workload.num_classes,
-            feature_input=workload.modality == "features",
+        self.model = (
+            new_head(workload.feature_dim, workload.num_classes)  # on features: the head alone
+            if workload.modality == "features" and workload.feature_dim is not None
+            else build_model(config.workload.backbone, config.workload.peft, workload.num_classes)
         ).to(device)
         check_dp_compatible(self.model)
         engine_factory = select_engine(config.engine, self.model, config.workload.peft)  # refuses before σ is computed

@@ -59,8 +59,8 @@ def _refuse_public_schedule(config: TrialConfig) -> None:
 
 def check_trial_can_run(config: TrialConfig) -> None:
     """Raise ``ValueError`` (the same errors :func:`run_trial` raises) if ``config`` cannot run,
-    from the config, the registries and the model's structure alone: no data is read and no
-    weight is loaded.
+    from the config, the registries and the model's structure alone: no weight is loaded, and no
+    data is read but a data owner's own file (once per process, to check it and know its classes).
 
     Checked: names and values (:class:`TrialConfigError`); dataset × backbone × PEFT and the
     workload knobs (``WorkloadError``); that DP can train the model (``ModelError``, e.g.
@@ -72,7 +72,7 @@ def check_trial_can_run(config: TrialConfig) -> None:
     leave_deleted_working_directory()
     import torch
 
-    from dptune.data import DATASETS
+    from dptune.contract import NO_BACKBONE
     from dptune.data.workload import check_spec
     from dptune.dp.engine_registry import select_engine
     from dptune.models import build_model, check_dp_compatible
@@ -81,8 +81,10 @@ def check_trial_can_run(config: TrialConfig) -> None:
     check_config(config)
     _refuse_public_schedule(config)
     spec = config.workload
-    check_spec(spec)
-    classes = len(spec.classes) if spec.classes is not None else DATASETS[spec.dataset].num_classes
+    info = check_spec(spec)
+    if spec.backbone == NO_BACKBONE:  # a linear head on the rows' own embeddings: nothing more to check
+        return
+    classes = len(spec.classes) if spec.classes is not None else info.num_classes
     with torch.device("meta"):
         model = build_model(spec.backbone, spec.peft, classes, feature_input=spec.peft == "head", pretrained=False)
     check_dp_compatible(model)

@@ -222,7 +222,7 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
     space = loaded.space
     lines = [
         f"search '{space.name}' from {loaded.path} (spec {loaded.spec_hash})",
-        f"task: {space.task.dataset} / {space.task.backbone} / {space.task.peft}, "
+        f"task: {space.task.dataset_name} / {space.task.backbone} / {space.task.peft}, "
         f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
         f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
         + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
@@ -364,7 +364,7 @@ def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_e
     command line's subset caps: what the driver loads and every trial trains on."""
     task = space.task
     return WorkloadSpec(
-        dataset=task.dataset,
+        dataset=task.dataset_name,
         backbone=task.backbone,
         peft=task.peft,
         seed=space.seed,
@@ -375,6 +375,7 @@ def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_e
         validation_fraction=task.validation_fraction,
         max_train_examples=max_train_examples,
         max_eval_examples=max_eval_examples,
+        dataset_file=task.dataset_file,
     )
 
 

@@ -337,7 +337,8 @@ def run_search(options: SearchOptions) -> str:
 
 
 def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
-    from dptune.data import DATASETS, load_workload
+    from dptune.data import load_workload
+    from dptune.data.workload import dataset_info
 
     space = loaded.space
     private = space.privacy.private_selection is not None
@@ -363,7 +364,10 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
     if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
         print(init_ray(options.address, private=private), flush=True)
         check_cluster_resources(space)
-    print(f"dptune {__version__}: loading {space.task.dataset} for {space.task.backbone}/{space.task.peft}", flush=True)
+    print(
+        f"dptune {__version__}: loading {space.task.dataset_name} for {space.task.backbone}/{space.task.peft}",
+        flush=True,
+    )
     workload = load_workload(task_workload(space, options.max_train_examples, options.max_eval_examples))
     preflight.check_steps(space, len(workload.train))
     plans = plan_cells(space, len(workload.train))
@@ -466,7 +470,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             flush=True,
         )
         trials = read_table(runs, "trials")
-        public_test = DATASETS[space.task.dataset].official_test_split
+        public_test = dataset_info(workload.spec).official_test_split
         rows = [
             {**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
             for row in search_rows(

@@ -79,7 +79,7 @@ def search_rows(
             "epsilon": plan.cell.epsilon,
             "epochs": plan.cell.epochs,
             "delta": delta,
-            "dataset": space.task.dataset,
+            "dataset": space.task.dataset_name,
             "backbone": space.task.backbone,
             "peft": space.task.peft,
             "num_train": plan.num_train,

@@ -17,7 +17,16 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dptune.contract import ClippingRule, EngineName, OptimizerName, PeftName, RunnerName, SamplerName
+from dptune.contract import (
+    ClippingRule,
+    DatasetFile,
+    DatasetFormat,
+    EngineName,
+    OptimizerName,
+    PeftName,
+    RunnerName,
+    SamplerName,
+)
 from dptune.errors import DptuneError
 from dptune.paths import MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
@@ -42,10 +51,49 @@ class _Strict(BaseModel):
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
-class TaskSpec(_Strict):
-    """What is fine-tuned on what: names resolve in the ``dptune.data`` and ``dptune.models`` registries."""
+class DatasetFileSpec(_Strict):
+    """A data owner's own dataset file (``task.dataset`` as a mapping; :class:`dptune.contract.DatasetFile`).
 
-    dataset: str
+    ``path`` and ``test_path``: local files (a relative path is taken from the current folder,
+    ``file://`` is accepted); ``format``: by suffix under ``auto``."""
+
+    path: str = Field(min_length=1)
+    format: DatasetFormat = "auto"
+    input_column: str = Field(min_length=1, description="texts (strings) or embeddings (lists of numbers)")
+    label_column: str = Field(min_length=1, description="ints or strings")
+    test_path: str | None = None
+    test_public: bool = Field(False, description="the test file may be published (else it is private data)")
+
+    @field_validator("path", "test_path")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        local = value.removeprefix("file://")
+        if "://" in local:
+            raise ValueError(
+                f"{value!r}: only local files are read (a path, or file://); copy the file from its object store "
+                "to the machine that runs the search first"
+            )
+        return str(Path(local).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _public_needs_file(self) -> Self:
+        if self.test_public and self.test_path is None:
+            raise ValueError("test_public: true needs test_path (a carved test split is private rows)")
+        return self
+
+    def dataset_file(self) -> DatasetFile:
+        """The contract's form of this file."""
+        return DatasetFile(**self.model_dump())
+
+
+class TaskSpec(_Strict):
+    """What is fine-tuned on what: names resolve in the ``dptune.data`` and ``dptune.models``
+    registries; ``dataset`` may instead be a data owner's own file (:class:`DatasetFileSpec`), and
+    ``backbone`` then ``none`` when its rows are embeddings."""
+
+    dataset: str | DatasetFileSpec
     backbone: str
     peft: PeftName
     fraction: float = Field(1.0, gt=0, le=1, description="share of the training set kept (difficulty knob)")
@@ -53,6 +101,18 @@ class TaskSpec(_Strict):
     classes: tuple[int, ...] | None = Field(None, min_length=2)
     max_tokens: int | None = Field(None, ge=8, le=512)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
+
+    @property
+    def dataset_name(self) -> str:
+        """The registry name, or ``file:<file name>`` for a data owner's file (records, console, reports)."""
+        if isinstance(self.dataset, DatasetFileSpec):
+            return self.dataset.dataset_file().display_name
+        return self.dataset
+
+    @property
+    def dataset_file(self) -> DatasetFile | None:
+        """The data owner's file, or None for a registry dataset."""
+        return self.dataset.dataset_file() if isinstance(self.dataset, DatasetFileSpec) else None
 
 
 class TuningSubsampleSpec(_Strict):

@@ -1,0 +1,230 @@
+"""A data owner's own dataset file: real rows (20 Newsgroups texts, MNIST-5k pixel vectors) written
+as CSV, TSV, JSONL and Parquet, read into workloads, refused with a message when bad (before any
+compute), and searched end to end (privately) on the embedded local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO_ROOT
+from dptune.contract import DatasetFile, WorkloadSpec
+from dptune.data import load_workload
+from dptune.data.sources import load_20newsgroups, load_mnist5k
+from dptune.data.spec import WorkloadError
+from dptune.data.workload import check_spec, row_digests, split_rows
+from dptune.records import TRUST_BOUNDARY, read_table
+from dptune.space import SpaceError, load_space
+from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
+
+#: Newsgroups kept, and rows of each in the training and the test file.
+GROUPS = ("rec.autos", "sci.space", "talk.politics.guns")
+TRAIN_PER_GROUP, TEST_PER_GROUP = 40, 15
+
+
+@pytest.fixture(scope="module")
+def texts() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Real 20 Newsgroups documents of three groups with string labels: (training rows, test rows)."""
+    raw = load_20newsgroups()
+    frame = pd.DataFrame({"text": raw.inputs, "label": [raw.class_names[c] for c in raw.labels]})
+    official = raw.num_official_train
+    train, test = frame.iloc[:official], frame.iloc[official:]
+    pick = lambda part, n: pd.concat([part[part["label"] == g].head(n) for g in GROUPS], ignore_index=True)  # noqa: E731
+    return pick(train, TRAIN_PER_GROUP), pick(test, TEST_PER_GROUP)
+
+
+@pytest.fixture(scope="module")
+def embeddings() -> pd.DataFrame:
+    """625 real MNIST-5k digits (every 8th: the file is ordered by class) as 784-long pixel vectors in
+    [0, 1] with int labels."""
+    raw = load_mnist5k()
+    pixels = raw.inputs.reshape(len(raw.labels), -1)[::8].float().div(255).numpy()
+    return pd.DataFrame({"pixels": list(pixels), "digit": raw.labels[::8]})
+
+
+def _write(frame: pd.DataFrame, path: Path) -> Path:
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif path.suffix == ".tsv":
+        frame.to_csv(path, index=False, sep="\t")
+    elif path.suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    else:
+        frame.to_parquet(path)
+    return path
+
+
+def _spec(source: DatasetFile, backbone: str = "minilm") -> WorkloadSpec:
+    return WorkloadSpec(dataset=source.display_name, backbone=backbone, peft="head", dataset_file=source)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl", ".parquet"])
+def test_a_text_file_in_each_format_reads_the_same_rows_classes_and_splits(
+    texts: tuple[pd.DataFrame, pd.DataFrame], tmp_path: Path, suffix: str
+) -> None:
+    train, test = texts
+    source = DatasetFile(
+        path=str(_write(train, tmp_path / f"train{suffix}")),
+        input_column="text",
+        label_column="label",
+        test_path=str(_write(test, tmp_path / f"test{suffix}")),
+        test_public=True,
+    )
+    info = check_spec(_spec(source))
+    assert (info.modality, info.num_classes, info.official_test_split) == ("text", 3, True)
+    raw = info.load(None, None)
+    assert raw.class_names == sorted(GROUPS) and raw.inputs[: len(train)] == list(train["text"])
+    assert raw.num_official_train == len(train) and len(raw.labels) == len(train) + len(test)
+    assert [raw.class_names[c] for c in raw.labels] == [*train["label"], *test["label"]]
+    # the test file is the test split; validation is carved from the training file's rows
+    rows = split_rows(raw.labels, 3, raw.num_official_train, _spec(source), row_digests(raw))
+    assert list(rows.test) == list(range(len(train), len(train) + len(test)))
+    assert len(rows.train) + len(rows.val) == len(train) and len(rows.val) > 0
+
+
+def test_embeddings_train_a_head_as_they_are_with_backbone_none(embeddings: pd.DataFrame, tmp_path: Path) -> None:
+    source = DatasetFile(
+        path=str(_write(embeddings, tmp_path / "digits.parquet")), input_column="pixels", label_column="digit"
+    )
+    workload = load_workload(_spec(source, backbone="none"))
+    assert (workload.modality, workload.feature_dim, workload.num_classes) == ("features", 784, 10)
+    assert workload.class_names == [str(d) for d in range(10)]
+    total = len(workload.train) + len(workload.val) + len(workload.test)
+    assert total == len(embeddings)  # no official test split: a test split is carved from the rows
+    features, label = workload.train[0]
+    matches = np.flatnonzero((np.stack(embeddings["pixels"]) == features.numpy()).all(axis=1))
+    assert len(matches) >= 1 and int(label) in set(embeddings["digit"].iloc[matches])
+
+
+def _bad(tmp_path: Path, texts: tuple[pd.DataFrame, pd.DataFrame], embeddings: pd.DataFrame, case: str):  # noqa: ANN202
+    """A bad dataset file (and the backbone it is asked with) for ``case``."""
+    train, test = texts
+    base = {"input_column": "text", "label_column": "label"}
+    if case == "missing file":
+        return DatasetFile(path=str(tmp_path / "nowhere.csv"), **base), "minilm"
+    if case == "missing column":
+        return DatasetFile(
+            path=str(_write(train, tmp_path / "a.csv")), input_column="body", label_column="label"
+        ), "minilm"
+    if case == "one class":
+        one = train.assign(label="same")
+        return DatasetFile(path=str(_write(one, tmp_path / "a.csv")), **base), "minilm"
+    if case == "tiny class":
+        tiny = pd.concat([train, train.head(1).assign(label="lonely")], ignore_index=True)
+        return DatasetFile(path=str(_write(tiny, tmp_path / "a.csv")), **base), "minilm"
+    if case == "empty text":
+        empty = train.copy()
+        empty.loc[7, "text"] = "   "
+        return DatasetFile(path=str(_write(empty, tmp_path / "a.parquet")), **base), "minilm"
+    if case == "missing label":
+        unlabelled = train.copy()
+        unlabelled.loc[5, "label"] = None
+        return DatasetFile(path=str(_write(unlabelled, tmp_path / "a.parquet")), **base), "minilm"
+    if case == "unknown suffix":
+        return DatasetFile(path=str(_write(train, tmp_path / "a.csv").rename(tmp_path / "a.txt")), **base), "minilm"
+    if case == "test labels differ":
+        other = test.assign(label="comp.graphics")
+        return DatasetFile(
+            path=str(_write(train, tmp_path / "a.csv")), test_path=str(_write(other, tmp_path / "t.csv")), **base
+        ), "minilm"
+    digits = {"input_column": "pixels", "label_column": "digit"}
+    if case == "ragged embedding":
+        ragged = embeddings.copy()
+        ragged.at[3, "pixels"] = ragged.at[3, "pixels"][:100]
+        return DatasetFile(path=str(_write(ragged, tmp_path / "e.parquet")), **digits), "none"
+    if case == "nan embedding":
+        nan = embeddings.copy()
+        vector = nan.at[9, "pixels"].copy()
+        vector[4] = np.nan
+        nan.at[9, "pixels"] = vector
+        return DatasetFile(path=str(_write(nan, tmp_path / "e.parquet")), **digits), "none"
+    if case == "embeddings with a text backbone":
+        return DatasetFile(path=str(_write(embeddings, tmp_path / "e.parquet")), **digits), "minilm"
+    assert case == "texts with backbone none"
+    return DatasetFile(path=str(_write(train, tmp_path / "a.csv")), **base), "none"
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("missing file", "nowhere.csv: no such file"),
+        ("missing column", "input_column 'body' is not a column of"),
+        ("one class", "has 1 class; a classifier needs at least 2"),
+        ("tiny class", "class(es) ['lonely']"),
+        ("empty text", "row 7 has an empty 'text'"),
+        ("missing label", "row 5 has no 'label'"),
+        ("unknown suffix", "cannot tell the format from the suffix '.txt'"),
+        ("test labels differ", "labels ['comp.graphics'] do not occur in the training file"),
+        ("ragged embedding", "row 3 of 'pixels' has 100 numbers, row 0 has 784"),
+        ("nan embedding", "row 9 of 'pixels' holds NaN"),
+        ("embeddings with a text backbone", "holds embeddings (the rows' own features): use backbone 'none'"),
+        ("texts with backbone none", "trains on a dataset's own embeddings; 'file:a.csv' holds text"),
+    ],
+)
+def test_a_bad_dataset_file_is_refused_naming_what_is_wrong(
+    texts: tuple[pd.DataFrame, pd.DataFrame],
+    embeddings: pd.DataFrame,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    named: str,
+) -> None:
+    import dptune.data.features as features
+
+    def encode(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bad file reached feature encoding")
+
+    monkeypatch.setattr(features, "cached_features", encode)
+    source, backbone = _bad(tmp_path, texts, embeddings, case)
+    with pytest.raises(WorkloadError) as error:
+        check_spec(_spec(source, backbone))
+    assert named in str(error.value)
+
+
+def test_the_space_takes_a_file_mapping_and_refuses_an_object_store_uri(tmp_path: Path) -> None:
+    tiny = REPO_ROOT / "tests/spaces/tiny.yaml"
+    dataset = {"path": "data/tickets.csv", "input_column": "text", "label_column": "label"}
+    task = load_space(tiny, {"task.dataset": dataset}).space.task
+    assert task.dataset_name == "file:tickets.csv" and task.dataset_file is not None
+    assert task.dataset_file.path == str(Path("data/tickets.csv").resolve())
+    with pytest.raises(SpaceError, match="only local files are read"):
+        load_space(tiny, {"task.dataset": {**dataset, "path": "s3://bucket/tickets.csv"}})
+    with pytest.raises(SpaceError, match="test_public: true needs test_path"):
+        load_space(tiny, {"task.dataset": {**dataset, "test_public": True}})
+
+
+def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_shows_nothing_else(
+    search_env: dict[str, str], embeddings: pd.DataFrame, tmp_path: Path
+) -> None:
+    dataset = {
+        "path": str(_write(embeddings, tmp_path / "digits.parquet")),
+        "input_column": "pixels",
+        "label_column": "digit",
+    }
+    flags = [
+        "--set",
+        f"task.dataset={json.dumps(dataset)}",
+        "--set",
+        "task.backbone=none",
+        "--set",
+        "task.max_tokens=null",
+    ]
+    flags += ["--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]"]
+    completed = private_search(search_env, tmp_path, REPO_ROOT / "search_spaces/private.yaml", "private", *flags)
+    root = tmp_path / "private"
+    (release,) = read_table(str(root), "release").itertuples()
+    # no official test split: the carved test rows are private, so their accuracy is withheld
+    assert not release.test_split_public and pd.isna(release.test_accuracy) and release.epsilon_total == 8
+    trials = read_table(str(root / TRUST_BOUNDARY), "trials")
+    assert set(trials["dataset"]) == {"file:digits.parquet"} and set(trials["backbone"]) == {"none"}
+    out = " ".join(completed.stdout.split())
+    assert "file:digits.parquet has no official test split: its test rows are carved from the same private pool" in out
+    assert "One row of file:digits.parquet is one record: (ε, δ) protects each row" in out
+    assert_nothing_of_the_hidden_runs_outside(
+        root, completed.stdout, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1
+    )

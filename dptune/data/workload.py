@@ -36,7 +36,8 @@ class SplitRows:
 
 
 def check_spec(spec: WorkloadSpec) -> DatasetInfo:
-    """Every check that needs no data: raise :class:`WorkloadError` naming the problem and the
+    """Every check that needs no data but a data owner's own file (read once per process and
+    checked, :mod:`dptune.data.files`): raise :class:`WorkloadError` naming the problem and the
     valid values. Returns the dataset's registry entry."""
     from dptune.models import ModelError, check_model_request
 

@@ -278,6 +278,28 @@ class Diagnostics:
     wall_time_s: float = 0.0
 
 
+#: How a saved model computes its logits, as the runner that trained it did (bit for bit):
+#: ``module``: the model's forward pass (``nn.Linear`` on features, or backbone and head);
+#: ``augmented``: the fused runner's x̃·[W | b]ᵀ, x̃ = [x, 1] (``dptune.runners.heads``).
+LogitsRule = Literal["module", "augmented"]
+
+
+@dataclass
+class TrainedModel:
+    """The trained parameters of a run that finished ``ok``, as a saved model holds them.
+
+    ``parameters``: float32 numpy arrays by parameter name, the parameters the run trained and no
+    other: a linear head's ``weight`` (classes, feature_dim) and ``bias`` (classes,) on features,
+    or a backbone model's PEFT parameters (its ``named_parameters`` that require grad). The frozen
+    rest is the public backbone, named with its fingerprint in ``provenance`` (str → str: the
+    dataset's content digest, the backbone, its weights' digest, the feature encoding's precision).
+    """
+
+    parameters: dict[str, Any]
+    provenance: dict[str, str]
+    logits: LogitsRule = "module"
+
+
 @dataclass
 class TrialResult:
     """What a trial produced. ``status`` other than ``ok`` carries a human ``reason``."""
@@ -309,6 +331,7 @@ class TrialResult:
     class_val_accuracy: dict[int, float] = field(default_factory=dict)  # validation accuracy per class
     class_names: dict[int, str] = field(default_factory=dict)
     diagnostics: list[Diagnostics] = field(default_factory=list)
+    trained: TrainedModel | None = field(default=None, repr=False, compare=False)  # ok runs only; never a record
 
 
 Reporter = Callable[[EpochMetrics], None]

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,12 +135,15 @@ def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: 
 def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
     """The reproducibility opt-in (BASE has seed=3): same seed, same result, bit for bit."""
     again = run_trial(BASE)
-    timing = ("wall_time_s", "examples_per_s", "diagnostics_wall_time_s", "epochs", "diagnostics")
+    timing = ("wall_time_s", "examples_per_s", "diagnostics_wall_time_s", "epochs", "diagnostics", "trained")
     strip = {k: v for k, v in asdict(again).items() if k not in timing}
     assert strip == {k: v for k, v in asdict(result).items() if k not in timing}
     for a, b in zip(again.epochs, result.epochs, strict=True):
         assert (a.train_loss, a.val_loss, a.val_accuracy) == (b.train_loss, b.val_loss, b.val_accuracy)
     assert [d.grad_norms for d in again.diagnostics] == [d.grad_norms for d in result.diagnostics]
+    assert again.trained is not None and result.trained is not None
+    assert again.trained.parameters.keys() == result.trained.parameters.keys()
+    assert all(np.array_equal(again.trained.parameters[k], v) for k, v in result.trained.parameters.items())
     undiagnosed = run_trial(replace(BASE, diagnostics=False))  # the probe leaves the training RNG alone
     assert [m.val_loss for m in undiagnosed.epochs] == [m.val_loss for m in result.epochs]
     assert undiagnosed.diagnostics == []

@@ -1,8 +1,8 @@
 """Frozen-backbone features for ``peft == "head"``: encode once, cache on disk, reuse.
 
 Text is mean-pooled over the attention mask (``dptune.models.TextEncoder``); images use the
-backbone's own pooled output. Encoding runs under ``torch.inference_mode`` on CUDA when
-available, else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
+backbone's own pooled output. Encoding runs under ``torch.inference_mode`` on CUDA when available,
+else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
 ``torch.set_num_threads`` says otherwise). How it runs (``PRECISIONS``: torch in fp32 or bf16, and,
 for text on the CPU, OpenVINO's CPU runtime at fp32 or bf16 inference precision) is chosen by
 measurement, not by CPU flags (``choose_precision``): on first use per machine and backbone, a few
@@ -14,24 +14,22 @@ overrides it. (bf16 was 2.4–2.7x faster than fp32 on CPUs with AMX or on an AM
 BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX; on the EPYC, OpenVINO in bf16 was
 1.3x torch in bf16, with features closer to fp32: flags do not tell, ``bench/RESULTS.md``.) torch
 runs a text encoder in bf16 throughout (its weights cast to bf16; the mean pooling in float32),
-which on a CPU was 1.1–1.2x faster than a bf16 autocast of the same model in two hand-timed runs of
-1,536 documents (autocast keeps layer norms, softmax and the casts between them in float32); an
-image encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of MiniLM
-text are within cosine 0.9998 of fp32 ones, and DP linear probes trained on either agree within 0.3
-accuracy points (``bench/bench_encoding_precision.py``). Text is sorted
-by token count and batched by a token budget, each batch padded only to its own longest document
-(dynamic padding): the attention mask makes this equal to padding every document to
-``max_tokens`` up to float rounding.
+which on a CPU was 1.1–1.2x faster than a bf16 autocast (which keeps layer norms and softmax in
+float32) in two hand-timed runs of 1,536 documents; an image encoder, whose preprocessing is
+float32, runs under a bf16 autocast. bf16 features of MiniLM text are within cosine 0.9998 of fp32
+ones, and DP linear probes trained on either agree within 0.3 accuracy points
+(``bench/bench_encoding_precision.py``). Text is sorted by token count and batched by a token
+budget, each batch padded only to its longest document (dynamic padding): the attention mask makes
+this equal to padding every document to ``max_tokens`` up to float rounding.
 
 Cache: ``dptune.paths.cache_dir("features")/<dataset>-<backbone>-<key>.npy`` (float32,
 ``(rows, feature_dim)``, rows in the dataset's raw order) plus a ``.json`` with the key. The key
 hashes the dataset name and content fingerprint, the backbone name and a sha256 of its weights
 (of the files of its local weight folder where the backbone names one, so that a cache hit
-builds no model; else of the loaded state dict),
-``max_tokens``/``image_size``, the pooling, the precision, and (for capped test subsets only)
-the row set.
-Writes are atomic (temporary file + ``os.replace``) under an exclusive ``flock``: a second
-process encoding the same key waits and then reads the first one's file.
+builds no model; else of the loaded state dict), ``max_tokens``/``image_size``, the pooling, the
+precision, and (for capped test subsets only) the row set. Writes are atomic (temporary file +
+``os.replace``) under an exclusive ``flock``: a second process encoding the same key waits and then
+reads the first one's file.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ import platform
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -91,10 +89,12 @@ TEXT_BATCH_TOKENS: dict[str, int] = {"cpu": 4096, "cuda": 16384}
 IMAGE_BATCH = 256
 
 
-def weights_fingerprint(module: nn.Module) -> str:
-    """sha256 over the module's state dict (names, dtypes, shapes, values): the weights' identity."""
+def weights_fingerprint(module: nn.Module, exclude: Collection[str] = ()) -> str:
+    """sha256 over the state dict (names, dtypes, shapes, values) less ``exclude``: the weights' identity."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
+        if name in exclude:
+            continue
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}\n".encode())
         digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -497,9 +497,12 @@ def cached_features(
     *,
     max_tokens: int | None,
     image_size: int | None,
+    provenance: dict[str, str] | None = None,
 ) -> np.ndarray:
     """Features of ``raw`` rows ``rows`` (``None`` = every row, the normal case), from the cache
     or encoded once and cached. Returns ``(len(rows), feature_dim)`` float32 in ``rows`` order.
+    ``provenance`` (if given) gets the features' identity as strings (data and weights digests,
+    backbone, precision, max_tokens, pooling): what a saved model needs to encode new rows alike.
 
     A full-dataset cache entry serves any subset; a capped subset that finds none encodes just
     its rows and caches them under a key that includes the row set.
@@ -545,10 +548,12 @@ def cached_features(
         full_path, path, _ = entry(precision)
         full = _read(full_path, total, info.feature_dim)
         if full is not None:
+            _describe(provenance, base, precision)
             return full if rows is None else full[rows]
         if rows is not None:
             part = _read(path, len(target_rows), info.feature_dim)
             if part is not None:
+                _describe(provenance, base, precision)
                 return part[np.searchsorted(target_rows, rows)]
     if choice is None:
         extractor = extractor if extractor is not None else build_feature_extractor(backbone, image_size=image_size)
@@ -577,9 +582,18 @@ def cached_features(
             )
             _atomic_write(path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode()))
             _atomic_write(path, lambda h: np.save(h, features))
+    _describe(provenance, base, choice.precision)
     if rows is None:
         return features
     return features[np.searchsorted(target_rows, rows)]
+
+
+def _describe(provenance: dict[str, str] | None, base: dict[str, object], precision: str) -> None:
+    """Fill ``provenance`` (if any) with the features' key ``base`` and ``precision``, as strings."""
+    provenance is None or provenance.update(
+        {n: str(base[n]) for n in ("data_sha256", "backbone", "weights_sha256", "max_tokens", "pooling")},
+        precision=precision,
+    )
 
 
 def _file_name(dataset: str, backbone: str, key: dict[str, object]) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import numpy as np
@@ -58,6 +58,9 @@ class Workload:
       ``build_model``) and normalises it.
 
     ``class_names[i]`` names workload label ``i`` (after any ``classes`` relabelling).
+    ``provenance`` (str → str) identifies what the inputs were made from, for a saved model's card:
+    ``data_sha256`` (the dataset's content digest), ``backbone``, and on cached features the
+    encoder's ``weights_sha256``, ``precision`` and ``max_tokens`` (:func:`dptune.data.features.cached_features`).
     """
 
     spec: WorkloadSpec
@@ -70,6 +73,7 @@ class Workload:
     feature_dim: int | None = None
     max_tokens: int | None = None
     image_size: int | None = None
+    provenance: dict[str, str] = field(default_factory=dict)
 
     def labels(self, split: Literal["train", "val", "test"]) -> torch.Tensor:
         """The int64 labels of ``split`` in item order, without reading any input."""

@@ -262,26 +262,40 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     rows, labels = _rows_and_labels(spec, raw)
     max_tokens = spec.max_tokens or backbone.max_tokens
     common = (spec, len(rows.kept), [raw.class_names[c] for c in rows.kept])
+    identity = {"data_sha256": raw.fingerprint, "backbone": spec.backbone}
     train: Split
     val: Split
     test: Split
     if spec.peft == "head":
         capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
         needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
-        features = cached_features(raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size)
+        provenance: dict[str, str] = {}
+        features = cached_features(
+            raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size, provenance=provenance
+        )
         position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
         train, val, test = (
             TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]) for name in labels
         )
-        return Workload(*common, train, val, test, modality="features", feature_dim=backbone.feature_dim)
+        return Workload(
+            *common, train, val, test, modality="features", feature_dim=backbone.feature_dim, provenance=provenance
+        )
     if raw.modality == "text":
         tokenizer = load_tokenizer(spec.backbone)
         train, val, test = (
             _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name]) for name in labels
         )
-        return Workload(*common, train, val, test, modality="text", max_tokens=max_tokens)
+        return Workload(
+            *common,
+            train,
+            val,
+            test,
+            modality="text",
+            max_tokens=max_tokens,
+            provenance={**identity, "max_tokens": str(max_tokens)},
+        )
     train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)
-    return Workload(*common, train, val, test, modality="image", image_size=backbone.image_size)
+    return Workload(*common, train, val, test, modality="image", image_size=backbone.image_size, provenance=identity)
 
 
 def _rows_and_labels(spec: WorkloadSpec, raw: RawDataset) -> tuple[SplitRows, dict[str, torch.Tensor]]:
@@ -303,7 +317,17 @@ def _own_features(spec: WorkloadSpec, raw: RawDataset) -> Workload:
         TensorDataset(torch.from_numpy(raw.inputs[getattr(rows, name)]), labels[name]) for name in labels
     )
     names = [raw.class_names[c] for c in rows.kept]
-    return Workload(spec, len(rows.kept), names, train, val, test, modality="features", feature_dim=raw.inputs.shape[1])
+    return Workload(
+        spec,
+        len(rows.kept),
+        names,
+        train,
+        val,
+        test,
+        modality="features",
+        feature_dim=raw.inputs.shape[1],
+        provenance={"data_sha256": raw.fingerprint, "backbone": NO_BACKBONE},
+    )
 
 
 def _positions(needed: np.ndarray, total: int) -> np.ndarray:

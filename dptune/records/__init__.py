@@ -10,6 +10,7 @@ such as ``s3://bucket/prefix``)::
     <root>/search/part-<search_id>.parquet      one row per (ε, epochs) cell of the search
     <root>/release/part-<search_id>.parquet     end-to-end private searches only: the release
     <runs root>/ledger/                          the write-ahead privacy ledger (``ledger``)
+    <runs root>/weights/<trial_id>.safetensors   the trained parameters of every ok run (``weights``)
 
 The dataset loads with pandas (``read_table``), polars (``pl.read_parquet(root/"trials")``)
 and duckdb (``read_parquet('root/trials/*.parquet')``).

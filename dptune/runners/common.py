@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -137,6 +138,12 @@ def cached_workload(spec: WorkloadSpec) -> Workload:
     """``load_workload`` memoised per process: the trials of a search that share a process (Ray
     Tune reuses its actors) load the splits once. Trials only read the datasets."""
     return load_workload(spec)
+
+
+def model_provenance(workload: Workload) -> dict[str, str]:
+    """What a run's saved model records of its inputs: the workload's provenance and its class names
+    (JSON, in label order)."""
+    return {**workload.provenance, "class_names": json.dumps(workload.class_names, ensure_ascii=False)}
 
 
 @dataclass(frozen=True)

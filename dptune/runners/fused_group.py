@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrialConfig, TrialResult
+from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrainedModel, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.data.spec import Split
 from dptune.dp.clipping import noise_std, update_scale
@@ -36,7 +36,14 @@ from dptune.dp.diagnostics import diagnose
 from dptune.models import new_head
 from dptune.plan import run_schedule
 from dptune.privacy import epsilon_spent
-from dptune.runners.common import Evaluation, diagnostic_epochs, diverged_charge, noisy_score, probe_indices
+from dptune.runners.common import (
+    Evaluation,
+    diagnostic_epochs,
+    diverged_charge,
+    model_provenance,
+    noisy_score,
+    probe_indices,
+)
 from dptune.runners.heads import (
     StackedOptimizer,
     augment,
@@ -488,6 +495,13 @@ class FusedGroup:
             result.epsilon_spent = self.schedule.epsilon_spent(
                 self.schedule.steps if result.status == "diverged" else steps
             )
+            if result.status == "ok":
+                head = self.lock_step.heads[i].detach().cpu()  # (classes, dim + 1): [W | b]
+                result.trained = TrainedModel(
+                    parameters={"weight": head[:, :-1].numpy().copy(), "bias": head[:, -1].numpy().copy()},
+                    provenance=model_provenance(self.data.workload),
+                    logits="augmented",
+                )
 
     def _diverge(self, index: int, reason: str) -> None:
         """Mark configuration ``index`` diverged: its head stops updating, its result says why and

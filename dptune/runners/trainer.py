@@ -48,8 +48,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
-from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult
+from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrainedModel, TrialConfig, TrialResult
 from dptune.data import Workload
+from dptune.data.features import weights_fingerprint
 from dptune.data.spec import Split
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
@@ -69,6 +70,7 @@ from dptune.runners.common import (
     check_fits_workload,
     diagnostic_epochs,
     diverged_charge,
+    model_provenance,
     noisy_score,
     probe_indices,
     torch_threads,
@@ -273,7 +275,19 @@ class Trial:
             result.epsilon_spent = self.epsilon_spent(self.steps)
         else:
             result.epsilon_spent = self.epsilon_spent()
+            result.trained = self.trained()
         return result
+
+    def trained(self) -> TrainedModel:
+        """The parameters this run trained (float32, by name) and what the frozen rest is: the
+        workload's provenance and, for a backbone model, the digest of its frozen state."""
+        parameters = {
+            name: p.detach().cpu().float().numpy() for name, p in self.model.named_parameters() if p.requires_grad
+        }
+        provenance = model_provenance(self.workload)
+        if not isinstance(self.model, nn.Linear):  # a backbone model: its frozen part is the public backbone
+            provenance["frozen_sha256"] = weights_fingerprint(self.model, exclude=parameters)
+        return TrainedModel(parameters=parameters, provenance=provenance, logits="module")
 
     def epsilon_spent(self, steps: int | None = None) -> float:
         """ε of ``steps`` of the trial's steps (default: those taken so far; 0 for none)."""

@@ -35,6 +35,7 @@ from dptune.errors import TrialFailed
 from dptune.plan import coupled_learning_rate, run_schedule, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
 from dptune.records.ledger import RunEnd, RunStart, record_ends, record_starts
+from dptune.records.weights import write_weights
 from dptune.runners.trial import run_trial
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
@@ -159,7 +160,8 @@ def write_result(context: TrialContext, finished: FinishedRun, *, ledger: bool =
 
 def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, ledger: bool = True) -> None:
     """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
-    (one file), then each run's rows (atomic; writing the same run again replaces it)."""
+    (one file), then each run's trained parameters where it has them (``records.weights``) and its
+    rows (each atomic; writing the same run again replaces it)."""
     if ledger:
         record_ends(
             context.results_root,
@@ -178,6 +180,8 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
     for run in finished:
         configuration = configuration_id(context.cell_key, run.params)
         trial = replicate_trial_id(configuration, run.replicate)
+        if run.result.trained is not None:  # before its rows: a recorded ok run has its weights
+            write_weights(context.results_root, trial, run.result.trained)
         rows = trial_rows(
             run.result,
             search_id=context.search_id,

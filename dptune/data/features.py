@@ -14,13 +14,12 @@ overrides it. (bf16 was 2.4–2.7x faster than fp32 on CPUs with AMX or on an AM
 BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX; on the EPYC, OpenVINO in bf16 was
 1.3x torch in bf16, with features closer to fp32: flags do not tell, ``bench/RESULTS.md``.) torch
 runs a text encoder in bf16 throughout (its weights cast to bf16; the mean pooling in float32),
-which on a CPU was 1.1–1.2x faster than a bf16 autocast (which keeps layer norms and softmax in
-float32) in two hand-timed runs of 1,536 documents; an image encoder, whose preprocessing is
-float32, runs under a bf16 autocast. bf16 features of MiniLM text are within cosine 0.9998 of fp32
-ones, and DP linear probes trained on either agree within 0.3 accuracy points
-(``bench/bench_encoding_precision.py``). Text is sorted by token count and batched by a token
-budget, each batch padded only to its longest document (dynamic padding): the attention mask makes
-this equal to padding every document to ``max_tokens`` up to float rounding.
+which on a CPU was 1.1–1.2x faster than a bf16 autocast in two hand-timed runs of 1,536 documents;
+an image encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of
+MiniLM text are within cosine 0.9998 of fp32 ones, and DP linear probes trained on either agree
+within 0.3 accuracy points (``bench/bench_encoding_precision.py``). Text is sorted by token count
+and batched by a token budget, each batch padded only to its longest document (dynamic padding): the
+attention mask makes this equal to padding every document to ``max_tokens`` up to float rounding.
 
 Cache: ``dptune.paths.cache_dir("features")/<dataset>-<backbone>-<key>.npy`` (float32,
 ``(rows, feature_dim)``, rows in the dataset's raw order) plus a ``.json`` with the key. The key

@@ -10,6 +10,7 @@ ENTRY_POINTS = {
     "dptune.plan": "batch-size plan before any compute: σ, σ√T and the min-step rule per (ε, B)",
     "dptune.search": "the joint (C, B, η) search per (ε, epochs) on Ray Tune; writes Parquet results",
     "dptune.report": "difficulty-stratified HTML report and figures from Parquet results",
+    "dptune.predict": "label new rows with a model a search published (<results>/models/<cell>/)",
 }
 
 

@@ -228,3 +228,8 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
     assert_nothing_of_the_hidden_runs_outside(
         root, completed.stdout, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1
     )
+    (model,) = (root / "models").iterdir()  # the released run's model, and nothing that orders it
+    card = json.loads((model / "model_card.json").read_text())
+    assert card["model"]["trial_id"] is None and card["accuracy"]["test_accuracy"] is None
+    assert card["privacy"]["epsilon"] == release.epsilon_total and "the whole tuning" in card["privacy"]["covers"]
+    assert card["configuration"]["batch_size"] == release.batch_size and card["data"]["backbone"] == "none"

@@ -138,13 +138,18 @@ def _kind(inputs: list[str] | np.ndarray) -> str:
 
 def _table(source: DatasetFile, path: str) -> Any:
     """The two columns of ``path`` as a pyarrow Table (every other column is never read)."""
+    return read_columns(path, source.format, [source.input_column, source.label_column])
+
+
+def read_columns(path: str, declared: str, wanted: list[str]) -> Any:
+    """Columns ``wanted`` of the ``declared`` (or ``auto``: by suffix) format file ``path`` as a pyarrow
+    Table, read with pyarrow; :class:`WorkloadError` naming a missing column or an unreadable file."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
-    kind = file_format(path, source.format)
-    wanted = [source.input_column, source.label_column]
+    kind = file_format(path, declared)
     try:
         if kind == "parquet":
             names = pq.read_schema(path).names
@@ -159,13 +164,14 @@ def _table(source: DatasetFile, path: str) -> Any:
         _check_columns(path, wanted, names)
         return pacsv.read_csv(path, parse_options=parse, convert_options=pacsv.ConvertOptions(include_columns=wanted))
     except pa.ArrowInvalid as error:
-        raise WorkloadError(f"task.dataset {path}: unreadable as {kind} ({error})") from None
+        raise WorkloadError(f"{path}: unreadable as {kind} ({error})") from None
 
 
 def _check_columns(path: str, wanted: list[str], names: list[str]) -> None:
-    for role, column in zip(("input_column", "label_column"), wanted, strict=True):
+    roles = ("task.dataset.input_column", "task.dataset.label_column") if len(wanted) == 2 else ("column",)
+    for role, column in zip(roles, wanted, strict=True):
         if column not in names:
-            raise WorkloadError(f"task.dataset.{role} {column!r} is not a column of {path}; its columns: {names}")
+            raise WorkloadError(f"{role} {column!r} is not a column of {path}; its columns: {names}")
 
 
 def _columns(source: DatasetFile, path: str) -> tuple[list[str] | np.ndarray, list[int | str]]:

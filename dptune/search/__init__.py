@@ -55,6 +55,7 @@ _LAZY: dict[str, str] = {
             "format_outcome",
             "format_privacy",
             "format_summary",
+            "release_choices",
             "release_rows",
             "search_rows",
             "summary_table",

@@ -43,8 +43,16 @@ from dptune.search.cells import (
 )
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.lease import hold_lease
-from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy, release_rows, search_rows
+from dptune.search.outcome import (
+    SUMMARY_HEADER,
+    format_outcome,
+    format_privacy,
+    release_choices,
+    release_rows,
+    search_rows,
+)
 from dptune.search.private_units import kept_proposals, unrecorded_runs
+from dptune.search.publish import publish_models
 from dptune.search.sampler import CellSampler
 from dptune.search.subsample import (
     RELEASE_PARAMETERS,
@@ -482,8 +490,11 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
                 charged=charged_runs(runs, search_id, trials),
             )
         ]
-        released = release_rows(space, ran, rows, trials, official_test_split=public_test)
-        if released:  # before the search rows: a search row marks a finished search
+        choices = release_choices(space, ran, rows, trials)
+        released = release_rows(space, choices, official_test_split=public_test)
+        # the models, then the release, then the search rows: a search row marks a finished search
+        publish_models(results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)])
+        if released:
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
     conclude(results_root, report, private=private)

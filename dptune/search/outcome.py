@@ -146,23 +146,17 @@ def search_rows(
     return rows
 
 
-def release_rows(
-    space: SearchSpace,
-    plans: list[CellPlan],
-    search_rows_: list[dict[str, Any]],
-    trials: pd.DataFrame,
-    *,
-    official_test_split: bool,
-) -> list[dict[str, Any]]:
-    """An end-to-end private search's release: per cell, the configuration of the run with the best
-    noisy validation score (``privacy.search.select_release``), that score (the maximum of the K
-    noisy scores: biased upward), its test accuracy where the test split is public, and the budget;
-    nothing that orders it among the runs (no trial id, no time). Tuning on a subsample: the release
-    run's configuration and test accuracy (:func:`_subsample_release`). Empty for other searches."""
-    selection = space.privacy.private_selection
-    if selection is None:
+def release_choices(
+    space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]], trials: pd.DataFrame
+) -> list[tuple[CellPlan, dict[str, Any], pd.Series]]:
+    """An end-to-end private search's choice per cell: (plan, its ``search`` row, the run it releases):
+    the run with the best noisy validation score (``privacy.search.select_release``, randomized when
+    more than K runs finished: call it once and publish from what it chose), or, tuning on a
+    subsample, the release run (:func:`_subsample_release`). Empty for other searches; a cell none
+    of whose runs finished has none."""
+    if space.privacy.private_selection is None:
         return []
-    rows = []
+    choices = []
     for plan, row in zip(plans, search_rows_, strict=True):
         mine = trials[trials["search_id"] == row["search_id"]]
         chosen = (
@@ -170,8 +164,22 @@ def release_rows(
             if plan.tuning is None
             else _subsample_release(mine, plan.cell.cell_id, plan.tuning.fraction)
         )
-        if chosen is None:
-            continue
+        if chosen is not None:
+            choices.append((plan, row, chosen))
+    return choices
+
+
+def release_rows(
+    space: SearchSpace, choices: list[tuple[CellPlan, dict[str, Any], pd.Series]], *, official_test_split: bool
+) -> list[dict[str, Any]]:
+    """The ``release`` rows of :func:`release_choices`: per cell, the released run's configuration, its
+    noisy validation score (the maximum of the K noisy scores: biased upward), its test accuracy
+    where the test split is public, and the budget; nothing that orders it among the runs (no trial
+    id, no time). Tuning on a subsample: the release run's configuration and test accuracy."""
+    selection = space.privacy.private_selection
+    rows = []
+    for plan, row, chosen in choices:
+        assert selection is not None
         rows.append(
             {
                 "search_id": row["search_id"],

@@ -1,0 +1,242 @@
+"""The models a finished search hands back: ``<results>/models/<model>/`` holds ``model.safetensors``
+(the trained parameters, from ``runs/weights``, :mod:`dptune.records.weights`), ``model_card.md``
+(for a person) and ``model_card.json`` (for :mod:`dptune.predict`; written last, so a folder with
+it is whole). Ray-free and torch-free.
+
+Which model, and what its (ε, δ) covers:
+
+- A search without private selection publishes, per cell and clipping rule, the best configuration
+  by mean validation accuracy (``analysis.best_configurations``) and of its replicates the one with
+  the best validation accuracy. The model alone is (ε_cell, δ)-DP, the per-run budget of its cell;
+  choosing it by exact validation accuracy is not covered by that ε, and the search as a whole (every
+  run whose outcome is recorded) costs ``epsilon_search`` (the ``search`` row's guarantee text).
+- An end-to-end private search publishes per cell the run its private selection released
+  (``outcome.release_choices``), and the card records what its ``release`` row does: the
+  configuration, the noisy validation score, the test accuracy only where the test split is public,
+  and (ε_total, δ), which covers the tuning, the selection and this model. Nothing that orders it
+  among the runs (no trial id, no time) leaves the trust boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pandas as pd
+from scipy import stats
+
+from dptune import __version__
+from dptune.paths import write_file_atomic
+from dptune.records import read_table
+from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, read_weights, weights_bytes
+
+#: The folder of the published models, under the results root.
+MODELS_FOLDER = "models"
+#: Confidence of the accuracy intervals on a card (Wilson score interval of one run's k of n).
+CARD_CONFIDENCE = 0.95
+#: The configuration a card states, from the run's record.
+CONFIG_COLUMNS = (
+    "clip_bound",
+    "batch_size",
+    "base_learning_rate",
+    "learning_rate",
+    "reference_batch_size",
+    "epochs",
+    "optimizer",
+    "clipping",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+)
+
+
+def model_name(cell_id: str, clipping: str) -> str:
+    """The folder name of a cell's model: its cell id and clipping rule, in file-name-safe characters."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{cell_id}-{clipping}")
+
+
+def accuracy_interval(accuracy: float, rows: int) -> list[float] | None:
+    """The Wilson score interval (``CARD_CONFIDENCE``) of an accuracy measured on ``rows`` rows."""
+    if rows <= 0 or pd.isna(accuracy):
+        return None
+    correct = round(float(accuracy) * rows)
+    interval = stats.binomtest(correct, rows).proportion_ci(confidence_level=CARD_CONFIDENCE, method="wilson")
+    return [float(interval.low), float(interval.high)]
+
+
+def publish_models(
+    results_root: str, runs: str, search_rows: list[dict[str, Any]], releases: list[tuple[dict[str, Any], pd.Series]]
+) -> list[str]:
+    """Publish a finished search's models under ``<results>/models/`` and say where: ``releases`` (the
+    ``release`` rows with the runs they release) for an end-to-end private search, else (empty) the
+    best model of each cell and clipping rule. Returns the models' folders."""
+    private = search_rows[0]["epsilon_search"] is None
+    folders = (
+        publish_release_models(results_root, runs, releases)
+        if private
+        else publish_search_models(results_root, runs, search_rows)
+    )
+    if folders:
+        print(
+            f"models: {len(folders)} in {results_root.rstrip('/')}/{MODELS_FOLDER} (a model card in each)", flush=True
+        )
+    return folders
+
+
+def publish_search_models(results_root: str, runs: str, search_rows: list[dict[str, Any]]) -> list[str]:
+    """Publish the best model of each cell and clipping rule of a search without private selection.
+    Returns the models' folders. A cell whose best run left no weights (results from before weights
+    were kept) is skipped."""
+    from dptune.analysis import best_configurations, finished_trials
+
+    search_id = search_rows[0]["search_id"]
+    trials = read_table(runs, "trials")
+    trials = trials[trials["search_id"] == search_id]
+    best = best_configurations(finished_trials(trials), by=["cell_id", "clipping"])
+    guarantees = {(row["cell_id"], row["clipping"]): row for row in search_rows}
+    folders = []
+    for _, configuration in best.iterrows():
+        key = (configuration["cell_id"], configuration["clipping"])
+        replicates = trials[
+            (trials["configuration_id"] == configuration["configuration_id"]) & (trials["status"] == "ok")
+        ]
+        run = replicates.sort_values(["val_accuracy", "trial_id"], ascending=[False, True]).iloc[0]
+        row = guarantees[key]
+        privacy = {
+            "epsilon": float(run["epsilon"]),
+            "delta": float(run["delta"]),
+            "covers": (
+                "this model's training alone: it is (ε, δ)-DP with ε = its cell's per-run budget. Choosing it "
+                "among the search's runs by their exact validation accuracy is NOT covered; every recorded run "
+                f"together costs ε_search = {row['epsilon_search']:.4g} at δ = {row['delta']:.3g}"
+            ),
+            "search_guarantee": row["guarantee"],
+        }
+        accuracy = {
+            "val_accuracy": float(run["val_accuracy"]),
+            "val_interval": accuracy_interval(run["val_accuracy"], int(run["num_val"])),
+            "num_val": int(run["num_val"]),
+            "test_accuracy": float(run["test_accuracy"]),
+            "test_interval": accuracy_interval(run["test_accuracy"], int(run["num_test"])),
+            "num_test": int(run["num_test"]),
+            "configuration_val_mean": float(configuration["val_accuracy"]),
+            "configuration_replicates": int(configuration["replicates"]),
+        }
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, show_trial_id=True)
+        if folder is not None:
+            folders.append(folder)
+    return folders
+
+
+def publish_release_models(results_root: str, runs: str, choices: list[tuple[dict[str, Any], pd.Series]]) -> list[str]:
+    """Publish the released model of each cell of an end-to-end private search: ``choices`` pairs each
+    ``release`` row with the run it released (``outcome.release_choices``). Returns the folders."""
+    folders = []
+    for release, run in choices:
+        privacy = {
+            "epsilon": float(release["epsilon_total"]),
+            "delta": float(release["delta_total"]),
+            "covers": (
+                "the whole tuning: every run of the search, the private selection of this run and this model "
+                "(end-to-end private tuning)"
+            ),
+            "search_guarantee": release["guarantee"],
+        }
+        public = bool(release["test_split_public"])
+        accuracy = {
+            "noisy_val_accuracy": float(release["noisy_val_accuracy"]),
+            "test_accuracy": float(release["test_accuracy"]) if public else None,
+            "test_interval": accuracy_interval(release["test_accuracy"], int(run["num_test"])) if public else None,
+            "num_test": int(run["num_test"]) if public else None,
+            "test_withheld": None if public else "the test split is private data: its accuracy is not released",
+        }
+        key = (release["cell_id"], str(run["clipping"]))
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, show_trial_id=False)
+        if folder is not None:
+            folders.append(folder)
+    return folders
+
+
+def _publish(
+    results_root: str,
+    runs: str,
+    trial_id: str,
+    key: tuple[str, str],
+    run: pd.Series,
+    privacy: dict[str, Any],
+    accuracy: dict[str, Any],
+    *,
+    show_trial_id: bool,
+) -> str | None:
+    """Write run ``trial_id``'s model and cards under ``models/<model_name(*key)>``; None: it left no weights."""
+    trained = read_weights(runs, trial_id)
+    if trained is None:
+        return None
+    provenance = dict(trained.provenance)
+    class_names = json.loads(provenance.pop("class_names", "[]"))
+    card: dict[str, Any] = {
+        "dptune_version": __version__,
+        "model": {"cell_id": key[0], "clipping": key[1], "trial_id": trial_id if show_trial_id else None},
+        "data": {"dataset": str(run["dataset"]), "class_names": class_names, **provenance},
+        "peft": str(run["peft"]),
+        "logits": trained.logits,
+        "parameters": {name: list(value.shape) for name, value in trained.parameters.items()},
+        "configuration": {name: _plain(run[name]) for name in CONFIG_COLUMNS},
+        "privacy": privacy,
+        "accuracy": accuracy,
+    }
+    folder = f"{results_root.rstrip('/')}/{MODELS_FOLDER}/{model_name(*key)}"
+    write_file_atomic(folder, MODEL_FILE, weights_bytes(trained))
+    write_file_atomic(folder, CARD_MD, card_markdown(card).encode())
+    write_file_atomic(folder, CARD_JSON, json.dumps(card, indent=1, ensure_ascii=False).encode())
+    return folder
+
+
+def _plain(value: Any) -> Any:
+    """A record's value as JSON: numpy scalars as Python numbers, missing as None."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    """The model card for a person: what the model is, what it was trained on, what its ε covers."""
+    privacy, accuracy, config = card["privacy"], card["accuracy"], card["configuration"]
+
+    def share(name: str) -> str:
+        value, interval = accuracy.get(name), accuracy.get(name.replace("accuracy", "interval"))
+        if value is None:
+            return "withheld"
+        bounds = f" (95% Wilson interval {interval[0]:.1%}–{interval[1]:.1%})" if interval else ""
+        return f"{value:.1%}{bounds}"
+
+    lines = [
+        f"# dptune model: {card['model']['cell_id']} [{card['model']['clipping']}]",
+        "",
+        f"Trained with dptune {card['dptune_version']} on `{card['data']['dataset']}` "
+        f"({len(card['data']['class_names'])} classes), backbone `{card['data'].get('backbone')}`, "
+        f"peft `{card['peft']}`.",
+        "",
+        "## Privacy",
+        "",
+        f"(ε, δ) = ({privacy['epsilon']:.4g}, {privacy['delta']:.3g}), covering {privacy['covers']}.",
+        "",
+        f"Search guarantee: {privacy['search_guarantee']}",
+        "",
+        "## Accuracy",
+        "",
+    ]
+    if "val_accuracy" in accuracy:
+        lines.append(f"- validation: {share('val_accuracy')} on {accuracy['num_val']} rows")
+    else:
+        lines.append(
+            f"- noisy validation score (the private selection's, biased upward): {accuracy['noisy_val_accuracy']:.1%}"
+        )
+    lines.append(
+        f"- test: {share('test_accuracy')}" + (f" on {accuracy['num_test']} rows" if accuracy.get("num_test") else "")
+    )
+    lines += ["", "## Configuration", ""]
+    lines += [f"- {name}: {value}" for name, value in config.items()]
+    lines += ["", "Predict with `python -m dptune.predict --model <this folder> --input FILE --output FILE`.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""The models a search hands back (``<results>/models/<cell>/``): the chosen run's weights with a card
+saying what its (ε, δ) covers, and ``python -m dptune.predict`` labelling new rows with one in a fresh
+process, on a real search of a data owner's CSV with a public test file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import REPO_ROOT, SearchRun, run_search
+from dptune.analysis import best_configurations, finished_trials
+from dptune.data.sources import load_20newsgroups
+from dptune.records import read_table
+from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, WEIGHTS_FOLDER
+from dptune.search.publish import model_name
+
+GROUPS = ("rec.autos", "sci.space", "talk.politics.guns")
+
+
+def _predict(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dptune.predict", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_each_cell_publishes_its_best_configurations_best_replicate_with_a_card(tiny_search: SearchRun) -> None:
+    root = tiny_search.root
+    trials = read_table(str(root), "trials")
+    best = best_configurations(finished_trials(trials), by=["cell_id", "clipping"])
+    assert len(best) == 4
+    for row in best.itertuples():
+        folder = root / "models" / model_name(row.cell_id, row.clipping)
+        card = json.loads((folder / CARD_JSON).read_text())
+        replicates = trials[(trials["configuration_id"] == row.configuration_id) & (trials["status"] == "ok")]
+        run = replicates.sort_values(["val_accuracy", "trial_id"], ascending=[False, True]).iloc[0]
+        assert card["model"] == {"cell_id": row.cell_id, "clipping": row.clipping, "trial_id": run["trial_id"]}
+        assert card["configuration"]["clip_bound"] == run["clip_bound"]
+        assert card["configuration"]["batch_size"] == run["batch_size"]
+        assert card["privacy"]["epsilon"] == run["epsilon"] and card["privacy"]["delta"] == run["delta"]
+        assert "NOT covered" in card["privacy"]["covers"]
+        low, high = card["accuracy"]["test_interval"]
+        assert card["accuracy"]["test_accuracy"] == run["test_accuracy"] and low < run["test_accuracy"] < high
+        assert card["data"]["class_names"][:2] == ["alt.atheism", "comp.graphics"] and card["logits"] == "augmented"
+        published = load_file(folder / MODEL_FILE)
+        kept = load_file(root / WEIGHTS_FOLDER / f"{run['trial_id']}.safetensors")
+        assert published.keys() == kept.keys() == {"weight", "bias"}
+        assert all(np.array_equal(published[name], kept[name]) for name in kept)
+        assert published["weight"].shape == (20, 384)
+        assert "(ε, δ) = (" in (folder / CARD_MD).read_text()
+    assert "models: 4 in" in tiny_search.stdout
+
+
+@pytest.fixture(scope="module")
+def newsgroup_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Real 20 Newsgroups texts of three groups: a training CSV (40 per group) and a test CSV (15 per group)."""
+    folder = tmp_path_factory.mktemp("owner")
+    raw = load_20newsgroups()
+    frame = pd.DataFrame({"text": raw.inputs, "label": [raw.class_names[c] for c in raw.labels]})
+    official = raw.num_official_train
+    pick = lambda part, n: pd.concat([part[part["label"] == g].head(n) for g in GROUPS], ignore_index=True)  # noqa: E731
+    train, test = pick(frame.iloc[:official], 40), pick(frame.iloc[official:], 15)
+    train.to_csv(folder / "train.csv", index=False)
+    test.assign(ticket=range(len(test))).to_csv(folder / "test.csv", index=False)
+    return folder / "train.csv", folder / "test.csv"
+
+
+def test_predict_labels_a_public_test_file_as_the_search_scored_it(
+    search_env: dict[str, str], newsgroup_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, test = newsgroup_files
+    dataset = {"path": str(train), "input_column": "text", "label_column": "label", "test_path": str(test)}
+    completed = run_search(
+        search_env,
+        "--space",
+        str(REPO_ROOT / "tests/spaces/tiny.yaml"),
+        "--storage",
+        str(tmp_path),
+        "--no-report",
+        "--set",
+        f"task.dataset={json.dumps({**dataset, 'test_public': True})}",
+        "--set",
+        "privacy.epsilons=[8]",
+        "--set",
+        "training.compare_auto_s=false",
+        "--set",
+        "training.diagnostics=false",
+        "--set",
+        "batch_size.values=[16, 32]",
+        "--set",
+        "min_steps=5",
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (folder,) = (tmp_path / "tiny" / "models").iterdir()
+    card = json.loads((folder / CARD_JSON).read_text())
+    assert card["data"]["class_names"] == sorted(GROUPS) and card["accuracy"]["num_test"] == 45
+    out = tmp_path / "labelled.parquet"
+    done = _predict("--model", str(folder), "--input", str(test), "--column", "text", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    labelled = pd.read_parquet(out)
+    source = pd.read_csv(test)
+    assert list(labelled.columns) == [*source.columns, "prediction", "confidence"]
+    assert labelled["ticket"].tolist() == source["ticket"].tolist()
+    assert set(labelled["prediction"]) <= set(GROUPS) and labelled["confidence"].between(1 / 3, 1).all()
+    correct = int((labelled["prediction"] == labelled["label"]).sum())
+    # the same features (same backbone, weights and precision) and head: the search's test count, up to
+    # one row whose two top logits a float rounding of another batching could swap
+    assert abs(correct - round(card["accuracy"]["test_accuracy"] * 45)) <= 1
+
+
+def test_predict_refuses_bad_input_before_encoding_anything(tiny_search: SearchRun, tmp_path: Path) -> None:
+    folder = next((tiny_search.root / "models").iterdir())
+    rows = tmp_path / "rows.csv"
+    pd.DataFrame({"body": ["a question about the space shuttle"]}).to_csv(rows, index=False)
+    cases = [
+        (["--model", str(tmp_path), "--input", str(rows), "--column", "body"], "not a dptune model folder"),
+        (["--model", str(folder), "--input", str(tmp_path / "none.csv"), "--column", "body"], "no such file"),
+        (["--model", str(folder), "--input", str(rows), "--column", "text"], "column 'text' is not a column of"),
+    ]
+    for args, message in cases:
+        done = _predict(*args, "--output", str(tmp_path / "out.csv"))
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    done = _predict("--model", str(folder), "--input", str(rows), "--column", "body", "--output", str(tmp_path / "o.x"))
+    assert done.returncode == 2 and "the suffix must be one of" in done.stderr
+    assert not any(tmp_path.glob("out*")) and not any(tmp_path.glob("o.*"))

@@ -608,3 +608,5 @@ def test_asha_stops_weak_trials_early_and_records_them(search_env: dict[str, str
     search_row = read_table(str(tmp_path / "tiny"), "search").iloc[0]
     assert search_row["trials_with_steps"] == 12
     assert search_row["epsilon_composition"] == pytest.approx(ran["epsilon_spent"].sum())
+    (model,) = (tmp_path / "tiny" / "models").iterdir()  # its card claims nothing for an adaptive search
+    assert json.loads((model / "model_card.json").read_text())["privacy"]["covers"].startswith("NOTHING as released")

@@ -493,7 +493,9 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         choices = release_choices(space, ran, rows, trials)
         released = release_rows(space, choices, official_test_split=public_test)
         # the models, then the release, then the search rows: a search row marks a finished search
-        publish_models(results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)])
+        publish_models(
+            space, results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)]
+        )
         if released:
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)

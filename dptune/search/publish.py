@@ -30,6 +30,7 @@ from dptune import __version__
 from dptune.paths import write_file_atomic
 from dptune.records import read_table
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, read_weights, weights_bytes
+from dptune.space import SearchSpace
 
 #: The folder of the published models, under the results root.
 MODELS_FOLDER = "models"
@@ -66,16 +67,21 @@ def accuracy_interval(accuracy: float, rows: int) -> list[float] | None:
 
 
 def publish_models(
-    results_root: str, runs: str, search_rows: list[dict[str, Any]], releases: list[tuple[dict[str, Any], pd.Series]]
+    space: SearchSpace,
+    results_root: str,
+    runs: str,
+    search_rows: list[dict[str, Any]],
+    releases: list[tuple[dict[str, Any], pd.Series]],
 ) -> list[str]:
     """Publish a finished search's models under ``<results>/models/`` and say where: ``releases`` (the
-    ``release`` rows with the runs they release) for an end-to-end private search, else (empty) the
-    best model of each cell and clipping rule. Returns the models' folders."""
-    private = search_rows[0]["epsilon_search"] is None
+    ``release`` rows with the runs they release) for an end-to-end private search, else the best
+    model of each cell and clipping rule. Returns the models' folders."""
     folders = (
         publish_release_models(results_root, runs, releases)
-        if private
-        else publish_search_models(results_root, runs, search_rows)
+        if space.privacy.private_selection is not None
+        else publish_search_models(
+            results_root, runs, search_rows, adaptive=space.sampler.name == "tpe" or space.scheduler is not None
+        )
     )
     if folders:
         print(
@@ -84,10 +90,13 @@ def publish_models(
     return folders
 
 
-def publish_search_models(results_root: str, runs: str, search_rows: list[dict[str, Any]]) -> list[str]:
-    """Publish the best model of each cell and clipping rule of a search without private selection.
-    Returns the models' folders. A cell whose best run left no weights (results from before weights
-    were kept) is skipped."""
+def publish_search_models(
+    results_root: str, runs: str, search_rows: list[dict[str, Any]], *, adaptive: bool
+) -> list[str]:
+    """Publish the best model of each cell and clipping rule of a search without private selection;
+    ``adaptive``: TPE proposed or ASHA stopped runs on exact validation accuracies. Returns the
+    models' folders. A cell whose best run left no weights (results from before weights were kept)
+    is skipped."""
     from dptune.analysis import best_configurations, finished_trials
 
     search_id = search_rows[0]["search_id"]
@@ -107,9 +116,13 @@ def publish_search_models(results_root: str, runs: str, search_rows: list[dict[s
             "epsilon": float(run["epsilon"]),
             "delta": float(run["delta"]),
             "covers": (
-                "this model's training alone: it is (ε, δ)-DP with ε = its cell's per-run budget. Choosing it "
-                "among the search's runs by their exact validation accuracy is NOT covered; every recorded run "
-                f"together costs ε_search = {row['epsilon_search']:.4g} at δ = {row['delta']:.3g}"
+                "NOTHING as released: the search adapted to exact validation accuracies (TPE proposals or ASHA "
+                "stops), so which runs exist, and this model, depend on private rows; ε is its run's noisy "
+                "steps' budget for a configuration fixed in advance"
+                if adaptive
+                else "this model's training alone: it is (ε, δ)-DP with ε = its cell's per-run budget. Choosing "
+                "it among the search's runs by their exact validation accuracy is NOT covered; every recorded "
+                f"run together costs ε_search = {row['epsilon_search']:.4g} at δ = {row['delta']:.3g}"
             ),
             "search_guarantee": row["guarantee"],
         }

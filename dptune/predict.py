@@ -111,8 +111,7 @@ def read_inputs(path: str, column: str, declared: str = "auto") -> tuple[Any, li
     if not Path(path).is_file():
         raise PredictError(f"--input {path}: no such file")
     try:
-        table = read_columns(path, declared, [column])
-        whole = _whole_table(path, declared)
+        table = read_columns(path, declared, [column], every_column=True)
     except WorkloadError as error:
         raise PredictError(str(error)) from None
     values = table.column(column)
@@ -123,28 +122,11 @@ def read_inputs(path: str, column: str, declared: str = "auto") -> tuple[Any, li
         empty = [row for row, text in enumerate(texts) if text is None or not text.strip()]
         if empty:
             raise PredictError(f"--input {path}: row {empty[0]} has an empty {column!r}; every text must be non-empty")
-        return whole, texts
+        return table, texts
     try:
-        return whole, np.asarray(values.to_pylist(), dtype=np.float32)
+        return table, np.asarray(values.to_pylist(), dtype=np.float32)
     except (TypeError, ValueError):
         raise PredictError(f"--column {column!r} of {path} holds {values.type}: texts or lists of numbers") from None
-
-
-def _whole_table(path: str, declared: str) -> Any:
-    """Every column of ``path`` (kept in the output beside the predictions)."""
-    import pyarrow.csv as pacsv
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
-
-    from dptune.data.files import file_format
-
-    kind = file_format(path, declared)
-    if kind == "parquet":
-        return pq.read_table(path)
-    if kind == "jsonl":
-        return pajson.read_json(path)
-    parse = pacsv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
-    return pacsv.read_csv(path, parse_options=parse)
 
 
 def predict_file(model: str | Path, input_path: str, output_path: str, column: str, declared: str = "auto") -> int:

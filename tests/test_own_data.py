@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -231,5 +233,14 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
     (model,) = (root / "models").iterdir()  # the released run's model, and nothing that orders it
     card = json.loads((model / "model_card.json").read_text())
     assert card["model"]["trial_id"] is None and card["accuracy"]["test_accuracy"] is None
+    assert card["data"]["data_sha256"] is None  # a hash of the private rows is no DP release
     assert card["privacy"]["epsilon"] == release.epsilon_total and "the whole tuning" in card["privacy"]["covers"]
     assert card["configuration"]["batch_size"] == release.batch_size and card["data"]["backbone"] == "none"
+    labelled = tmp_path / "labelled.jsonl"  # the model on embeddings (backbone none), in a fresh process
+    argv = ["--model", str(model), "--input", dataset["path"], "--column", "pixels", "--output", str(labelled)]
+    done = subprocess.run([sys.executable, "-m", "dptune.predict", *argv], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    predicted = pd.read_json(labelled, lines=True)
+    assert len(predicted) == len(embeddings) and set(predicted["prediction"].astype(str)) <= set(
+        card["data"]["class_names"]
+    )

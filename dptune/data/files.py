@@ -141,9 +141,10 @@ def _table(source: DatasetFile, path: str) -> Any:
     return read_columns(path, source.format, [source.input_column, source.label_column])
 
 
-def read_columns(path: str, declared: str, wanted: list[str]) -> Any:
-    """Columns ``wanted`` of the ``declared`` (or ``auto``: by suffix) format file ``path`` as a pyarrow
-    Table, read with pyarrow; :class:`WorkloadError` naming a missing column or an unreadable file."""
+def read_columns(path: str, declared: str, wanted: list[str], *, every_column: bool = False) -> Any:
+    """Columns ``wanted`` (``every_column``: all of them, ``wanted`` checked to be there) of the
+    ``declared`` (or ``auto``: by suffix) format file ``path`` as a pyarrow Table, read with pyarrow;
+    :class:`WorkloadError` naming a missing column or an unreadable file."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
@@ -154,15 +155,16 @@ def read_columns(path: str, declared: str, wanted: list[str]) -> Any:
         if kind == "parquet":
             names = pq.read_schema(path).names
             _check_columns(path, wanted, names)
-            return pq.read_table(path, columns=wanted)
+            return pq.read_table(path, columns=None if every_column else wanted)
         if kind == "jsonl":
             table = pajson.read_json(path)
             _check_columns(path, wanted, table.column_names)
-            return table.select(wanted)
+            return table if every_column else table.select(wanted)
         parse = pacsv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
         names = pacsv.open_csv(path, parse_options=parse).schema.names
         _check_columns(path, wanted, names)
-        return pacsv.read_csv(path, parse_options=parse, convert_options=pacsv.ConvertOptions(include_columns=wanted))
+        convert = pacsv.ConvertOptions(include_columns=None if every_column else wanted)
+        return pacsv.read_csv(path, parse_options=parse, convert_options=convert)
     except pa.ArrowInvalid as error:
         raise WorkloadError(f"{path}: unreadable as {kind} ({error})") from None
 

@@ -112,10 +112,10 @@ def publish_search_models(
         ]
         run = replicates.sort_values(["val_accuracy", "trial_id"], ascending=[False, True]).iloc[0]
         row = guarantees[key]
-        privacy = {
-            "epsilon": float(run["epsilon"]),
-            "delta": float(run["delta"]),
-            "covers": (
+        privacy = _privacy(
+            run["epsilon"],
+            run["delta"],
+            (
                 "NOTHING as released: the search adapted to exact validation accuracies (TPE proposals or ASHA "
                 "stops), so which runs exist, and this model, depend on private rows; ε is its run's noisy "
                 "steps' budget for a configuration fixed in advance"
@@ -124,8 +124,8 @@ def publish_search_models(
                 "it among the search's runs by their exact validation accuracy is NOT covered; every recorded "
                 f"run together costs ε_search = {row['epsilon_search']:.4g} at δ = {row['delta']:.3g}"
             ),
-            "search_guarantee": row["guarantee"],
-        }
+            row["guarantee"],
+        )
         accuracy = {
             "val_accuracy": float(run["val_accuracy"]),
             "val_interval": accuracy_interval(run["val_accuracy"], int(run["num_val"])),
@@ -136,7 +136,7 @@ def publish_search_models(
             "configuration_val_mean": float(configuration["val_accuracy"]),
             "configuration_replicates": int(configuration["replicates"]),
         }
-        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, show_trial_id=True)
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, private=False)
         if folder is not None:
             folders.append(folder)
     return folders
@@ -147,15 +147,13 @@ def publish_release_models(results_root: str, runs: str, choices: list[tuple[dic
     ``release`` row with the run it released (``outcome.release_choices``). Returns the folders."""
     folders = []
     for release, run in choices:
-        privacy = {
-            "epsilon": float(release["epsilon_total"]),
-            "delta": float(release["delta_total"]),
-            "covers": (
-                "the whole tuning: every run of the search, the private selection of this run and this model "
-                "(end-to-end private tuning)"
-            ),
-            "search_guarantee": release["guarantee"],
-        }
+        privacy = _privacy(
+            release["epsilon_total"],
+            release["delta_total"],
+            "the whole tuning: every run of the search, the private selection of this run and this model "
+            "(end-to-end private tuning)",
+            release["guarantee"],
+        )
         public = bool(release["test_split_public"])
         accuracy = {
             "noisy_val_accuracy": float(release["noisy_val_accuracy"]),
@@ -165,10 +163,15 @@ def publish_release_models(results_root: str, runs: str, choices: list[tuple[dic
             "test_withheld": None if public else "the test split is private data: its accuracy is not released",
         }
         key = (release["cell_id"], str(run["clipping"]))
-        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, show_trial_id=False)
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, private=True)
         if folder is not None:
             folders.append(folder)
     return folders
+
+
+def _privacy(epsilon: float, delta: float, covers: str, search_guarantee: str) -> dict[str, Any]:
+    """A card's privacy section: the model's (ε, δ), what it covers, and the search's statement."""
+    return {"epsilon": float(epsilon), "delta": float(delta), "covers": covers, "search_guarantee": search_guarantee}
 
 
 def _publish(
@@ -180,18 +183,35 @@ def _publish(
     privacy: dict[str, Any],
     accuracy: dict[str, Any],
     *,
-    show_trial_id: bool,
+    private: bool,
 ) -> str | None:
-    """Write run ``trial_id``'s model and cards under ``models/<model_name(*key)>``; None: it left no weights."""
+    """Write run ``trial_id``'s model and cards under ``models/<model_name(*key)>``; None: it left no weights.
+
+    ``private`` (an end-to-end private release): the card holds neither the trial id (it orders the
+    run among the runs) nor the data's sha256 (a hash of the private rows is no DP release: who knows
+    all rows but one could test guesses of it). The class names are on every card: they name the
+    model's outputs, so the label set is taken as public (the card says so)."""
     trained = read_weights(runs, trial_id)
     if trained is None:
         return None
     provenance = dict(trained.provenance)
     class_names = json.loads(provenance.pop("class_names", "[]"))
+    fingerprint = provenance.pop("data_sha256", None)
+    data_note = (
+        "the data's sha256 is withheld (a hash of the private rows is not covered by (ε, δ))"
+        if private
+        else "data_sha256 hashes the training rows: it identifies them and is not covered by (ε, δ)"
+    )
     card: dict[str, Any] = {
         "dptune_version": __version__,
-        "model": {"cell_id": key[0], "clipping": key[1], "trial_id": trial_id if show_trial_id else None},
-        "data": {"dataset": str(run["dataset"]), "class_names": class_names, **provenance},
+        "model": {"cell_id": key[0], "clipping": key[1], "trial_id": None if private else trial_id},
+        "data": {
+            "dataset": str(run["dataset"]),
+            "class_names": class_names,
+            "data_sha256": None if private else fingerprint,
+            **provenance,
+            "notes": f"{data_note}; the class names (the model's outputs) are taken as public",
+        },
         "peft": str(run["peft"]),
         "logits": trained.logits,
         "parameters": {name: list(value.shape) for name, value in trained.parameters.items()},

@@ -61,7 +61,10 @@ def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame) -> dict[bytes, s
     for run in trials.itertuples():
         needles[run.trial_id.encode()] = f"trial id of {run.trial_id}"
         needles[run.configuration_id.encode()] = f"configuration id of {run.trial_id}"
-    released_score = set(release["noisy_val_accuracy"])
+    # a hidden run's noisy score k/n_val can equal a released number (the release's own score, or its
+    # test accuracy k'/n_test on a split of the same size, which its model card writes as JSON): that
+    # number is public already, so finding it outside tells nothing of the hidden run
+    released_score = set(release["noisy_val_accuracy"]) | set(release["test_accuracy"].dropna())
     released_configuration = set(map(tuple, release[list(_CONFIGURATION)].to_numpy().tolist()))
     floats = {}
     for run in trials.itertuples():

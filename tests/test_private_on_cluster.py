@@ -62,11 +62,15 @@ def _state(ray_head: RayHead, resource: str, **filters: str) -> list[dict]:
 
 
 def _job_actors(ray_head: RayHead, submission: str) -> collections.Counter[str]:
-    """The actors the job ``submission`` started (dead ones included), counted by class."""
+    """The actors the job ``submission`` started (dead ones included), counted by class (its name without
+    the qualifying prefix, which Ray's state API shows for one job and not for another:
+    ``wrap_function.<locals>.ImplicitFunc`` and ``ImplicitFunc`` are Ray Tune's one trainable class)."""
     (job_id,) = [
         job["job_id"] for job in json.loads(_dashboard(ray_head, "/api/jobs/")) if job["submission_id"] == submission
     ]
-    return collections.Counter(actor["class_name"] for actor in _state(ray_head, "actors", job_id=job_id))
+    return collections.Counter(
+        actor["class_name"].rsplit(".", 1)[-1] for actor in _state(ray_head, "actors", job_id=job_id)
+    )
 
 
 def _head_files(ray_head: RayHead) -> bytes:
@@ -136,6 +140,9 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
     k1, k20 = (_job_actors(ray_head, submissions[name]) for name in ("k1", "k20"))
     assert k1 == k20 and 0 < sum(k1.values()) <= HEAD_SLOTS, (k1, k20)
     shown = _released_to_ray(ray_head, list(submissions.values()))
+    # what any of the three searches released is public: Ray's views hold all three (a released number
+    # of one, k/150 on its model card, can equal a hidden noisy score of another and tells nothing of it)
+    released = pd.concat([pd.read_parquet(tmp_path / name / "release") for name in submissions])
     for name, submission in submissions.items():
         root = tmp_path / name
         logs = json.loads(shown[f"`ray job logs {submission}`"])["logs"]
@@ -145,6 +152,6 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
         ray_lines, search_output = logs.split(f"Running entrypoint for job {submission}", 1)
         assert ray_lines.count("\n") == 1 and "Runtime env is setting up." in ray_lines
         assert_nothing_of_the_hidden_runs_outside(root, search_output, None, HEAD_SLOTS)
-        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), pd.read_parquet(root / "release"))
+        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), released)
         for where, blob in shown.items():
             assert_none_in(blob, needles, where)

@@ -60,8 +60,9 @@ def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
 
 #: ``task.backbone`` of a dataset that holds its rows' own embeddings: the head trains on them as they are.
 NO_BACKBONE = "none"
-#: Formats of a data owner's own dataset file (``DatasetFile.format``; ``auto``: by the file's suffix).
-DatasetFormat = Literal["auto", "csv", "tsv", "jsonl", "parquet"]
+#: Formats of a data owner's own dataset (``DatasetFile.format``; ``auto``: a file by its suffix, a
+#: folder ``hf_disk`` when it holds a ``save_to_disk`` dataset, else ``imagefolder``).
+DatasetFormat = Literal["auto", "csv", "tsv", "jsonl", "parquet", "imagefolder", "hf_disk"]
 DATASET_FORMATS: tuple[str, ...] = get_args(DatasetFormat)
 
 
@@ -69,25 +70,29 @@ DATASET_FORMATS: tuple[str, ...] = get_args(DatasetFormat)
 class DatasetFile:
     """A data owner's own dataset: a table of rows, one row = one record (the DP adjacency unit).
 
-    ``path`` (and ``test_path``): an absolute local path. ``input_column`` holds a text (a string) or
-    an embedding (a list of floats, the rows' own features: backbone ``none``); ``label_column`` an
-    int or a string (string labels become class ids in sorted order, their names kept). Without
+    ``path`` (and ``test_path``): an absolute local path or an object-store URI (a file, or a folder
+    for ``imagefolder`` and ``hf_disk``). ``input_column`` holds a text (a string) or an embedding (a
+    list of floats, the rows' own features: backbone ``none``); ``label_column`` an int or a string
+    (string labels become class ids in sorted order, their names kept; a ``save_to_disk`` dataset's
+    ``ClassLabel`` keeps its names). An image folder (``<path>/<class>/<image>``) has no columns:
+    an image is a row, its folder's name its label. Without
     ``test_path`` a test split is carved from the rows. ``test_public``: the test file is outside the
     private data and may be published (otherwise its accuracy is a release about private rows, and a
     private search withholds it). Read and checked by :mod:`dptune.data.files`.
     """
 
     path: str
-    input_column: str
-    label_column: str
+    input_column: str | None = None
+    label_column: str | None = None
     format: DatasetFormat = "auto"
     test_path: str | None = None
     test_public: bool = False
 
     @property
     def display_name(self) -> str:
-        """The dataset's name in records, reports and the console: ``file:<file name>``."""
-        return "file:" + self.path.replace("\\", "/").rsplit("/", 1)[-1]
+        """The dataset's name in records, reports and the console: ``file:<file or folder name>``."""
+        path = self.path.split("?", 1)[0] if "://" in self.path else self.path
+        return "file:" + path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ stores); ``check_name`` keeps a name to one folder inside its parent.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import posixpath
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,18 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing) for the ``with`` block: a
+    second process asking for it waits until the first leaves."""
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def check_name(name: str, where: str = "name") -> str:

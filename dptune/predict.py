@@ -1,8 +1,10 @@
 """``python -m dptune.predict``: label new rows with a model a search published (``<results>/models/<model>/``,
 :mod:`dptune.search.publish`).
 
-The input file (csv, tsv, jsonl or parquet, by suffix or ``--format``) has a column of texts, or of
-embeddings for a model trained with backbone ``none``; each row is encoded as the search encoded its
+The input (a csv, tsv, jsonl or parquet file or a ``save_to_disk`` folder, by suffix or ``--format``)
+has a column of texts, or of embeddings for a model trained with backbone ``none``; for an image
+model it is an image folder (``<input>/<class>/<image>``, no column: the output has each image's
+``file`` and ``folder``, its class folder). Each row is encoded as the search encoded its
 training rows (the card's backbone, ``max_tokens`` and precision; the backbone's weights must match
 the card's ``weights_sha256``), and the model's linear head maps its features to logits by the card's
 rule (``logits``: ``augmented`` x̃·[W | b]ᵀ with x̃ = (x, 1), as the fused runner scored; ``module``:
@@ -69,8 +71,8 @@ def head_logits(features: np.ndarray, weight: np.ndarray, bias: np.ndarray, rule
     return logits.numpy()
 
 
-def model_features(card: dict[str, Any], inputs: list[str] | np.ndarray) -> np.ndarray:
-    """Features of ``inputs`` (texts, or embeddings for backbone ``none``) as the search made them."""
+def model_features(card: dict[str, Any], inputs: list[str] | list[Path] | np.ndarray) -> np.ndarray:
+    """Features of ``inputs`` (texts, image files, or embeddings for backbone ``none``) as the search made them."""
     from dptune.contract import NO_BACKBONE
 
     data = card["data"]
@@ -79,13 +81,16 @@ def model_features(card: dict[str, Any], inputs: list[str] | np.ndarray) -> np.n
         if not isinstance(inputs, np.ndarray):
             raise PredictError("this model was trained on embeddings (backbone 'none'): the column must hold them")
         return inputs
-    if not isinstance(inputs, list):
-        raise PredictError(f"this model encodes texts with backbone {backbone!r}: the column must hold strings")
-    from dptune.data.features import encode_texts, folder_fingerprint, weights_fingerprint
+    from dptune.data.features import encode_images, encode_texts, folder_fingerprint, weights_fingerprint
+    from dptune.data.sources import ImageFiles
     from dptune.models import build_feature_extractor, load_tokenizer
     from dptune.models.backbones import get_backbone
 
     info = get_backbone(backbone)
+    images = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], Path)
+    if isinstance(inputs, np.ndarray) or images != (info.modality == "image"):
+        wanted = "an image folder" if info.modality == "image" else "a column of strings"
+        raise PredictError(f"this model encodes {info.modality} with backbone {backbone!r}: the input must be {wanted}")
     extractor = build_feature_extractor(backbone)
     source = info.weight_source() if info.weight_source is not None else None  # as the feature cache keys them
     digest = folder_fingerprint(source) if source is not None else weights_fingerprint(extractor)
@@ -94,23 +99,34 @@ def model_features(card: dict[str, Any], inputs: list[str] | np.ndarray) -> np.n
             f"backbone {backbone!r} here has weights sha256 {digest[:12]}…, the model was trained on features "
             f"of {data['weights_sha256'][:12]}…: install the weights the search used"
         )
+    why = ", as the model was trained"
+    if images:
+        files = ImageFiles(inputs, info.image_size)  # type: ignore[arg-type]
+        return encode_images(extractor, files, np.arange(len(files)), info.feature_dim, data["precision"], why)
     max_tokens = None if data["max_tokens"] == "None" else int(data["max_tokens"])
     tokenizer = load_tokenizer(backbone)
-    return encode_texts(
-        extractor, tokenizer, inputs, max_tokens, info.feature_dim, data["precision"], why=", as the model was trained"
-    )
+    return encode_texts(extractor, tokenizer, inputs, max_tokens, info.feature_dim, data["precision"], why=why)  # type: ignore[arg-type]
 
 
-def read_inputs(path: str, column: str, declared: str = "auto") -> tuple[Any, list[str] | np.ndarray]:
-    """The whole input table of ``path`` and its ``column`` (texts, or float32 embeddings (n, d))."""
+def read_inputs(
+    path: str, column: str | None, declared: str = "auto"
+) -> tuple[Any, list[str] | list[Path] | np.ndarray]:
+    """The whole input table of ``path`` and its ``column`` (texts, or float32 embeddings (n, d)); for
+    an image folder, a table of its images' ``file`` (relative) and ``folder``, and the image files."""
     import pyarrow as pa
 
-    from dptune.data.files import read_columns
+    from dptune.data.files import file_format, image_folder, read_columns
     from dptune.data.spec import WorkloadError
 
-    if not Path(path).is_file():
-        raise PredictError(f"--input {path}: no such file")
+    if not Path(path).exists():
+        raise PredictError(f"--input {path}: no such file or folder")
     try:
+        if file_format(path, declared) == "imagefolder":
+            files, folders = image_folder(path)
+            relative = [str(file.relative_to(path)) for file in files]
+            return pa.table({"file": relative, "folder": folders}), files
+        if column is None:
+            raise PredictError(f"--column: required for the table {path} (only an image folder has none)")
         table = read_columns(path, declared, [column], every_column=True)
     except WorkloadError as error:
         raise PredictError(str(error)) from None
@@ -129,7 +145,9 @@ def read_inputs(path: str, column: str, declared: str = "auto") -> tuple[Any, li
         raise PredictError(f"--column {column!r} of {path} holds {values.type}: texts or lists of numbers") from None
 
 
-def predict_file(model: str | Path, input_path: str, output_path: str, column: str, declared: str = "auto") -> int:
+def predict_file(
+    model: str | Path, input_path: str, output_path: str, column: str | None = None, declared: str = "auto"
+) -> int:
     """Write ``input_path``'s rows with each one's ``prediction`` and ``confidence`` to ``output_path``.
     Every check (model, input, column, output suffix) runs before anything is encoded. Returns the
     number of rows."""
@@ -145,7 +163,7 @@ def predict_file(model: str | Path, input_path: str, output_path: str, column: s
     features = model_features(card, inputs)
     if features.shape[1] != parameters["weight"].shape[1]:
         raise PredictError(
-            f"--column {column!r}: {features.shape[1]}-d inputs, the model takes {parameters['weight'].shape[1]}-d"
+            f"--input {input_path}: {features.shape[1]}-d inputs, the model takes {parameters['weight'].shape[1]}-d"
         )
     logits = head_logits(features, parameters["weight"], parameters["bias"], card["logits"])
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -178,8 +196,12 @@ def _encoded(table: Any, kind: str) -> bytes:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dptune.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a model folder: <results>/models/<cell>/")
-    parser.add_argument("--input", required=True, help="csv, tsv, jsonl or parquet file of rows to label")
-    parser.add_argument("--column", required=True, help="the input column: texts, or embeddings for backbone none")
+    parser.add_argument(
+        "--input", required=True, help="csv, tsv, jsonl or parquet file, save_to_disk folder or image folder to label"
+    )
+    parser.add_argument(
+        "--column", help="the input column: texts, or embeddings for backbone none (none for an image folder)"
+    )
     parser.add_argument("--output", required=True, help="where to write the rows with their predictions")
     parser.add_argument("--format", default="auto", help="the input's format (default: by suffix)")
     args = parser.parse_args(argv)

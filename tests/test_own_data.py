@@ -188,14 +188,12 @@ def test_a_bad_dataset_file_is_refused_naming_what_is_wrong(
     assert named in str(error.value)
 
 
-def test_the_space_takes_a_file_mapping_and_refuses_an_object_store_uri(tmp_path: Path) -> None:
+def test_the_space_takes_a_file_mapping(tmp_path: Path) -> None:
     tiny = REPO_ROOT / "tests/spaces/tiny.yaml"
     dataset = {"path": "data/tickets.csv", "input_column": "text", "label_column": "label"}
     task = load_space(tiny, {"task.dataset": dataset}).space.task
     assert task.dataset_name == "file:tickets.csv" and task.dataset_file is not None
     assert task.dataset_file.path == str(Path("data/tickets.csv").resolve())
-    with pytest.raises(SpaceError, match="only local files are read"):
-        load_space(tiny, {"task.dataset": {**dataset, "path": "s3://bucket/tickets.csv"}})
     with pytest.raises(SpaceError, match="test_public: true needs test_path"):
         load_space(tiny, {"task.dataset": {**dataset, "test_public": True}})
 

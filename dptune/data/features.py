@@ -34,7 +34,6 @@ reads the first one's file.
 from __future__ import annotations
 
 import copy
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -44,7 +43,6 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -57,7 +55,7 @@ from torch.utils.data import DataLoader, Subset
 
 from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_text_runner
 from dptune.data.sources import ImageFiles, RawDataset
-from dptune.paths import cache_dir
+from dptune.paths import cache_dir, exclusive
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -460,16 +458,6 @@ def encode_rows(
     return encode_images(extractor, raw.inputs, rows, feature_dim, precision, why)
 
 
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
@@ -564,7 +552,7 @@ def cached_features(
         )
         choice = choose_precision(device, backbone, encode_probe, len(probe), candidates)
     _, path, key = entry(choice.precision)
-    with _exclusive(path.with_name(path.name + ".lock")):
+    with exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)
         if features is None:
             if extractor is None:

@@ -1,21 +1,32 @@
-"""A data owner's own dataset file (:class:`dptune.contract.DatasetFile`): read, checked, as a :class:`RawDataset`.
+"""A data owner's own dataset (:class:`dptune.contract.DatasetFile`): read, checked, as a :class:`RawDataset`.
 
-Formats (``DatasetFile.format``, ``auto`` by suffix): ``csv``, ``tsv``, ``jsonl`` and ``parquet``,
-read with pyarrow, only the two named columns. The input column holds texts (strings: the
-``text`` modality, encoded by a text backbone) or embeddings (lists of floats of one length: the
-``features`` modality, trained on as they are with backbone ``none``). Labels are ints or strings;
-the classes are their distinct values in sorted order (names kept), shared by the test file.
+Formats (``DatasetFile.format``, ``auto`` by suffix, or for a folder by its content):
+
+- ``csv``, ``tsv``, ``jsonl`` and ``parquet``, read with pyarrow, only the two named columns;
+- ``hf_disk``, a Hugging Face dataset saved with ``save_to_disk`` (``datasets.load_from_disk``,
+  memory-mapped), the two named columns; a ``ClassLabel`` label column keeps its class names;
+- ``imagefolder``, torchvision's layout ``<path>/<class>/<image>``: every image file (torchvision's
+  suffixes; hidden files and others are skipped) is a row, its folder's name its label. Each image's
+  header is read here (a file that is no image is refused by name); pixels are read when encoded.
+
+The input column holds texts (strings: the ``text`` modality, encoded by a text backbone) or
+embeddings (lists of floats of one length: the ``features`` modality, trained on as they are with
+backbone ``none``). Labels are ints or strings; the classes are their distinct values in sorted
+order (names kept), shared by the test file. A path may be an object-store URI
+(:mod:`dptune.data.remote`: copied once into the cache).
 
 Every check raises :class:`WorkloadError` naming the file, the column or row and what is allowed:
-missing file or column, an unknown format, unreadable rows, missing labels, fewer than 2 classes,
-a class with fewer than :data:`MIN_ROWS_PER_CLASS` rows, empty texts, NaN or ragged embeddings, a
-test file whose input kind or classes differ. The fingerprint (sha256 of the files' bytes, the
+missing file or column, an unknown format, unreadable rows or images, missing labels, fewer than 2
+classes, a class with fewer than :data:`MIN_ROWS_PER_CLASS` rows, empty texts, NaN or ragged
+embeddings, a test file whose input kind or classes differ. The fingerprint (sha256 of the files'
+bytes, for an image folder of its listing: each image's path, size and modification time, plus the
 format and the columns) keys the feature cache and is recorded, so a changed file is never served
-stale features. A file is read once per process per (path, size, mtime).
+stale features. A dataset is read once per process per version (the same listing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -25,21 +36,33 @@ from typing import Any
 import numpy as np
 
 from dptune.contract import DATASET_FORMATS, DatasetFile
-from dptune.data.sources import DatasetInfo, RawDataset, file_digest
+from dptune.data.remote import local_copy
+from dptune.data.sources import FOLDER_IMAGE_SIZE, DatasetInfo, ImageFiles, RawDataset, file_digest
 from dptune.data.spec import WorkloadError
 
-#: The suffixes ``format: auto`` recognises.
+#: The suffixes ``format: auto`` recognises for a file.
 SUFFIX_FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+#: The formats whose ``path`` is a folder.
+FOLDER_FORMATS = ("imagefolder", "hf_disk")
+#: The files of an image folder that are images (torchvision's ``IMG_EXTENSIONS``).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 #: Fewest rows of a class: one to train on and one that the validation or test split may take.
 MIN_ROWS_PER_CLASS = 2
 
+#: A dataset's inputs as read: texts, image files, or embeddings ``(n, d)`` float32.
+Inputs = list[str] | list[Path] | np.ndarray
+
 
 def file_format(path: str, declared: str) -> str:
-    """The format of ``path``: ``declared``, or by suffix under ``auto``."""
+    """The format of the local ``path``: ``declared``, or under ``auto`` by suffix (a file) or by
+    content (a folder: ``hf_disk`` if it holds a ``save_to_disk`` dataset, else ``imagefolder``)."""
     if declared not in DATASET_FORMATS:
         raise WorkloadError(f"task.dataset.format {declared!r}: choose one of {list(DATASET_FORMATS)}")
     if declared != "auto":
         return declared
+    if os.path.isdir(path):
+        marks = ("state.json", "dataset_dict.json", "dataset_info.json")
+        return "hf_disk" if any(os.path.isfile(os.path.join(path, mark)) for mark in marks) else "imagefolder"
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIX_FORMATS:
         raise WorkloadError(
@@ -51,62 +74,100 @@ def file_format(path: str, declared: str) -> str:
 
 
 def dataset_file_info(source: DatasetFile) -> DatasetInfo:
-    """The registry-like entry of ``source``: reads and checks the file (once per process per version)."""
+    """The registry-like entry of ``source``: reads and checks it (once per process per version).
+
+    Its ``load(root, image_size)`` sizes an image folder's images to the backbone's ``image_size``."""
     raw = read_dataset_file(source)
     return DatasetInfo(
         name=raw.name,
         modality=raw.modality,
         num_classes=len(raw.class_names),
-        load=lambda root, image_size: read_dataset_file(source),
+        load=lambda root, image_size: _sized(read_dataset_file(source), image_size),
         source=source.path,
         official_test_split=source.test_path is not None and source.test_public,
     )
 
 
+def _sized(raw: RawDataset, image_size: int | None) -> RawDataset:
+    if not isinstance(raw.inputs, ImageFiles) or image_size in (None, raw.inputs.size):
+        return raw
+    return dataclasses.replace(raw, inputs=ImageFiles(raw.inputs.files, image_size))
+
+
 def read_dataset_file(source: DatasetFile) -> RawDataset:
-    """Every row of ``source`` (training file first, then the test file if any) as a :class:`RawDataset`."""
-    paths = [source.path] + ([source.test_path] if source.test_path is not None else [])
-    stamps = []
-    for key, path in zip(("path", "test_path"), paths, strict=False):
-        if not os.path.isfile(path):
-            raise WorkloadError(f"task.dataset.{key} {path}: no such file")
-        stat = os.stat(path)
-        stamps.append((stat.st_size, stat.st_mtime_ns))
-    return _read(source, tuple(stamps))
+    """Every row of ``source`` (training file first, then the test file if any) as a :class:`RawDataset`.
+
+    A URI is read from its local copy (:func:`dptune.data.remote.local_copy`); messages name the URI."""
+    keys = ("path", "test_path") if source.test_path is not None else ("path",)
+    given = [getattr(source, key) for key in keys]
+    local = [local_copy(location, f"task.dataset.{key}") for key, location in zip(keys, given, strict=True)]
+    try:
+        kind = file_format(local[0], source.format)
+        stamps = tuple(_stamp(key, path, kind) for key, path in zip(keys, local, strict=True))
+        return _read(source, tuple(local), kind, stamps)
+    except WorkloadError as error:
+        message = str(error)
+        for uri, path in zip(given, local, strict=True):
+            message = message.replace(path, uri)
+        raise WorkloadError(message) from None
+
+
+def _stamp(key: str, path: str, kind: str) -> tuple[Any, ...]:
+    """What changes when the file or folder ``path`` changes: (size, mtime) of a file, a folder's listing."""
+    if kind in FOLDER_FORMATS:
+        if not os.path.isdir(path):
+            raise WorkloadError(f"task.dataset.{key} {path}: no such folder (a {kind} dataset is a folder)")
+        return tuple(_listing(path))
+    if not os.path.isfile(path):
+        raise WorkloadError(f"task.dataset.{key} {path}: no such file")
+    stat = os.stat(path)
+    return (stat.st_size, stat.st_mtime_ns)
+
+
+def _listing(folder: str) -> list[tuple[str, int, int]]:
+    """(path relative to ``folder``, size, mtime ns) of every file below ``folder``, sorted."""
+    listing = []
+    for parent, folders, files in os.walk(folder):
+        folders.sort()
+        for name in sorted(files):
+            stat = os.stat(os.path.join(parent, name))
+            listing.append((os.path.relpath(os.path.join(parent, name), folder), stat.st_size, stat.st_mtime_ns))
+    return listing
 
 
 @functools.lru_cache(maxsize=8)
-def _read(source: DatasetFile, stamps: tuple[tuple[int, int], ...]) -> RawDataset:
-    train_inputs, train_labels = _columns(source, source.path)
+def _read(source: DatasetFile, paths: tuple[str, ...], kind: str, stamps: tuple[Any, ...]) -> RawDataset:
+    (train_inputs, train_labels, names), *test = (_columns(source, path, kind) for path in paths)
     inputs, labels = train_inputs, train_labels
-    if source.test_path is not None:
-        test_inputs, test_labels = _columns(source, source.test_path)
-        if isinstance(train_inputs, list) and isinstance(test_inputs, list):
-            inputs = train_inputs + test_inputs
-        elif isinstance(train_inputs, np.ndarray) and isinstance(test_inputs, np.ndarray):
+    if test:
+        ((test_inputs, test_labels, _),) = test
+        test_path = paths[1]
+        if _kind(test_inputs) != _kind(train_inputs):
+            raise WorkloadError(
+                f"task.dataset.test_path {test_path}: holds {_kind(test_inputs)}, the training "
+                f"{'folder' if kind in FOLDER_FORMATS else 'file'}'s holds {_kind(train_inputs)}"
+            )
+        if isinstance(train_inputs, np.ndarray) and isinstance(test_inputs, np.ndarray):
             if test_inputs.shape[1] != train_inputs.shape[1]:
                 raise WorkloadError(
-                    f"task.dataset.test_path {source.test_path}: embeddings of length {test_inputs.shape[1]}, the "
+                    f"task.dataset.test_path {test_path}: embeddings of length {test_inputs.shape[1]}, the "
                     f"training file's have {train_inputs.shape[1]}"
                 )
             inputs = np.concatenate([train_inputs, test_inputs])
         else:
-            raise WorkloadError(
-                f"task.dataset.test_path {source.test_path}: column {source.input_column!r} holds "
-                f"{_kind(test_inputs)}, the training file's holds {_kind(train_inputs)}"
-            )
+            inputs = [*train_inputs, *test_inputs]
         unknown = sorted(set(test_labels) - set(train_labels), key=str)
         if unknown:
             raise WorkloadError(
-                f"task.dataset.test_path {source.test_path}: labels {unknown[:5]} do not occur in the training "
-                f"file {source.path}; a test file has the training file's classes"
+                f"task.dataset.test_path {test_path}: labels {unknown[:5]} do not occur in the training "
+                f"file {paths[0]}; a test file has the training file's classes"
             )
         labels = train_labels + test_labels
     class_values = sorted(set(train_labels), key=lambda v: (isinstance(v, str), v))
+    label_column = "the class folders" if kind == "imagefolder" else f"column {source.label_column!r}"
     if len(class_values) < 2:
         raise WorkloadError(
-            f"task.dataset {source.path}: column {source.label_column!r} has {len(class_values)} class; a classifier "
-            "needs at least 2"
+            f"task.dataset {paths[0]}: {label_column} has {len(class_values)} class; a classifier needs at least 2"
         )
     index = {value: i for i, value in enumerate(class_values)}
     ids = np.array([index[value] for value in labels], dtype=np.int64)
@@ -114,31 +175,36 @@ def _read(source: DatasetFile, stamps: tuple[tuple[int, int], ...]) -> RawDatase
     small = [str(class_values[c]) for c in np.flatnonzero(counts < MIN_ROWS_PER_CLASS)]
     if small:
         raise WorkloadError(
-            f"task.dataset {source.path}: class(es) {small[:5]} of column {source.label_column!r} have fewer than "
+            f"task.dataset {paths[0]}: class(es) {small[:5]} of {label_column} have fewer than "
             f"{MIN_ROWS_PER_CLASS} rows, too few to split into training and validation"
         )
-    digest = hashlib.sha256(
-        file_digest(*map(Path, [source.path, *([source.test_path] if source.test_path else [])])).encode()
-    )
-    digest.update(f"{file_format(source.path, source.format)}|{source.input_column}|{source.label_column}".encode())
+    digest = hashlib.sha256(repr(stamps).encode() if kind == "imagefolder" else _bytes_digest(paths).encode())
+    digest.update(f"{kind}|{source.input_column}|{source.label_column}".encode())
     return RawDataset(
         name=source.display_name,
-        modality="text" if isinstance(inputs, list) else "features",
-        class_names=[str(value) for value in class_values],
-        inputs=inputs,
+        modality={"texts": "text", "images": "image", "embeddings": "features"}[_kind(inputs)],  # type: ignore[arg-type]
+        class_names=[names[value] if names else str(value) for value in class_values],  # type: ignore[index]
+        inputs=ImageFiles(inputs, FOLDER_IMAGE_SIZE) if _kind(inputs) == "images" else inputs,  # type: ignore[arg-type]
         labels=ids,
         num_official_train=len(train_labels) if source.test_path is not None else None,
         fingerprint=digest.hexdigest(),
     )
 
 
-def _kind(inputs: list[str] | np.ndarray) -> str:
-    return "texts" if isinstance(inputs, list) else "embeddings"
+def _bytes_digest(paths: tuple[str, ...]) -> str:
+    """sha256 of the bytes of the files ``paths`` and, for a folder, of every file below it (sorted)."""
+    files = [
+        Path(path, relative) if os.path.isdir(path) else Path(path)
+        for path in paths
+        for relative in ([name for name, _, _ in _listing(path)] if os.path.isdir(path) else [""])
+    ]
+    return file_digest(*files)
 
 
-def _table(source: DatasetFile, path: str) -> Any:
-    """The two columns of ``path`` as a pyarrow Table (every other column is never read)."""
-    return read_columns(path, source.format, [source.input_column, source.label_column])
+def _kind(inputs: Inputs) -> str:
+    if isinstance(inputs, np.ndarray):
+        return "embeddings"
+    return "images" if inputs and isinstance(inputs[0], Path) else "texts"
 
 
 def read_columns(path: str, declared: str, wanted: list[str], *, every_column: bool = False) -> Any:
@@ -151,7 +217,11 @@ def read_columns(path: str, declared: str, wanted: list[str], *, every_column: b
     import pyarrow.parquet as pq
 
     kind = file_format(path, declared)
+    if kind == "imagefolder":
+        raise WorkloadError(f"{path}: an image folder has no columns; give a csv, tsv, jsonl, parquet or hf_disk table")
     try:
+        if kind == "hf_disk":
+            return _saved_dataset(path, wanted, every_column).with_format("arrow")[:]
         if kind == "parquet":
             names = pq.read_schema(path).names
             _check_columns(path, wanted, names)
@@ -176,37 +246,71 @@ def _check_columns(path: str, wanted: list[str], names: list[str]) -> None:
             raise WorkloadError(f"{role} {column!r} is not a column of {path}; its columns: {names}")
 
 
-def _columns(source: DatasetFile, path: str) -> tuple[list[str] | np.ndarray, list[int | str]]:
-    """(inputs, labels) of ``path``: texts as a list, embeddings as float32 ``(n, d)``; labels as values."""
+def _saved_dataset(path: str, wanted: list[str], every_column: bool) -> Any:
+    """The ``datasets.Dataset`` saved at ``path`` (its columns ``wanted``, or all), memory-mapped."""
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise WorkloadError(f"{path}: not a dataset saved with save_to_disk ({str(error)[:200]})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise WorkloadError(
+            f"{path}: a DatasetDict of the splits {sorted(dataset)}; name one split's folder as path "
+            f"(e.g. {path}/{next(iter(dataset))}) and another as test_path"
+        )
+    _check_columns(path, wanted, dataset.column_names)
+    return dataset if every_column else dataset.select_columns(wanted)
+
+
+def _class_names(path: str, kind: str, column: str) -> dict[int, str] | None:
+    """The names of a ``save_to_disk`` dataset's ``ClassLabel`` column by class id, else None."""
+    if kind != "hf_disk":
+        return None
+    import datasets
+
+    feature = datasets.load_from_disk(path).features[column]
+    return dict(enumerate(feature.names)) if isinstance(feature, datasets.ClassLabel) else None
+
+
+def _columns(source: DatasetFile, path: str, kind: str) -> tuple[Inputs, list[int | str], dict[int, str] | None]:
+    """(inputs, labels, class names by id or None) of ``path``: texts as a list, image files as a list of
+    paths, embeddings as float32 ``(n, d)``; labels as values."""
     import pyarrow as pa
 
-    table = _table(source, path)
+    if kind == "imagefolder":
+        images, classes = image_folder(path)
+        return images, list[int | str](classes), None
+    input_column, label_column = source.input_column, source.label_column
+    if input_column is None or label_column is None:
+        role = "input_column" if input_column is None else "label_column"
+        raise WorkloadError(f"task.dataset.{role}: required for a {kind} dataset (only an image folder has none)")
+    table = read_columns(path, kind, [input_column, label_column])
     if table.num_rows == 0:
         raise WorkloadError(f"task.dataset {path}: no rows")
-    label = table.column(source.label_column)
+    label = table.column(label_column)
     if label.null_count:
         row = int(np.flatnonzero(label.is_null().to_numpy(zero_copy_only=False))[0])
-        raise WorkloadError(f"task.dataset {path}: row {row} has no {source.label_column!r} (labels must be set)")
+        raise WorkloadError(f"task.dataset {path}: row {row} has no {label_column!r} (labels must be set)")
     if not (pa.types.is_integer(label.type) or pa.types.is_string(label.type) or pa.types.is_large_string(label.type)):
         raise WorkloadError(
-            f"task.dataset.label_column {source.label_column!r} of {path} holds {label.type}; "
-            "labels are ints or strings"
+            f"task.dataset.label_column {label_column!r} of {path} holds {label.type}; labels are ints or strings"
         )
     labels = label.to_pylist()
-    column = table.column(source.input_column)
+    column = table.column(input_column)
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         texts = column.to_pylist()
         empty = [row for row, text in enumerate(texts) if text is None or not text.strip()]
         if empty:
             raise WorkloadError(
-                f"task.dataset {path}: row {empty[0]} has an empty {source.input_column!r} "
+                f"task.dataset {path}: row {empty[0]} has an empty {input_column!r} "
                 f"({len(empty)} empty in all); every text must be non-empty"
             )
-        return texts, labels
+        return texts, labels, _class_names(path, kind, label_column)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         if not (pa.types.is_floating(column.type.value_type) or pa.types.is_integer(column.type.value_type)):
             raise WorkloadError(
-                f"task.dataset.input_column {source.input_column!r} of {path} holds lists of "
+                f"task.dataset.input_column {input_column!r} of {path} holds lists of "
                 f"{column.type.value_type}; an embedding is a list of numbers"
             )
         rows = column.to_pylist()
@@ -215,18 +319,46 @@ def _columns(source: DatasetFile, path: str) -> tuple[list[str] | np.ndarray, li
         if lengths[0] < 1 or len(ragged):
             bad = int(ragged[0]) if len(ragged) else 0
             raise WorkloadError(
-                f"task.dataset {path}: row {bad} of {source.input_column!r} has {max(int(lengths[bad]), 0)} numbers, "
+                f"task.dataset {path}: row {bad} of {input_column!r} has {max(int(lengths[bad]), 0)} numbers, "
                 f"row 0 has {int(lengths[0])}; every embedding has one length ≥ 1"
             )
         values = np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=np.float32)
         finite = np.isfinite(values).all(axis=1)
         if not finite.all():
             raise WorkloadError(
-                f"task.dataset {path}: row {int(np.flatnonzero(~finite)[0])} of {source.input_column!r} holds NaN, "
+                f"task.dataset {path}: row {int(np.flatnonzero(~finite)[0])} of {input_column!r} holds NaN, "
                 "infinity or a missing number; embeddings must be finite"
             )
-        return values, labels
+        return values, labels, _class_names(path, kind, label_column)
     raise WorkloadError(
-        f"task.dataset.input_column {source.input_column!r} of {path} holds {column.type}; it holds texts (strings) "
+        f"task.dataset.input_column {input_column!r} of {path} holds {column.type}; it holds texts (strings) "
         "or embeddings (lists of numbers)"
     )
+
+
+def image_folder(path: str) -> tuple[list[Path], list[str]]:
+    """(image files, their class folders' names) of the image folder ``path`` (``<path>/<class>/<image>``, an
+    image being a file with a suffix of :data:`IMAGE_SUFFIXES`, hidden files skipped), each image's header
+    read (streamed: one file open at a time): :class:`WorkloadError` naming a file that is no image."""
+    from PIL import Image, UnidentifiedImageError
+
+    classes = sorted(entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith("."))
+    if not classes:
+        raise WorkloadError(
+            f"task.dataset {path}: no class folders; an image folder is <path>/<class>/<image> (torchvision's layout)"
+        )
+    files, labels = [], []
+    for name in classes:
+        for relative, _, _ in _listing(os.path.join(path, name)):
+            if relative.lower().endswith(IMAGE_SUFFIXES) and not os.path.basename(relative).startswith("."):
+                files.append(Path(path, name, relative))
+                labels.append(name)
+    for file in files:
+        try:
+            with Image.open(file) as image:
+                image.size  # noqa: B018 (the header is parsed on open)
+        except (UnidentifiedImageError, OSError) as error:
+            raise WorkloadError(f"task.dataset {path}: {file} is not a readable image ({error})") from None
+    if not files:
+        raise WorkloadError(f"task.dataset {path}: no images (files ending in {', '.join(IMAGE_SUFFIXES)})")
+    return files, labels

@@ -88,14 +88,17 @@ class ImageFiles(Dataset[tuple[torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor]:
         from PIL import Image
 
-        with Image.open(self.files[index]) as image:
-            rgb = image.convert("RGB")
-            scale = self.size / min(rgb.size)
-            width, height = (max(self.size, round(side * scale)) for side in rgb.size)
-            rgb = rgb.resize((width, height), Image.Resampling.BILINEAR, reducing_gap=None)
-            left, top = (width - self.size) // 2, (height - self.size) // 2
-            rgb = rgb.crop((left, top, left + self.size, top + self.size))
-            return (torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous(),)
+        try:
+            with Image.open(self.files[index]) as image:
+                rgb = image.convert("RGB")
+        except OSError as error:  # PIL's UnidentifiedImageError and truncated files
+            raise WorkloadError(f"{self.files[index]}: not a readable image ({error})") from None
+        scale = self.size / min(rgb.size)
+        width, height = (max(self.size, round(side * scale)) for side in rgb.size)
+        rgb = rgb.resize((width, height), Image.Resampling.BILINEAR, reducing_gap=None)
+        left, top = (width - self.size) // 2, (height - self.size) // 2
+        rgb = rgb.crop((left, top, left + self.size, top + self.size))
+        return (torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous(),)
 
 
 def file_digest(*paths: Path) -> str:

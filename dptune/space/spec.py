@@ -28,7 +28,7 @@ from dptune.contract import (
     SamplerName,
 )
 from dptune.errors import DptuneError
-from dptune.paths import MAX_NAME_CHARS, check_name
+from dptune.paths import ALLOWED_SCHEMES, MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
 from dptune.privacy import MAX_EPSILON, MIN_EPSILON
 
@@ -52,30 +52,45 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class DatasetFileSpec(_Strict):
-    """A data owner's own dataset file (``task.dataset`` as a mapping; :class:`dptune.contract.DatasetFile`).
+    """A data owner's own dataset (``task.dataset`` as a mapping; :class:`dptune.contract.DatasetFile`).
 
-    ``path`` and ``test_path``: local files (a relative path is taken from the current folder,
-    ``file://`` is accepted); ``format``: by suffix under ``auto``."""
+    ``path`` and ``test_path``: local files or folders (a relative path is taken from the current
+    folder, ``file://`` is accepted) or object-store URIs (``s3://``, ``gs://``, ...: what
+    ``--storage`` accepts); ``format``: by suffix, or a folder by its content, under ``auto``.
+    ``input_column`` and ``label_column`` name a table's columns; an image folder has none."""
 
     path: str = Field(min_length=1)
     format: DatasetFormat = "auto"
-    input_column: str = Field(min_length=1, description="texts (strings) or embeddings (lists of numbers)")
-    label_column: str = Field(min_length=1, description="ints or strings")
+    input_column: str | None = Field(
+        None, min_length=1, description="texts (strings) or embeddings (lists of numbers); not for an image folder"
+    )
+    label_column: str | None = Field(None, min_length=1, description="ints or strings; not for an image folder")
     test_path: str | None = None
     test_public: bool = Field(False, description="the test file may be published (else it is private data)")
 
     @field_validator("path", "test_path")
     @classmethod
-    def _local(cls, value: str | None) -> str | None:
+    def _location(cls, value: str | None) -> str | None:
         if value is None:
             return None
         local = value.removeprefix("file://")
         if "://" in local:
-            raise ValueError(
-                f"{value!r}: only local files are read (a path, or file://); copy the file from its object store "
-                "to the machine that runs the search first"
-            )
+            scheme = local.split("://", 1)[0].lower()
+            if scheme not in ALLOWED_SCHEMES:
+                raise ValueError(
+                    f"{value!r}: unknown URI scheme {scheme!r} (a local path, or one of "
+                    f"{', '.join(s + '://' for s in ALLOWED_SCHEMES)})"
+                )
+            return value
         return str(Path(local).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _columns_of_a_table(self) -> Self:
+        if self.format == "imagefolder" and (self.input_column or self.label_column):
+            raise ValueError("an image folder has no columns: its class folders are the labels (drop the columns)")
+        if self.format not in ("auto", "imagefolder") and not (self.input_column and self.label_column):
+            raise ValueError(f"a {self.format} dataset needs input_column and label_column")
+        return self
 
     @model_validator(mode="after")
     def _public_needs_file(self) -> Self:

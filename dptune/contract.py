@@ -60,6 +60,25 @@ def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
 
 #: ``task.backbone`` of a dataset that holds its rows' own embeddings: the head trains on them as they are.
 NO_BACKBONE = "none"
+#: Prefixes of the name of a team's own backbone (``task.backbone`` as a mapping, :mod:`dptune.models.own`).
+HF_PREFIX, HF_CLS_PREFIX, TIMM_PREFIX = "hf:", "hf-cls:", "timm:"
+
+
+def is_own_backbone(name: str) -> bool:
+    """Whether the backbone ``name`` names a team's own backbone rather than a registry entry."""
+    return name.startswith((HF_PREFIX, HF_CLS_PREFIX, TIMM_PREFIX))
+
+
+def hf_name(folder: str, pooling: str = "mean") -> str:
+    """The backbone name of the ``save_pretrained`` folder ``folder`` pooled by ``pooling`` (``mean``, ``cls``)."""
+    return (HF_CLS_PREFIX if pooling == "cls" else HF_PREFIX) + folder
+
+
+def timm_name(architecture: str, weights: str) -> str:
+    """The backbone name of the timm ``architecture`` with the weights file ``weights``."""
+    return f"{TIMM_PREFIX}{architecture}:{weights}"
+
+
 #: Formats of a data owner's own dataset (``DatasetFile.format``; ``auto``: a file by its suffix, a
 #: folder ``hf_disk`` when it holds a ``save_to_disk`` dataset, else ``imagefolder``).
 DatasetFormat = Literal["auto", "csv", "tsv", "jsonl", "parquet", "imagefolder", "hf_disk"]

@@ -277,6 +277,15 @@ def search_env(test_cache_dir: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def own_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A team's own ``save_pretrained`` folder: a copy of the embedded all-MiniLM-L6-v2 (config,
+    weights, tokenizer), named in a space as ``{hf: <folder>}``."""
+    from dptune.models.backbones import minilm_folder
+
+    return Path(shutil.copytree(minilm_folder(), tmp_path_factory.mktemp("own-encoder") / "encoder"))
+
+
 @dataclass(frozen=True)
 class SearchRun:
     """A finished search: where its dataset is and what it printed."""

@@ -243,8 +243,8 @@ def test_an_image_folder_search_hands_back_a_model_that_labels_the_test_folder_a
     assert abs(int((labelled["prediction"] == labelled["folder"]).sum()) - right) <= 1
 
 
-def test_a_saved_hf_dataset_search_hands_back_a_model_that_labels_its_test_split_as_scored(
-    search_env: dict[str, str], newsgroup_frames: tuple[pd.DataFrame, pd.DataFrame], tmp_path: Path
+def test_a_saved_hf_dataset_searched_with_an_own_encoder_hands_back_a_model_that_labels_its_test_split(
+    search_env: dict[str, str], newsgroup_frames: tuple[pd.DataFrame, pd.DataFrame], own_encoder: Path, tmp_path: Path
 ) -> None:
     train, test = (
         _saved(frame, tmp_path / name) for frame, name in zip(newsgroup_frames, ("train", "test"), strict=True)
@@ -253,7 +253,11 @@ def test_a_saved_hf_dataset_search_hands_back_a_model_that_labels_its_test_split
         search_env,
         tmp_path / "results",
         {"path": str(train), "input_column": "text", "label_column": "label", "test_path": str(test)},
+        "--set",
+        f"task.backbone={json.dumps({'hf': str(own_encoder)})}",
     )
+    card = json.loads((model / CARD_JSON).read_text())
+    assert card["data"]["backbone"] == f"hf:{own_encoder}" and card["data"]["class_names"] == list(GROUPS)
     labelled, right = _predicted_right(model, test, tmp_path / "labelled.parquet", "--column", "text")
     assert set(labelled["prediction"]) <= set(GROUPS)
     truth = [GROUPS[label] for label in labelled["label"]]

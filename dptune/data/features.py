@@ -39,6 +39,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import time
 import uuid
@@ -99,10 +100,12 @@ def weights_fingerprint(module: nn.Module, exclude: Collection[str] = ()) -> str
 
 
 def folder_fingerprint(folder: Path) -> str:
-    """sha256 over every file under ``folder`` (relative names and contents, in name order)."""
+    """sha256 over every file under ``folder`` (relative names and contents, in name order); of a
+    weights file, over its name and contents."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(folder).as_posix()}\n".encode())
+    files = [folder] if folder.is_file() else sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        digest.update(f"{path.relative_to(folder.parent if folder.is_file() else folder).as_posix()}\n".encode())
         with open(path, "rb") as handle:
             digest.update(hashlib.file_digest(handle, "sha256").digest())
     return digest.hexdigest()
@@ -241,7 +244,7 @@ def measure_precision(
 def _precision_record(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> Path:
     identity = {**machine_identity(device), "backbone": backbone, "candidates": list(candidates)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir("precision") / f"{backbone}-{digest}.json"
+    return cache_dir("precision") / f"{file_label(backbone)}-{digest}.json"
 
 
 def recorded_precision(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> PrecisionChoice | None:
@@ -494,9 +497,10 @@ def cached_features(
     A full-dataset cache entry serves any subset; a capped subset that finds none encodes just
     its rows and caches them under a key that includes the row set.
     """
-    from dptune.models import BACKBONES, build_feature_extractor
+    from dptune.models import build_feature_extractor
+    from dptune.models.backbones import get_backbone
 
-    info = BACKBONES[backbone]
+    info = get_backbone(backbone)
     device = encoding_device()
     candidates = candidate_precisions(device, raw.modality)
     choice = recorded_precision(device, backbone, candidates)
@@ -515,7 +519,8 @@ def cached_features(
         "weights_sha256": weights,
         "max_tokens": max_tokens if raw.modality == "text" else None,
         "image_size": image_size if raw.modality == "image" else None,
-        "pooling": ("attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output"),
+        "pooling": info.pooling
+        or ("attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output"),
     }
     folder = cache_dir("features")
     total = len(raw.labels)
@@ -585,4 +590,11 @@ def _describe(provenance: dict[str, str] | None, base: dict[str, object], precis
 
 def _file_name(dataset: str, backbone: str, key: dict[str, object]) -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return f"{dataset}-{backbone}-{digest}.npy"
+    return f"{file_label(dataset)}-{file_label(backbone)}-{digest}.npy"
+
+
+def file_label(name: str) -> str:
+    """``name`` (a dataset's or backbone's, which may hold a path: ``hf:/models/encoder``) as a part of a
+    file name: its last 60 characters, each other than a letter, digit, ``.``, ``_`` or ``-`` as ``_``
+    (the key's digest beside it tells names apart)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[-60:]

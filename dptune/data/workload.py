@@ -41,14 +41,16 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     valid values. Returns the dataset's registry entry."""
     from dptune.models import ModelError, check_model_request
 
-    info = dataset_info(spec)
-    if spec.backbone == NO_BACKBONE or info.modality == "features":
-        _check_features_spec(spec, info)
-        return _check_knobs(spec, info)
-    try:
-        backbone = check_model_request(spec.backbone, spec.peft, feature_input=spec.peft == "head")
+    try:  # the backbone first: a wrong one is told before a data owner's file is read
+        backbone = None
+        if spec.backbone != NO_BACKBONE:
+            backbone = check_model_request(spec.backbone, spec.peft, feature_input=spec.peft == "head")
     except ModelError as error:
         raise WorkloadError(str(error)) from error
+    info = dataset_info(spec)
+    if backbone is None or info.modality == "features":
+        _check_features_spec(spec, info)
+        return _check_knobs(spec, info)
     if backbone.modality != info.modality:
         raise WorkloadError(
             f"backbone {spec.backbone!r} takes {backbone.modality}, dataset {spec.dataset!r} is "
@@ -252,12 +254,12 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     backbone's features come from the cache (encoded on first use: every row of the dataset,
     or only the kept rows when ``max_train_examples``/``max_eval_examples`` cap the splits).
     """
-    from dptune.models import BACKBONES, load_tokenizer
+    from dptune.models import get_backbone, load_tokenizer
 
     info = check_spec(spec)
     if info.modality == "features":
         return _own_features(spec, info.load(data_dir, None))
-    backbone = BACKBONES[spec.backbone]
+    backbone = get_backbone(spec.backbone)
     raw = info.load(data_dir, backbone.image_size)
     rows, labels = _rows_and_labels(spec, raw)
     max_tokens = spec.max_tokens or backbone.max_tokens

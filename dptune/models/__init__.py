@@ -35,10 +35,12 @@ sampler (Opacus itself has none). Full fine-tuning of a timm ViT still
 vmaps the whole model, because ``cls_token``/``pos_embed`` live on the root module: prefer
 FiLM or LoRA for ViTs under DP.
 
-Registries ``BACKBONES`` and ``PEFTS`` are the one place to add a backbone or a PEFT method.
+Registries ``BACKBONES`` and ``PEFTS`` are the one place to add a backbone or a PEFT method; a
+team's own backbone (a ``save_pretrained`` folder, a timm architecture with its weights file) is
+named in the space instead (:mod:`dptune.models.own`), and ``get_backbone`` resolves both.
 """
 
-from dptune.models.backbones import BACKBONES, list_backbones
+from dptune.models.backbones import BACKBONES, get_backbone, list_backbones
 from dptune.models.base import BackboneInfo, ModelError
 from dptune.models.build import (
     Classifier,
@@ -63,6 +65,7 @@ __all__ = [
     "build_model",
     "check_dp_compatible",
     "check_model_request",
+    "get_backbone",
     "list_backbones",
     "load_tokenizer",
     "new_head",

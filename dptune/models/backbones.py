@@ -11,64 +11,18 @@ DistilBERT) come from the Hugging Face hub; without network they load from the h
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dptune.models.base import WEIGHTS_ENV, BackboneInfo, ModelError, local_weights, offline
+from dptune.models.extractors import TextEncoder, image_extractor, timm_extractor
 from dptune.models.wrn import WideResNet
-
-
-class ImagePreprocess(nn.Module):
-    """uint8/float images in [0, 255], ``(n, 1|3, H, W)`` → normalised float ``(n, 3, s, s)``.
-
-    Grey images are replicated to three channels; a different resolution is resized with
-    antialiased bilinear interpolation to ``image_size`` = s px; then
-    ``(x/255 - mean)/std`` per channel. No parameters (invisible to DP).
-    """
-
-    mean: torch.Tensor  # (1, 3, 1, 1) buffers
-    std: torch.Tensor
-
-    def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
-        super().__init__()
-        self.image_size = image_size
-        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.float()
-        if x.shape[1] == 1:
-            x = x.expand(-1, 3, -1, -1)
-        if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True)
-        return (x / 255.0 - self.mean) / self.std
-
-
-class TextEncoder(nn.Module):
-    """A transformer encoder followed by mean pooling of the last hidden state, weighted by the
-    attention mask (sentence-transformers' pooling): ``Σ_t m_t h_t / max(Σ_t m_t, 1e-9)``, summed
-    in float32 whatever the encoder's dtype."""
-
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.transformer = transformer
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
-        mask = attention_mask.unsqueeze(-1).float()
-        summed = (hidden * mask).sum(dim=1)
-        return summed / mask.sum(dim=1).clamp_min(1e-9)
-
-
-def _image_extractor(net: nn.Module, image_size: int, mean: Sequence[float], std: Sequence[float]) -> nn.Module:
-    return nn.Sequential(OrderedDict(preprocess=ImagePreprocess(image_size, mean, std), net=net))
 
 
 def _hub_guidance(name: str, source: str) -> str:
@@ -83,13 +37,6 @@ def _hub_guidance(name: str, source: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- timm ViT
-
-
-def _timm_extractor(net: nn.Module, image_size: int) -> nn.Module:
-    """The timm model ``net`` behind the normalisation of its pretrained configuration (mean, std)."""
-    # timm.create_model is annotated nn.Module, but every model it creates carries its pretrained_cfg dict.
-    cfg = cast(dict[str, Any], net.pretrained_cfg)
-    return _image_extractor(net, image_size, cfg["mean"], cfg["std"])
 
 
 def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
@@ -116,7 +63,7 @@ def _timm_vit(name: str, pretrained: bool, image_size: int) -> nn.Module:
             raise ModelError(_hub_guidance(name, f"hub id {hub_id}: {error}")) from error
     else:
         net = timm.create_model(name, pretrained=False, **kwargs)
-    return _timm_extractor(net, image_size)
+    return timm_extractor(net, image_size)
 
 
 # ------------------------------------------------------------------------- EfficientNet-Lite0
@@ -164,7 +111,7 @@ def _efficientnet_lite0(pretrained: bool, image_size: int) -> nn.Module:
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=0)
     if pretrained:
         net.load_state_dict(efficientnet_lite0_state_dict(), strict=True)
-    return _timm_extractor(net, image_size)  # its pretrained_cfg: TF-converted Lite weights expect (x - 0.5)/0.5
+    return timm_extractor(net, image_size)  # its pretrained_cfg: TF-converted Lite weights expect (x - 0.5)/0.5
 
 
 # ------------------------------------------------------------------------------ WideResNet
@@ -172,7 +119,7 @@ def _efficientnet_lite0(pretrained: bool, image_size: int) -> nn.Module:
 
 def _wrn16_4(pretrained: bool, image_size: int) -> nn.Module:
     """The paper's from-scratch baseline: ``pretrained`` has nothing to load and is ignored."""
-    return _image_extractor(WideResNet(depth=16, width=4), image_size, (0.5,) * 3, (0.5,) * 3)
+    return image_extractor(WideResNet(depth=16, width=4), image_size, (0.5,) * 3, (0.5,) * 3)
 
 
 # ---------------------------------------------------------------------- transformers (text)
@@ -333,13 +280,22 @@ BACKBONES: dict[str, BackboneInfo] = {
 
 
 def list_backbones() -> list[str]:
-    """Names accepted as ``backbone``."""
+    """Names accepted as ``backbone`` (besides a team's own: :mod:`dptune.models.own`)."""
     return sorted(BACKBONES)
 
 
 def get_backbone(name: str) -> BackboneInfo:
-    """The registry entry for ``name``; :class:`ModelError` naming the valid choices otherwise."""
-    try:
+    """The registry entry for ``name``, or the entry of a team's own backbone (``hf:<folder>``,
+    ``hf-cls:<folder>``, ``timm:<architecture>:<file>``: :func:`dptune.models.own.own_backbone`,
+    checked without building it); :class:`ModelError` naming the valid choices otherwise."""
+    from dptune.contract import is_own_backbone
+    from dptune.models.own import own_backbone
+
+    if name in BACKBONES:
         return BACKBONES[name]
-    except KeyError:
-        raise ModelError(f"unknown backbone {name!r}; choose one of {list_backbones()}") from None
+    if is_own_backbone(name):
+        return own_backbone(name)
+    raise ModelError(
+        f"unknown backbone {name!r}; choose one of {list_backbones()}, or a model of your own: "
+        "{hf: <save_pretrained folder>} or {timm: <architecture>, weights: <file>}"
+    )

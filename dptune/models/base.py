@@ -38,7 +38,8 @@ class BackboneInfo:
     False for backbones trained from scratch (``pretrained`` is then ignored). ``weight_source()``,
     where given, returns the local folder the pretrained weights load from (``None`` when they
     come from elsewhere): the feature cache then identifies the weights by its files, without
-    building the model.
+    building the model. ``pooling`` describes how a text backbone's hidden states become its
+    features where that is not the attention-mask mean (the feature cache's key says it).
     """
 
     name: str
@@ -52,6 +53,7 @@ class BackboneInfo:
     lora_targets: tuple[str, ...] = ()
     has_pretrained_weights: bool = True
     weight_source: Callable[[], Path | None] | None = None
+    pooling: str | None = None
 
 
 def offline() -> bool:

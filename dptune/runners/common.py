@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dptune.contract import NO_BACKBONE, TrialConfig, WorkloadSpec
+from dptune.contract import NO_BACKBONE, TrialConfig, WorkloadSpec, is_own_backbone
 from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.discrete_gaussian import sample_discrete_gaussian
@@ -63,8 +63,10 @@ def check_config(config: TrialConfig) -> torch.device:
         ("backbone", workload.backbone, BACKBONES),
         ("peft", workload.peft, PEFTS),
     ):
-        own = (kind == "dataset" and workload.dataset_file is not None) or (kind, value) == ("backbone", NO_BACKBONE)
-        if value not in registry and not own:  # a data owner's file, embeddings: checked with the data (check_spec)
+        own = (kind == "dataset" and workload.dataset_file is not None) or (
+            kind == "backbone" and (value == NO_BACKBONE or is_own_backbone(value))
+        )
+        if value not in registry and not own:  # own data, backbones, embeddings: checked with the data (check_spec)
             raise TrialConfigError(f"{kind} {value!r} is unknown; choose one of {_choices(registry)}")
     try:
         check_rule(config.clipping)

@@ -13,7 +13,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,6 +26,8 @@ from dptune.contract import (
     PeftName,
     RunnerName,
     SamplerName,
+    hf_name,
+    timm_name,
 )
 from dptune.errors import DptuneError
 from dptune.paths import ALLOWED_SCHEMES, MAX_NAME_CHARS, check_name
@@ -73,16 +75,15 @@ class DatasetFileSpec(_Strict):
     def _location(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        local = value.removeprefix("file://")
-        if "://" in local:
-            scheme = local.split("://", 1)[0].lower()
+        if "://" in value.removeprefix("file://"):
+            scheme = value.split("://", 1)[0].lower()
             if scheme not in ALLOWED_SCHEMES:
                 raise ValueError(
                     f"{value!r}: unknown URI scheme {scheme!r} (a local path, or one of "
                     f"{', '.join(s + '://' for s in ALLOWED_SCHEMES)})"
                 )
             return value
-        return str(Path(local).expanduser().resolve())
+        return _local_path(value)
 
     @model_validator(mode="after")
     def _columns_of_a_table(self) -> Self:
@@ -103,13 +104,34 @@ class DatasetFileSpec(_Strict):
         return DatasetFile(**self.model_dump())
 
 
+class HfBackboneSpec(_Strict):
+    """A team's own transformers encoder (``task.backbone: {hf: DIR}``): a ``save_pretrained`` folder."""
+
+    hf: str = Field(min_length=1, description="the save_pretrained folder (config, weights, tokenizer)")
+    pooling: Literal["mean", "cls"] = Field("mean", description="attention-mask mean, or the first token")
+
+
+class TimmBackboneSpec(_Strict):
+    """A timm architecture with a team's own weights (``task.backbone: {timm: NAME, weights: FILE}``)."""
+
+    timm: str = Field(min_length=1, description="a timm architecture (timm.list_models())")
+    weights: str = Field(min_length=1, description="its state dict: a .safetensors, .pth or .bin file")
+
+
+def _local_path(value: str) -> str:
+    """``value`` (a path, ``~`` or ``file://`` allowed) as an absolute path, taken from the current folder."""
+    return str(Path(value.removeprefix("file://")).expanduser().resolve())
+
+
 class TaskSpec(_Strict):
     """What is fine-tuned on what: names resolve in the ``dptune.data`` and ``dptune.models``
     registries; ``dataset`` may instead be a data owner's own file (:class:`DatasetFileSpec`), and
     ``backbone`` then ``none`` when its rows are embeddings."""
 
     dataset: str | DatasetFileSpec
-    backbone: str
+    backbone: str = Field(
+        description="a registry name, none, {hf: DIR, pooling: mean|cls} or {timm: NAME, weights: FILE}"
+    )
     peft: PeftName
     fraction: float = Field(1.0, gt=0, le=1, description="share of the training set kept (difficulty knob)")
     examples_per_class: int | None = Field(None, ge=1)
@@ -128,6 +150,24 @@ class TaskSpec(_Strict):
     def dataset_file(self) -> DatasetFile | None:
         """The data owner's file, or None for a registry dataset."""
         return self.dataset.dataset_file() if isinstance(self.dataset, DatasetFileSpec) else None
+
+    @field_validator("backbone", mode="before")
+    @classmethod
+    def _own_backbone(cls, value: Any) -> Any:
+        """A mapping names an own backbone: it becomes its name (``hf:<folder>``, ``timm:<name>:<file>``,
+        :mod:`dptune.models.own`), checked with the data before any compute."""
+        if not isinstance(value, dict):
+            return value
+        if "hf" in value:
+            spec = HfBackboneSpec.model_validate(value)
+            return hf_name(_local_path(spec.hf), spec.pooling)
+        if "timm" in value:
+            timm_spec = TimmBackboneSpec.model_validate(value)
+            return timm_name(timm_spec.timm, _local_path(timm_spec.weights))
+        raise ValueError(
+            f"a backbone mapping has the key hf ({{hf: DIR, pooling: mean|cls}}) or timm "
+            f"({{timm: NAME, weights: FILE}}), not {sorted(value)}"
+        )
 
 
 class TuningSubsampleSpec(_Strict):

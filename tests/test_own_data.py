@@ -242,3 +242,26 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
     assert len(predicted) == len(embeddings) and set(predicted["prediction"].astype(str)) <= set(
         card["data"]["class_names"]
     )
+
+
+def test_the_example_space_plans_a_private_search_on_the_files_dptune_makes(
+    search_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``search_spaces/own_data.yaml`` on the files ``python -m dptune.data.example data`` writes
+    (the README's "Your own data"), from a folder of the user's: read, checked and planned."""
+    from conftest import search_command
+    from dptune.data.example import GROUPS
+
+    made = subprocess.run(
+        [sys.executable, "-m", "dptune.data.example", "data"], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert made.returncode == 0 and "wrote data/tickets.csv" in made.stdout, made.stderr
+    train, test = (pd.read_csv(tmp_path / "data" / name) for name in ("tickets.csv", "tickets_test.csv"))
+    assert sorted(set(train["label"])) == sorted(GROUPS) == sorted(set(test["label"])) and len(train) > len(test) > 1000
+    space = str(REPO_ROOT / "search_spaces/own_data.yaml")
+    planned = subprocess.run(
+        search_command("--space", space, "--dry-run"), cwd=tmp_path, env=search_env, capture_output=True, text=True
+    )
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    out = " ".join(planned.stdout.split())
+    assert "task: file:tickets.csv / minilm / head" in out and "private selection: total ε = 8" in out

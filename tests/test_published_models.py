@@ -129,3 +129,26 @@ def test_predict_refuses_bad_input_before_encoding_anything(tiny_search: SearchR
     done = _predict("--model", str(folder), "--input", str(rows), "--column", "body", "--output", str(tmp_path / "o.x"))
     assert done.returncode == 2 and "the suffix must be one of" in done.stderr
     assert not any(tmp_path.glob("out*")) and not any(tmp_path.glob("o.*"))
+
+
+def test_the_report_names_each_model_folder_with_its_accuracy_and_what_its_privacy_covers(
+    tiny_search: SearchRun, tmp_path: Path
+) -> None:
+    from dptune.analysis import published_models
+    from dptune.report import build_report
+
+    models = published_models([str(tiny_search.root)])
+    folders = sorted((tiny_search.root / "models").iterdir())
+    assert models["folder"].tolist() == [str(folder) for folder in folders]
+    for row, folder in zip(models.itertuples(), folders, strict=True):
+        card = json.loads((folder / CARD_JSON).read_text())
+        assert (row.cell_id, row.clipping, row.batch_size) == (
+            card["model"]["cell_id"],
+            card["model"]["clipping"],
+            card["configuration"]["batch_size"],
+        )
+        assert row.test_accuracy == card["accuracy"]["test_accuracy"] and "NOT covered" in row.covers
+    page = build_report([str(tiny_search.root)], tmp_path / "report").read_text()
+    assert "Models handed back" in page and all(str(folder) in page for folder in folders)
+    low, high = models["test_interval"].iloc[0]
+    assert f"{100 * models['test_accuracy'].iloc[0]:.1f} [{100 * low:.1f}, {100 * high:.1f}]" in page

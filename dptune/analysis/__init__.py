@@ -84,6 +84,7 @@ from dptune.analysis.results import (
     finished_trials,
     load_results,
     log_bins,
+    published_models,
     select_best,
     task_label,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "retention_curves",
     "retention_weights",
     "search_efficiency",
+    "published_models",
     "select_best",
     "stratum_accuracy",
     "stratum_accuracy_by_clip",

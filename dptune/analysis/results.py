@@ -17,8 +17,10 @@ import pyarrow.fs as pafs
 import yaml
 
 from dptune.errors import DptuneError
+from dptune.paths import filesystem, read_file
 from dptune.plan import DEFAULT_TOLERANCE
 from dptune.records import TABLES, read_table
+from dptune.records.weights import CARD_JSON, MODELS_FOLDER
 
 #: Status of a trial that trained to the end; only these are ranked.
 FINISHED = "ok"
@@ -55,7 +57,8 @@ class Results:
     ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial.
     ``clip_binned``/``batch_binned`` say whether C/B were binned (else exact values).
     ``release`` holds the releases of end-to-end private searches, whose per-run records are not
-    in their dataset (they stay inside the data owner's trust boundary).
+    in their dataset (they stay inside the data owner's trust boundary). ``models`` lists the models
+    the searches handed back (:func:`published_models`).
     """
 
     sources: tuple[str, ...]
@@ -67,6 +70,7 @@ class Results:
     clip_binned: bool
     batch_binned: bool
     release: pd.DataFrame
+    models: pd.DataFrame
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -176,8 +180,44 @@ def load_results(paths: Sequence[str]) -> Results:
         clip_binned=clip_binned,
         batch_binned=batch_binned,
         release=tables["release"].drop_duplicates().reset_index(drop=True),
+        models=published_models(paths),
         **joined,
     )
+
+
+def published_models(paths: Sequence[str]) -> pd.DataFrame:
+    """One row per model the datasets at ``paths`` hold under ``<path>/models/<model>/``, from its
+    ``model_card.json``: its folder, cell, clipping rule, configuration, accuracies with their 95 %
+    intervals, and the (ε, δ) with what it covers (the card's words)."""
+    import json
+
+    rows = []
+    for path in paths:
+        fs, root = filesystem(path)
+        folder = f"{root.rstrip('/')}/{MODELS_FOLDER}"
+        if fs.get_file_info(folder).type != pafs.FileType.Directory:
+            continue
+        for entry in sorted(fs.get_file_info(pafs.FileSelector(folder)), key=lambda e: e.path):
+            card_bytes = read_file(f"{path.rstrip('/')}/{MODELS_FOLDER}/{entry.base_name}", CARD_JSON)
+            if entry.type != pafs.FileType.Directory or card_bytes is None:
+                continue  # a folder without its card (written last) is not a whole model
+            card = json.loads(card_bytes)
+            accuracy, config, privacy = card["accuracy"], card["configuration"], card["privacy"]
+            rows.append(
+                {
+                    "folder": f"{path.rstrip('/')}/{MODELS_FOLDER}/{entry.base_name}",
+                    "cell_id": card["model"]["cell_id"],
+                    "clipping": card["model"]["clipping"],
+                    **{key: config.get(key) for key in ("clip_bound", "batch_size", "learning_rate", "epochs")},
+                    "val_accuracy": accuracy.get("val_accuracy"),
+                    "test_accuracy": accuracy.get("test_accuracy"),
+                    "test_interval": accuracy.get("test_interval"),
+                    "epsilon": privacy["epsilon"],
+                    "delta": privacy["delta"],
+                    "covers": privacy["covers"],
+                }
+            )
+    return pd.DataFrame(rows)
 
 
 def _sampled_from_range(search: pd.DataFrame, key: str) -> bool | None:

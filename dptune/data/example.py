@@ -34,6 +34,7 @@ def write_example(folder: str) -> tuple[str, str]:
     from dptune.data.sources import load_20newsgroups
 
     raw = load_20newsgroups()
+    assert isinstance(raw.inputs, list), "20 Newsgroups is text"
     category = {raw.class_names.index(group): name for name, group in GROUPS.items()}
     parts: dict[str, dict[str, list[str]]] = {
         TRAIN_FILE: {"text": [], "label": []},

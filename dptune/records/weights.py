@@ -25,6 +25,8 @@ from dptune.paths import read_file, write_file_atomic
 
 #: The folder of the runs' weights, under the runs' root (the trust boundary of a private search).
 WEIGHTS_FOLDER = "weights"
+#: The folder of the models a search publishes, under its results root.
+MODELS_FOLDER = "models"
 #: The one weights file of a saved model, and its cards, in ``<results>/models/<model>/``.
 MODEL_FILE, CARD_JSON, CARD_MD = "model.safetensors", "model_card.json", "model_card.md"
 

@@ -54,6 +54,34 @@ def overview(ctx: Context) -> Section:
             "bench/RESULTS.md. Their runs are not in this report: the per-run records stay inside the data "
             "owner's trust boundary.",
         )
+    if not results.models.empty:
+        models = results.models.assign(
+            test_accuracy=[
+                _with_interval(a, i)
+                for a, i in zip(results.models["test_accuracy"], results.models["test_interval"], strict=True)
+            ]
+        )
+        columns = {
+            "folder": "model folder",
+            "cell_id": "cell",
+            "clipping": "clipping",
+            "clip_bound": "C",
+            "batch_size": "B",
+            "learning_rate": "η",
+            "val_accuracy": "val acc (%)",
+            "test_accuracy": "test acc (%, 95 % interval)",
+            "epsilon": "ε",
+            "delta": "δ",
+            "covers": "what (ε, δ) covers",
+        }
+        section.table(
+            models.reindex(columns=list(columns)).rename(columns=columns),
+            {"val acc (%)": format_percent, "ε": format_sig, "δ": format_sig, "C": format_sig, "η": format_sig},
+            "Models handed back: each folder holds model.safetensors and its card (model_card.md, "
+            "model_card.json); label new rows with python -m dptune.predict --model FOLDER. A private "
+            "search's model shows no validation accuracy (only its noisy score is released) and a test "
+            "accuracy only where the test split is public.",
+        )
     if not results.trials.empty:
         coverage = an.coverage(results)
         section.table(
@@ -112,3 +140,10 @@ def overview(ctx: Context) -> Section:
 def _tuned_on(fraction: float) -> str:
     """A release's tuning share q₁, or "all rows" for one tuned on every row (today's private mode)."""
     return "all rows" if pd.isna(fraction) else format_sig(fraction)
+
+
+def _with_interval(accuracy: float | None, interval: list[float] | None) -> str:
+    """A test accuracy in % with its interval, or "withheld"."""
+    if accuracy is None or pd.isna(accuracy) or interval is None:
+        return "withheld"
+    return f"{100 * accuracy:.1f} [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"

@@ -29,11 +29,9 @@ from scipy import stats
 from dptune import __version__
 from dptune.paths import write_file_atomic
 from dptune.records import read_table
-from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, read_weights, weights_bytes
+from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, MODELS_FOLDER, read_weights, weights_bytes
 from dptune.space import SearchSpace
 
-#: The folder of the published models, under the results root.
-MODELS_FOLDER = "models"
 #: Confidence of the accuracy intervals on a card (Wilson score interval of one run's k of n).
 CARD_CONFIDENCE = 0.95
 #: The configuration a card states, from the run's record.
@@ -84,9 +82,9 @@ def publish_models(
         )
     )
     if folders:
-        print(
-            f"models: {len(folders)} in {results_root.rstrip('/')}/{MODELS_FOLDER} (a model card in each)", flush=True
-        )
+        print(f"models: {len(folders)} in {results_root.rstrip('/')}/{MODELS_FOLDER} (a model card in each)")
+        for folder in folders:
+            print(f"  {folder}", flush=True)
     return folders
 
 

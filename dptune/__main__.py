@@ -11,6 +11,7 @@ ENTRY_POINTS = {
     "dptune.search": "the joint (C, B, η) search per (ε, epochs) on Ray Tune; writes Parquet results",
     "dptune.report": "difficulty-stratified HTML report and figures from Parquet results",
     "dptune.predict": "label new rows with a model a search published (<results>/models/<cell>/)",
+    "dptune.data.example": "write the worked example's CSV files of search_spaces/own_data.yaml",
 }
 
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dptune",
         description="dptune: DP transfer-learning hyperparameter search. Entry points:\n"
-        + "\n".join(f"  python -m {name:<14} {what}" for name, what in ENTRY_POINTS.items()),
+        + "\n".join(f"  python -m {name:<20} {what}" for name, what in ENTRY_POINTS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")

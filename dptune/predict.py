@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from dptune import __version__
 from dptune.errors import DptuneError
 from dptune.records.weights import CARD_JSON, MODEL_FILE, trained_model
 
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--output", required=True, help="where to write the rows with their predictions")
     parser.add_argument("--format", default="auto", help="the input's format (default: by suffix)")
+    parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     args = parser.parse_args(argv)
     try:
         rows = predict_file(args.model, args.input, args.output, args.column, args.format)

@@ -27,7 +27,10 @@ from dptune.space import Cell, load_space
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
 
-@pytest.mark.parametrize("module", ["dptune.__main__", "dptune.plan", "dptune.search", "dptune.report"])
+@pytest.mark.parametrize(
+    "module",
+    ["dptune.__main__", "dptune.plan", "dptune.search", "dptune.report", "dptune.predict", "dptune.data.example"],
+)
 def test_version_and_help(module: str, capsys: pytest.CaptureFixture) -> None:
     main = importlib.import_module(module).main
     with pytest.raises(SystemExit) as info:

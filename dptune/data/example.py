@@ -13,6 +13,7 @@ import argparse
 import io
 import os
 
+from dptune import __version__
 from dptune.paths import write_file_atomic
 
 #: The newsgroups kept, by the ticket category each becomes.
@@ -55,6 +56,7 @@ def write_example(folder: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dptune.data.example", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default="data", help="where to write the files (default: %(default)s)")
+    parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     args = parser.parse_args(argv)
     for path in write_example(args.folder):
         print(f"wrote {path}")

@@ -10,7 +10,9 @@ the card's ``weights_sha256``), and the model's linear head maps its features to
 rule (``logits``: ``augmented`` x̃·[W | b]ᵀ with x̃ = (x, 1), as the fused runner scored; ``module``:
 W x + b, as ``nn.Linear``). The output, written whole or not at all, is the input file's columns
 plus ``prediction`` (the class name) and ``confidence`` (its softmax probability), in the output
-suffix's format. Only ``peft: head`` models predict here; a PEFT model is refused naming what it is.
+suffix's format. A PEFT model (``film``, ``lora``, ``full``) is the public backbone, rebuilt by
+name and checked against the card's ``frozen_sha256``, with the run's trained parameters loaded
+(:func:`peft_logits`).
 
 Predicting costs no privacy: a published model is a DP release, and what is computed from it and
 new data is post-processing (it protects the training rows, not the rows you predict on).
@@ -40,7 +42,7 @@ class PredictError(DptuneError, ValueError):
 
 
 def load_model(folder: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The card (``model_card.json``) and head parameters of a published model folder."""
+    """The card (``model_card.json``) and trained parameters (a head's, or a PEFT's) of a published model folder."""
     folder = Path(folder)
     card_path, model_path = folder / CARD_JSON, folder / MODEL_FILE
     if not card_path.is_file() or not model_path.is_file():
@@ -49,10 +51,8 @@ def load_model(folder: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray
             "a search writes them under <results>/models/<cell>/)"
         )
     card = json.loads(card_path.read_text())
-    if card.get("peft") != "head":
-        raise PredictError(f"--model {folder}: a peft {card.get('peft')!r} model; only peft 'head' models predict here")
     parameters = trained_model(model_path.read_bytes()).parameters
-    if set(parameters) != {"weight", "bias"}:
+    if card.get("peft") == "head" and set(parameters) != {"weight", "bias"}:
         raise PredictError(f"--model {folder}: expected a linear head (weight, bias), found {sorted(parameters)}")
     return card, parameters
 
@@ -88,10 +88,7 @@ def model_features(card: dict[str, Any], inputs: list[str] | list[Path] | np.nda
     from dptune.models.backbones import get_backbone
 
     info = get_backbone(backbone)
-    images = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], Path)
-    if isinstance(inputs, np.ndarray) or images != (info.modality == "image"):
-        wanted = "an image folder" if info.modality == "image" else "a column of strings"
-        raise PredictError(f"this model encodes {info.modality} with backbone {backbone!r}: the input must be {wanted}")
+    images = _inputs_fit(info.modality, backbone, inputs)
     extractor = build_feature_extractor(backbone)
     source = info.weight_source() if info.weight_source is not None else None  # as the feature cache keys them
     digest = folder_fingerprint(source) if source is not None else weights_fingerprint(extractor)
@@ -107,6 +104,55 @@ def model_features(card: dict[str, Any], inputs: list[str] | list[Path] | np.nda
     max_tokens = None if data["max_tokens"] == "None" else int(data["max_tokens"])
     tokenizer = load_tokenizer(backbone)
     return encode_texts(extractor, tokenizer, inputs, max_tokens, info.feature_dim, data["precision"], why=why)  # type: ignore[arg-type]
+
+
+def _inputs_fit(modality: str, backbone: str, inputs: list[str] | list[Path] | np.ndarray) -> bool:
+    """Whether ``inputs`` are image files; :class:`PredictError` unless they are what ``backbone`` encodes."""
+    images = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], Path)
+    if isinstance(inputs, np.ndarray) or images != (modality == "image"):
+        wanted = "an image folder" if modality == "image" else "a column of strings"
+        raise PredictError(f"this model encodes {modality} with backbone {backbone!r}: the input must be {wanted}")
+    return images
+
+
+def peft_logits(card: dict[str, Any], parameters: dict[str, np.ndarray], inputs: list[str] | list[Path]) -> np.ndarray:
+    """Logits (rows, classes) of a PEFT model (film, lora, full) on texts or image files: the public
+    backbone built by name, its frozen part checked against the card's ``frozen_sha256``, the run's
+    trained parameters loaded, in eval mode; texts tokenized as the search did (the card's
+    ``max_tokens``, padded), images read at the backbone's ``image_size``."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptune.data.features import weights_fingerprint
+    from dptune.data.sources import ImageFiles
+    from dptune.data.workload import tokenized_texts
+    from dptune.models import build_model, get_backbone, load_tokenizer
+
+    data = card["data"]
+    backbone = data["backbone"]
+    info = get_backbone(backbone)
+    images = _inputs_fit(info.modality, backbone, inputs)
+    model = build_model(backbone, card["peft"], len(data["class_names"]))
+    own = dict(model.named_parameters())
+    unknown = sorted(set(parameters) - set(own))
+    if unknown:
+        raise PredictError(f"the model's parameters {unknown[:3]} are not {backbone!r} with peft {card['peft']!r}'s")
+    if weights_fingerprint(model, exclude=parameters) != data.get("frozen_sha256"):
+        raise PredictError(
+            f"backbone {backbone!r} here is not the one the model was trained on (its frozen part's sha256 differs "
+            "from the card's frozen_sha256): install the weights the search used"
+        )
+    with torch.no_grad():
+        for name, value in parameters.items():
+            own[name].copy_(torch.from_numpy(value))
+    model.eval()
+    if images:
+        dataset: Any = ImageFiles(inputs, info.image_size or 224)  # type: ignore[arg-type]
+    else:
+        max_tokens = None if data.get("max_tokens") in (None, "None") else int(data["max_tokens"])
+        dataset = TensorDataset(*tokenized_texts(inputs, load_tokenizer(backbone), max_tokens))  # type: ignore[arg-type]
+    with torch.inference_mode():
+        return torch.cat([model(*batch).float() for batch in DataLoader(dataset, batch_size=64)]).numpy()
 
 
 def read_inputs(
@@ -161,12 +207,17 @@ def predict_file(
         raise PredictError(f"--output {output_path}: the suffix must be one of {sorted(OUTPUT_SUFFIXES)}")
     card, parameters = load_model(model)
     table, inputs = read_inputs(input_path, column, declared)
-    features = model_features(card, inputs)
-    if features.shape[1] != parameters["weight"].shape[1]:
-        raise PredictError(
-            f"--input {input_path}: {features.shape[1]}-d inputs, the model takes {parameters['weight'].shape[1]}-d"
-        )
-    logits = head_logits(features, parameters["weight"], parameters["bias"], card["logits"])
+    if card.get("peft") != "head":
+        if isinstance(inputs, np.ndarray):
+            raise PredictError(f"--input {input_path}: a peft {card.get('peft')!r} model takes texts or images")
+        logits = peft_logits(card, parameters, inputs)
+    else:
+        features = model_features(card, inputs)
+        if features.shape[1] != parameters["weight"].shape[1]:
+            raise PredictError(
+                f"--input {input_path}: {features.shape[1]}-d inputs, the model takes {parameters['weight'].shape[1]}-d"
+            )
+        logits = head_logits(features, parameters["weight"], parameters["bias"], card["logits"])
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     probabilities = shifted / shifted.sum(axis=1, keepdims=True)
     chosen = probabilities.argmax(axis=1)

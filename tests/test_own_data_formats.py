@@ -216,9 +216,13 @@ def _predicted_right(model: Path, rows: Path, output: Path, *column: str) -> tup
     return pd.read_parquet(output), round(accuracy["test_accuracy"] * accuracy["num_test"])
 
 
+@pytest.mark.parametrize("peft", ["head", "film"])
 def test_an_image_folder_search_hands_back_a_model_that_labels_the_test_folder_as_scored(
-    search_env: dict[str, str], digit_folders: tuple[Path, Path], tmp_path: Path
+    search_env: dict[str, str], digit_folders: tuple[Path, Path], tmp_path: Path, peft: str
 ) -> None:
+    """A head on cached features, and FiLM (the backbone's public weights rebuilt by name, its
+    trained FiLM parameters loaded): each labels the test folder in a fresh process as the search
+    scored it."""
     train, test = digit_folders
     model = _search(
         search_env,
@@ -227,19 +231,18 @@ def test_an_image_folder_search_hands_back_a_model_that_labels_the_test_folder_a
         "--set",
         "task.backbone=efficientnet_lite0",
         "--set",
+        f"task.peft={peft}",
+        "--set",
         "task.max_tokens=null",
     )
     card = json.loads((model / CARD_JSON).read_text())
-    assert (
-        card["data"]["class_names"] == [f"digit-{d}" for d in DIGITS]
-        and card["data"]["backbone"] == "efficientnet_lite0"
-    )
+    assert card["data"]["class_names"] == [f"digit-{d}" for d in DIGITS] and card["peft"] == peft
+    assert card["data"]["backbone"] == "efficientnet_lite0"
     labelled, right = _predicted_right(model, test, tmp_path / "labelled.parquet")
-    assert (
-        list(labelled.columns) == ["file", "folder", "prediction", "confidence"] and len(labelled) == 3 * TEST_PER_DIGIT
-    )
-    # the same features and head as the search's test pass, up to one row whose top two logits a float
-    # rounding of another batching could swap
+    assert list(labelled.columns) == ["file", "folder", "prediction", "confidence"]
+    assert len(labelled) == 3 * TEST_PER_DIGIT
+    # the same inputs and parameters as the search's test pass, up to one row whose top two logits a
+    # float rounding of another batching could swap
     assert abs(int((labelled["prediction"] == labelled["folder"]).sum()) - right) <= 1
 
 

@@ -58,23 +58,37 @@ def test_each_cell_publishes_its_best_configurations_best_replicate_with_a_card(
 
 
 @pytest.fixture(scope="module")
-def newsgroup_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Real 20 Newsgroups texts of three groups: a training CSV (40 per group) and a test CSV (15 per group)."""
-    folder = tmp_path_factory.mktemp("owner")
+def newsgroup_frames() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Real 20 Newsgroups texts of three groups: training rows (40 per group) and test rows (15 per
+    group, with a ``ticket`` number)."""
     raw = load_20newsgroups()
     frame = pd.DataFrame({"text": raw.inputs, "label": [raw.class_names[c] for c in raw.labels]})
     official = raw.num_official_train
     pick = lambda part, n: pd.concat([part[part["label"] == g].head(n) for g in GROUPS], ignore_index=True)  # noqa: E731
     train, test = pick(frame.iloc[:official], 40), pick(frame.iloc[official:], 15)
-    train.to_csv(folder / "train.csv", index=False)
-    test.assign(ticket=range(len(test))).to_csv(folder / "test.csv", index=False)
-    return folder / "train.csv", folder / "test.csv"
+    return train, test.assign(ticket=range(len(test)))
 
 
+#: Writing and reading a table in each format (pandas, the way a data owner would make the file).
+WRITE = {
+    ".csv": lambda frame, path: frame.to_csv(path, index=False),
+    ".tsv": lambda frame, path: frame.to_csv(path, index=False, sep="\t"),
+    ".jsonl": lambda frame, path: frame.to_json(path, orient="records", lines=True),
+}
+READ = {
+    ".csv": pd.read_csv,
+    ".tsv": lambda path: pd.read_csv(path, sep="\t"),
+    ".jsonl": lambda path: pd.read_json(path, lines=True),
+}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])
 def test_predict_labels_a_public_test_file_as_the_search_scored_it(
-    search_env: dict[str, str], newsgroup_files: tuple[Path, Path], tmp_path: Path
+    search_env: dict[str, str], newsgroup_frames: tuple[pd.DataFrame, pd.DataFrame], tmp_path: Path, suffix: str
 ) -> None:
-    train, test = newsgroup_files
+    train, test = tmp_path / f"train{suffix}", tmp_path / f"test{suffix}"
+    for frame, path in zip(newsgroup_frames, (train, test), strict=True):
+        WRITE[suffix](frame, path)
     dataset = {"path": str(train), "input_column": "text", "label_column": "label", "test_path": str(test)}
     completed = run_search(
         search_env,
@@ -104,7 +118,7 @@ def test_predict_labels_a_public_test_file_as_the_search_scored_it(
     done = _predict("--model", str(folder), "--input", str(test), "--column", "text", "--output", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     labelled = pd.read_parquet(out)
-    source = pd.read_csv(test)
+    source = READ[suffix](test)
     assert list(labelled.columns) == [*source.columns, "prediction", "confidence"]
     assert labelled["ticket"].tolist() == source["ticket"].tolist()
     assert set(labelled["prediction"]) <= set(GROUPS) and labelled["confidence"].between(1 / 3, 1).all()

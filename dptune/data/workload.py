@@ -346,16 +346,18 @@ def _tokenized(
     max_tokens: int | None,
     labels: torch.Tensor,
 ) -> TensorDataset:
-    """``(input_ids, attention_mask, label)`` rows, truncated and padded to ``max_tokens`` (None: the
-    tokenizer's own limit)."""
-    encoded = tokenizer(
-        [raw.inputs[row] for row in rows],
-        truncation=True,
-        max_length=max_tokens,
-        padding="max_length",
-        return_tensors="pt",
-    )
-    return TensorDataset(encoded["input_ids"].long(), encoded["attention_mask"].long(), labels)
+    """``(input_ids, attention_mask, label)`` rows (:func:`tokenized_texts`)."""
+    assert isinstance(raw.inputs, list), "a text dataset's inputs are its documents"
+    return TensorDataset(*tokenized_texts([raw.inputs[row] for row in rows], tokenizer, max_tokens), labels)
+
+
+def tokenized_texts(
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, max_tokens: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` int64 of ``texts``, truncated and padded to ``max_tokens`` (None:
+    the tokenizer's own limit): what a text model trains and predicts on."""
+    encoded = tokenizer(texts, truncation=True, max_length=max_tokens, padding="max_length", return_tensors="pt")
+    return encoded["input_ids"].long(), encoded["attention_mask"].long()
 
 
 def _images(raw: RawDataset, rows: np.ndarray, labels: torch.Tensor) -> Split:

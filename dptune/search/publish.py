@@ -269,5 +269,10 @@ def card_markdown(card: dict[str, Any]) -> str:
     )
     lines += ["", "## Configuration", ""]
     lines += [f"- {name}: {value}" for name, value in config.items()]
-    lines += ["", "Predict with `python -m dptune.predict --model <this folder> --input FILE --output FILE`.", ""]
+    lines += [
+        "",
+        "Predict with `python -m dptune.predict --model <this folder> --input FILE --column COL --output FILE`"
+        " (an image folder as FILE takes no --column).",
+        "",
+    ]
     return "\n".join(lines)

@@ -162,7 +162,7 @@ def read_inputs(
     an image folder, a table of its images' ``file`` (relative) and ``folder``, and the image files."""
     import pyarrow as pa
 
-    from dptune.data.files import file_format, image_folder, read_columns
+    from dptune.data.files import IMAGE_SUFFIXES, file_format, image_folder, read_columns
     from dptune.data.spec import WorkloadError
 
     if not Path(path).exists():
@@ -185,6 +185,8 @@ def read_inputs(
         empty = [row for row, text in enumerate(texts) if text is None or not text.strip()]
         if empty:
             raise PredictError(f"--input {path}: row {empty[0]} has an empty {column!r}; every text must be non-empty")
+        if all(text.lower().endswith(IMAGE_SUFFIXES) for text in texts):  # image paths, relative to the file
+            return table, [Path(path).parent / text for text in texts]
         return table, texts
     try:
         return table, np.asarray(values.to_pylist(), dtype=np.float32)

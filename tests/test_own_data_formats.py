@@ -102,6 +102,23 @@ def test_an_image_folder_is_a_dataset_whose_class_folders_are_the_labels(digit_f
     )
 
 
+def test_a_table_of_image_paths_reads_its_images_relative_to_the_file(digit_folders: tuple[Path, Path]) -> None:
+    train, _ = digit_folders
+    files = sorted(train.glob("*/*.png"))
+    table = pd.DataFrame(
+        {"image": [str(file.relative_to(train)) for file in files], "digit": [f.parent.name for f in files]}
+    )
+    table.to_csv(train / "images.csv", index=False)
+    source = DatasetFile(path=str(train / "images.csv"), input_column="image", label_column="digit")
+    raw = check_spec(_spec(source, "efficientnet_lite0")).load(None, 64)
+    assert raw.modality == "image" and raw.class_names == [f"digit-{d}" for d in DIGITS]
+    assert raw.inputs.files == files and raw.inputs[0][0].shape == (3, 64, 64)
+    table.assign(image=[*table["image"][:-1], "digit-7/missing.png"]).to_csv(train / "gone.csv", index=False)
+    missing = DatasetFile(path=str(train / "gone.csv"), input_column="image", label_column="digit")
+    with pytest.raises(WorkloadError, match=r"image .*/digit-7/missing.png does not exist"):
+        check_spec(_spec(missing, "efficientnet_lite0"))
+
+
 def test_a_saved_hf_dataset_keeps_its_classlabel_names(
     newsgroup_frames: tuple[pd.DataFrame, pd.DataFrame], tmp_path: Path
 ) -> None:

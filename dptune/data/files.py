@@ -9,11 +9,13 @@ Formats (``DatasetFile.format``, ``auto`` by suffix, or for a folder by its cont
   suffixes; hidden files and others are skipped) is a row, its folder's name its label. Each image's
   header is read here (a file that is no image is refused by name); pixels are read when encoded.
 
-The input column holds texts (strings: the ``text`` modality, encoded by a text backbone) or
-embeddings (lists of floats of one length: the ``features`` modality, trained on as they are with
-backbone ``none``). Labels are ints or strings; the classes are their distinct values in sorted
-order (names kept), shared by the test file. A path may be an object-store URI
-(:mod:`dptune.data.remote`: copied once into the cache).
+The input column holds texts (strings: the ``text`` modality, encoded by a text backbone), image
+paths (strings that all end in an image suffix, relative to the table's folder: the ``image``
+modality, each header read here as in an image folder) or embeddings (lists of floats of one length:
+the ``features`` modality, trained on as they are with backbone ``none``). Labels are ints or
+strings; the classes are their distinct values in sorted order (names kept), shared by the test
+file. A path may be an object-store URI (:mod:`dptune.data.remote`: copied once into the cache;
+a table of image paths is read from local files only, as its images are not copied).
 
 Every check raises :class:`WorkloadError` naming the file, the column or row and what is allowed:
 missing file or column, an unknown format, unreadable rows or images, missing labels, fewer than 2
@@ -179,6 +181,9 @@ def _read(source: DatasetFile, paths: tuple[str, ...], kind: str, stamps: tuple[
             f"{MIN_ROWS_PER_CLASS} rows, too few to split into training and validation"
         )
     digest = hashlib.sha256(repr(stamps).encode() if kind == "imagefolder" else _bytes_digest(paths).encode())
+    if _kind(inputs) == "images" and kind != "imagefolder":  # a table of image paths: the images' listing too
+        stats = [(str(file), os.stat(file).st_size, os.stat(file).st_mtime_ns) for file in inputs]
+        digest.update(repr(stats).encode())
     digest.update(f"{kind}|{source.input_column}|{source.label_column}".encode())
     return RawDataset(
         name=source.display_name,
@@ -306,6 +311,10 @@ def _columns(source: DatasetFile, path: str, kind: str) -> tuple[Inputs, list[in
                 f"task.dataset {path}: row {empty[0]} has an empty {input_column!r} "
                 f"({len(empty)} empty in all); every text must be non-empty"
             )
+        if all(text.lower().endswith(IMAGE_SUFFIXES) for text in texts):  # image paths, relative to the file
+            files = [Path(os.path.dirname(path), text) for text in texts]
+            _check_images(path, files)
+            return files, labels, _class_names(path, kind, label_column)
         return texts, labels, _class_names(path, kind, label_column)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         if not (pa.types.is_floating(column.type.value_type) or pa.types.is_integer(column.type.value_type)):
@@ -340,8 +349,6 @@ def image_folder(path: str) -> tuple[list[Path], list[str]]:
     """(image files, their class folders' names) of the image folder ``path`` (``<path>/<class>/<image>``, an
     image being a file with a suffix of :data:`IMAGE_SUFFIXES`, hidden files skipped), each image's header
     read (streamed: one file open at a time): :class:`WorkloadError` naming a file that is no image."""
-    from PIL import Image, UnidentifiedImageError
-
     classes = sorted(entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith("."))
     if not classes:
         raise WorkloadError(
@@ -353,12 +360,22 @@ def image_folder(path: str) -> tuple[list[Path], list[str]]:
             if relative.lower().endswith(IMAGE_SUFFIXES) and not os.path.basename(relative).startswith("."):
                 files.append(Path(path, name, relative))
                 labels.append(name)
+    if not files:
+        raise WorkloadError(f"task.dataset {path}: no images (files ending in {', '.join(IMAGE_SUFFIXES)})")
+    _check_images(path, files)
+    return files, labels
+
+
+def _check_images(path: str, files: list[Path]) -> None:
+    """Open each image of ``files`` in turn (its header only): :class:`WorkloadError` naming the first
+    that is missing or no image."""
+    from PIL import Image, UnidentifiedImageError
+
     for file in files:
         try:
             with Image.open(file) as image:
                 image.size  # noqa: B018 (the header is parsed on open)
+        except FileNotFoundError:
+            raise WorkloadError(f"task.dataset {path}: image {file} does not exist") from None
         except (UnidentifiedImageError, OSError) as error:
             raise WorkloadError(f"task.dataset {path}: {file} is not a readable image ({error})") from None
-    if not files:
-        raise WorkloadError(f"task.dataset {path}: no images (files ending in {', '.join(IMAGE_SUFFIXES)})")
-    return files, labels

@@ -277,6 +277,19 @@ def search_env(test_cache_dir: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def no_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any feature encoding in this test fails it: what is checked must be refused before compute."""
+    import dptune.data.features as features
+    import dptune.data.workload as workload
+
+    def encode(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bad dataset reached feature encoding")
+
+    for module in (features, workload):  # workload holds its own reference to the function
+        monkeypatch.setattr(module, "cached_features", encode)
+
+
 @pytest.fixture(scope="session")
 def own_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A team's own ``save_pretrained`` folder: a copy of the embedded all-MiniLM-L6-v2 (config,

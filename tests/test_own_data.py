@@ -172,16 +172,10 @@ def test_a_bad_dataset_file_is_refused_naming_what_is_wrong(
     texts: tuple[pd.DataFrame, pd.DataFrame],
     embeddings: pd.DataFrame,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    no_encoding: None,
     case: str,
     named: str,
 ) -> None:
-    import dptune.data.features as features
-
-    def encode(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a bad file reached feature encoding")
-
-    monkeypatch.setattr(features, "cached_features", encode)
     source, backbone = _bad(tmp_path, texts, embeddings, case)
     with pytest.raises(WorkloadError) as error:
         check_spec(_spec(source, backbone))

@@ -184,16 +184,10 @@ def test_a_bad_folder_or_saved_dataset_is_refused_naming_what_is_wrong(
     digit_folders: tuple[Path, Path],
     newsgroup_frames: tuple[pd.DataFrame, pd.DataFrame],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    no_encoding: None,
     case: str,
     named: str,
 ) -> None:
-    import dptune.data.features as features
-
-    def encode(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a bad dataset reached feature encoding")
-
-    monkeypatch.setattr(features, "cached_features", encode)
     source = _bad_source(case, digit_folders, newsgroup_frames, tmp_path)
     with pytest.raises(WorkloadError) as error:
         check_spec(_spec(source, "efficientnet_lite0" if "image" in case or "folder" in case else "minilm"))

@@ -52,6 +52,16 @@ class SearchIncomplete(DptuneError, RuntimeError):
     exit_status = INCOMPLETE_EXIT
 
 
+class SearchInterrupted(SearchIncomplete):
+    """A search stopped by a signal (Ctrl+C's SIGINT, SIGTERM as ``ray job stop`` sends) before it
+    finished: nothing is marked finished, what finished is kept, ``--resume`` runs the rest. Its exit
+    status is 128 + the signal's number, as a shell reports a process that signal ended."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.exit_status = 128 + signal_number
+
+
 def storage_error(error: BaseException) -> str | None:
     """``"<strerror> (errno NAME)"`` when ``error`` or an exception it was raised from or while handling
     is an ``OSError`` of ``STORAGE_ERRNOS`` (no space, quota, read-only, file too large), else None."""

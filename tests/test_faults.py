@@ -465,3 +465,68 @@ def test_a_tune_state_cut_short_by_a_full_disk_is_set_aside_only_when_the_propos
     assert "starting Tune afresh" in note and not experiment.exists()
     (aside,) = experiment.parent.glob("search.unreadable-*")
     assert (aside / "experiment_state-2026.json").is_file()  # kept, not deleted
+
+
+# --------------------------------------------------------------------------- Ctrl+C and SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("signal_name", "to_group", "status"),
+    [("SIGINT", True, 130), ("SIGTERM", False, 143)],
+    ids=["ctrl-c-to-the-process-group", "sigterm-to-the-driver"],
+)
+def test_a_stop_signal_leaves_the_search_unfinished_and_resume_runs_the_rest_once(
+    search_env: dict[str, str], tmp_path: Path, signal_name: str, to_group: bool, status: int
+) -> None:
+    """Ctrl+C (SIGINT to the terminal's process group) or SIGTERM (``ray job stop``, ``kill``) once a
+    run has ended: the command exits 128 + the signal's number with one line naming --resume, writes
+    no search row; --resume runs every planned configuration exactly once, and the whole-search ε
+    composes every start in the ledger (the stopped attempts included)."""
+    import signal
+
+    args = (
+        *SMALL,
+        "--storage",
+        str(tmp_path),
+        "--set",
+        "training.runner=trial",
+        "--set",
+        "epochs=[5]",
+        "--set",
+        "batch_size.values=[32, 64]",
+        "--set",
+        "base_learning_rate.values=[0.01, 0.001]",
+    )
+    driver = subprocess.Popen(
+        search_command(*args),
+        cwd=REPO_ROOT,
+        env=search_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # the driver leads its own process group, as a shell's foreground job does
+    )
+    root = tmp_path / "tiny"
+    deadline = time.monotonic() + 900
+    while not list((root / "ledger").glob("end-*.json")):
+        assert driver.poll() is None and time.monotonic() < deadline, "no run ended before the search did"
+        time.sleep(0.2)
+    number = getattr(signal, signal_name)
+    os.killpg(driver.pid, number) if to_group else os.kill(driver.pid, number)
+    out, err = driver.communicate(timeout=900)
+    assert driver.returncode == status, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    how = "Ctrl+C (SIGINT)" if signal_name == "SIGINT" else signal_name
+    assert last.startswith(f"error: stopped by {how} before the search finished: "), last
+    assert "of 8 runs recorded" in last and "--resume" in last and "search finished" not in out
+    assert not (root / "search").exists()  # stopped is not finished
+    stopped = recorded(root)
+    assert 1 <= len(stopped) < 8 and stopped["trial_id"].is_unique
+    resumed = run_search(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ran = recorded(root)
+    configurations = ran[["clip_bound", "batch_size", "base_learning_rate"]].apply(tuple, axis=1)
+    assert len(ran) == 8 and configurations.is_unique and set(ran["status"]) == {"ok"}  # 2 C × 2 B × 2 η₀
+    assert set(stopped["trial_id"]) <= set(ran["trial_id"])  # what finished before the signal is kept
+    row = _search_row(root)
+    assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)

@@ -7,6 +7,7 @@ imports the driver (:mod:`dptune.search.driver`).
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from dptune.errors import (
     ArgumentParser,
     DptuneError,
     SearchIncomplete,
+    SearchInterrupted,
     report_and_exit,
     shown,
     storage_error,
@@ -116,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
         run_search(options)
     except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
         report_and_exit(exc)
+    except KeyboardInterrupt:  # Ctrl+C outside the Tune run (loading, composing), or a second one inside it
+        report_and_exit(
+            SearchInterrupted(
+                "stopped by Ctrl+C (SIGINT) before the search finished. Run the same command with --resume to run "
+                "the rest, each exactly once (what finished is kept, and every training that took a step stays "
+                "charged in the privacy ledger)",
+                signal.SIGINT,
+            )
+        )
     except Exception as exc:  # ...and keeps its traceback, unless the results folder took no more writes
         if (what := storage_error(exc)) is None:
             raise

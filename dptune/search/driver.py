@@ -45,11 +45,13 @@ from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import (
     SUMMARY_HEADER,
+    check_every_run_recorded,
     format_outcome,
     format_privacy,
     release_choices,
     release_rows,
     search_rows,
+    stopped_by_signal,
 )
 from dptune.search.private_units import kept_proposals, unrecorded_runs
 from dptune.search.publish import publish_models
@@ -189,10 +191,13 @@ def _tune_storage(results_root: str) -> str:
     return f"{results_root}/_tune" if "://" in results_root else str(Path(results_root, "_tune").resolve())
 
 
-def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool) -> list[str]:
+def run_cells(
+    space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool
+) -> tuple[list[str], list[str]]:
     """One Ray Tune run for every cell of the search (resumed from its experiment state when asked);
-    returns what ended it early (``tune_adapters.DRIVER_FAILURES``: a results write that failed), empty
-    when it ran to its end.
+    returns what ended it early: the results writes that failed (``tune_adapters.DRIVER_FAILURES``)
+    and the stop signals received (``tune_adapters.STOP_SIGNALS``: Ctrl+C, SIGTERM), both empty when
+    it ran to its end.
 
     The cells share the trial processes (one set-up, not one per cell) and run side by side. A unit
     whose process is lost runs again up to ``resources.max_retries`` times (Tune's ``FailureConfig``);
@@ -202,9 +207,9 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     """
     from ray import tune
 
-    from dptune.search.tune_adapters import DRIVER_FAILURES, private_unit_trainable, tune_trainable
+    from dptune.search import tune_adapters as adapters
 
-    DRIVER_FAILURES.clear()
+    adapters.DRIVER_FAILURES.clear()
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order (dicts keep it).
     cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
@@ -212,10 +217,10 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
     private = space.privacy.private_selection is not None
     function = (
         tune.with_parameters(
-            private_unit_trainable, contexts=by_key, chunk=private_chunk_size(space, contexts[0].fused)
+            adapters.private_unit_trainable, contexts=by_key, chunk=private_chunk_size(space, contexts[0].fused)
         )
         if private
-        else tune.with_parameters(tune_trainable, contexts=by_key)
+        else tune.with_parameters(adapters.tune_trainable, contexts=by_key)
     )
     trainable = tune.with_resources(function, {"cpu": space.resources.cpus, "gpu": space.resources.gpu})
     storage = _tune_storage(contexts[0].results_root)
@@ -240,8 +245,9 @@ def run_cells(space: SearchSpace, plans: list[CellPlan], contexts: list[TrialCon
         )
         build = private_tuner if private else search_tuner
         tuner = build(space, [plan for plan, _ in cells], by_key, trainable, run_config)
-    tuner.fit()
-    return list(DRIVER_FAILURES)
+    with adapters.stop_on_signals():
+        tuner.fit()
+    return list(adapters.DRIVER_FAILURES), list(adapters.STOP_SIGNALS)
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -444,7 +450,8 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         proposals = kept_proposals(
             runs, [plan.cell_key for plan in plans], partial(_propose, space, {p.cell_key: p for p in plans}, contexts)
         )
-    failures = run_cells(space, plans, contexts, options.resume)
+    failures, signals = run_cells(space, plans, contexts, options.resume)
+    stopped_by_signal(signals, runs, search_id, space, plans, private)
     if failures:
         raise SearchIncomplete(
             f"--storage {options.storage}: the results folder {results_root} took no more writes ({failures[0]}); "
@@ -545,22 +552,6 @@ def _chosen(context: TrialContext, plan: CellPlan) -> dict[str, float] | None:
     mine = trials[(trials["search_id"] == context.search_id) & (trials["cell_id"] == plan.cell.cell_id)]
     chosen = select_release(mine, runs=plan.configurations)
     return None if chosen is None else {name: float(chosen[name]) for name in RELEASE_PARAMETERS}
-
-
-def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
-    """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
-    was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
-    search's message does not count the runs (that would reveal K)."""
-    missing = set(charged_runs(runs, search_id)["trial_id"]) - ResultsStore(runs).completed_trial_ids()
-    if not missing:
-        return
-    count = "some runs" if private else f"{len(missing)} run(s)"
-    raise SearchIncomplete(
-        f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
-        f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
-        "Run the same command with --resume to run them again; the search table and summary are written when "
-        "every run has finished"
-    )
 
 
 def conclude(results_root: str, report: str | None, *, private: bool) -> None:

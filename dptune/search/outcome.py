@@ -7,15 +7,18 @@ and the privacy section of the summary. Ray-free and torch-free.
 from __future__ import annotations
 
 import math
+import signal
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from dptune import __version__
+from dptune.errors import SearchIncomplete, SearchInterrupted
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.search import composition_cost, guarantee, select_release
-from dptune.records import SCHEMA_VERSION, read_table
+from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
+from dptune.records.ledger import charged_runs
 from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
 
@@ -381,3 +384,44 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
         )
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
+
+
+def stopped_by_signal(
+    signals: list[str], runs: str, search_id: str, space: SearchSpace, plans: list[CellPlan], private: bool
+) -> None:
+    """Raise :class:`SearchInterrupted` when stop ``signals`` (their names) ended the Tune run: one line
+    saying how many runs are recorded (a private search's count stays inside its boundary: it would
+    reveal how far the secret number of runs got) and that ``--resume`` runs the rest."""
+    if not signals:
+        return
+    name = signals[0]
+    how = "Ctrl+C (SIGINT)" if name == "SIGINT" else name
+    if private:
+        done = "nothing is released"
+    else:
+        trials = read_table(runs, "trials")
+        recorded = int((trials["search_id"] == search_id).sum()) if len(trials) else 0
+        planned = sum(plan.configurations for plan in plans) * space.replicates
+        done = f"{recorded} of {planned} runs recorded"
+    raise SearchInterrupted(
+        f"stopped by {how} before the search finished: {done}. Run the same command with --resume to run the "
+        "rest, each exactly once (what finished is kept, and every training that took a step stays charged in "
+        "the privacy ledger)",
+        int(signal.Signals[name]),
+    )
+
+
+def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
+    """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
+    was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
+    search's message does not count the runs (that would reveal K)."""
+    missing = set(charged_runs(runs, search_id)["trial_id"]) - ResultsStore(runs).completed_trial_ids()
+    if not missing:
+        return
+    count = "some runs" if private else f"{len(missing)} run(s)"
+    raise SearchIncomplete(
+        f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
+        f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
+        "Run the same command with --resume to run them again; the search table and summary are written when "
+        "every run has finished"
+    )

@@ -23,7 +23,7 @@ import os
 import signal
 import traceback
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -71,6 +71,9 @@ STORAGE_ERROR_KEY = "storage_error"
 #: (:func:`dptune.search.driver.run_cells`) after Tune returns; module-level because a resumed
 #: Tuner unpickles its own callback objects.
 DRIVER_FAILURES: list[str] = []
+#: The stop signals (``SIGINT``: Ctrl+C; ``SIGTERM``: ``ray job stop``, ``kill``) this driver received
+#: while its Tune run ran (:func:`stop_on_signals`): the search then ends unfinished.
+STOP_SIGNALS: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -324,10 +327,47 @@ def stop_search(reason: str) -> None:
     state save may fail on the same full disk, which is no news to the user)."""
     first = not DRIVER_FAILURES
     DRIVER_FAILURES.append(reason)
+    if first:
+        _end_tune_run()
+
+
+def _end_tune_run() -> None:
+    """Ask Tune to stop its loop (its SIGUSR1 handler, installed while it runs), its logging silenced."""
     for name in ("ray.tune", "ray.train", "ray.air"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    if first and callable(signal.getsignal(signal.SIGUSR1)):  # Tune's interrupt handler is installed
+    if callable(signal.getsignal(signal.SIGUSR1)):  # Tune's interrupt handler is installed
         os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the Tune run inside runs, the first SIGINT (Ctrl+C) or SIGTERM (``ray job stop``) ends it as
+    a full disk does (:func:`stop_search`: Tune saves its state, the running units stay unrecorded and
+    ``--resume`` runs them again) and is kept in :data:`STOP_SIGNALS`; a second one raises
+    ``KeyboardInterrupt`` at once (what finished is on disk already). Tune's own SIGINT handler, which
+    would end the run as if it had finished, is kept out (``TUNE_DISABLE_SIGINT_HANDLER``); the
+    previous handlers come back afterwards. Only the main thread can take signals: elsewhere this
+    does nothing."""
+    import threading
+
+    STOP_SIGNALS.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if STOP_SIGNALS:
+            raise KeyboardInterrupt
+        STOP_SIGNALS.append(signal.Signals(signum).name)
+        _end_tune_run()
+
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class RecordAndReport(StopOnStorageFailure):
@@ -383,7 +423,7 @@ class RecordAndReport(StopOnStorageFailure):
         last = trial.last_result or {}
         unit = Unit.of(trial.config)
         if not last.get("done_recording"):
-            if DRIVER_FAILURES or "epoch" not in last:  # stopped with the search: unrecorded, run on --resume
+            if DRIVER_FAILURES or STOP_SIGNALS or "epoch" not in last:  # stopped with the search: run on --resume
                 return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
             context = self.cells[unit.cell_key].context

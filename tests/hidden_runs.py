@@ -53,10 +53,34 @@ def private_search(
 _MIN_FLOAT_CHARS = 6
 
 
-def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame) -> dict[bytes, str]:
+def card_numbers(*roots: Path) -> set[float]:
+    """Every number on the model cards the searches at ``roots`` published (``models/*/model_card.json``):
+    the release's configuration (σ, q = B/N, T, η = η₀·√(B/B_ref) besides C, B, η₀), its scores and
+    intervals. They are public, so a hidden run's number equal to one of them (a noisy score k/150
+    equals q = 16/150 for B = 32 of N = 300) tells nothing of that run."""
+    numbers: set[float] = set()
+
+    def collect(value: object) -> None:
+        if isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, list):
+            for item in value:
+                collect(item)
+        elif isinstance(value, float):
+            numbers.add(value)
+
+    for root in roots:
+        for card in root.glob("models/*/model_card.json"):
+            collect(json.loads(card.read_text()))
+    return numbers
+
+
+def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame, public: set[float] | None = None) -> dict[bytes, str]:
     """What identifies a hidden run, each with what it is: every run's trial and configuration id,
     and every noisy score, clipping bound and learning rate (as Python and JSON write a float, at
-    least ``_MIN_FLOAT_CHARS`` long) other than the released ones."""
+    least ``_MIN_FLOAT_CHARS`` long) other than the released ones and the ``public`` numbers
+    (:func:`card_numbers`)."""
     needles = {}
     for run in trials.itertuples():
         needles[run.trial_id.encode()] = f"trial id of {run.trial_id}"
@@ -74,7 +98,11 @@ def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame) -> dict[bytes, s
         score = run.noisy_val_accuracy
         if not pd.isna(score) and score not in released_score:
             floats[float(score)] = f"noisy score of {run.trial_id}"
-    needles |= {repr(value).encode(): what for value, what in floats.items() if len(repr(value)) >= _MIN_FLOAT_CHARS}
+    needles |= {
+        repr(value).encode(): what
+        for value, what in floats.items()
+        if len(repr(value)) >= _MIN_FLOAT_CHARS and value not in (public or set())
+    }
     return needles
 
 
@@ -96,15 +124,17 @@ def outside_bytes(root: Path) -> bytes:
     )
 
 
-def assert_nothing_of_the_hidden_runs_outside(root: Path, out: str, temporary: Path | None, slots: int) -> None:
+def assert_nothing_of_the_hidden_runs_outside(
+    root: Path, out: str, temporary: Path | None, slots: int, public: set[float] | None = None
+) -> None:
     """Outside ``inside_trust_boundary/`` of the private search at ``root`` that printed ``out``: none of
     :func:`hidden_needles`, no timestamped log line on the console; an embedded Ray's owner-only
     session folder gone from ``temporary``, and no shared one left there; and Ray Tune ran a number of
     units that does not depend on K (``slots``, the trial slots, per cell), each holding one constant
-    report."""
+    report. ``public``: numbers published anywhere (default: this search's model cards)."""
     inside = root / TRUST_BOUNDARY
     trials, release = pd.read_parquet(inside / "trials"), pd.read_parquet(root / "release")
-    needles = hidden_needles(trials, release)
+    needles = hidden_needles(trials, release, card_numbers(root) if public is None else public)
     assert_none_in(outside_bytes(root), needles, f"{root} outside {TRUST_BOUNDARY}")
     assert_none_in(out.encode(), needles, "the console")
     assert not LOG_TIME.search(out), LOG_TIME.search(out)

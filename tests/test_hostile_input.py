@@ -303,6 +303,22 @@ def test_a_junk_part_is_named_before_any_compute(
     assert f"{junk}: not a readable Parquet file" in err and "--quarantine-corrupt" in err
 
 
+@pytest.mark.parametrize("what", ["a table that is a file", "a lease that is a folder"])
+def test_a_file_or_folder_where_dptune_keeps_its_own_is_refused_in_one_line(
+    what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _results(tmp_path)
+    root.mkdir(parents=True, exist_ok=True)
+    if what == "a table that is a file":
+        (root / "trials").write_text("not a folder of parts")
+        named = f"{root}/trials is a file where dptune keeps table 'trials' (a folder of part files); move it away"
+    else:
+        (root / ".lease").mkdir()
+        named = f"{str(root / '.lease')!r} is a folder or a link, not the lock file dptune keeps there; move it away"
+    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume")
+    assert named in err and "Traceback" not in err
+
+
 def test_quarantine_moves_unreadable_parts_aside(tmp_path: Path) -> None:
     root = _results(tmp_path)
     store = ResultsStore(str(root))

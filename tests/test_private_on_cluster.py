@@ -22,6 +22,7 @@ from dptune.space import load_space
 from hidden_runs import (
     assert_none_in,
     assert_nothing_of_the_hidden_runs_outside,
+    card_numbers,
     hidden_needles,
 )
 
@@ -143,6 +144,7 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
     # what any of the three searches released is public: Ray's views hold all three (a released number
     # of one, k/150 on its model card, can equal a hidden noisy score of another and tells nothing of it)
     released = pd.concat([pd.read_parquet(tmp_path / name / "release") for name in submissions])
+    public = card_numbers(*(tmp_path / name for name in submissions))
     for name, submission in submissions.items():
         root = tmp_path / name
         logs = json.loads(shown[f"`ray job logs {submission}`"])["logs"]
@@ -151,7 +153,7 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
         # in Ray's job table too: the wall time is seen by whoever watches the cluster, docs/PRIVACY.md)
         ray_lines, search_output = logs.split(f"Running entrypoint for job {submission}", 1)
         assert ray_lines.count("\n") == 1 and "Runtime env is setting up." in ray_lines
-        assert_nothing_of_the_hidden_runs_outside(root, search_output, None, HEAD_SLOTS)
-        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), released)
+        assert_nothing_of_the_hidden_runs_outside(root, search_output, None, HEAD_SLOTS, public)
+        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), released, public)
         for where, blob in shown.items():
             assert_none_in(blob, needles, where)

@@ -52,6 +52,10 @@ class LeaseHeld(DptuneError, ValueError):
     """Another live search holds the results folder; the message names it and how to proceed."""
 
 
+class LeaseUnusable(DptuneError, ValueError):
+    """The results folder's ``.lease`` is not a lock file dptune can take (a folder, a link)."""
+
+
 def _holder_info(token: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
@@ -95,7 +99,13 @@ def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[N
 @contextlib.contextmanager
 def _file_lock(path: str, results_root: str, where: str) -> Iterator[None]:
     os.makedirs(path, exist_ok=True)
-    descriptor = os.open(os.path.join(path, LEASE_FILE), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+    lease_path = os.path.join(path, LEASE_FILE)
+    if os.path.isdir(lease_path) or os.path.islink(lease_path):
+        raise LeaseUnusable(
+            f"{where} {shown(results_root)}: {shown(lease_path)} is a folder or a link, not the lock file dptune "
+            "keeps there; move it away (nothing of the search is in it), then run the command again"
+        )
+    descriptor = os.open(lease_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -181,8 +181,18 @@ def check_results_folder(results_root: str, quarantine: bool, move: bool = True)
 
     Returns one note per part moved (or to be moved).
     """
-    from dptune.records import quarantine_part, unreadable_parts  # pyarrow, pandas: not for the command line
+    import pyarrow.fs as pafs
 
+    from dptune.paths import filesystem
+    from dptune.records import TABLES, quarantine_part, unreadable_parts  # pyarrow, pandas: not for the command line
+
+    fs, root = filesystem(results_root)
+    for table in TABLES:
+        if fs.get_file_info(f"{root.rstrip('/')}/{table}").type == pafs.FileType.File:
+            raise PreflightError(
+                f"{results_root}/{table} is a file where dptune keeps table '{table}' (a folder of part files); "
+                "move it away, then run the command again"
+            )
     notes = []
     for table, part, problem in unreadable_parts(results_root):
         if not quarantine:

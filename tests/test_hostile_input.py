@@ -319,6 +319,16 @@ def test_a_file_or_folder_where_dptune_keeps_its_own_is_refused_in_one_line(
     assert named in err and "Traceback" not in err
 
 
+def test_a_damaged_ledger_entry_is_named_before_anything_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cut = _results(tmp_path) / "ledger" / "start-cut.json"
+    cut.parent.mkdir()
+    cut.write_text('{"version": 1, "entries": [{"run": "r1", "trial_id": "t1", "noise_multip')
+    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume")
+    assert f"{cut}: unreadable privacy ledger entry" in err and "nothing more is trained" in err
+
+
 def test_quarantine_moves_unreadable_parts_aside(tmp_path: Path) -> None:
     root = _results(tmp_path)
     store = ResultsStore(str(root))

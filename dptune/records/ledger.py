@@ -166,12 +166,18 @@ def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             if name.startswith("start-"):
                 raise LedgerError(
                     f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
-                    f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed "
-                    "(restore the file from a backup)"
+                    f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed and nothing more "
+                    "is trained on this results folder (restore the file from a backup)"
                 ) from None
             continue
         (starts if name.startswith("start-") else ends if name.startswith("end-") else []).extend(entries)
     return starts, ends
+
+
+def check_ledger(runs_root: str) -> None:
+    """Read every entry of the ledger at ``runs_root`` once: ``LedgerError`` naming an unreadable start
+    file, before a search trains anything more on top of a ledger whose total it could not print."""
+    _entries(runs_root)
 
 
 def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = None) -> pd.DataFrame:

@@ -27,7 +27,7 @@ from dptune.errors import (
 )
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
-from dptune.records.ledger import charged_runs
+from dptune.records.ledger import charged_runs, check_ledger
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.cells import (
@@ -293,6 +293,7 @@ def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str
         for root in dict.fromkeys((results_root, runs))
         for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)
     ]
+    check_ledger(runs)  # an unreadable start entry is told now, not after more training
     if options.resume:
         repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
         notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)

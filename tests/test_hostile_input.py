@@ -314,7 +314,7 @@ def test_a_file_or_folder_where_dptune_keeps_its_own_is_refused_in_one_line(
         named = f"{root}/trials is a file where dptune keeps table 'trials' (a folder of part files); move it away"
     else:
         (root / ".lease").mkdir()
-        named = f"{str(root / '.lease')!r} is a folder or a link, not the lock file dptune keeps there; move it away"
+        named = f"{root / '.lease'} is a folder or a link, not the lock file dptune keeps there; move it away"
     err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume")
     assert named in err and "Traceback" not in err
 

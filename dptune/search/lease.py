@@ -102,8 +102,8 @@ def _file_lock(path: str, results_root: str, where: str) -> Iterator[None]:
     lease_path = os.path.join(path, LEASE_FILE)
     if os.path.isdir(lease_path) or os.path.islink(lease_path):
         raise LeaseUnusable(
-            f"{where} {shown(results_root)}: {shown(lease_path)} is a folder or a link, not the lock file dptune "
-            "keeps there; move it away (nothing of the search is in it), then run the command again"
+            f"{lease_path} is a folder or a link, not the lock file dptune keeps there; move it away (nothing of "
+            "the search is in it), then run the command again"
         )
     descriptor = os.open(lease_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
     try:

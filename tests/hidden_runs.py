@@ -76,11 +76,13 @@ def card_numbers(*roots: Path) -> set[float]:
     return numbers
 
 
-def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame, public: set[float] | None = None) -> dict[bytes, str]:
+def hidden_needles(
+    trials: pd.DataFrame, release: pd.DataFrame, public: set[float] | None = None, *, scores: bool = True
+) -> dict[bytes, str]:
     """What identifies a hidden run, each with what it is: every run's trial and configuration id,
-    and every noisy score, clipping bound and learning rate (as Python and JSON write a float, at
-    least ``_MIN_FLOAT_CHARS`` long) other than the released ones and the ``public`` numbers
-    (:func:`card_numbers`)."""
+    and every noisy score (unless not ``scores``), clipping bound and learning rate (as Python and JSON
+    write a float, at least ``_MIN_FLOAT_CHARS`` long) other than the released ones and the ``public``
+    numbers (:func:`card_numbers`)."""
     needles = {}
     for run in trials.itertuples():
         needles[run.trial_id.encode()] = f"trial id of {run.trial_id}"
@@ -96,7 +98,7 @@ def hidden_needles(trials: pd.DataFrame, release: pd.DataFrame, public: set[floa
             for column in ("clip_bound", "base_learning_rate"):
                 floats[float(getattr(run, column))] = f"{column} of {run.trial_id}"
         score = run.noisy_val_accuracy
-        if not pd.isna(score) and score not in released_score:
+        if scores and not pd.isna(score) and score not in released_score:
             floats[float(score)] = f"noisy score of {run.trial_id}"
     needles |= {
         repr(value).encode(): what

@@ -154,6 +154,11 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
         ray_lines, search_output = logs.split(f"Running entrypoint for job {submission}", 1)
         assert ray_lines.count("\n") == 1 and "Runtime env is setting up." in ray_lines
         assert_nothing_of_the_hidden_runs_outside(root, search_output, None, HEAD_SLOTS, public)
-        needles = hidden_needles(pd.read_parquet(root / TRUST_BOUNDARY / "trials"), released, public)
+        hidden = pd.read_parquet(root / TRUST_BOUNDARY / "trials")
+        needles = hidden_needles(hidden, released, public)
+        # the head's files hold every job of the suite's shared head, the public accuracies of non-private
+        # searches included: a noisy score k/150 there cannot be told from another job's accuracy k/150,
+        # so that folder is searched for the runs' ids, C and η₀ (which a leaked record would hold too)
+        shared = hidden_needles(hidden, released, public, scores=False)
         for where, blob in shown.items():
-            assert_none_in(blob, needles, where)
+            assert_none_in(blob, shared if where == "the head's temp folder" else needles, where)

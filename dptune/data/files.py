@@ -198,11 +198,9 @@ def _read(source: DatasetFile, paths: tuple[str, ...], kind: str, stamps: tuple[
 
 def _bytes_digest(paths: tuple[str, ...]) -> str:
     """sha256 of the bytes of the files ``paths`` and, for a folder, of every file below it (sorted)."""
-    files = [
-        Path(path, relative) if os.path.isdir(path) else Path(path)
-        for path in paths
-        for relative in ([name for name, _, _ in _listing(path)] if os.path.isdir(path) else [""])
-    ]
+    files: list[Path] = []
+    for path in paths:
+        files += [Path(path, name) for name, _, _ in _listing(path)] if os.path.isdir(path) else [Path(path)]
     return file_digest(*files)
 
 

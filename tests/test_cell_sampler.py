@@ -51,6 +51,39 @@ def test_a_grid_runs_every_point_exactly_once_across_a_restore() -> None:
     assert restored.state()["pending"] == [] and len(restored.told) == 12
 
 
+@pytest.mark.parametrize("sampler_name", ["random", "tpe"])
+def test_a_restored_sampler_never_proposes_a_pending_configuration_again(sampler_name: str) -> None:
+    # killed after its first unit was asked and before it was told: the restored sampler (the
+    # searcher's checkpoint) must neither replay that ask nor count it twice against the budget
+    spec = CellSpec(sampler=sampler_name, seed=0, batch_sizes=(32, 64), feasible_batch_sizes=(32, 64), ranges=RANGES)
+    sampler = CellSampler(spec)
+    pending = sampler.ask(2, on_pruned=pytest.fail)
+    restored = CellSampler.from_state(json.loads(json.dumps(sampler.state())))
+    later = restored.ask(3, on_pruned=pytest.fail)
+    assert {_key(p) for p in later}.isdisjoint({_key(p) for p in pending}) and len({_key(p) for p in later}) == 3
+    assert [t.state.name for t in restored.study.trials[:2]] == ["RUNNING", "RUNNING"]
+    for params in pending + later:  # the pending unit re-ran: its values are told to the trials it holds
+        restored.tell(params, 0.5)
+    assert restored.pending == [] and len(restored.told) == 5
+    assert sum(t.state.name == "COMPLETE" for t in restored.study.trials) == 5
+
+
+def test_a_categorical_space_gives_each_configuration_once_then_runs_out() -> None:
+    spec = CellSpec(
+        sampler="random",
+        seed=2,
+        batch_sizes=(32, 64, 128),
+        feasible_batch_sizes=(32, 64, 128),
+        ranges={"clip_bound": {"values": [0.1, 1.0]}, "base_learning_rate": {"values": [0.001, 0.01]}},
+    )
+    sampler = CellSampler(spec)
+    first = sampler.ask(1, on_pruned=pytest.fail)
+    restored = CellSampler.from_state(sampler.state())
+    rest = restored.ask(100, on_pruned=pytest.fail)
+    assert len(first) + len(rest) == 12 and len({_key(p) for p in first + rest}) == 12
+    assert restored.ask(1, on_pruned=pytest.fail) == []  # every configuration asked once: the cell closes
+
+
 def test_infeasible_batch_sizes_are_recorded_and_never_returned() -> None:
     spec = CellSpec(sampler="random", seed=0, batch_sizes=(32, 64, 2048), feasible_batch_sizes=(32, 64), ranges=RANGES)
     sampler = CellSampler(spec)

@@ -9,8 +9,9 @@ Its state is plain data (:meth:`CellSampler.state`, JSON): the specification and
 configuration told so far with its value. :meth:`CellSampler.from_state` rebuilds the study from
 it (``study.add_trial``), so a resumed search continues every cell without unpickling code.
 Configurations asked but not told at a checkpoint stay pending: Ray Tune re-runs their unit on
-resume and the result is told then (:meth:`tell` accepts a configuration the live study does not
-know); a grid does not offer them again.
+resume and the result is told then. A restored study holds them as running trials, its generator
+is re-seeded past every ask (told and pending), and no configuration is proposed twice (pending,
+told or pruned before): every configuration is asked once, across any number of resumes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from dptune.errors import DptuneError
 #: Proposals in a row that may all be pruned before the sampler gives up (a space whose feasible
 #: batch sizes the sampler never proposes).
 MAX_PRUNED_PROPOSALS = 1000
+#: Proposals in a row that may all repeat a configuration asked before until the cell is taken to be
+#: exhausted (a categorical space smaller than its budget): :meth:`CellSampler.ask` then returns fewer.
+MAX_REPEATED_PROPOSALS = 200
 
 
 class SamplerExhausted(DptuneError, RuntimeError):
@@ -111,13 +115,19 @@ class CellSampler:
 
     def __post_init__(self) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.study = optuna.create_study(direction="maximize", sampler=self._sampler(len(self.told)))
+        asks = len(self.told) + len(self.pending)
+        self.study = optuna.create_study(direction="maximize", sampler=self._sampler(asks))
         self._numbers = {}
         distributions = self.spec.distributions()
         for params, value, state in self.told:
             self.study.add_trial(
                 optuna.trial.create_trial(params=params, distributions=distributions, value=value, state=_STATES[state])
             )
+        for params in self.pending:  # asked before a resume, their unit runs again: running trials
+            self.study.add_trial(
+                optuna.trial.create_trial(params=params, distributions=distributions, state=TrialState.RUNNING)
+            )
+            self._numbers.setdefault(_key(params), []).append(len(self.study.trials) - 1)
         if self.spec.sampler == "grid":
             done = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
             points = [
@@ -129,32 +139,43 @@ class CellSampler:
                     self.study.enqueue_trial(points[index])
             self._grid_left = len(self.study.get_trials(states=(TrialState.WAITING,)))
 
-    def _sampler(self, told: int) -> optuna.samplers.BaseSampler:
-        # Re-seeded from the public seed and the number of configurations told, so a restored
-        # sampler continues deterministically without pickling its generator; a secret one (seed
+    def _sampler(self, asks: int) -> optuna.samplers.BaseSampler:
+        # Re-seeded from the public seed and the number of configurations asked (told or pending), so
+        # a restored sampler continues deterministically without pickling its generator and never
+        # replays the proposals of the asks before it (those stay pending); a secret one (seed
         # None) draws its whole state from OS entropy (numpy's RandomState from a fresh
         # SeedSequence). A grid is enqueued, so its sampler never proposes.
-        seed = None if self.spec.seed is None else self.spec.seed + told
+        seed = None if self.spec.seed is None else self.spec.seed + asks
         if self.spec.sampler == "tpe":
             # constant_liar: configurations asked together in one batch are spread out, not repeated
             return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.spec.startup_trials, constant_liar=True)
         return optuna.samplers.RandomSampler(seed=seed)
 
     def ask(self, count: int, on_pruned: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
-        """Up to ``count`` configurations with a feasible B (fewer when a grid runs out).
+        """Up to ``count`` configurations with a feasible B, none asked before (fewer when a grid, or a
+        categorical space, runs out).
 
-        Each infeasible proposal is passed to ``on_pruned`` and told to the study as pruned.
+        Each infeasible proposal is passed to ``on_pruned`` and told to the study as pruned; one that
+        repeats a configuration asked before (told, pending or pruned) is told as failed, which TPE
+        ignores, and proposed again.
         """
         distributions = self.spec.distributions()
         asked: list[dict[str, Any]] = []
-        pruned_in_a_row = 0
-        while len(asked) < count:
+        seen = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
+        pruned_in_a_row = repeated_in_a_row = 0
+        while len(asked) < count and repeated_in_a_row < MAX_REPEATED_PROPOSALS:
             if self.spec.sampler == "grid":
                 if not self._grid_left:
                     break
                 self._grid_left -= 1
             trial = self.study.ask(distributions)
             params = dict(trial.params)
+            if _key(params) in seen:
+                self.study.tell(trial, state=TrialState.FAIL)
+                repeated_in_a_row += 1
+                continue
+            repeated_in_a_row = 0
+            seen.add(_key(params))
             if int(params["batch_size"]) not in self.spec.feasible_batch_sizes:
                 self.study.tell(trial, state=TrialState.PRUNED)
                 self.told.append(Told(params, None, "pruned"))

@@ -241,7 +241,8 @@ def test_no_hostile_input_hangs(spec: str | None, args: list[str], tmp_path: Pat
 def _results(tmp_path: Path) -> Path:
     """A results folder of the tiny space, as a search leaves it (its manifest)."""
     root = tmp_path / "tiny"
-    preflight.write_manifest(str(root), load_space(TINY), "tiny")
+    loaded = load_space(TINY)
+    preflight.write_manifest(str(root), loaded, "tiny", f"tiny-{loaded.spec_hash}")
     return root
 
 
@@ -327,6 +328,35 @@ def test_a_damaged_ledger_entry_is_named_before_anything_trains(
     cut.write_text('{"version": 1, "entries": [{"run": "r1", "trial_id": "t1", "noise_multip')
     err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume")
     assert f"{cut}: unreadable privacy ledger entry" in err and "nothing more is trained" in err
+
+
+def _charge(root: Path, search_id: str) -> None:
+    """One start entry of ``search_id`` in the ledger at ``root``, as a trial process writes it."""
+    from dptune.records.ledger import RunStart, record_starts
+
+    start = RunStart(
+        "t-r0", "t", 0, search_id, "eps=2|epochs=3", "normalized", {"batch_size": 32}, 1.5, 0.1, 28, 1e-5, 2.0
+    )
+    record_starts(str(root), [start])
+
+
+def test_a_renamed_folder_resumes_its_own_search_and_a_foreign_ledger_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loaded = load_space(TINY)
+    root = _results(tmp_path)
+    _charge(root, f"tiny-{loaded.spec_hash}")
+    moved = root.rename(tmp_path / "renamed")
+    # resumed under its new name, the folder's runs stay charged to the search that started it
+    assert preflight.folder_search_id(str(moved), loaded, "renamed", resume=True) == f"tiny-{loaded.spec_hash}"
+    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--name", "renamed")
+    assert f"{moved}/ledger: the privacy ledger of this results folder already charges 1 run(s)" in err
+    assert "pass --resume" in err
+    _charge(moved, "other-0123456789abcdef")  # an entry file copied in from another search's folder
+    err = refused(
+        capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--name", "renamed", "--resume"
+    )
+    assert "holds start entries of search(es) other-0123456789abcdef, not of this folder's search tiny-" in err
 
 
 def test_quarantine_moves_unreadable_parts_aside(tmp_path: Path) -> None:

@@ -122,9 +122,10 @@ def test_settings_that_do_nothing_and_sizes_that_need_n_are_told() -> None:
 def test_a_manifest_is_written_whole_and_read_back(tmp_path: Path) -> None:
     loaded = load_space(TINY)
     assert preflight.read_manifest(str(tmp_path)) is None
-    preflight.write_manifest(str(tmp_path), loaded, "tiny")
+    preflight.write_manifest(str(tmp_path), loaded, "tiny", "tiny-0")
     assert [p.name for p in tmp_path.iterdir()] == [preflight.MANIFEST]  # no temporary left
     assert preflight.read_manifest(str(tmp_path)) == {
+        "search_id": "tiny-0",
         "name": "tiny",
         "spec_hash": loaded.spec_hash,
         "spec_yaml": loaded.text,
@@ -132,7 +133,7 @@ def test_a_manifest_is_written_whole_and_read_back(tmp_path: Path) -> None:
     (tmp_path / preflight.MANIFEST).write_text(json.dumps(["not", "a", "manifest"]))
     with pytest.raises(PreflightError, match="unreadable manifest .'expected an object with spec_hash and spec_yaml'"):
         preflight.read_manifest(str(tmp_path))
-    preflight.write_manifest(str(tmp_path), loaded, "tiny")
+    preflight.write_manifest(str(tmp_path), loaded, "tiny", "tiny-0")
     changed = load_space(TINY, {"min_steps": 5})
     with pytest.raises(PreflightError, match=r"--resume: the search space differs .* min_steps: 10 → 5"):
         preflight.check_same_space(str(tmp_path), changed)

@@ -793,3 +793,20 @@ def test_random_trial_count_follows_the_truncated_negative_binomial(mean: float,
 def test_bad_search_cost_input_names_the_parameter(call: Callable[[], object], named: str) -> None:
     with pytest.raises(PrivacyParameterError, match=f"^{named} must be"):
         call()
+
+
+def test_a_shown_bound_is_rounded_up_never_below_the_bound() -> None:
+    from dptune.privacy.checks import bound_text
+
+    assert [bound_text(v) for v in (15.34, 15.35, 2.0, 0.123456, 9.9951, 1e-5, 0.1)] == [
+        "15.4",
+        "15.4",
+        "2",
+        "0.124",
+        "10",
+        "1e-05",
+        "0.1",
+    ]
+    assert bound_text(1.234e-7, 2) == "1.3e-07" and bound_text(float("inf")) == "inf"
+    for value in np.random.default_rng(0).uniform(0.01, 100, 200):
+        assert float(bound_text(value)) >= value

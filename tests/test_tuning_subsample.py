@@ -18,6 +18,7 @@ from dptune.data.workload import SplitRows, tuning_rows_bytes, tuning_subset
 from dptune.errors import SearchError, TrialConfigError
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier
+from dptune.privacy.checks import bound_text
 from dptune.privacy.composition import TrialMechanism
 from dptune.privacy.selection import SELECTION_EPSILON_RTOL
 from dptune.privacy.subsampled_tuning import subsampled_tuning_cost
@@ -106,7 +107,7 @@ def test_the_planned_total_is_met_and_recomputes_from_the_plans_sigmas() -> None
     assert tuning.epsilon_tuning < tuning.epsilon_total and tuning.epsilon_release < tuning.epsilon_total
     text = format_plan(loaded, [plan])
     assert "tuning on a secret subsample: q₁ = 0.2 of the training and validation rows, transfer 'batch_size'" in text
-    assert f"the RDP bound of the whole: ε = {tuning.epsilon_total:.4g}" in text
+    assert f"the RDP bound of the whole: ε = {bound_text(tuning.epsilon_total, 4)}" in text
     assert f"     64   0.16         62   {tuning.noise_multipliers[64]:.4f}" in text
     assert "not tuned, larger than the subsample's q₁·N rows: B = [512]" in text and "pruned" not in text
 

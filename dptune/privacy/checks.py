@@ -112,3 +112,18 @@ def check_delta(delta: float, num_examples: int) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def bound_text(value: float, digits: int = 3) -> str:
+    """An upper bound (ε, δ) as text of ``digits`` significant digits, rounded up: a shown bound is never
+    below the bound computed (``f"{15.34:.3g}"`` would show 15.3). A value that equals its nearest
+    ``digits``-digit decimal up to float error (relative 1e-9: δ = 1e-5 given as a float) shows as that."""
+    from decimal import ROUND_CEILING, Decimal
+
+    nearest = f"{value:.{digits}g}"
+    if not math.isfinite(value) or value <= 0 or float(nearest) >= value * (1 - 1e-9):
+        return nearest
+    exact = Decimal(value)
+    return (
+        f"{float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)):.{digits}g}"
+    )

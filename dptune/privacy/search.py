@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from dptune.contract import DatasetFile
+from dptune.privacy.checks import bound_text
 from dptune.privacy.composition import TrialMechanism, composed_epsilon
 from dptune.records import TRUST_BOUNDARY
 from dptune.space import SearchSpace
@@ -194,8 +195,9 @@ def guarantee(
         ""
         if cost is None or not cost.trials_with_steps
         else (
-            f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {cost.epsilon:.3g} at "
-            f"δ = {cost.delta:g} (basic composition: ({cost.epsilon_basic:.3g}, {cost.delta_basic:.2g}))"
+            f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {bound_text(cost.epsilon)} "
+            f"at δ = {cost.delta:g} (basic composition: ({bound_text(cost.epsilon_basic)}, "
+            f"{bound_text(cost.delta_basic, 2)}))"
         )
     )
     parts = []

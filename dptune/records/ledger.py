@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -174,10 +175,12 @@ def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return starts, ends
 
 
-def check_ledger(runs_root: str) -> None:
+def check_ledger(runs_root: str) -> Counter[str]:
     """Read every entry of the ledger at ``runs_root`` once: ``LedgerError`` naming an unreadable start
-    file, before a search trains anything more on top of a ledger whose total it could not print."""
-    _entries(runs_root)
+    file, before a search trains anything more on top of a ledger whose total it could not print.
+    Returns the number of start entries per search id."""
+    starts, _ = _entries(runs_root)
+    return Counter(str(start.get("search_id")) for start in starts)
 
 
 def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = None) -> pd.DataFrame:

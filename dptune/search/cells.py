@@ -29,6 +29,7 @@ from dptune.privacy import (
     draw_trial_count,
     plan_private_selection,
 )
+from dptune.privacy.checks import bound_text
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.sampler import CellSpec
 from dptune.search.subsample import TuningPlan, plan_tuning
@@ -274,8 +275,9 @@ def _format_tuning(tuning: TuningPlan) -> list[str]:
     lines = [
         f"tuning on a secret subsample: q₁ = {tuning.fraction:g} of the training and validation rows, "
         f"transfer '{tuning.transfer}'; σ of every tuning run and of the release calibrated to ε = "
-        f"{tuning.epsilon_per_run:.4g} each; the RDP bound of the whole: ε = {tuning.epsilon_total:.4g} (the "
-        f"amplified tuning alone {tuning.epsilon_tuning:.4g}, the release alone {tuning.epsilon_release:.4g})",
+        f"{bound_text(tuning.epsilon_per_run, 4)} each; the RDP bound of the whole: ε = "
+        f"{bound_text(tuning.epsilon_total, 4)} (the amplified tuning alone {bound_text(tuning.epsilon_tuning, 4)}, "
+        f"the release alone {bound_text(tuning.epsilon_release, 4)})",
         "  a tuning run (on the subsample) per full-data B:",
         "      B   q        T      σ",
     ]

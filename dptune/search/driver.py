@@ -27,7 +27,7 @@ from dptune.errors import (
 )
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
-from dptune.records.ledger import charged_runs, check_ledger
+from dptune.records.ledger import charged_runs
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.cells import (
@@ -293,7 +293,6 @@ def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str
         for root in dict.fromkeys((results_root, runs))
         for note in preflight.check_results_folder(root, options.quarantine_corrupt, move=not options.dry_run)
     ]
-    check_ledger(runs)  # an unreadable start entry is told now, not after more training
     if options.resume:
         repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
         notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
@@ -369,7 +368,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             "or choose another --name/--storage"
         )
 
-    search_id = f"{name}-{loaded.spec_hash}"
+    search_id = preflight.folder_search_id(runs, loaded, name, options.resume, options.dry_run)
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
         print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
         conclude(results_root, report, private=private)
@@ -409,7 +408,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         None if tuning is None else draw_tuning_rows(runs, len(workload.train), len(workload.val), tuning.fraction)
     )
 
-    preflight.write_manifest(runs, loaded, name)  # a private search's start time stays inside its boundary
+    preflight.write_manifest(runs, loaded, name, search_id)  # a private search's start time stays inside its boundary
     if not cluster:
         print(init_ray(options.address, private=private), flush=True)
     started = time.monotonic()

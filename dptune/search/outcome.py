@@ -16,6 +16,7 @@ from dptune import __version__
 from dptune.errors import SearchIncomplete, SearchInterrupted
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
+from dptune.privacy.checks import bound_text
 from dptune.privacy.search import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
 from dptune.records.ledger import charged_runs
@@ -368,12 +369,12 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
                 "epsilon_cell": "ε cell (composed)",
                 "epsilon_composition": "Σε (basic)",
             }
-        ).to_string(index=False, float_format=lambda v: f"{v:.3g}")
+        ).to_string(index=False, float_format=bound_text)
     )
     lines.append(
-        f"whole search: ε = {first['epsilon_search']:.3g} at δ = {first['delta']:g} (PLD "
+        f"whole search: ε = {bound_text(first['epsilon_search'])} at δ = {first['delta']:g} (PLD "
         f"composition of every trial that took a step); basic composition: "
-        f"ε = {first['epsilon_search_basic']:.3g}, δ = {first['delta_search_basic']:.2g}"
+        f"ε = {bound_text(first['epsilon_search_basic'])}, δ = {bound_text(first['delta_search_basic'], 2)}"
     )
     unrecorded = first.get("runs_unrecorded")
     if unrecorded is not None and not pd.isna(unrecorded) and int(unrecorded) > 0:

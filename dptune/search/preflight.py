@@ -273,10 +273,45 @@ def read_manifest(results_root: str) -> dict[str, Any] | None:
     return manifest
 
 
-def write_manifest(results_root: str, loaded: LoadedSpace, name: str) -> None:
-    """Write the manifest atomically (``paths.write_file_atomic``)."""
-    data = json.dumps({"name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text}, indent=1).encode()
-    write_file_atomic(results_root, MANIFEST, data)
+def write_manifest(results_root: str, loaded: LoadedSpace, name: str, search_id: str) -> None:
+    """Write the manifest atomically (``paths.write_file_atomic``): the folder's ``search_id``
+    (:func:`folder_search_id`), the ``name`` it ran under last, and the space."""
+    manifest = {"search_id": search_id, "name": name, "spec_hash": loaded.spec_hash, "spec_yaml": loaded.text}
+    write_file_atomic(results_root, MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def folder_search_id(runs: str, loaded: LoadedSpace, name: str, resume: bool, dry_run: bool = False) -> str:
+    """The id the runs of the search at ``runs`` are recorded and charged under: the folder's, whatever
+    the folder is called now.
+
+    The search that starts a folder names it ``<name>-<spec hash>`` and keeps that id in the folder's
+    manifest; a resume takes it from there, so a copied, renamed or moved folder resumed under
+    another ``--name`` continues the same search, and its printed ε composes every start entry of
+    its ledger. Refused (``PreflightError``), before anything trains: a start without ``--resume`` on
+    a folder whose ledger charges runs, and a ledger holding start entries of another search (entry
+    files copied in from another folder), which this search's ε would not compose.
+    """
+    from dptune.records.ledger import check_ledger
+
+    charged = check_ledger(runs)  # an unreadable start entry is told now, not after more training
+    manifest = read_manifest(runs) if resume else None
+    search_id = f"{name}-{loaded.spec_hash}"
+    if manifest is not None and manifest.get("spec_hash") == loaded.spec_hash:
+        search_id = str(manifest.get("search_id") or f"{manifest.get('name')}-{loaded.spec_hash}")
+    if charged and not resume and not dry_run:
+        raise PreflightError(
+            f"{runs}/ledger: the privacy ledger of this results folder already charges {sum(charged.values())} "
+            "run(s) (a search started here and stopped before it recorded a result); pass --resume to "
+            "continue that search (its ε counts them), or choose another --name/--storage"
+        )
+    if foreign := sorted(set(charged) - {search_id}):
+        raise PreflightError(
+            f"{runs}/ledger: the privacy ledger holds start entries of search(es) {', '.join(foreign)[:200]}, not "
+            f"of this folder's search {search_id}, so this search's ε would not count them; move those "
+            "entry files back to the results folder they came from, or run this search under another "
+            "--name/--storage"
+        )
+    return search_id
 
 
 def check_same_space(results_root: str, loaded: LoadedSpace) -> None:

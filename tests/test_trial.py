@@ -21,6 +21,7 @@ from dptune.paths import CACHE_ENV
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.runners import trainer
+from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import cached_workload
 from dptune.runners.trainer import Trial
 from dptune.runners.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
@@ -197,6 +198,44 @@ def test_an_error_after_training_began_says_what_it_spent() -> None:
     )
     assert 0 < failure.epsilon_spent < COINS.epsilon
     assert isinstance(failure.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("engine", ["opacus", "film"])
+def test_a_checkpointed_run_lost_mid_training_continues_to_the_same_result_bit_for_bit(
+    result: TrialResult, tmp_path: Path, engine: str
+) -> None:
+    config = replace(BASE, engine=engine)
+    whole = result if engine == "opacus" else run_trial(config)
+    checkpoint = RunCheckpoint(str(tmp_path), "run.pt")
+
+    def lost_in_third_epoch(metrics: EpochMetrics) -> None:
+        if metrics.epoch == 3:
+            raise RuntimeError("process lost")
+
+    with pytest.raises(TrialFailed, match="process lost"):
+        run_trial(config, lost_in_third_epoch, checkpoint)
+    kept = checkpoint.load()
+    assert kept is not None and kept["epochs_done"] == 2
+    assert kept["steps_taken"] == sum(epoch_steps(100, BASE.batch_size, BASE.epochs)[:2])
+    # the continuation draws nothing of its own: another seed's coins give way to the kept state
+    continued = run_trial(replace(config, seed=99), None, checkpoint)
+    assert (continued.status, continued.steps_taken, continued.test_accuracy) == (
+        "ok",
+        whole.steps_taken,
+        whole.test_accuracy,
+    )
+    assert [(m.epoch, m.steps, m.train_loss, m.val_loss) for m in continued.epochs] == [
+        (m.epoch, m.steps, m.train_loss, m.val_loss) for m in whole.epochs
+    ]
+    assert [(d.epoch, d.grad_norms) for d in continued.diagnostics] == [
+        (d.epoch, d.grad_norms) for d in whole.diagnostics
+    ]
+    assert continued.trained is not None and whole.trained is not None
+    assert all(np.array_equal(continued.trained.parameters[k], v) for k, v in whole.trained.parameters.items())
+    with pytest.raises(TrialFailed, match="another run's state"):  # a checkpoint continues its own run only
+        run_trial(replace(config, clip_bound=0.25), None, checkpoint)
+    checkpoint.remove()
+    assert checkpoint.load() is None and not list(tmp_path.iterdir())
 
 
 def test_dp_selection_score_is_the_correct_count_plus_gaussian_noise() -> None:

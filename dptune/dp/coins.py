@@ -37,6 +37,7 @@ bit; CUDA: same device and kernels).
 from __future__ import annotations
 
 import functools
+import json
 from typing import NamedTuple
 
 import numpy as np
@@ -146,3 +147,17 @@ class DeviceCoins:
         key, offset = (int(x) for x in self._stream.integers(0, 2**64, size=2, dtype=np.uint64))
         self.generator.manual_seed(key)
         self.generator.set_offset(offset - offset % _PHILOX_OFFSET_STEP)
+
+    def state(self) -> torch.Tensor | str:
+        """The whole state the next step's noise depends on: the CPU generator's (a byte tensor), or on
+        CUDA the PCG64 stream's (JSON; ``refresh`` sets the Philox key and offset from it before a step)."""
+        if self._stream is None:
+            return self.generator.get_state()
+        return json.dumps(self._stream.bit_generator.state)
+
+    def set_state(self, state: torch.Tensor | str) -> None:
+        """Continue from ``state`` (what :meth:`state` returned, on the same kind of device)."""
+        if self._stream is None:
+            self.generator.set_state(state)
+        else:
+            self._stream.bit_generator.state = json.loads(state)

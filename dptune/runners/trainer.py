@@ -41,14 +41,25 @@ bit-identical).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
+from dataclasses import asdict
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
-from dptune.contract import Diagnostics, EpochMetrics, Reporter, TrainedModel, TrialConfig, TrialResult
+from dptune.contract import (
+    ClassDiagnostics,
+    Diagnostics,
+    EpochMetrics,
+    Reporter,
+    TrainedModel,
+    TrialConfig,
+    TrialResult,
+)
 from dptune.data import Workload
 from dptune.data.features import weights_fingerprint
 from dptune.data.spec import Split
@@ -63,6 +74,7 @@ from dptune.errors import TrialFailed
 from dptune.models import build_model, check_dp_compatible, new_head, trainable_parameter_count
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
+from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import (
     Evaluation,
     cached_workload,
@@ -133,8 +145,8 @@ class Trial:
         self.steps = total_steps(num_train, config.batch_size, config.epochs)
         self.epoch_steps = epoch_steps(num_train, config.batch_size, config.epochs)
         self.noise_multiplier = calibrate_noise_multiplier(config.epsilon, config.delta, self.sample_rate, self.steps)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(config.optimizer, trainable, config.learning_rate)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(config.optimizer, self.trainable, config.learning_rate)
         self.spec = DPStepSpec(
             noise_multiplier=self.noise_multiplier,
             clip_bound=config.clip_bound,
@@ -144,7 +156,8 @@ class Trial:
         )
         self.noise_coins = DeviceCoins(coins.noise, device)
         self.engine: DPEngine = engine_factory(self.model, self.spec, self.noise_coins.generator)
-        self.loader = poisson_loader(workload.train, self.sample_rate, self.steps, cpu_generator(coins.sampling))
+        self.sampling_generator = cpu_generator(coins.sampling)
+        self.loader = poisson_loader(workload.train, self.sample_rate, self.steps, self.sampling_generator)
         self.probe = self._probe(trainable_parameter_count(self.model)) if config.diagnostics else ()
 
     def _probe(self, dimension: int) -> tuple[torch.Tensor, ...]:
@@ -201,7 +214,9 @@ class Trial:
             self.autocast_dtype,
         )
 
-    def run(self, report: Reporter | None) -> TrialResult:
+    def run(self, report: Reporter | None, checkpoint: RunCheckpoint | None = None) -> TrialResult:
+        """Train (from ``checkpoint``'s state when it holds one; saving it before the first step and
+        after every epoch but the last, ``dptune.runners.checkpoint``) and return the result."""
         config = self.config
         result = self.new_result()
         probe_epochs = diagnostic_epochs(config.epochs) if config.diagnostics else []
@@ -209,10 +224,21 @@ class Trial:
         start = time.perf_counter()
         examples_seen = 0
         train_time = 0.0
-        if 0 in probe_epochs:
+        epochs_done = 0
+        # all T Poisson batches, one pass; iter() draws the loader's base seed from the sampling generator,
+        # so a restore sets that generator's state (and the batches left) after it, before the first batch
+        batches = iter(self.loader)
+        kept = None if checkpoint is None else checkpoint.load()
+        if kept is not None:
+            epochs_done, examples_seen, train_time, elapsed = self._restore(kept, result)
+            start -= elapsed
+        elif 0 in probe_epochs:
             result.diagnostics.append(self.diagnose(0))
-        batches = iter(self.loader)  # all T Poisson batches, one pass
+        if checkpoint is not None and kept is None:
+            checkpoint.save(self._state(result, 0, 0, 0.0, time.perf_counter() - start))
         for epoch, epoch_length in enumerate(self.epoch_steps, start=1):
+            if epoch <= epochs_done:
+                continue
             epoch_start = time.perf_counter()
             self.model.train()
             epoch_loss = 0.0
@@ -266,6 +292,8 @@ class Trial:
                 report(metrics)
             if epoch in probe_epochs:
                 result.diagnostics.append(self.diagnose(epoch))
+            if checkpoint is not None and epoch < config.epochs:
+                checkpoint.save(self._state(result, epoch, examples_seen, train_time, time.perf_counter() - start))
         result.wall_time_s = time.perf_counter() - start
         result.examples_per_s = examples_seen / train_time if train_time > 0 else 0.0
         result.diagnostics_wall_time_s = sum(d.wall_time_s for d in result.diagnostics)
@@ -277,6 +305,63 @@ class Trial:
             result.epsilon_spent = self.epsilon_spent()
             result.trained = self.trained()
         return result
+
+    def _run_key(self) -> str:
+        """The run a checkpoint belongs to: the config without its seed (a lost run's seed is None)."""
+        return json.dumps({k: v for k, v in self.config.row().items() if k != "seed"}, sort_keys=True, default=str)
+
+    def _state(
+        self, result: TrialResult, epochs_done: int, examples_seen: int, train_time: float, elapsed: float
+    ) -> dict[str, Any]:
+        """The run's whole state after ``epochs_done`` epochs (``dptune.runners.checkpoint``)."""
+        measured = {
+            "epochs": [asdict(m) for m in result.epochs],
+            "diagnostics": [asdict(d) for d in result.diagnostics],
+        }
+        return {
+            "run": self._run_key(),
+            "epochs_done": epochs_done,
+            "steps_taken": self.steps_taken,
+            "examples_seen": examples_seen,
+            "train_time_s": train_time,
+            "elapsed_s": elapsed,
+            "parameters": [p.detach().cpu().clone() for p in self.trainable],
+            "optimizer": self.optimizer.state_dict(),
+            "sampling": self.sampling_generator.get_state(),
+            "noise": self.noise_coins.state(),
+            "score": json.dumps(self.score_generator.bit_generator.state),
+            "torch": torch.get_rng_state(),
+            "measured": json.dumps(measured),
+        }
+
+    def _restore(self, kept: dict[str, Any], result: TrialResult) -> tuple[int, int, float, float]:
+        """Continue from a :meth:`_state`: parameters, optimizer, every generator, the steps taken and
+        what was measured; the loader yields the remaining T − steps_taken batches. Returns (epochs
+        done, examples seen, training seconds, seconds elapsed)."""
+        if kept["run"] != self._run_key():
+            raise ValueError("the checkpoint holds another run's state (its configuration differs)")
+        with torch.no_grad():
+            for parameter, saved in zip(self.trainable, kept["parameters"], strict=True):
+                parameter.copy_(saved)
+        self.optimizer.load_state_dict(kept["optimizer"])
+        self.sampling_generator.set_state(kept["sampling"])
+        self.noise_coins.set_state(kept["noise"])
+        self.score_generator.bit_generator.state = json.loads(kept["score"])
+        torch.set_rng_state(kept["torch"])
+        self.steps_taken = int(kept["steps_taken"])
+        self.loader.batch_sampler.steps = self.steps - self.steps_taken
+        measured = json.loads(kept["measured"])
+        result.epochs = [EpochMetrics(**m) for m in measured["epochs"]]
+        result.diagnostics = [
+            Diagnostics(**{**d, "classes": [ClassDiagnostics(**c) for c in d["classes"]]})
+            for d in measured["diagnostics"]
+        ]
+        return (
+            int(kept["epochs_done"]),
+            int(kept["examples_seen"]),
+            float(kept["train_time_s"]),
+            float(kept["elapsed_s"]),
+        )
 
     def trained(self) -> TrainedModel:
         """The parameters this run trained (float32, by name) and what the frozen rest is: the
@@ -307,15 +392,16 @@ class Trial:
         return noisy_score(val, sigma, self.score_generator)
 
 
-def run(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
-    """Check ``config``, load and build everything, then train; see the module docstring."""
+def run(config: TrialConfig, report: Reporter | None = None, checkpoint: RunCheckpoint | None = None) -> TrialResult:
+    """Check ``config``, load and build everything, then train (continuing ``checkpoint``'s state
+    when it holds one); see the module docstring."""
     device = check_config(config)
     with torch_threads(config.threads):
         workload = cached_workload(config.workload)
         check_fits_workload(config, len(workload.train))
         trial = Trial(config, device, workload)
         try:
-            return trial.run(report)
+            return trial.run(report, checkpoint)
         except Exception as error:  # once training may have begun: say what was spent
             raise TrialFailed(
                 f"{type(error).__name__}: {error} (after {trial.steps_taken} of {trial.steps} steps)",

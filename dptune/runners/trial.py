@@ -15,6 +15,7 @@ import tempfile
 
 from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult, TrialStatus
 from dptune.errors import TrialConfigError, TrialFailed
+from dptune.runners.checkpoint import RunCheckpoint
 
 #: The contract types are re-exported here for callers that import them with ``run_trial``.
 __all__ = [
@@ -33,20 +34,24 @@ __all__ = [
 ]
 
 
-def run_trial(config: TrialConfig, report: Reporter | None = None) -> TrialResult:
+def run_trial(
+    config: TrialConfig, report: Reporter | None = None, checkpoint: RunCheckpoint | None = None
+) -> TrialResult:
     """Fine-tune ``config.workload``'s backbone on its dataset with DP; call ``report`` per epoch.
 
     Raises ``ValueError`` (:class:`TrialConfigError`, ``WorkloadError``, ``ModelError``,
     ``PrivacyParameterError``) for bad input, always before training; any error once training
     has begun is raised as :class:`TrialFailed` (with the steps taken). A run whose loss turns
-    non-finite returns status ``"diverged"``. Implementation: :mod:`dptune.runners.trainer`
-    (imported here on first use, so that importing this module stays torch-free).
+    non-finite returns status ``"diverged"``. With ``checkpoint`` the run keeps its whole state there
+    between epochs and continues from it when a lost process left one (:mod:`dptune.runners.checkpoint`).
+    Implementation: :mod:`dptune.runners.trainer` (imported here on first use, so that importing this
+    module stays torch-free).
     """
     leave_deleted_working_directory()
     _refuse_public_schedule(config)
     from dptune.runners.trainer import run
 
-    return run(config, report)
+    return run(config, report, checkpoint)
 
 
 def _refuse_public_schedule(config: TrialConfig) -> None:

@@ -34,8 +34,9 @@ from dptune.contract import EpochMetrics, PublicSchedule, Reporter, TrialConfig,
 from dptune.errors import TrialFailed
 from dptune.plan import coupled_learning_rate, run_schedule, sample_rate, total_steps
 from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
-from dptune.records.ledger import RunEnd, RunStart, record_ends, record_starts
+from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, record_starts
 from dptune.records.weights import write_weights
+from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.trial import run_trial
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
@@ -57,7 +58,10 @@ class TrialContext:
     it, as in unit tests that call the runners directly, no ledger is written). ``schedules`` (per
     B): the public schedules of a cell that tunes on a secret subsample
     (``dptune.search.subsample.public_schedules``); each run then samples, steps, is charged and has
-    its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)).
+    its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)). ``checkpoints``: a folder inside the
+    trust boundary where each run keeps its training state between epochs
+    (:mod:`dptune.runners.checkpoint`; the release of a subsample tuning): a run lost mid-training
+    continues from it under its own start entry, so it is one run, charged once.
     """
 
     base: TrialConfig
@@ -73,6 +77,7 @@ class TrialContext:
     num_train: int | None = None
     noise_multipliers: Mapping[int, float] | None = None
     schedules: Mapping[int, PublicSchedule] | None = None
+    checkpoints: str | None = None
 
 
 def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
@@ -138,6 +143,10 @@ class PendingRun:
     replicate: int
     config: TrialConfig
 
+    def trial_id(self, context: TrialContext) -> str:
+        """The run's trial id in cell ``context``."""
+        return replicate_trial_id(configuration_id(context.cell_key, self.params), self.replicate)
+
 
 @dataclass(frozen=True)
 class FinishedRun:
@@ -199,13 +208,21 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
 def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str | None]:
     """Charge ``runs`` in the privacy ledger before any takes a step (σ from the cell's plan, or
     calibrated as the runner does); their run ids, in order (None each when the context has no N,
-    so no ledger)."""
+    so no ledger). A checkpointed run (``context.checkpoints``) whose start entry has no end yet
+    keeps that entry's run id: it continues the same run."""
     if context.num_train is None or not runs:
         return [None] * len(runs)
     from dptune.privacy import calibrate_noise_multiplier
 
+    continued: dict[str, str] = {}
+    if context.checkpoints is not None:
+        charged = charged_runs(context.results_root, context.search_id)
+        unended = charged[~charged["ended"].astype(bool)]
+        continued = dict(zip(unended["trial_id"], unended["run"], strict=True))
     starts = []
     for run in runs:
+        if run.trial_id(context) in continued:
+            continue
         config = run.config
         schedule = run_schedule(config, context.num_train)
         rate, steps = schedule.sample_rate, schedule.steps
@@ -215,7 +232,7 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
         configuration = configuration_id(context.cell_key, run.params)
         starts.append(
             RunStart(
-                trial_id=replicate_trial_id(configuration, run.replicate),
+                trial_id=run.trial_id(context),
                 configuration_id=configuration,
                 replicate=run.replicate,
                 search_id=context.search_id,
@@ -229,7 +246,8 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
                 epsilon=config.epsilon,
             )
         )
-    return list(record_starts(context.results_root, starts))
+    charged_ids = iter(record_starts(context.results_root, starts))
+    return [continued.get(run.trial_id(context)) or next(charged_ids) for run in runs]
 
 
 def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int, min_steps: int) -> None:
@@ -291,11 +309,16 @@ class UnitOutcome:
     run_statuses: list[str]
 
 
+def run_checkpoint(context: TrialContext, trial_id: str) -> RunCheckpoint | None:
+    """Where run ``trial_id`` of cell ``context`` keeps its training state (None: not checkpointed)."""
+    return None if context.checkpoints is None else RunCheckpoint(context.checkpoints, f"{trial_id}.pt")
+
+
 def _run_one(context: TrialContext, pending: PendingRun, report: Reporter | None, run_id: str | None) -> TrialResult:
     """One ``run_trial`` call, recorded whatever happens (errors with the steps they spent)."""
     config = pending.config
     try:
-        result = run_trial(config, report)
+        result = run_trial(config, report, run_checkpoint(context, pending.trial_id(context)))
     except TrialFailed as failure:  # training had begun: record what it spent
         result = failed_result(
             config,

@@ -415,8 +415,11 @@ def stopped_by_signal(
 def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
     """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
     was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
-    search's message does not count the runs (that would reveal K)."""
-    missing = set(charged_runs(runs, search_id)["trial_id"]) - ResultsStore(runs).completed_trial_ids()
+    search's message does not count the runs (that would reveal K). A subsample tuning's release is
+    not among them: it trains after this check, and a resume continues it from its checkpoint."""
+    charged = charged_runs(runs, search_id)
+    tuned = charged[~charged["cell_id"].astype(str).str.endswith(RELEASE_SUFFIX)]
+    missing = set(tuned["trial_id"]) - ResultsStore(runs).completed_trial_ids()
     if not missing:
         return
     count = "some runs" if private else f"{len(missing)} run(s)"

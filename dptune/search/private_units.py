@@ -28,7 +28,7 @@ from typing import Any
 
 from dptune.paths import read_file, write_file_atomic
 from dptune.records import ResultsStore, replicate_trial_id
-from dptune.search.execution import TrialContext, configuration_id, run_configurations
+from dptune.search.execution import TrialContext, configuration_id, run_checkpoint, run_configurations
 
 #: The file inside a private search's trust boundary that keeps every cell's proposals.
 PROPOSALS_FILE = "proposals.json"
@@ -103,8 +103,12 @@ def run_private_unit(context: TrialContext, unit: PrivateUnit, chunk: int) -> No
 
 def run_release(context: TrialContext, params: dict[str, Any]) -> None:
     """Train the release of a cell tuned on a subsample (``subsample.release_context``) with the chosen
-    ``params``, once (skipped when recorded); returns nothing, as a private unit does."""
+    ``params``, once (skipped when recorded; continued from its checkpoint when a process running it
+    was lost), then delete the checkpoint; returns nothing, as a private unit does."""
     run_configurations(context, [params])
+    checkpoint = run_checkpoint(context, replicate_trial_id(configuration_id(context.cell_key, params), 0))
+    assert checkpoint is not None, "a release context keeps checkpoints"
+    checkpoint.remove()
 
 
 def unrecorded_runs(context: TrialContext, proposals: Sequence[dict[str, Any]]) -> int:

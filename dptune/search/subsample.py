@@ -32,6 +32,7 @@ from dptune.paths import read_file, write_file_atomic
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import PrivacyParameterError
 from dptune.privacy.subsampled_tuning import plan_subsampled_tuning
+from dptune.runners.checkpoint import CHECKPOINTS
 from dptune.space import SearchSpace
 from dptune.space.spec import TuningSubsampleSpec
 
@@ -213,7 +214,9 @@ def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
     """The :class:`~dptune.search.execution.TrialContext` of the release of the cell whose tuning runs
     under ``tuning`` by ``plan``: every training row (no X₁), the full data's own schedule, the
     release's σ at the plan's per-run ε, no DP score (the release's validation accuracy is never
-    released), one run; its cell id and key are the tuning's with ``RELEASE_SUFFIX`` and ``-release``."""
+    released), one run, trained by the one-trial runner with its state checkpointed between epochs
+    inside the trust boundary (``checkpoints``: a kill mid-training is continued, not trained again);
+    its cell id and key are the tuning's with ``RELEASE_SUFFIX`` and ``-release``."""
     base = tuning.base
     return replace(
         tuning,
@@ -227,6 +230,8 @@ def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
         cell_id=tuning.cell_id + RELEASE_SUFFIX,
         cell_key=tuning.cell_key + "-release",
         replicates=1,
+        fused=False,
         noise_multipliers=dict(plan.release_noise_multipliers),
         schedules=None,
+        checkpoints=f"{tuning.results_root.rstrip('/')}/{CHECKPOINTS}",
     )

@@ -12,13 +12,15 @@ folder). The write points, each hit in the process that writes it (a trial proce
 - after an end entry (trained and charged, no row yet);
 - after a ``trials`` part file (a run recorded, the rest of its unit not);
 - during composition: before the driver writes the ``search`` row (every run recorded, the search
-  not yet finished).
+  not yet finished);
+- during the release of a private search tuned on a subsample (its own test): after its start entry
+  and before its first checkpoint (charged, nothing trained), then after its checkpoint of epoch 1.
 
 After each kill: the command did not exit 0 and no ``search`` row exists. After the last resume:
 exit 0, every planned (configuration, replicate) recorded exactly once, and the printed ε is at
 least an independent PLD (dp_accounting) over every start entry of the folder's ledger, the
-killed attempts included. (The private subsample release is not among the points: a resume of a
-kill during it is issue 32's item 4.)
+killed attempts included. The release: one start entry, ended, one row, trained its planned steps,
+and no checkpoint left behind.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import pytest
 
 from conftest import REPO_ROOT, run_search, search_command
 from dptune.privacy.checks import bound_text
-from dptune.records import read_table
+from dptune.records import TRUST_BOUNDARY, read_table
+from dptune.records.ledger import charged_runs
+from dptune.runners.checkpoint import CHECKPOINTS, RunCheckpoint
+from dptune.search.subsample import RELEASE_SUFFIX
 from test_faults import TINY, expected_search_epsilon, recorded
 
 # Installed as sitecustomize in every process of the search: the write functions are wrapped when
@@ -72,6 +77,14 @@ def _patch(module):
             real_write(runs_root, kind, entries, durable)
             _hit(kind, "after")
         module._write = _write
+    elif module.__name__ == "dptune.runners.checkpoint":
+        checkpoint = module.RunCheckpoint
+        real_save = checkpoint.save
+        def save(self, state):
+            _hit("checkpoint", "before")
+            real_save(self, state)
+            _hit("checkpoint", "after")
+        checkpoint.save = save
     else:
         store = module.ResultsStore
         real_part = store.write_part
@@ -83,7 +96,7 @@ def _patch(module):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in ("dptune.records.ledger", "dptune.records.store"):
+        if fullname not in ("dptune.records.ledger", "dptune.records.store", "dptune.runners.checkpoint"):
             return None
         sys.meta_path.remove(self)
         try:
@@ -155,13 +168,18 @@ def _killed_at(point: str, args: tuple[str, ...], env: dict[str, str], marks: Pa
     assert driver.returncode == -signal.SIGKILL
 
 
-def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_charges_every_start(
-    search_env: dict[str, str], tmp_path: Path
-) -> None:
+@pytest.fixture
+def crash_env(search_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The search's environment with the crash hook installed as sitecustomize."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_CRASH_HOOK)
-    env = {**search_env, "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
+    return {**search_env, "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
+
+
+def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_charges_every_start(
+    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path
+) -> None:
     common = (
         "--space",
         str(TINY),
@@ -188,7 +206,7 @@ def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_char
         if name == "copy" and not (st / "copy").exists():  # the unfinished folder, copied as cp -a does
             shutil.copytree(st / "tiny", st / "copy", symlinks=True)
         args = (*common, "--name", name, *(("--resume",) if stage else ()))
-        _killed_at(point, args, env, tmp_path / f"marks-{stage}")
+        _killed_at(point, args, crash_env, tmp_path / f"marks-{stage}")
         root = st / name
         assert not (root / "search").exists(), f"{point}: a killed search was marked finished"
         ran = recorded(root) if (root / "trials").exists() else None
@@ -205,3 +223,43 @@ def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_char
     # every start entry of the folder's ledger, the killed attempts' and the copied ones included
     assert row["epsilon_search"] >= expected_search_epsilon(root, 1e-5) * (1 - 1e-9)
     assert f"whole search: ε = {bound_text(row['epsilon_search'])} at δ = 1e-05" in done.stdout
+
+
+def test_a_kill_during_the_subsample_release_is_continued_by_resume_under_its_one_charge(
+    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path
+) -> None:
+    args = (
+        "--space",
+        str(REPO_ROOT / "search_spaces" / "private_subsample.yaml"),
+        "--no-report",
+        "--storage",
+        str(tmp_path / "st"),
+        "--name",
+        "sub",
+        "--set",
+        "sampler.trials_per_cell=2",
+        "--set",
+        "epochs=[3]",
+        "--set",
+        "privacy.private_selection.tuning_subsample.fraction=0.5",
+    )
+    root = tmp_path / "st" / "sub"
+    inside = root / TRUST_BOUNDARY
+    # charged, nothing trained; then, resumed, killed after its state of epoch 1 was kept
+    for stage, point in enumerate(("checkpoint:before:1", "checkpoint:after:2")):
+        _killed_at(point, (*args, *(("--resume",) if stage else ())), crash_env, tmp_path / f"marks-{stage}")
+        assert not (root / "search").exists() and not (root / "release").exists(), point
+    (kept,) = (inside / CHECKPOINTS).glob("*.pt")
+    state = RunCheckpoint(str(kept.parent), kept.name).load()
+    assert state is not None and state["epochs_done"] == 1
+    done = run_search(search_env, *args, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    search_id = read_table(str(root), "search").iloc[0]["search_id"]
+    charged = charged_runs(str(inside), search_id)
+    released = charged[charged["cell_id"].str.endswith(RELEASE_SUFFIX)]
+    assert len(released) == 1 and bool(released["ended"].iloc[0]), released  # one start entry: one run
+    trials = read_table(str(inside), "trials")
+    (trained,) = trials[trials["cell_id"].str.endswith(RELEASE_SUFFIX)].itertuples()
+    run_id = released["trial_id"].iloc[0]
+    assert (trained.status, trained.steps_taken, trained.trial_id) == ("ok", trained.steps, run_id)
+    assert len(read_table(str(root), "release")) == 1 and not list((inside / CHECKPOINTS).iterdir())

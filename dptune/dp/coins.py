@@ -157,7 +157,9 @@ class DeviceCoins:
 
     def set_state(self, state: torch.Tensor | str) -> None:
         """Continue from ``state`` (what :meth:`state` returned, on the same kind of device)."""
-        if self._stream is None:
+        if isinstance(state, torch.Tensor) and self._stream is None:
             self.generator.set_state(state)
-        else:
+        elif isinstance(state, str) and self._stream is not None:
             self._stream.bit_generator.state = json.loads(state)
+        else:
+            raise ValueError(f"a noise state saved on another kind of device than {self.device.type}")

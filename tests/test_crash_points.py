@@ -72,9 +72,9 @@ def _hit(point, when):
 def _patch(module):
     if module.__name__ == "dptune.records.ledger":
         real_write = module._write
-        def _write(runs_root, kind, entries, durable):
+        def _write(runs_root, kind, *args, **kwargs):
             _hit(kind, "before")
-            real_write(runs_root, kind, entries, durable)
+            real_write(runs_root, kind, *args, **kwargs)
             _hit(kind, "after")
         module._write = _write
     elif module.__name__ == "dptune.runners.checkpoint":

@@ -328,6 +328,7 @@ def test_a_damaged_ledger_entry_is_named_before_anything_trains(
     cut.write_text('{"version": 1, "entries": [{"run": "r1", "trial_id": "t1", "noise_multip')
     err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--resume")
     assert f"{cut}: unreadable privacy ledger entry" in err and "nothing more is trained" in err
+    assert "restore the file from a backup, or pass --charge-unreadable-ledger" in err.lower()
 
 
 def _charge(root: Path, search_id: str) -> None:

@@ -41,6 +41,13 @@ from dptune.paths import filesystem, write_file_atomic
 LEDGER = "ledger"
 #: Format of an entry file.
 LEDGER_VERSION = 1
+#: Where :func:`replace_unreadable_start` moves an unreadable start file (``ledger/unreadable/``).
+UNREADABLE = "unreadable"
+#: How the trial ids of the runs charged in place of an unreadable start file begin: no row records
+#: them (``dptune.search.outcome.check_every_run_recorded`` expects none).
+UNREADABLE_TRIAL_PREFIX = "unreadable-ledger-entry:"
+#: The flag of ``python -m dptune.search`` that charges unreadable start files conservatively.
+CHARGE_UNREADABLE_FLAG = "--charge-unreadable-ledger"
 
 #: Columns of :func:`charged_runs`: those ``privacy.search.composition_cost`` reads, and how each
 #: run is known.
@@ -102,18 +109,31 @@ def _folder(runs_root: str) -> str:
     return f"{runs_root.rstrip('/')}/{LEDGER}"
 
 
-def _write(runs_root: str, kind: str, entries: list[dict[str, Any]], durable: bool) -> None:
+def _write(
+    runs_root: str, kind: str, entries: list[dict[str, Any]], durable: bool, name: str | None = None, **about: str
+) -> None:
     document = {
         "version": LEDGER_VERSION,
         "kind": kind,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "written_at": pd.Timestamp.now(tz="UTC").isoformat(),
+        **about,
         "entries": entries,
     }
-    write_file_atomic(
-        _folder(runs_root), f"{kind}-{uuid.uuid4().hex}.json", json.dumps(document).encode(), durable=durable
-    )
+    name = name or f"{kind}-{uuid.uuid4().hex}.json"
+    write_file_atomic(_folder(runs_root), name, json.dumps(document).encode(), durable=durable)
+
+
+def _start_entries(starts: list[RunStart]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Fresh run ids for ``starts`` and their entries as a start file holds them."""
+    runs = [uuid.uuid4().hex for _ in starts]
+    fields = RunStart.__dataclass_fields__
+    entries = [
+        {"run": run, **{field: getattr(start, field) for field in fields}, "params": dict(start.params)}
+        for run, start in zip(runs, starts, strict=True)
+    ]
+    return runs, entries
 
 
 def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
@@ -124,18 +144,27 @@ def record_starts(runs_root: str, starts: Iterable[RunStart]) -> list[str]:
     starts = list(starts)
     if not starts:
         return []
-    runs = [uuid.uuid4().hex for _ in starts]
-    fields = RunStart.__dataclass_fields__
-    _write(
-        runs_root,
-        "start",
-        [
-            {"run": run, **{field: getattr(start, field) for field in fields}, "params": dict(start.params)}
-            for run, start in zip(runs, starts, strict=True)
-        ],
-        durable=True,
-    )
+    runs, entries = _start_entries(starts)
+    _write(runs_root, "start", entries, durable=True)
     return runs
+
+
+def replace_unreadable_start(runs_root: str, path: str, starts: Iterable[RunStart]) -> None:
+    """Charge ``starts`` in place of the unreadable start file at ``path`` (inside the ledger's filesystem,
+    as :func:`unreadable_starts` gives it): its conservative stand-in, which
+    ``dptune.search.damaged_ledger`` builds), then move ``path`` to ``ledger/unreadable/``.
+
+    The stand-in is written durably under a name drawn from ``path``'s (``start-<id>-conservative.json``)
+    before the file moves, so a crash in between leaves both, and a second pass rewrites the same
+    stand-in: the ledger never charges less than either.
+    """
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    _, entries = _start_entries(list(starts))
+    stem = name.removeprefix("start-").removesuffix(".json")
+    _write(runs_root, "start", entries, durable=True, name=f"start-{stem}-conservative.json", replaces=name)
+    fs, folder = filesystem(_folder(runs_root))
+    fs.create_dir(f"{folder}/{UNREADABLE}", recursive=True)
+    fs.move(path, f"{folder}/{UNREADABLE}/{name}")
 
 
 def record_ends(runs_root: str, ends: Iterable[RunEnd]) -> None:
@@ -146,9 +175,10 @@ def record_ends(runs_root: str, ends: Iterable[RunEnd]) -> None:
         _write(runs_root, "end", entries, durable=False)
 
 
-def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(start entries, end entries) of the ledger; an unreadable start file raises ``LedgerError``, an
-    unreadable end file is skipped (its runs stay charged their planned steps)."""
+def _entries(runs_root: str, unreadable: list[str] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(start entries, end entries) of the ledger; an unreadable start file raises ``LedgerError`` (or,
+    given ``unreadable``, is appended to it: :func:`unreadable_starts`), an unreadable end file is
+    skipped (its runs stay charged their planned steps)."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(runs_root)
@@ -164,23 +194,35 @@ def _entries(runs_root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
                 document = json.loads(file.readall())
             entries = list(document["entries"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            if name.startswith("start-"):
+            if name.startswith("start-") and unreadable is not None:
+                unreadable.append(info.path)
+            elif name.startswith("start-"):
                 raise LedgerError(
                     f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
                     f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed and nothing more "
-                    "is trained on this results folder (restore the file from a backup)"
+                    f"is trained on this results folder. Restore the file from a backup, or pass "
+                    f"{CHARGE_UNREADABLE_FLAG} to charge it conservatively (every run one start file of this "
+                    "search can hold, at every mechanism its plan can start; the printed ε then says so)"
                 ) from None
             continue
         (starts if name.startswith("start-") else ends if name.startswith("end-") else []).extend(entries)
     return starts, ends
 
 
-def check_ledger(runs_root: str) -> Counter[str]:
+def check_ledger(runs_root: str, unreadable: list[str] | None = None) -> Counter[str]:
     """Read every entry of the ledger at ``runs_root`` once: ``LedgerError`` naming an unreadable start
-    file, before a search trains anything more on top of a ledger whose total it could not print.
-    Returns the number of start entries per search id."""
-    starts, _ = _entries(runs_root)
+    file (unless ``unreadable`` collects them), before a search trains anything more on top of a
+    ledger whose total it could not print. Returns the number of start entries per search id."""
+    starts, _ = _entries(runs_root, unreadable)
     return Counter(str(start.get("search_id")) for start in starts)
+
+
+def unreadable_starts(runs_root: str) -> list[str]:
+    """The paths (inside the ledger's filesystem) of the start files of the ledger at ``runs_root`` that
+    cannot be read."""
+    found: list[str] = []
+    _entries(runs_root, found)
+    return found
 
 
 def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = None) -> pd.DataFrame:

@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         help="move unreadable Parquet parts of the results folder to <results>/quarantine/ "
         "instead of refusing to start",
     )
+    parser.add_argument(
+        "--charge-unreadable-ledger",  # records.ledger.CHARGE_UNREADABLE_FLAG (its refusal names it)
+        action="store_true",
+        help="charge each unreadable start file of the privacy ledger conservatively (every run one start file "
+        "can hold, at every mechanism the plan can start; a loose upper bound) instead of refusing to resume",
+    )
     args = parser.parse_args(argv)
 
     overrides: dict[str, Any] = {}
@@ -104,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         max_train_examples=args.max_train_examples,
         max_eval_examples=args.max_eval_examples,
         quarantine_corrupt=args.quarantine_corrupt,
+        charge_unreadable_ledger=args.charge_unreadable_ledger,
         report_dir=args.report_dir,
     )
 

@@ -41,6 +41,7 @@ from dptune.search.cells import (
     private_chunk_size,
     task_workload,
 )
+from dptune.search.damaged_ledger import charge_unreadable_starts
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import (
@@ -368,7 +369,8 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             "or choose another --name/--storage"
         )
 
-    search_id = preflight.folder_search_id(runs, loaded, name, options.resume, options.dry_run)
+    unreadable: list[str] | None = [] if options.charge_unreadable_ledger else None  # charged once contexts exist
+    search_id = preflight.folder_search_id(runs, loaded, name, options.resume, options.dry_run, unreadable)
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
         print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
         conclude(results_root, report, private=private)
@@ -432,6 +434,9 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
         )
         for plan in plans
     ]
+    if unreadable:  # before anything trains
+        _warn(stand_ins := charge_unreadable_starts(runs, plans, contexts, private))
+        notes += stand_ins
     runner = "fused runner" if fused else "one trial per run"
     if private:  # K, its progress and the search's duration stay inside the trust boundary
         print(

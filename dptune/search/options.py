@@ -25,4 +25,7 @@ class SearchOptions:
     max_train_examples: int | None
     max_eval_examples: int | None
     quarantine_corrupt: bool = False
+    charge_unreadable_ledger: bool = (
+        False  # charge unreadable start files conservatively (dptune.search.damaged_ledger)
+    )
     report_dir: str | None = None  # None: <storage>/<name>/report

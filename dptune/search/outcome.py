@@ -19,7 +19,7 @@ from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.checks import bound_text
 from dptune.privacy.search import composition_cost, guarantee, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
-from dptune.records.ledger import charged_runs
+from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
 from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
 
@@ -380,8 +380,9 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
     if unrecorded is not None and not pd.isna(unrecorded) and int(unrecorded) > 0:
         lines.append(
             f"charged but unrecorded: {int(unrecorded)} of the {int(first['runs_charged'])} runs composed "
-            "above took steps and left no trials row (a lost trial process, a full disk, or an attempt "
-            "run again); the privacy ledger charges each its planned steps unless it reported fewer"
+            "above took steps and left no trials row (a lost trial process, a full disk, an attempt run "
+            "again, or a run charged in place of an unreadable ledger entry: --charge-unreadable-ledger); the "
+            "privacy ledger charges each its planned steps unless it reported fewer"
         )
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
@@ -416,9 +417,11 @@ def check_every_run_recorded(runs: str, search_id: str, max_retries: int, privat
     """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
     was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
     search's message does not count the runs (that would reveal K). A subsample tuning's release is
-    not among them: it trains after this check, and a resume continues it from its checkpoint."""
+    not among them: it trains after this check, and a resume continues it from its checkpoint; nor are
+    the stand-ins of unreadable start files (:mod:`dptune.search.damaged_ledger`)."""
     charged = charged_runs(runs, search_id)
-    tuned = charged[~charged["cell_id"].astype(str).str.endswith(RELEASE_SUFFIX)]
+    stand_in = charged["trial_id"].astype(str).str.startswith(UNREADABLE_TRIAL_PREFIX)  # no row records them
+    tuned = charged[~charged["cell_id"].astype(str).str.endswith(RELEASE_SUFFIX) & ~stand_in]
     missing = set(tuned["trial_id"]) - ResultsStore(runs).completed_trial_ids()
     if not missing:
         return

@@ -280,7 +280,9 @@ def write_manifest(results_root: str, loaded: LoadedSpace, name: str, search_id:
     write_file_atomic(results_root, MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
-def folder_search_id(runs: str, loaded: LoadedSpace, name: str, resume: bool, dry_run: bool = False) -> str:
+def folder_search_id(
+    runs: str, loaded: LoadedSpace, name: str, resume: bool, dry_run: bool = False, unreadable: list[str] | None = None
+) -> str:
     """The id the runs of the search at ``runs`` are recorded and charged under: the folder's, whatever
     the folder is called now.
 
@@ -289,11 +291,13 @@ def folder_search_id(runs: str, loaded: LoadedSpace, name: str, resume: bool, dr
     another ``--name`` continues the same search, and its printed ε composes every start entry of
     its ledger. Refused (``PreflightError``), before anything trains: a start without ``--resume`` on
     a folder whose ledger charges runs, and a ledger holding start entries of another search (entry
-    files copied in from another folder), which this search's ε would not compose.
+    files copied in from another folder), which this search's ε would not compose. An unreadable
+    start file raises ``LedgerError`` unless ``unreadable`` collects its path (then the driver charges it
+    conservatively before anything trains: :mod:`dptune.search.damaged_ledger`).
     """
     from dptune.records.ledger import check_ledger
 
-    charged = check_ledger(runs)  # an unreadable start entry is told now, not after more training
+    charged = check_ledger(runs, unreadable)  # an unreadable start entry is told now, not after more training
     manifest = read_manifest(runs) if resume else None
     search_id = f"{name}-{loaded.spec_hash}"
     if manifest is not None and manifest.get("spec_hash") == loaded.spec_hash:

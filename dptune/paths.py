@@ -111,13 +111,15 @@ def filesystem(location: str, where: str | None = None) -> tuple[pafs.FileSystem
 def probe_writable(location: str, where: str | None = None) -> None:
     """Prove that files can be created in the folder ``location`` (a local path or a URI).
 
-    Creates the folder (and any missing parents), writes and deletes a probe file there, then
-    removes the folders it created, so a successful probe leaves nothing behind. Raises
+    Creates the folder (and any missing parents), writes and deletes a probe file there, then, on a
+    local disk, removes the folders it created while they are empty (``rmdir``: never what another
+    process wrote there meanwhile, such as a search's ``.lease``), so a successful probe leaves
+    nothing behind. On an object store its folders (empty prefixes) are left: deleting one there
+    deletes every object under it. Raises
     ``LocationError`` naming ``where`` (e.g. ``--storage``) when the location is empty, has an
     unknown scheme, is (or lies under) a file, or refuses the write (read-only, ``/proc``, ...).
     """
     import pyarrow as pa
-    import pyarrow.fs as pafs
 
     where = where or shown(location)
     fs, path = filesystem(location, where)
@@ -133,11 +135,10 @@ def probe_writable(location: str, where: str | None = None) -> None:
             f"{where} {shown(location)}: not writable: {_first_line(exc)} (a folder this user can create files in)"
         ) from None
     finally:
-        for folder in reversed(created):  # innermost first
+        for folder in reversed(created if fs.type_name == "local" else []):  # innermost first
             try:
-                if fs.get_file_info(folder).type == pafs.FileType.Directory:
-                    fs.delete_dir(folder)
-            except (pa.ArrowException, OSError):
+                os.rmdir(folder)  # pyarrow's delete_dir would delete what another process wrote inside
+            except OSError:
                 break  # not ours to clean any more (someone wrote into it meanwhile)
 
 

@@ -62,6 +62,30 @@ def test_a_write_probe_leaves_nothing_behind(tmp_path: Path) -> None:
         paths.probe_writable("/proc/dptune", "--report-dir")
 
 
+def test_a_write_probe_never_deletes_what_another_process_wrote_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two searches start on one new folder: one's probe created it, the other took its lease in it
+    before the probe cleaned up (injected between the probe's write and its cleanup): the lease stays."""
+    folder = tmp_path / "st" / "tiny"
+    real = paths.filesystem
+
+    class Racing:
+        def __init__(self, fs: pafs.FileSystem) -> None:
+            self.fs = fs
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.fs, name)
+
+        def delete_file(self, path: str) -> None:
+            self.fs.delete_file(path)
+            (folder / ".lease").write_text("pid 1")  # the other search, between the probe and its cleanup
+
+    monkeypatch.setattr(paths, "filesystem", lambda *args: (Racing(real(*args)[0]), real(*args)[1]))
+    paths.probe_writable(str(folder), "--storage")
+    assert (folder / ".lease").read_text() == "pid 1"
+
+
 def test_an_atomic_write_is_whole_and_replaces(tmp_path: Path) -> None:
     folder = str(tmp_path / "new")
     assert paths.read_file(folder, "k.json") is None

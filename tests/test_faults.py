@@ -451,6 +451,29 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
     assert row["epsilon_search"] == pytest.approx(expected_search_epsilon(root, 1e-5), rel=1e-9)
 
 
+_UNFETCHED = """
+import gc, time, ray
+from dptune.search.driver import init_ray
+print(init_ray(None, 1), flush=True)
+lost = ray.remote(num_cpus=0)(lambda: open("/proc/dptune-full", "w"))
+ref = lost.remote()
+time.sleep(4)  # failed by now
+del ref  # an error object no one fetched: Ray's driver logs it as its reference goes
+gc.collect()
+time.sleep(4)
+ray.shutdown()
+"""
+
+
+def test_an_error_no_one_fetched_prints_no_ray_traceback(search_env: dict[str, str]) -> None:
+    """dptune's one-line fault messages come without Ray's "Unhandled error" traceback above them."""
+    done = subprocess.run(
+        [sys.executable, "-c", _UNFETCHED], cwd=REPO_ROOT, env=search_env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "started embedded local Ray" in done.stdout, done.stderr[-3000:]
+    assert "Unhandled error" not in done.stderr and "ray::" not in done.stderr, done.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- joining a token-protected cluster
 
 

@@ -111,6 +111,8 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     # Every worker process first leaves a deleted working directory (inherited from the
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
     runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
+    # dptune says what failed in one line; an error object no one fetched would print Ray's traceback above it
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if target:
         try:
             ray.init(address=target, log_to_driver=False, runtime_env=runtime_env, **quiet)

@@ -451,10 +451,10 @@ def fault_injection_env(env: dict[str, str], folder: Path, condition: str, messa
     (folder / "sitecustomize.py").write_text(
         "import dptune.search.execution, dptune.runners.trial\n"
         "_real = dptune.runners.trial.run_trial\n"
-        "def run_trial(config, report=None):\n"
+        "def run_trial(config, report=None, checkpoint=None):\n"
         f"    if {condition}:\n"
         f"        raise RuntimeError({message!r})\n"
-        "    return _real(config, report)\n"
+        "    return _real(config, report, checkpoint)\n"
         "dptune.runners.trial.run_trial = dptune.search.execution.run_trial = run_trial\n"
     )
     return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}

@@ -532,6 +532,31 @@ def test_the_cache_is_private_to_its_user(private_cache: Path) -> None:
     assert key.stat().st_mode & 0o077 == 0
 
 
+def test_a_key_another_process_links_meanwhile_is_read_never_deleted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two trial workers on a cold cache: this one finds no key, and the other links its key just
+    after: this one must sign with the other's key (deleting it would leave the other signing with a
+    key that is gone, and reading it back can find no file at all)."""
+    from dptune.privacy import cache
+
+    key, other = tmp_path / ".hmac-key", os.urandom(32)
+    real = Path.read_bytes
+
+    def racing(path: Path) -> bytes:
+        if path == key and not key.exists() and not (tmp_path / "raced").exists():
+            (tmp_path / "raced").touch()
+            descriptor = os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)  # the other worker's link
+            os.write(descriptor, other)
+            os.close(descriptor)
+            raise FileNotFoundError(key)
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", racing)
+    assert cache._cache_key_secret.__wrapped__(tmp_path) == other == key.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hmac-key", "raced"]  # no candidate left behind
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -38,6 +38,8 @@ METHOD_VERSION = "prv-coarse-secant-3"
 
 _CACHE_FOLDER = "accounting"
 _memo: dict[tuple[object, ...], float] = {}
+#: Rounds of read, else write-and-link, before the cache key is given up on.
+_KEY_ATTEMPTS = 5
 
 
 @lru_cache(maxsize=1)
@@ -67,22 +69,30 @@ def _cache_key_secret(folder: Path) -> bytes:
 
     An entry whose HMAC does not verify (edited, copied from elsewhere, written by another user,
     truncated) is recomputed, never trusted: a tampered σ cannot weaken a trial's guarantee.
+
+    Many processes may meet a folder without a key at once (a search's trial workers on a cold
+    cache): each writes a candidate and links it into place, the first link wins and every process
+    reads the winner. Only a key read and found unusable (wrong size, owner or mode) is removed,
+    never a missing one (that would delete a key another process just linked).
     """
     path = folder / ".hmac-key"
-    try:
-        secret = path.read_bytes()
-        if len(secret) == 32 and path.stat().st_uid == os.getuid() and not path.stat().st_mode & 0o077:
-            return secret
-    except OSError:
-        pass
-    path.unlink(missing_ok=True)  # unusable (wrong size, owner or mode): replaced
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".hmac-key.", suffix=".tmp")  # mode 0600
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(os.urandom(32))
-    with contextlib.suppress(FileExistsError):  # a link is created whole or not at all: the first writer wins
-        os.link(temporary, path)
-    os.unlink(temporary)
-    return path.read_bytes()
+    for _ in range(_KEY_ATTEMPTS):
+        try:
+            secret, status = path.read_bytes(), path.stat()
+            if len(secret) == 32 and status.st_uid == os.getuid() and not status.st_mode & 0o077:
+                return secret
+            path.unlink(missing_ok=True)  # unusable: replaced
+        except FileNotFoundError:
+            pass  # none yet: write one
+        except OSError:
+            path.unlink(missing_ok=True)  # unreadable (another user's): replaced
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".hmac-key.", suffix=".tmp")  # mode 0600
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(os.urandom(32))
+        with contextlib.suppress(FileExistsError):  # a link is created whole or not at all: the first writer wins
+            os.link(temporary, path)
+        os.unlink(temporary)
+    raise OSError(f"{path}: no usable cache key after {_KEY_ATTEMPTS} attempts (another process keeps replacing it)")
 
 
 def _signature(key: dict[str, object], value: float) -> str:

@@ -101,6 +101,41 @@ def test_a_second_run_of_the_same_command_computes_nothing_and_rebuilds_the_repo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "tiny"]
 
 
+def test_a_finished_search_shows_its_summary_from_a_read_only_folder(tiny_search: SearchRun, tmp_path: Path) -> None:
+    """A results volume mounted read-only (a results pod's, an archive): --resume shows the summary and
+    says the report is not rebuilt, in one line, taking no lease."""
+    results, storage = tmp_path / "copy" / "tiny", tmp_path / "ro"
+    shutil.copytree(tiny_search.root, results)
+    storage.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(results.parent), str(storage)], capture_output=True)
+    if mounted.returncode != 0:  # not root: permissions make it read-only for this user
+        storage.rmdir()
+        storage = results.parent
+        for path in (storage, *storage.rglob("*")):
+            path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        if mounted.returncode == 0:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(storage)], check=True)
+        try:
+            (storage / "tiny" / "probe").write_text("")
+            pytest.skip("no read-only folder can be made here (root without mount)")
+        except OSError:
+            pass  # read-only indeed
+        completed = _search_again(storage)
+        assert "is finished; nothing to run" in completed.stdout and "Traceback" not in completed.stderr
+        assert format_summary(summary_table(str(results))) in completed.stdout
+        (warning,) = [line for line in completed.stderr.splitlines() if "report is not rebuilt" in line]
+        assert (
+            warning.startswith("warning: the report is not rebuilt: the report location") and "not writable" in warning
+        )
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(storage)], check=False)
+        else:
+            for path in (storage, *storage.rglob("*")):
+                path.chmod(path.stat().st_mode | 0o200)
+
+
 def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     # A trial stopped early at a high intermediate validation accuracy must not beat a finished one.
     space = load_space(TINY).space

@@ -64,19 +64,16 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
-            "build_report_at",
             "check_every_run_recorded",
-            "conclude",
             "init_ray",
             "plans_that_ran",
-            "report_location",
             "run_cells",
             "run_search",
-            "search_finished",
             "trial_slots",
         ),
         "driver",
     ),
+    **dict.fromkeys(("build_report_at", "conclude", "report_location", "search_finished"), "finished"),
 }
 
 __all__ = ["SearchOptions", "main", "parse_args", *_LAZY]

@@ -43,12 +43,10 @@ from dptune.search.cells import (
 )
 from dptune.search.damaged_ledger import charge_unreadable_starts
 from dptune.search.execution import TrialContext, record_pruned
+from dptune.search.finished import conclude, report_location, search_finished, show_if_finished
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import (
-    SUMMARY_HEADER,
     check_every_run_recorded,
-    format_outcome,
-    format_privacy,
     release_choices,
     release_rows,
     search_rows,
@@ -264,12 +262,10 @@ def check_storage(storage: str, results_root: str) -> None:
     probe_writable(results_root, "--storage")
 
 
-def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> None:
+def check_location_and_cluster(options: SearchOptions, loaded: LoadedSpace, results_root: str) -> None:
     """The checks that write nothing (before the search takes its results folder's lease), run in
-    ``--dry-run`` too: the name stays one folder under ``--storage``; the results location and the
-    report's take a file (a probe, removed); the Ray address answers (or, for an embedded Ray, this
-    machine has the resources a trial asks for)."""
-    check_name(name, "--name" if options.name else f"{loaded.path}: name")
+    ``--dry-run`` too: the results location and the report's take a file (a probe, removed); the
+    Ray address answers (or, for an embedded Ray, this machine has the resources a trial asks for)."""
     check_storage(options.storage, results_root)
     if options.report:
         probe_writable(
@@ -317,18 +313,6 @@ def plans_that_ran(runs: str, search_id: str, plans: list[CellPlan]) -> list[Cel
     return [plan for plan in plans if (plan.cell.cell_id, plan.clipping) in recorded]
 
 
-def report_location(results_root: str, report_dir: str | None) -> str:
-    """Where the report goes: ``report_dir`` (absolute, or a URI) or ``<results_root>/report``."""
-    if report_dir is None:
-        return f"{results_root}/report"
-    return report_dir.rstrip("/") if "://" in report_dir else str(Path(report_dir).expanduser().resolve())
-
-
-def search_finished(results_root: str, search_id: str) -> bool:
-    """Whether the search ``search_id`` ran to its end at ``results_root`` (its ``search`` rows exist)."""
-    return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
-
-
 def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location.
 
@@ -340,7 +324,10 @@ def run_search(options: SearchOptions) -> str:
     name = options.name or loaded.space.name
     results_root = _results_root(options.storage, name)
     _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
-    check_location_and_cluster(options, loaded, name, results_root)
+    check_name(name, "--name" if options.name else f"{loaded.path}: name")  # one folder under --storage
+    if show_if_finished(options, loaded, name, results_root):  # reads only: a read-only folder shows it too
+        return results_root
+    check_location_and_cluster(options, loaded, results_root)
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
     private = loaded.space.privacy.private_selection is not None
@@ -559,40 +546,3 @@ def _chosen(context: TrialContext, plan: CellPlan) -> dict[str, float] | None:
     mine = trials[(trials["search_id"] == context.search_id) & (trials["cell_id"] == plan.cell.cell_id)]
     chosen = select_release(mine, runs=plan.configurations)
     return None if chosen is None else {name: float(chosen[name]) for name in RELEASE_PARAMETERS}
-
-
-def conclude(results_root: str, report: str | None, *, private: bool) -> None:
-    """Print where the results are, the best trial per cell and the search's privacy cost, or for an
-    end-to-end private search only its release; build the report at ``report`` (unless ``None``)."""
-    print(f"results: {results_root}")
-    if not private:
-        print(SUMMARY_HEADER)
-        print(format_outcome(results_root))
-    print(
-        format_privacy(
-            read_table(results_root, "search"),
-            read_table(results_root, "release"),
-            runs=runs_root(results_root, True) if private else None,
-        )
-    )
-    if report is not None:
-        print(f"report: {build_report_at(results_root, report)}")
-
-
-def build_report_at(results_root: str, location: str) -> str:
-    """Build the report of ``results_root`` into folder ``location`` (a local path, or a URI: built
-    in a temporary folder, then copied through ``pyarrow.fs``); return its index.html's location."""
-    from dptune.report import build_report
-
-    if "://" not in location:
-        return str(build_report([results_root], location))
-    import tempfile
-
-    import pyarrow.fs as pafs
-
-    filesystem, path = pafs.FileSystem.from_uri(location)
-    with tempfile.TemporaryDirectory(prefix="dptune-report-") as local:
-        build_report([results_root], local)
-        filesystem.create_dir(path, recursive=True)
-        pafs.copy_files(local, path, destination_filesystem=filesystem)
-    return f"{location}/index.html"

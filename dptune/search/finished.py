@@ -1,0 +1,98 @@
+"""A finished search: its summary and report, shown again without writing to its results folder.
+
+``--resume`` of a search that ran to its end (its ``search`` rows exist) computes nothing: it prints
+the summary and rebuilds the report. That needs no lease and no write to the results folder, so it
+works on a read-only copy too (a results pod's volume, an archived folder); a report location that
+cannot be written is said so, and the summary is shown all the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dptune.paths import LocationError, probe_writable
+from dptune.records import read_table, runs_root
+from dptune.search import preflight
+from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy
+
+if TYPE_CHECKING:
+    from dptune.search.options import SearchOptions
+    from dptune.space import LoadedSpace
+
+
+def report_location(results_root: str, report_dir: str | None) -> str:
+    """Where the report goes: ``report_dir`` (absolute, or a URI) or ``<results_root>/report``."""
+    if report_dir is None:
+        return f"{results_root}/report"
+    return report_dir.rstrip("/") if "://" in report_dir else str(Path(report_dir).expanduser().resolve())
+
+
+def search_finished(results_root: str, search_id: str) -> bool:
+    """Whether the search ``search_id`` ran to its end at ``results_root`` (its ``search`` rows exist)."""
+    return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
+
+
+def conclude(results_root: str, report: str | None, *, private: bool) -> None:
+    """Print where the results are, the best trial per cell and the search's privacy cost, or for an
+    end-to-end private search only its release; build the report at ``report`` (unless ``None``)."""
+    print(f"results: {results_root}")
+    if not private:
+        print(SUMMARY_HEADER)
+        print(format_outcome(results_root))
+    print(
+        format_privacy(
+            read_table(results_root, "search"),
+            read_table(results_root, "release"),
+            runs=runs_root(results_root, True) if private else None,
+        )
+    )
+    if report is not None:
+        print(f"report: {build_report_at(results_root, report)}")
+
+
+def build_report_at(results_root: str, location: str) -> str:
+    """Build the report of ``results_root`` into folder ``location`` (a local path, or a URI: built
+    in a temporary folder, then copied through ``pyarrow.fs``); return its index.html's location."""
+    from dptune.report import build_report
+
+    if "://" not in location:
+        return str(build_report([results_root], location))
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(location)
+    with tempfile.TemporaryDirectory(prefix="dptune-report-") as local:
+        build_report([results_root], local)
+        filesystem.create_dir(path, recursive=True)
+        pafs.copy_files(local, path, destination_filesystem=filesystem)
+    return f"{location}/index.html"
+
+
+def show_if_finished(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> bool:
+    """On ``--resume`` (not ``--dry-run``) of a finished search: say so, print its summary and rebuild its
+    report where the report location takes a file (else say why not); return whether it was finished.
+    Reads only: the space must be the one the search ran (``preflight.check_same_space``), and an
+    unreadable part is refused as a search would refuse it (``preflight.check_results_folder``)."""
+    if not options.resume or options.dry_run:
+        return False
+    private = loaded.space.privacy.private_selection is not None
+    runs = runs_root(results_root, private)
+    for root in dict.fromkeys((results_root, runs)):
+        preflight.check_results_folder(root, quarantine=False, move=False)
+    search_id = preflight.folder_search_id(runs, loaded, name, resume=True, dry_run=True, unreadable=[])
+    if not search_finished(results_root, search_id):
+        return False
+    preflight.check_same_space(runs, loaded)
+    print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
+    report = report_location(results_root, options.report_dir) if options.report else None
+    if report is not None:
+        try:
+            probe_writable(report, "--report-dir" if options.report_dir else "the report location (--report-dir)")
+        except LocationError as error:
+            print(f"warning: the report is not rebuilt: {error}", file=sys.stderr, flush=True)
+            report = None
+    conclude(results_root, report, private=private)
+    return True

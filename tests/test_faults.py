@@ -109,6 +109,56 @@ def test_object_store_lease_refuses_a_live_holder_and_takes_over_an_expired_one(
         assert json.loads(Path(root, lease.LEASE_OBJECT).read_text())["token"] != stale["token"]
 
 
+def test_a_trial_worker_whose_search_is_gone_starts_and_writes_nothing(tmp_path: Path) -> None:
+    """A worker of a search that was killed, whose folder a new search then took over (or that ended
+    and released it), is refused before its start entry and before its end entry and rows."""
+    from dataclasses import replace
+
+    from dptune.search.cells import CellPlan, base_trial_config
+    from dptune.search.execution import (
+        FinishedRun,
+        PendingRun,
+        TrialContext,
+        charge_runs,
+        failed_result,
+        trial_config,
+        write_results,
+    )
+    from dptune.space import Cell, load_space
+
+    space = load_space(TINY).space
+    plan = CellPlan(Cell(2.0, 3), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 1)
+    runs = str(tmp_path / "tiny")
+    with lease.hold_lease(runs) as killed:  # the first search, and its workers' token
+        pass
+    context = TrialContext(
+        base=base_trial_config(space, plan, None, None),
+        results_root=runs,
+        search_id="tiny-0",
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling="sqrt",
+        reference_batch_size=64,
+        num_train=1000,
+        noise_multipliers=plan.noise_multipliers,
+        lease_token=killed,
+    )
+    params = {"clip_bound": 1.0, "batch_size": 32, "base_learning_rate": 0.01}
+    pending = [PendingRun(0, params, 0, trial_config(context, params))]
+    ended = [FinishedRun(params, 0, failed_result(pending[0].config, "lost"), "r1")]
+    with lease.hold_lease(runs) as token:  # the new search holds the folder
+        for late in (lambda: charge_runs(context, pending), lambda: write_results(context, ended)):
+            with pytest.raises(lease.SearchGone, match="no longer holds its results folder"):
+                late()
+        assert sorted(p.name for p in Path(runs).iterdir()) == [lease.LEASE_FILE]  # nothing written
+        mine = replace(context, lease_token=token)
+        (run_id,) = charge_runs(mine, pending)
+        write_results(mine, [replace(ended[0], run_id=run_id)])
+        assert len(recorded(Path(runs))) == 1 and len(ledger_entries(Path(runs))[1]) == 1
+    with pytest.raises(lease.SearchGone):  # released: its own late workers write nothing either
+        write_results(mine, ended)
+
+
 def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dict[str, str], tmp_path: Path) -> None:
     args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial")
     first = subprocess.Popen(

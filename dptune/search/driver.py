@@ -334,13 +334,15 @@ def run_search(options: SearchOptions) -> str:
     embedded = not (options.address or os.environ.get("RAY_ADDRESS"))
     # a private search's lease (whose times bracket the search) and Ray's session folder stay inside
     with (
-        hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:"),
+        hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:") as token,
         private_ray_folder() if private and embedded else contextlib.nullcontext(),
     ):
-        return _run_search(options, loaded, name, results_root)
+        return _run_search(options, loaded, name, results_root, token)
 
 
-def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> str:
+def _run_search(
+    options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str, lease_token: str | None = None
+) -> str:
     from dptune.data import load_workload
     from dptune.data.workload import dataset_info
 
@@ -420,6 +422,7 @@ def _run_search(options: SearchOptions, loaded: LoadedSpace, name: str, results_
             num_train=plan.num_train,
             noise_multipliers=dict(plan.noise_multipliers if plan.tuning is None else plan.tuning.noise_multipliers),
             schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
+            lease_token=lease_token,
         )
         for plan in plans
     ]

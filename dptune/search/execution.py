@@ -38,6 +38,7 @@ from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, r
 from dptune.records.weights import write_weights
 from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.trial import run_trial
+from dptune.search.lease import check_holder
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
@@ -61,7 +62,9 @@ class TrialContext:
     its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)). ``checkpoints``: a folder inside the
     trust boundary where each run keeps its training state between epochs
     (:mod:`dptune.runners.checkpoint`; the release of a subsample tuning): a run lost mid-training
-    continues from it under its own start entry, so it is one run, charged once.
+    continues from it under its own start entry, so it is one run, charged once. ``lease_token``: the
+    token of the search's lease on ``results_root`` (``dptune.search.lease``); a run starts and a
+    result is written only while that search holds it (None: unchecked, as in unit tests).
     """
 
     base: TrialConfig
@@ -78,6 +81,7 @@ class TrialContext:
     noise_multipliers: Mapping[int, float] | None = None
     schedules: Mapping[int, PublicSchedule] | None = None
     checkpoints: str | None = None
+    lease_token: str | None = None
 
 
 def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
@@ -171,6 +175,7 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
     """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
     (one file), then each run's trained parameters where it has them (``records.weights``) and its
     rows (each atomic; writing the same run again replaces it)."""
+    check_holder(context.results_root, context.lease_token)  # a worker whose search is gone writes nothing
     if ledger:
         record_ends(
             context.results_root,
@@ -210,6 +215,7 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
     calibrated as the runner does); their run ids, in order (None each when the context has no N,
     so no ledger). A checkpointed run (``context.checkpoints``) whose start entry has no end yet
     keeps that entry's run id: it continues the same run."""
+    check_holder(context.results_root, context.lease_token)  # a worker whose search is gone starts nothing
     if context.num_train is None or not runs:
         return [None] * len(runs)
     from dptune.privacy import calibrate_noise_multiplier

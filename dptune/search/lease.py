@@ -18,6 +18,11 @@ pid and start time and what to do.
   starting within the same second could both write one; the taker reads the object back after
   ``SETTLE_S`` and refuses if another token replaced its own, which closes that window to the
   store's write propagation time, not to zero.
+
+The holder's random token is also what its trial workers check before each write
+(:func:`check_holder`): a worker whose search ended, or was killed and its folder taken over by
+a new search, starts no run and writes no entry or row (Ray ends such workers within seconds;
+this closes those seconds).
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class LeaseUnusable(DptuneError, ValueError):
     """The results folder's ``.lease`` is not a lock file dptune can take (a folder, a link)."""
 
 
+class SearchGone(DptuneError, RuntimeError):
+    """A trial worker's search no longer holds its results folder: the worker writes nothing more."""
+
+
 def _holder_info(token: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
@@ -79,8 +88,9 @@ def _refusal(results_root: str, where: str, holder: dict[str, Any] | None) -> Le
 
 
 @contextlib.contextmanager
-def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[None]:
-    """Hold the exclusive lease on ``results_root`` (created if missing) while the block runs.
+def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[str]:
+    """Hold the exclusive lease on ``results_root`` (created if missing) while the block runs; yields
+    the holder's token (:func:`check_holder`).
 
     Raises ``LeaseHeld`` at once when another live process holds it. ``where`` names the flags
     that chose the folder, for the message.
@@ -89,15 +99,36 @@ def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[N
 
     fs, path = filesystem(results_root, where)
     if isinstance(fs, pafs.LocalFileSystem):
-        with _file_lock(path, results_root, where):
-            yield
+        with _file_lock(path, results_root, where) as token:
+            yield token
     else:
-        with _object_lease(results_root, where):
-            yield
+        with _object_lease(results_root, where) as token:
+            yield token
+
+
+def holder_token(results_root: str) -> str | None:
+    """The token of the search that holds (or, killed, last held) the lease on ``results_root``; None
+    when none does (released, or never taken)."""
+    import pyarrow.fs as pafs
+
+    fs, _ = filesystem(results_root)
+    name = LEASE_FILE if isinstance(fs, pafs.LocalFileSystem) else LEASE_OBJECT
+    token = (_parse(read_file(results_root, name)) or {}).get("token")
+    return None if token is None else str(token)
+
+
+def check_holder(results_root: str, token: str | None) -> None:
+    """Raise ``SearchGone`` unless the search whose lease token is ``token`` still holds ``results_root``
+    (``token`` None: no search to check, as when a runner is called directly)."""
+    if token is not None and holder_token(results_root) != token:
+        raise SearchGone(
+            f"{results_root}: the search that started this trial worker no longer holds its results folder (it "
+            "ended, or was stopped and another search took the folder over); this worker starts and writes nothing more"
+        )
 
 
 @contextlib.contextmanager
-def _file_lock(path: str, results_root: str, where: str) -> Iterator[None]:
+def _file_lock(path: str, results_root: str, where: str) -> Iterator[str]:
     os.makedirs(path, exist_ok=True)
     lease_path = os.path.join(path, LEASE_FILE)
     if os.path.isdir(lease_path) or os.path.islink(lease_path):
@@ -111,11 +142,12 @@ def _file_lock(path: str, results_root: str, where: str) -> Iterator[None]:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise _refusal(results_root, where, _parse(os.pread(descriptor, 4096, 0))) from None
+        token = uuid.uuid4().hex
         os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, json.dumps(_holder_info(uuid.uuid4().hex)).encode(), 0)
+        os.pwrite(descriptor, json.dumps(_holder_info(token)).encode(), 0)
         os.fsync(descriptor)
         try:
-            yield
+            yield token
         finally:
             with contextlib.suppress(OSError):  # a full disk must not hide the error being raised
                 os.ftruncate(descriptor, 0)
@@ -132,7 +164,7 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def _object_lease(results_root: str, where: str) -> Iterator[None]:
+def _object_lease(results_root: str, where: str) -> Iterator[str]:
     token = uuid.uuid4().hex
     held = _parse(read_file(results_root, LEASE_OBJECT))
     if held is not None and float(held.get("expires_at", 0)) > time.time():
@@ -159,7 +191,7 @@ def _object_lease(results_root: str, where: str) -> Iterator[None]:
     thread = threading.Thread(target=heartbeat, name="dptune-lease-heartbeat", daemon=True)
     thread.start()
     try:
-        yield
+        yield token
     finally:
         stop.set()
         thread.join(timeout=5)

@@ -5,8 +5,10 @@ small tmpfs can be mounted)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -522,6 +524,62 @@ def test_an_error_no_one_fetched_prints_no_ray_traceback(search_env: dict[str, s
     )
     assert done.returncode == 0 and "started embedded local Ray" in done.stdout, done.stderr[-3000:]
     assert "Unhandled error" not in done.stderr and "ray::" not in done.stderr, done.stderr[-3000:]
+
+
+_NEXT_START = """
+import ray
+from dptune.search.driver import init_ray
+print(init_ray(None, 1), flush=True)
+ray.shutdown()
+"""
+
+
+def _in_session(session: int) -> list[int]:
+    """Every process of the process session ``session`` but its leader."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and int(entry.name) != session and os.getsid(int(entry.name)) == session:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Ray's processes are found through /proc")
+def test_ray_processes_a_killed_driver_left_are_ended_by_the_next_embedded_start(
+    search_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The driver alone is SIGKILLed mid-search (its Ray agents outlive it); the next embedded start
+    ends every process the killed driver's Ray left (they are in its process session) and its record."""
+    records = Path(search_env["DPTUNE_CACHE_DIR"]) / "embedded-ray"
+    driver = subprocess.Popen(
+        search_command(*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial"),
+        cwd=REPO_ROOT,
+        env=search_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Ray slowly
+        while not list((tmp_path / "tiny" / "ledger").glob("start-*.json")):
+            assert driver.poll() is None and time.monotonic() < deadline, "the search never started a run"
+            time.sleep(0.2)
+        assert (records / f"{driver.pid}.json").is_file()
+        driver.kill()
+        driver.wait()
+        again = subprocess.run(
+            [sys.executable, "-c", _NEXT_START], cwd=REPO_ROOT, env=search_env, capture_output=True, timeout=600
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        deadline = time.monotonic() + 30
+        while _in_session(driver.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _in_session(driver.pid) and not (records / f"{driver.pid}.json").exists()
+    finally:
+        driver.kill()
+        for pid in _in_session(driver.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- joining a token-protected cluster

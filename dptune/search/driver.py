@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dptune import __version__
 from dptune.errors import (
@@ -42,6 +42,7 @@ from dptune.search.cells import (
     task_workload,
 )
 from dptune.search.damaged_ledger import charge_unreadable_starts
+from dptune.search.embedded_ray import end_orphans, record_session
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.finished import conclude, report_location, search_finished, show_if_finished
 from dptune.search.lease import hold_lease
@@ -94,9 +95,11 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
     the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
     raises ``PreflightError`` naming the address and, when no token is set, token authentication
-    (``preflight.cluster_join_error``). An embedded start that times out (Ray waits 30 s for its
-    processes to register: an overloaded machine) is tried up to ``RAY_START_ATTEMPTS`` times,
-    ``RAY_START_RETRY_PAUSE_S`` apart, then raises ``SearchIncomplete`` saying the machine is overloaded and what to do.
+    (``preflight.cluster_join_error``). An embedded start first ends what a killed embedded driver
+    left running and records its own session (:mod:`dptune.search.embedded_ray`). An embedded start
+    that times out (Ray waits 30 s for its processes to register: an overloaded machine) is tried up
+    to ``RAY_START_ATTEMPTS`` times, ``RAY_START_RETRY_PAUSE_S`` apart, then raises
+    ``SearchIncomplete`` saying the machine is overloaded and what to do.
     """
     import ray
 
@@ -118,9 +121,10 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
             raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
         return f"joined Ray cluster at {target}"
     cpus = num_cpus or os.cpu_count()
+    end_orphans()  # what an earlier embedded driver, killed, left running
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
-            ray.init(
+            started = ray.init(
                 address="local",
                 num_cpus=cpus,
                 include_dashboard=False,
@@ -129,6 +133,8 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
                 _temp_dir=os.environ.get(PRIVATE_RAY_FOLDER_ENV) if private else None,
                 **quiet,
             )
+            session = cast(Any, started).address_info["session_dir"]  # a RayContext, typed as its base
+            record_session(session, os.environ.get(PRIVATE_RAY_FOLDER_ENV))
             break
         except Exception as error:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(error):

@@ -206,9 +206,9 @@ def test_a_cut_start_entry_charged_by_the_flag_keeps_the_printed_epsilon_above_w
 ) -> None:
     """A start file cut in half (what it charged is unknown): ``--resume`` is refused naming the file
     and the flag, then ``--resume --charge-unreadable-ledger`` charges it as every run one start file
-    of the plan can hold (4 configurations × 1 replicate) at each planned (σ_B, q_B, T_B) (B = 32, 64),
+    of the plan can hold (2 configurations × 1 replicate) at each planned (σ_B, q_B, T_B) (B = 32, 64),
     trains the search, and its ε composes the real runs and the stand-in's (above any real unit more)."""
-    args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial", "--resume")
+    args = (*SMALL, "--storage", str(tmp_path), "--set", "clip_bound.values=[1.0]", "--resume")
     ledger = tmp_path / "tiny" / "ledger"
     ledger.mkdir(parents=True)
     cut = ledger / "start-cut.json"
@@ -218,24 +218,24 @@ def test_a_cut_start_entry_charged_by_the_flag_keeps_the_printed_epsilon_above_w
     assert "--charge-unreadable-ledger" in refused.stderr and sorted(ledger.iterdir()) == [cut]
     done = run_search(search_env, *args, "--charge-unreadable-ledger")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{cut}: an unreadable privacy ledger entry, charged conservatively as 8 run(s)" in done.stderr
+    assert f"{cut}: an unreadable privacy ledger entry, charged conservatively as 4 run(s)" in done.stderr
     assert (ledger / "unreadable" / cut.name).read_text().startswith('{"version": 1') and not cut.exists()
     stand_in = json.loads((ledger / "start-cut-conservative.json").read_text())
     assert stand_in["replaces"] == cut.name
     ran = recorded(tmp_path / "tiny")
-    assert len(ran) == 4 and set(ran["status"]) == {"ok"}
+    assert len(ran) == 2 and set(ran["status"]) == {"ok"}
     starts, _ = ledger_entries(tmp_path / "tiny")
     real = [
         (s["noise_multiplier"], s["sample_rate"], s["steps"]) for s in starts if s["trial_id"] in set(ran["trial_id"])
     ]
-    assert len(real) == 4 and len(starts) == 12
-    # each planned mechanism (B = 32, 64) 4 times: the 4 real runs (2 per B) twice over, σ, q and T alike
+    assert len(real) == 2 and len(starts) == 6
+    # each planned mechanism (B = 32, 64) twice: the 2 real runs (1 per B) twice over, σ, q and T alike
     assert sorted((e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in stand_in["entries"]) == sorted(
         real * 2
     )
     row = _search_row(tmp_path / "tiny")
     assert row["epsilon_search"] >= pld_epsilon(real * 3, 1e-5) * (1 - 1e-9) > pld_epsilon(real, 1e-5)
-    assert "charged but unrecorded: 8 of the 12 runs composed above" in done.stdout
+    assert "charged but unrecorded: 4 of the 6 runs composed above" in done.stdout
     assert row["epsilon_search"] >= expected_search_epsilon(tmp_path / "tiny", 1e-5) * (1 - 1e-9)
 
 

@@ -235,8 +235,11 @@ def run_cells(
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
-    if private:  # Tune's default output prints a trial count and times; verbose=0 of the older one prints nothing
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    # Tune's default output counts its own units (one Tune trial carries many runs), prints times and a
+    # TensorBoard hint to a folder of nothing a user wants; verbose=0 of the older one prints nothing,
+    # and dptune's progress lines count runs
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    logging.getLogger("ray.tune").setLevel(logging.WARNING)  # its "Wrote the latest version..." lines
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(
             experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True

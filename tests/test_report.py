@@ -187,6 +187,13 @@ def test_partial_results_build_and_say_what_is_missing(result_datasets: list[str
     assert ("an unknown amount on the hard classes" if len(cells) > 1 else "The results hold a single cell") in page
 
 
+def test_tick_labels_stay_short_on_every_scale() -> None:
+    from dptune.report.plotting import _tick
+
+    assert [_tick(v) for v in (1024.0, 64.0, 0.5, 0.12, 0.001)] == ["1024", "64", "0.5", "0.12", "0.001"]
+    assert [_tick(v) for v in (1e-14, 2.5e-7, 0.000999)] == ["1e-14", "2.5e-07", "0.000999"]
+
+
 def test_cli_missing_path_fails_before_any_work(
     result_datasets: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

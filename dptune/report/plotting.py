@@ -34,9 +34,12 @@ def new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2)
 
 def _tick(value: float) -> str:
     """A tick label: whole numbers exactly (batch sizes: 1024, not 1020), others to three
-    significant digits, positional (0.001), never 1e+03."""
+    significant digits, positional (0.001), never 1e+03; below 0.001 in powers of ten (1e-14, not
+    0.00000000000001: a per-example gradient that all but vanished)."""
     if value >= 1 and float(value).is_integer():
         return str(int(value))
+    if value < 1e-3:
+        return f"{value:.3g}"
     return np.format_float_positional(value, precision=3, unique=False, fractional=False, trim="-")
 
 

@@ -100,17 +100,25 @@ def format_level(value: float, binned: bool) -> str:
 
 @dataclass
 class Section:
-    """A numbered part of the report: HTML blocks in order."""
+    """A numbered part of the report: HTML blocks in order; ``notes`` the texts of its notes of what
+    is missing (a section that holds nothing else is left out of the body, in one line each)."""
 
     number: int
     title: str
     blocks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def text(self, body: str) -> None:
         self.blocks.append(f"<p>{html.escape(body)}</p>")
 
     def note(self, body: str) -> None:
         self.blocks.append(f'<p class="missing">{html.escape(body)}</p>')
+        self.notes.append(body)
+
+    @property
+    def left_out(self) -> bool:
+        """Whether the section has nothing to show but what it lacks."""
+        return len(self.blocks) == len(self.notes) > 0
 
     def table(
         self, frame: pd.DataFrame, formats: Mapping[str, Callable[[float], str]] | None = None, caption: str = ""
@@ -183,18 +191,29 @@ table.data{border-collapse:collapse;font-size:.82em;margin:1em 0}
 table.data th,table.data td{border:1px solid #ccc;padding:2px 6px;text-align:right}
 table.data th{background:#eee}caption{text-align:left;font-style:italic;padding:4px 0}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.85em;color:#444}
-p.missing{background:#fff4e0;border-left:4px solid #e0a030;padding:4px 8px}
+p.missing,li.missing{background:#fff4e0;border-left:4px solid #e0a030;padding:4px 8px}
 nav li{margin:2px 0}
 """
 
 
 def render(sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float) -> str:
-    """The self-contained HTML document of ``sections``."""
-    contents = "".join(f'<li><a href="#s{s.number}">{s.number}. {html.escape(s.title)}</a></li>' for s in sections)
+    """The self-contained HTML document of ``sections``: those with something to show in full, then
+    one line for each left out for lack of data (:attr:`Section.left_out`), saying what it lacks."""
+    shown = [s for s in sections if not s.left_out]
+    contents = "".join(f'<li><a href="#s{s.number}">{s.number}. {html.escape(s.title)}</a></li>' for s in shown)
     body = "".join(
         f'<section id="s{s.number}"><h2>{s.number}. {html.escape(s.title)}</h2>{"".join(s.blocks)}</section>'
-        for s in sections
+        for s in shown
     )
+    if left := [s for s in sections if s.left_out]:
+        lines = "".join(
+            f'<li class="missing" id="s{s.number}">{s.number}. {html.escape(s.title)}: '
+            f"{html.escape(' '.join(note.removeprefix('Missing: ') for note in s.notes))}</li>"
+            for s in left
+        )
+        contents += '<li><a href="#sections-left-out">left out for lack of data</a></li>'
+        body += f'<section id="sections-left-out"><h2>Left out for lack of data</h2><ul>{lines}</ul></section>'
+
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'

@@ -125,8 +125,10 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
     assert restored.study.trials[0].state.name == "FAIL"
 
 
-def test_the_tune_searcher_checkpoints_plain_data() -> None:
+def test_the_tune_searcher_checkpoints_plain_data(monkeypatch: pytest.MonkeyPatch) -> None:
     from dptune.search.tune_adapters import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+
+    monkeypatch.setattr("dptune.search.tune_adapters.DRIVER_CONTEXTS", {"a": None, "b": None})
 
     searcher = CellMultiplexer(
         {"a": CellSampler(GRID), "b": CellSampler(GRID)},

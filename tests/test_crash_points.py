@@ -137,6 +137,15 @@ def _session_pids(session: int) -> list[int]:
     return pids
 
 
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` (Tune's own folder aside): its size and modification time (ns)."""
+    return {
+        str(path.relative_to(root)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in root.rglob("*")
+        if path.is_file() and "_tune" not in path.relative_to(root).parts
+    }
+
+
 def _killed_at(point: str, args: tuple[str, ...], env: dict[str, str], marks: Path) -> None:
     """Launch the search, wait until it reaches ``point``, SIGKILL its whole session."""
     marks.mkdir()
@@ -205,6 +214,7 @@ def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_char
     for stage, (point, name) in enumerate(POINTS):
         if name == "copy" and not (st / "copy").exists():  # the unfinished folder, copied as cp -a does
             shutil.copytree(st / "tiny", st / "copy", symlinks=True)
+            original = _files(st / "tiny")
         args = (*common, "--name", name, *(("--resume",) if stage else ()))
         _killed_at(point, args, crash_env, tmp_path / f"marks-{stage}")
         root = st / name
@@ -213,6 +223,7 @@ def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_char
         assert ran is None or ran["trial_id"].is_unique, point
     done = run_search(search_env, *common, "--name", "copy", "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert _files(st / "tiny") == original  # the copy's resumes wrote nothing into the folder it came from
     root = st / "copy"
     ran = recorded(root)
     configurations = ran[["clip_bound", "batch_size", "base_learning_rate"]].apply(tuple, axis=1)

@@ -36,6 +36,7 @@ from dptune.search.execution import (
 )
 from dptune.search.sampler import CellSampler, CellSpec
 from dptune.search.tune_adapters import (
+    DRIVER_CONTEXTS,
     METRIC,
     RUN_STATUSES_KEY,
     SCORES_KEY,
@@ -164,20 +165,27 @@ def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path:
     assert searcher.suggested == {"a": 6}
 
 
-def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None:
+def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = tmp_path / "first"
     searcher = CellMultiplexer(
         {"a": CellSampler(GRID)},
         budgets={"a": 4},
         unit_sizes={"a": 2},
-        contexts={"a": context(tmp_path)},
+        contexts={"a": context(first)},
         num_train=N,
         min_steps=1,
     )
     unit = Unit.of(searcher.suggest("t0"))
     blob = pickle.dumps(searcher)
     assert b"optuna" not in blob and b"Unit" not in blob  # no study, no class of this module's state
+    assert str(first).encode() not in blob  # nor the first driver's folder: a resume writes to its own
+    resumed = context(tmp_path / "copy")
+    monkeypatch.setitem(DRIVER_CONTEXTS, "a", resumed)
     copy = pickle.loads(blob)
-    assert copy.owner == {"t0": unit} and copy.contexts == searcher.contexts
+    assert copy.owner == {"t0": unit} and copy.contexts == {"a": resumed}
+    callback = pickle.dumps(RecordAndReport({"a": CellRun(context(first), "eps=8|epochs=4 normalized", 4)}))
+    assert str(first).encode() not in callback
+    assert pickle.loads(callback).cells == {"a": CellRun(resumed, "eps=8|epochs=4 normalized", 4)}
     checkpoint = tmp_path / "searcher.json"
     searcher.save(str(checkpoint))
     restored = CellMultiplexer(

@@ -217,6 +217,8 @@ def run_cells(
     from dptune.search import tune_adapters as adapters
 
     adapters.DRIVER_FAILURES.clear()
+    adapters.DRIVER_CONTEXTS.clear()
+    adapters.DRIVER_CONTEXTS.update({plan.cell_key: context for plan, context in zip(plans, contexts, strict=True)})
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order (dicts keep it).
     cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)

@@ -74,6 +74,12 @@ DRIVER_FAILURES: list[str] = []
 #: The stop signals (``SIGINT``: Ctrl+C; ``SIGTERM``: ``ray job stop``, ``kill``) this driver received
 #: while its Tune run ran (:func:`stop_on_signals`): the search then ends unfinished.
 STOP_SIGNALS: list[str] = []
+#: This driver's context of each cell (its results folder, its lease token), set by
+#: :func:`dptune.search.driver.run_cells` before Tune builds or restores its run. A restored Tuner
+#: unpickles its searcher and callbacks from the experiment state the search's first driver wrote
+#: (another process, another lease, perhaps another folder: a copy); they take their contexts from
+#: here, never from that pickle, so a resume writes only to its own folder under its own lease.
+DRIVER_CONTEXTS: dict[str, TrialContext] = {}
 
 
 @dataclass(frozen=True)
@@ -210,12 +216,19 @@ class CellMultiplexer(Searcher):
         self.samplers = samplers
         self.budgets = dict(budgets)
         self.unit_sizes = dict(unit_sizes)
-        self.contexts = contexts
+        self._contexts: dict[str, TrialContext] | None = contexts  # None once unpickled: DRIVER_CONTEXTS
         self.num_train = num_train
         self.min_steps = min_steps
         self.suggested = dict.fromkeys(samplers, 0)
         self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
         self.turn = 0
+
+    @property
+    def contexts(self) -> dict[str, TrialContext]:
+        """Each cell's context: the one given, or once unpickled (a restored Tuner's) this driver's."""
+        if self._contexts is not None:
+            return self._contexts
+        return {cell_key: DRIVER_CONTEXTS[cell_key] for cell_key in self.unit_sizes}
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
         return True
@@ -278,7 +291,7 @@ class CellMultiplexer(Searcher):
 
     def __getstate__(self) -> dict[str, Any]:
         fixed = {name: value for name, value in self.__dict__.items() if name not in _DYNAMIC_STATE}
-        return {**fixed, **self._dynamic_state()}
+        return {**fixed, **self._dynamic_state(), "_contexts": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         dynamic = {name: state.pop(name) for name in _DYNAMIC_STATE}
@@ -382,10 +395,21 @@ class RecordAndReport(StopOnStorageFailure):
     """
 
     def __init__(self, cells: dict[str, CellRun]) -> None:
-        self.cells = cells
+        self._cells: dict[str, CellRun] | None = cells  # None once unpickled: DRIVER_CONTEXTS
+        self._labels = {cell_key: (cell.label, cell.budget) for cell_key, cell in cells.items()}
         self.finished = dict.fromkeys(cells, 0)
         self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    @property
+    def cells(self) -> dict[str, CellRun]:
+        """Each cell's run: the one given, or once unpickled (a restored Tuner's) with this driver's context."""
+        if self._cells is not None:
+            return self._cells
+        return {key: CellRun(DRIVER_CONTEXTS[key], label, budget) for key, (label, budget) in self._labels.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cells": None}
 
     def _progress(self, trial: Any, what: str = "", runs: Mapping[str, int] | None = None) -> None:
         """One line for a cell: configurations done of its budget, its runs so far by status (the

@@ -139,7 +139,8 @@ def assert_nothing_of_the_hidden_runs_outside(
     needles = hidden_needles(trials, release, card_numbers(root) if public is None else public)
     assert_none_in(outside_bytes(root), needles, f"{root} outside {TRUST_BOUNDARY}")
     assert_none_in(out.encode(), needles, "the console")
-    assert not LOG_TIME.search(out), LOG_TIME.search(out)
+    stamped = [line for line in out.splitlines() if LOG_TIME.search(line)]
+    assert not stamped, "timestamped log lines on the console:\n" + "\n".join(stamped)
     if temporary is not None:
         assert not [p.name for p in temporary.iterdir() if p.name.startswith("dptune-ray-") or p.name == "ray"]
     units = [p for p in (inside / "_tune" / "search").iterdir() if p.is_dir()]

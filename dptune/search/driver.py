@@ -241,7 +241,9 @@ def run_cells(
     # TensorBoard hint to a folder of nothing a user wants; verbose=0 of the older one prints nothing,
     # and dptune's progress lines count runs
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    logging.getLogger("ray.tune").setLevel(logging.WARNING)  # its "Wrote the latest version..." lines
+    # Tune's "Wrote the latest version..." lines; a private search shows none of its warnings either: they
+    # carry a time ("The `process_trial_result` operation took 2.1 s" on a busy machine)
+    logging.getLogger("ray.tune").setLevel(logging.ERROR if private else logging.WARNING)
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(
             experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True

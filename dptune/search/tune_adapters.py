@@ -396,7 +396,7 @@ class RecordAndReport(StopOnStorageFailure):
 
     def __init__(self, cells: dict[str, CellRun]) -> None:
         self._cells: dict[str, CellRun] | None = cells  # None once unpickled: DRIVER_CONTEXTS
-        self._labels = {cell_key: (cell.label, cell.budget) for cell_key, cell in cells.items()}
+        self._cell_labels = {cell_key: (cell.label, cell.budget) for cell_key, cell in cells.items()}
         self.finished = dict.fromkeys(cells, 0)
         self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -406,7 +406,7 @@ class RecordAndReport(StopOnStorageFailure):
         """Each cell's run: the one given, or once unpickled (a restored Tuner's) with this driver's context."""
         if self._cells is not None:
             return self._cells
-        return {key: CellRun(DRIVER_CONTEXTS[key], label, budget) for key, (label, budget) in self._labels.items()}
+        return {key: CellRun(DRIVER_CONTEXTS[key], label, budget) for key, (label, budget) in self._cell_labels.items()}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cells": None}

@@ -586,26 +586,49 @@ def test_a_cache_hit_builds_no_encoder_and_other_weight_files_make_a_new_entry(
     assert encoder_calls == [12, 12] and len(list((temporary_cache / "features").glob("tiny20-minilm-*.json"))) == 2
 
 
-def test_every_precision_agrees_with_fp32_and_is_cached_apart(monkeypatch, encoder_calls, temporary_cache):
-    from dptune.data.openvino_runtime import native_bf16
+class _CoreWithoutBF16:
+    """OpenVINO's ``Core`` reporting what it reports on a CPU without bf16 (an AVX2-only AMD EPYC): its
+    ``OPTIMIZATION_CAPABILITIES`` without ``BF16``; everything else is the real one's."""
 
+    def __init__(self, core) -> None:
+        self.core = core
+
+    def get_property(self, device, name):
+        value = self.core.get_property(device, name)
+        return [c for c in value if c != "BF16"] if name == "OPTIMIZATION_CAPABILITIES" else value
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+
+@pytest.mark.parametrize("bf16_reported", [True, False], ids=["bf16-reported", "no-bf16-faked"])
+def test_every_precision_agrees_with_fp32_and_is_cached_apart(
+    monkeypatch, encoder_calls, temporary_cache, capsys, bf16_reported
+):
+    """Where OpenVINO reports that the CPU computes bf16 (AVX-512 BF16, AMX), ``openvino-bf16`` is offered,
+    changes the features and agrees with fp32; where it reports none, it would compute in fp32, so it is
+    not offered, the probe's message says why, it is refused when forced, and a model card's
+    ``openvino-bf16`` is encoded in ``openvino-fp32``, said so. The second case runs on every CPU (the
+    report faked without BF16); the first is skipped, with its reason, on a CPU without bf16."""
+    from dptune.data import openvino_runtime
+
+    if bf16_reported and not openvino_runtime.native_bf16():
+        capabilities = openvino_runtime._core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        pytest.skip(f"OpenVINO reports no BF16 on this CPU ({capabilities}): the faked case checks this one")
+    if not bf16_reported:
+        core = _CoreWithoutBF16(openvino_runtime._core())
+        monkeypatch.setattr(openvino_runtime, "_core", lambda: core)
     raw = tiny_corpus()
     found = {}
     available = features.candidate_precisions(torch.device("cpu"), "text")
-    # OpenVINO computes in bf16 only where the CPU does (AVX-512 BF16, AMX): elsewhere it is not offered
-    assert ("openvino-bf16" in available) == native_bf16() and set(features.PRECISIONS) - set(available) <= {
-        "openvino-bf16"
-    }
+    expected = features.PRECISIONS if bf16_reported else ("fp32", "bf16", "openvino-fp32")
+    assert available == expected and features.openvino_left_out().keys() == set(features.PRECISIONS) - set(expected)
     for precision in available:
         monkeypatch.setenv(features.PRECISION_ENV, precision)
         found[precision] = features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
     assert encoder_calls == [12] * len(available)  # one cache entry per precision: bf16 never serves fp32
     keys = [json.loads(p.read_text()) for p in (temporary_cache / "features").glob("tiny20-minilm-*.json")]
     assert sorted(key["precision"] for key in keys) == sorted(available)
-    if "openvino-bf16" not in available:  # asked for all the same, it is refused, naming why
-        monkeypatch.setenv(features.PRECISION_ENV, "openvino-bf16")
-        with pytest.raises(ValueError, match="its bf16 only on a CPU that computes in bf16"):
-            features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
     reference = reference_minilm_features(raw.inputs, 16)
     for precision in ("fp32", "openvino-fp32"):
         np.testing.assert_allclose(found[precision], reference, rtol=1e-4, atol=1e-5)
@@ -614,6 +637,52 @@ def test_every_precision_agrees_with_fp32_and_is_cached_apart(monkeypatch, encod
         cosine = (low * reference).sum(1) / (np.linalg.norm(low, axis=1) * np.linalg.norm(reference, axis=1))
         assert low.dtype == np.float32 and cosine.min() > 0.9995
         assert np.abs(low - reference).max() > 1e-4, f"{precision} did not take effect"
+    if bf16_reported:
+        return
+    monkeypatch.setenv(features.PRECISION_ENV, "openvino-bf16")  # forced all the same: refused, naming why
+    with pytest.raises(ValueError, match="its bf16 only on a CPU that computes in bf16"):
+        features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    from dptune.models import build_feature_extractor, load_tokenizer
+
+    capsys.readouterr()
+    card = features.encode_texts(  # as predict encodes for a model card's openvino-bf16
+        build_feature_extractor("minilm"), load_tokenizer("minilm"), raw.inputs, 16, 384, "openvino-bf16", ", card"
+    )
+    np.testing.assert_allclose(card, found["openvino-fp32"], rtol=1e-5, atol=1e-6)
+    no_bf16 = "OpenVINO reports no BF16 on this CPU (it would compute in fp32)"
+    assert f"encoding text (openvino-fp32 in place of openvino-bf16: {no_bf16}, card)" in capsys.readouterr().err
+    monkeypatch.delenv(features.PRECISION_ENV)  # a measured choice (timings stubbed): its message says why
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", str(temporary_cache.parent / "unmeasured"))
+    stub = features.PrecisionChoice(
+        "fp32", "measured: stub", {p: 1.0 for p in available}, dict.fromkeys(available, 1.0)
+    )
+    monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates: stub)
+    features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
+    assert f"encoding text (fp32; measured: stub; openvino-bf16 not measured: {no_bf16})" in capsys.readouterr().err
+    (record,) = (temporary_cache.parent / "unmeasured" / "precision").glob("minilm-*.json")
+    assert json.loads(record.read_text())["candidates"] == list(available)
+
+
+def test_a_precision_openvino_does_not_compute_as_asked_is_refused():
+    """OpenVINO's CPU plugin computes a bf16 request in fp32 without a word where the CPU lacks bf16; its
+    compiled model's inference precision says so, and the runner refuses such a model (faked here)."""
+    from dptune.data.openvino_runtime import check_inference_precision, native_bf16
+
+    assert isinstance(native_bf16(), bool)  # the real report; dptune's Core first (it keeps telemetry out)
+    import openvino as ov
+
+    class Compiled:  # a compiled model whose inference precision came out as ``resolved``
+        def __init__(self, resolved: ov.Type) -> None:
+            self.resolved = resolved
+
+        def get_property(self, name: str) -> ov.Type:
+            assert name == "INFERENCE_PRECISION_HINT"
+            return self.resolved
+
+    check_inference_precision(Compiled(ov.Type.f32), "fp32")
+    check_inference_precision(Compiled(ov.Type.bf16), "bf16")
+    with pytest.raises(RuntimeError, match=r"computes in f32 on this CPU where openvino-bf16 was asked: .*FP32"):
+        check_inference_precision(Compiled(ov.Type.f32), "bf16")
 
 
 def test_openvino_encodes_without_telemetry_and_leaves_the_signal_stack_valid(tmp_path):

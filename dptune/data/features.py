@@ -4,7 +4,8 @@ Text is mean-pooled over the attention mask (``dptune.models.TextEncoder``); ima
 backbone's own pooled output. Encoding runs under ``torch.inference_mode`` on CUDA when available,
 else on the CPU with torch's thread setting (all cores unless ``OMP_NUM_THREADS`` or
 ``torch.set_num_threads`` says otherwise). How it runs (``PRECISIONS``: torch in fp32 or bf16, and,
-for text on the CPU, OpenVINO's CPU runtime at fp32 or bf16 inference precision) is chosen by
+for text on the CPU, OpenVINO's CPU runtime at fp32 or bf16 inference precision, its bf16 only where
+it reports the CPU computes bf16, else left out and the probe says why) is chosen by
 measurement, not by CPU flags (``choose_precision``): on first use per machine and backbone, a few
 batches of the rows to encode are timed in each candidate (interleaved rounds, median), and the
 fastest whose features agree with torch's fp32 ones (cosine ≥ ``MIN_COSINE`` on every probe row) is
@@ -44,7 +45,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_text_runner
+from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_left_out, openvino_text_runner
 from dptune.data.sources import ImageFiles, RawDataset
 from dptune.paths import cache_dir, exclusive
 
@@ -116,27 +117,26 @@ def encoding_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpuinfo_field(field: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The value of ``cpuinfo``'s first ``field`` line (``model name``, ``flags``; "" where there is none)."""
+    try:
+        lines = [line.partition(":") for line in cpuinfo.read_text().splitlines()]
+    except OSError:
+        return ""
+    return next((value.strip() for key, _, value in lines if key.strip() == field), "")
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's feature flags (``flags`` line of ``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
 def candidate_precisions(device: torch.device, modality: str) -> tuple[str, ...]:
-    """The ``PRECISIONS`` that can encode ``modality`` on ``device``: OpenVINO's only for text on the
-    CPU, and only where it is installed, its bf16 only where the CPU computes in bf16
-    (``openvino_runtime.native_bf16``); torch fp32 first."""
+    """The ``PRECISIONS`` that can encode ``modality`` on ``device``, torch fp32 first: OpenVINO's only for
+    text on the CPU where it is installed, less those this CPU would not compute as named
+    (``openvino_runtime.openvino_left_out``: the probe's message names them)."""
     if device.type == "cpu" and modality == "text" and importlib.util.find_spec("openvino") is not None:
-        from dptune.data.openvino_runtime import native_bf16
-
-        return PRECISIONS if native_bf16() else tuple(p for p in PRECISIONS if p != f"{OPENVINO}bf16")
+        return tuple(p for p in PRECISIONS if p not in openvino_left_out())
     return tuple(p for p in PRECISIONS if not p.startswith(OPENVINO))
 
 
@@ -175,20 +175,8 @@ class PrecisionChoice:
 def machine_identity(device: torch.device) -> dict[str, str | int]:
     """What a measured choice of precision holds for: the processor (model name and a digest of its
     flags), the threads torch uses, the device and torch's version."""
-    model = ""
-    try:
-        model = next(
-            (
-                line.partition(":")[2].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            "",
-        )
-    except OSError:
-        pass
     identity: dict[str, str | int] = {
-        "cpu": model or platform.processor() or platform.machine(),
+        "cpu": cpuinfo_field("model name") or platform.processor() or platform.machine(),
         "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(),
         "device": device.type,
@@ -268,12 +256,17 @@ def choose_precision(
     encode: Callable[[str], np.ndarray],
     rows: int,
     candidates: tuple[str, ...],
+    left_out: dict[str, str] | None = None,
 ) -> PrecisionChoice:
     """:func:`recorded_precision`, or a new :func:`measure_precision` of ``encode`` (``rows`` probe
-    rows) among ``candidates``, recorded for this machine and backbone."""
+    rows) among ``candidates``, recorded for this machine and backbone; its reason ends with each of
+    ``left_out`` (``openvino_runtime.openvino_left_out``) and why it was not measured."""
     choice = recorded_precision(device, backbone, candidates)
     if choice is None:
         choice = measure_precision(encode, rows, candidates)
+        if left_out:
+            notes = "; ".join(f"{p} not measured: {why}" for p, why in left_out.items())
+            choice = replace(choice, reason=f"{choice.reason}; {notes}")
         path = _precision_record(device, backbone, candidates)
         data = {
             "machine": machine_identity(device),
@@ -360,10 +353,15 @@ def encode_texts(
     the tokenizer's own limit), computed in ``precision`` (one of ``PRECISIONS``; bf16 runs a bf16
     copy of ``extractor``; the ``openvino-`` ones OpenVINO's CPU runtime). ``why`` follows the precision
     in the progress bar; None: no bar. ``bulk``: OpenVINO keeps several batches in flight (False: one
-    at a time, for the measurement's few rows; see :func:`openvino_text_runner`)."""
+    at a time, for the measurement's few rows; see :func:`openvino_text_runner`). A model card's
+    ``openvino-bf16`` on a CPU that would not compute it (``openvino_left_out``) is encoded in
+    ``openvino-fp32``, and the bar says so."""
     from tqdm.auto import tqdm
 
     device = encoding_device()
+    if precision == f"{OPENVINO}bf16" and precision in (left_out := openvino_left_out()):
+        why = None if why is None else f" in place of {precision}: {left_out[precision]}{why}"
+        precision = f"{OPENVINO}fp32"
     ids = token_ids(tokenizer, texts, max_tokens)
     lengths = np.array([len(row) for row in ids])
     order = np.argsort(-lengths, kind="stable")  # longest first: the largest batch comes first
@@ -555,7 +553,8 @@ def cached_features(
         encode_probe = partial(
             encode_rows, extractor, raw, probe, backbone, max_tokens, info.feature_dim, why=None, bulk=False
         )
-        choice = choose_precision(device, backbone, encode_probe, len(probe), candidates)
+        left_out = openvino_left_out() if f"{OPENVINO}fp32" in candidates else {}
+        choice = choose_precision(device, backbone, encode_probe, len(probe), candidates, left_out)
     _, path, key = entry(choice.precision)
     with exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)

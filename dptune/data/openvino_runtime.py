@@ -46,10 +46,37 @@ def _core() -> Any:
 
 
 def native_bf16() -> bool:
-    """Whether OpenVINO's CPU plugin computes in bf16 on this CPU (AVX-512 BF16 or AMX). Elsewhere (an
-    AVX2-only CPU) it ignores a bf16 inference precision and computes in fp32, so ``openvino-bf16``
-    would be ``openvino-fp32`` under another name."""
+    """Whether OpenVINO's CPU plugin reports bf16 among its ``OPTIMIZATION_CAPABILITIES`` on this CPU
+    (AVX-512 BF16, AMX). Elsewhere (an AVX2-only CPU such as a first-generation AMD EPYC) it ignores a
+    bf16 inference precision and computes in fp32, so ``openvino-bf16`` would be ``openvino-fp32`` under
+    another name. (By OpenVINO's source, an AVX-512 CPU without BF16 computes a bf16 request by
+    conversion but reports no BF16: ``openvino-bf16`` is left out there too, to be safe.)"""
     return "BF16" in _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def openvino_left_out() -> dict[str, str]:
+    """dptune's OpenVINO precisions that this CPU would not compute as named, each with why in a few
+    words: ``openvino-bf16`` where :func:`native_bf16` is False. (torch's bf16 is never left out: on a
+    CPU without bf16 instructions it is computed by conversion, slower but in bf16: its features change.)"""
+    return {} if native_bf16() else {"openvino-bf16": "OpenVINO reports no BF16 on this CPU (it would compute in fp32)"}
+
+
+def check_inference_precision(compiled: Any, precision: str) -> None:
+    """Raise ``RuntimeError`` unless ``compiled`` (a compiled model) computes in ``precision``
+    (``"fp32"`` or ``"bf16"``): OpenVINO's CPU plugin replaces a bf16 inference precision the CPU cannot
+    compute with its default without a word, and its compiled model's ``INFERENCE_PRECISION_HINT`` says
+    what it chose; a label must name what ran."""
+    ran = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    if ran != _HINTS[precision]:
+        capabilities = _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        raise RuntimeError(
+            f"OpenVINO computes in {ran} on this CPU where openvino-{precision} was asked: this CPU cannot "
+            f"compute in {precision} (OpenVINO's CPU capabilities: {', '.join(capabilities)})"
+        )
+
+
+#: OpenVINO's inference precision of each of ours.
+_HINTS = {"fp32": "f32", "bf16": "bf16"}
 
 
 #: A padded batch of token ids: (rows of the output it fills, input_ids, attention_mask), both (rows, longest).
@@ -61,7 +88,8 @@ TextRunner = Callable[[Iterator[TextBatch], Callable[[int], object]], None]
 def openvino_text_runner(extractor: nn.Module, precision: str, features: np.ndarray, bulk: bool) -> TextRunner:
     """Runs ``extractor`` (a text encoder of ``(input_ids, attention_mask)``, any batch and length) on
     OpenVINO's CPU runtime at ``precision`` (``"fp32"`` or ``"bf16"`` inference precision) with
-    torch's thread count, writing each batch's features into ``features``.
+    torch's thread count, writing each batch's features into ``features``; ``RuntimeError`` where
+    OpenVINO would compute in another precision (:func:`check_inference_precision`).
 
     The model is traced by OpenVINO's PyTorch frontend once per extractor. ``bulk`` compiles it for
     throughput (several inference streams, their requests kept busy by an ``AsyncInferQueue``): on 2
@@ -96,16 +124,18 @@ def openvino_text_runner(extractor: nn.Module, precision: str, features: np.ndar
         compiled["model"] = frontend.convert(frontend.load(decoder))
     key = (precision, torch.get_num_threads(), bulk)
     if key not in compiled:
-        compiled[key] = _core().compile_model(
+        model = _core().compile_model(
             compiled["model"],
             "CPU",
             {
-                "INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision],
+                "INFERENCE_PRECISION_HINT": _HINTS[precision],
                 "PERFORMANCE_HINT": "THROUGHPUT" if bulk else "LATENCY",
                 "INFERENCE_NUM_THREADS": key[1],
                 "ENABLE_CPU_PINNING": False,
             },
         )
+        check_inference_precision(model, precision)
+        compiled[key] = model
     model = compiled[key]
 
     def run(batches: Iterator[TextBatch], done: Callable[[int], object]) -> None:

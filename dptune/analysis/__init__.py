@@ -24,9 +24,10 @@ Conventions (the report states them too):
   rank configurations by mean validation accuracy over replicates (``rank_configurations``) and
   report their mean accuracies; with R = 1 this is the best-trial rule above. Views of one
   trial's probe (diagnostics, gradient norms, strata reference) keep the best trial.
-  Uncertainty (intervals, the set within noise of the best, bootstrap intervals of the optimal
-  C and B) is defined in ``rank_configurations``, ``best_configurations`` and
-  ``optimal_setting_intervals``.
+  Uncertainty (intervals, the confidence set of the best configuration, called the set within
+  noise of the best, and the intervals of the optimal C and B over it) is defined in
+  ``rank_configurations``, ``best_set_constant`` and ``best_configurations``; whether a move of
+  the optimum is established, in ``paper_trend_checks``.
 - Accuracies are fractions in [0, 1]; ``near_optimal`` and losses are in the same units
   (0.01 = one percentage point).
 - Class accuracy of a stratum is the unweighted mean of its classes' test accuracies.
@@ -49,8 +50,8 @@ from dptune.analysis.batch_size import batch_size_noise, batch_size_rule_check, 
 from dptune.analysis.clipping import auto_s_comparison, clipping_diagnostics, mse_split
 from dptune.analysis.configurations import (
     best_configurations,
+    best_set_constant,
     normal_quantile,
-    optimal_setting_intervals,
     rank_configurations,
 )
 from dptune.analysis.coverage import coverage, missing_data, privacy_statements, task_difficulty, task_order
@@ -63,7 +64,7 @@ from dptune.analysis.gradients import (
     retention_weights,
     stratum_accuracy_by_clip,
 )
-from dptune.analysis.grid import accuracy_grid, optimal_settings, unfinished_bins
+from dptune.analysis.grid import accuracy_grid, unfinished_bins
 from dptune.analysis.guideline import FixedSetting, fixed_setting, guideline_table
 from dptune.analysis.results import (
     AUTO_S,
@@ -89,7 +90,14 @@ from dptune.analysis.results import (
     task_label,
 )
 from dptune.analysis.strata import class_strata, stratum_accuracy, with_strata
-from dptune.analysis.trends import PAPER_TRENDS, PaperTrend, paper_trend_checks, trends
+from dptune.analysis.trends import (
+    PAPER_TRENDS,
+    PaperTrend,
+    optimum_interval,
+    paper_trend_checks,
+    replicates_to_separate,
+    trends,
+)
 
 __all__ = [
     "AUTO_S",
@@ -130,9 +138,10 @@ __all__ = [
     "missing_data",
     "mse_split",
     "normal_quantile",
-    "optimal_setting_intervals",
-    "optimal_settings",
+    "best_set_constant",
+    "optimum_interval",
     "paper_trend_checks",
+    "replicates_to_separate",
     "privacy_statements",
     "rank_configurations",
     "replicated_grid_cells",

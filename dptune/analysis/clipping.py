@@ -29,19 +29,19 @@ def auto_s_comparison(results: Results, strata: pd.DataFrame) -> pd.DataFrame:
 
 
 def clipping_diagnostics(results: Results) -> pd.DataFrame:
-    """Per cell: tuned C against C* of Theorem 5.2, and the MSE split at the tuned C.
+    """Per cell: the diagnosed run's C against C* of Theorem 5.2, and the MSE split at its C.
 
     C* = N_{C*}ᵀ G_{C*} / (N_{C*}ᵀ N_{C*} + σ² d) is recorded per trial at its last diagnostic
-    epoch (it depends on that trial's model and σ). Columns: ``tuned_clip_bound`` (the best
-    trial's C), ``optimal_clip_bound`` (C* of that trial), ``optimal_clip_low/median/high``
-    (C* over all diagnosed tuned trials of the cell), ``mse_bias``/``mse_variance`` of the best
-    trial (squared gradient units) and ``bias_share`` = bias / (bias + variance).
+    epoch (it depends on that trial's model and σ). Columns: ``diagnosed_clip_bound`` (the C of
+    the cell's best trial among those that recorded diagnostics), ``optimal_clip_bound`` (C* of that
+    trial), ``optimal_clip_low/median/high`` (C* over all diagnosed tuned trials of the cell),
+    ``mse_bias``/``mse_variance`` of that trial (squared gradient units) and ``bias_share`` = bias / (bias + variance).
     """
     diagnosed = last_diagnostics(results)
     columns = [
         *CELL,
         "trial_id",
-        "tuned_clip_bound",
+        "diagnosed_clip_bound",
         "optimal_clip_bound",
         "optimal_clip_low",
         "optimal_clip_median",
@@ -53,7 +53,7 @@ def clipping_diagnostics(results: Results) -> pd.DataFrame:
     ]
     if diagnosed.empty:
         return pd.DataFrame(columns=columns)
-    best = select_best(diagnosed, CELL).rename(columns={"clip_bound": "tuned_clip_bound"})
+    best = select_best(diagnosed, CELL).rename(columns={"clip_bound": "diagnosed_clip_bound"})
     spread = (
         diagnosed.groupby(CELL)["optimal_clip_bound"]
         .agg(optimal_clip_low="min", optimal_clip_median="median", optimal_clip_high="max", diagnosed_trials="size")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, special, stats
 
 from dptune.analysis.results import CELL, CONFIDENCE, AnalysisError
 
@@ -19,6 +21,71 @@ def normal_quantile(confidence: float) -> float:
 def _check_confidence(confidence: float) -> None:
     if not 0 < confidence < 1:
         raise AnalysisError(f"confidence must lie strictly between 0 and 1 (e.g. 0.95), got {confidence}")
+
+
+def best_set_constant(
+    configurations: int, confidence: float = CONFIDENCE, degrees_of_freedom: float = math.inf
+) -> float:
+    """Gupta's constant d of the confidence set of the best of K configurations (Gupta 1965).
+
+    K scores x_k ~ N(μ_k, se²) (a common standard error, known or estimated with ν degrees of
+    freedom): the set {k : x_k ≥ max_j x_j − d·√2·se} holds the configuration of the largest μ with
+    probability ≥ ``confidence`` whatever the μ. The least favourable case is all μ equal, where
+
+        P(d) = E_S ∫ φ(z) Φ(z + d·√2·S)^(K−1) dz = confidence,   S² ~ χ²_ν/ν (S = 1 at ν = ∞),
+
+    solved for d here (quadrature over z, quantile nodes over S). d = 0 at K = 1; at K = 2 it is the
+    one-sided normal (ν = ∞: 1.645 at 0.95) or Student t quantile; it grows slowly with K (2.82 at
+    K = 40, 3.39 at K = 500, ν = ∞): the price of asking which of K is best, not whether one pair
+    differs. ``math.inf`` where no finite d reaches ``confidence``.
+    """
+    _check_confidence(confidence)
+    if configurations < 2:
+        return 0.0
+    nu = math.inf if not np.isfinite(degrees_of_freedom) else round(float(degrees_of_freedom), 1)
+    return _best_set_constant(int(configurations), float(confidence), nu)
+
+
+_Z_NODES = np.linspace(-8.5, 8.5, 1201)
+_Z_WEIGHTS = stats.norm.pdf(_Z_NODES) * (_Z_NODES[1] - _Z_NODES[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _best_set_constant(configurations: int, confidence: float, nu: float) -> float:
+    nodes = 64
+    scale = (
+        np.ones(1)
+        if math.isinf(nu)
+        else np.sqrt(stats.chi2.ppf((np.arange(nodes) + 0.5) / nodes, max(nu, 1e-3)) / max(nu, 1e-3))
+    )
+
+    def shortfall(d: float) -> float:
+        shifted = _Z_NODES[None, :] + d * math.sqrt(2) * scale[:, None]
+        return float(np.mean(np.exp((configurations - 1) * special.log_ndtr(shifted)) @ _Z_WEIGHTS)) - confidence
+
+    high = 1.0
+    while shortfall(high) < 0:
+        high *= 2
+        if high > 1e4:
+            return math.inf
+    return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-6))
+
+
+def _noise_scale(table: pd.DataFrame, by: list[str]) -> tuple[pd.Series, pd.Series]:
+    """Per configuration: its score's standard error ``noise_se`` and the degrees of freedom of the
+    variance behind it (per group of ``by``; ``rank_configurations`` says how)."""
+    r = table["replicates"].astype(float)
+    own = table["val_std"] ** 2
+    # each replicated configuration's variance scaled so that its median estimates σ² (s² ~ σ²χ²_{R−1}/(R−1))
+    scaled = own / (stats.chi2.median(np.maximum(r - 1, 1)) / np.maximum(r - 1, 1))
+    replicated = r >= 2
+    pooled = scaled.where(replicated).groupby([table[c] for c in by], sort=False, dropna=False).transform("median")
+    df = (r - 1).where(replicated, 0.0).groupby([table[c] for c in by], sort=False, dropna=False).transform("sum")
+    binomial = np.sqrt(table["val_accuracy"] * (1 - table["val_accuracy"]) / table["num_val"]).fillna(0.0)
+    variance = np.fmax(pooled, own.where(replicated))  # the larger of the cell's and the configuration's own
+    se = np.where(replicated, np.sqrt(variance / r), np.fmax(np.sqrt(pooled), binomial))
+    nu = np.where(df > 0, np.maximum(df / 2, 1.0), np.inf)  # the median keeps about half the information
+    return pd.Series(se, index=table.index), pd.Series(nu, index=table.index)
 
 
 def rank_configurations(
@@ -42,17 +109,26 @@ def rank_configurations(
     Ranking (``rank``, 1 = best in its group): mean validation accuracy, ties to the lower mean
     train loss, then the smaller ``configuration_id``. Never test accuracy.
 
-    Within noise of the best (``within_noise``): configuration k is indistinguishable from the
-    group's best b when val_b − val_k ≤ z·√(se_b² + se_k²) (z = 1.96 at ``confidence`` 0.95;
-    ``gap`` and ``noise_threshold`` hold both sides), where ``noise_se`` is
-    - with R ≥ 2 replicates: the replicate standard error val_std/√R — the spread of the
-      training coins, the noise that selection can average away. The validation split's own
-      sampling noise is left out: every configuration is scored on the same rows, so it moves
-      all of them together and mostly cancels in a comparison;
-    - with R = 1 (no replicate spread exists): the binomial standard error of one score on the
-      validation split, √(p(1 − p)/n_val), as a floor — the only noise scale a single run has, the
-      selection noise of a finite split (1.2 points at n_val = 1,129 and p = 0.8); 0 when n_val is
-      not recorded (then only exact ties are within noise).
+    Within noise of the best (``within_noise``) is the ``confidence`` set of the best configuration
+    (Gupta's subset selection, ``best_set_constant``): configuration k is in it when
+    val_b − val_k ≤ d·√(se_b² + se_k²), b the group's best and d Gupta's constant for the group's
+    K configurations (``set_constant``; ``gap`` and ``noise_threshold`` hold both sides). The set
+    holds the configuration that is truly best (in expected validation accuracy over the coins)
+    with probability ≥ ``confidence`` however the K compare, so the range of C and B over it is an
+    interval of the optimal C and B that accounts for *which* configuration is best, not only for
+    one configuration's replicate noise. ``noise_se`` is
+    - with R ≥ 2 replicates: √(max(s², s_k²)/R_k), s² the group's pooled replicate variance (the
+      median of the configurations' variances, each scaled by the median of χ²_{R−1}/(R−1): robust
+      to diverged configurations whose scores scatter widely) and s_k² the configuration's own
+      (never below it: a configuration noisier than the rest keeps its own spread). d is solved
+      for the pooled variance's degrees of freedom, taken as half of Σ(R_k − 1) (the median's
+      efficiency). The validation split's own sampling noise is left out: every configuration is
+      scored on the same rows, so it moves all of them together and mostly cancels in a comparison;
+    - with R = 1 (no replicate spread of its own): the pooled s where other configurations have
+      replicates, and never below the binomial standard error of one score on the validation
+      split, √(p(1 − p)/n_val) — the only noise scale a lone run has, the selection noise of a
+      finite split (1.2 points at n_val = 1,129 and p = 0.8); 0 when n_val is not recorded (then
+      only exact ties are within noise).
     The best is within noise of itself.
     """
     _check_confidence(confidence)
@@ -97,6 +173,7 @@ def rank_configurations(
         "noise_se",
         "rank",
         "gap",
+        "set_constant",
         "noise_threshold",
         "within_noise",
     ]
@@ -116,18 +193,22 @@ def rank_configurations(
     table["num_val"] = groups["num_val"].median()
     table["num_test"] = groups["num_test"].median()
     table = table.reset_index()
-    binomial = np.sqrt(table["val_accuracy"] * (1 - table["val_accuracy"]) / table["num_val"]).fillna(0.0)
-    table["noise_se"] = np.where(table["replicates"] >= 2, table["val_se"], binomial)
+    table["noise_se"], nu = _noise_scale(table, by)
     table = table.sort_values(
         [*by, "val_accuracy", "train_loss", "configuration_id"],
         ascending=[True] * len(by) + [False, True, True],
         na_position="last",
         kind="mergesort",
     )
-    table["rank"] = table.groupby(by, sort=False).cumcount() + 1
-    best = table.groupby(by, sort=False)[["val_accuracy", "noise_se"]].transform("first")
+    grouped = table.groupby(by, sort=False)
+    table["rank"] = grouped.cumcount() + 1
+    sizes = grouped["configuration_id"].transform("size")
+    table["set_constant"] = [
+        best_set_constant(int(k), confidence, float(v)) for k, v in zip(sizes, nu.loc[table.index], strict=True)
+    ]
+    best = grouped[["val_accuracy", "noise_se"]].transform("first")
     table["gap"] = best["val_accuracy"] - table["val_accuracy"]
-    table["noise_threshold"] = normal_quantile(confidence) * np.sqrt(best["noise_se"] ** 2 + table["noise_se"] ** 2)
+    table["noise_threshold"] = table["set_constant"] * np.sqrt(best["noise_se"] ** 2 + table["noise_se"] ** 2)
     table["within_noise"] = table["gap"] <= table["noise_threshold"] + 1e-12
     return table.reset_index(drop=True)[columns]
 
@@ -168,8 +249,10 @@ def best_configurations(
     - ``"binomial"`` (R = 1, no replicate spread exists): mean ± z·√(p(1 − p)/n), the sampling
       noise of one score on the n-row split; the training coins' spread is not measured.
     Both are clipped to [0, 1] (NaN where a split size is unrecorded). ``configurations``: how
-    many the group ranked; ``within_noise``: how many are within noise of the best (≥ 1);
-    ``clip_low``/``clip_high``, ``batch_low``/``batch_high``: the extreme C and B of that set.
+    many the group ranked; ``within_noise``: how many are within noise of the best (≥ 1), its
+    confidence set (``rank_configurations``); ``clip_low``/``clip_high``, ``batch_low``/``batch_high``:
+    the extreme C and B of that set, the ``confidence`` interval of the optimal C and B (it holds
+    the truly best configuration's C and B at least as often as the set holds that configuration).
     """
     ranked = rank_configurations(trials, by, confidence, means)
     by = list(by)
@@ -204,102 +287,3 @@ def best_configurations(
         )
     best["interval_source"] = np.where(best["replicates"] >= 2, "replicates", "binomial")
     return best.sort_values(by).reset_index(drop=True)[[*[c for c in ranked.columns if c != "within_noise"], *extra]]
-
-
-def _resampled_scores(
-    group: pd.DataFrame, ranked: pd.DataFrame, resamples: int, rng: np.random.Generator
-) -> np.ndarray:
-    """(resamples, K) bootstrap mean validation accuracies of the K configurations of ``ranked``."""
-    columns = []
-    values = group.groupby("configuration_id")["val_accuracy"].apply(lambda s: s.to_numpy(dtype=float))
-    for row in ranked.itertuples(index=False):
-        own = values[row.configuration_id]
-        if own.size >= 2:
-            columns.append(own[rng.integers(0, own.size, size=(resamples, own.size))].mean(axis=1))
-        elif np.isfinite(row.num_val) and row.num_val > 0:
-            columns.append(rng.binomial(int(row.num_val), float(np.clip(own[0], 0, 1)), size=resamples) / row.num_val)
-        else:
-            columns.append(np.full(resamples, own[0]))
-    return np.column_stack(columns)
-
-
-def optimal_setting_intervals(
-    trials: pd.DataFrame,
-    by: Sequence[str] = tuple(CELL),
-    resamples: int = 1000,
-    confidence: float = CONFIDENCE,
-    seed: int = 0,
-) -> pd.DataFrame:
-    """Paper Fig. 2 with uncertainty: bootstrap intervals of the optimal C and B of each group of ``by``.
-
-    Each of ``resamples`` rounds redraws every configuration's validation score and selects the
-    best on validation again (never test): a configuration with R ≥ 2 replicates gets the mean of
-    R replicates drawn with replacement; one with R = 1 a binomial draw Bin(n_val, p)/n_val of its
-    validation split's sampling noise (a constant when n_val is unrecorded). Ties go to the
-    better-ranked configuration (``rank_configurations``). ``clip_low``/``clip_high`` and
-    ``batch_low``/``batch_high`` are the percentile interval at ``confidence`` of the selected C and
-    B (inverted-CDF percentiles: the ends are values some round selected; percentiles commute with
-    the logarithm, so this is also the percentile interval on a log axis);
-    ``clip_bound``/``batch_size`` are the point estimate (the best configuration); ``selected_share``
-    is the fraction of rounds that selected it and ``clip_share``/``batch_share`` those that selected
-    its C / its B. ``source`` says which noise was resampled: ``replicates``, ``binomial`` or
-    ``mixed``. ``seed`` fixes the bootstrap draws.
-    With few replicates the intervals are narrow-biased: resampling R values keeps (R − 1)/R of
-    their variance and never leaves their range (the within-noise set of ``rank_configurations``
-    is the more cautious measure).
-    """
-    _check_confidence(confidence)
-    if resamples < 1:
-        raise AnalysisError(f"resamples must be ≥ 1, got {resamples}")
-    by = list(by)
-    columns = [
-        *by,
-        "clip_bound",
-        "batch_size",
-        "configurations",
-        "replicates",
-        "clip_low",
-        "clip_high",
-        "batch_low",
-        "batch_high",
-        "selected_share",
-        "clip_share",
-        "batch_share",
-        "resamples",
-        "source",
-    ]
-    ranked = rank_configurations(trials, by, confidence)
-    if ranked.empty:
-        return pd.DataFrame(columns=columns)
-    rng = np.random.default_rng(seed)
-    tail = (1 - confidence) / 2
-    rows = []
-    for key, cell in ranked.groupby(by, sort=True):
-        key = key if isinstance(key, tuple) else (key,)
-        mask = np.ones(len(trials), dtype=bool)
-        for name, value in zip(by, key, strict=True):
-            mask &= (trials[name] == value).to_numpy()
-        chosen = _resampled_scores(trials[mask], cell, resamples, rng).argmax(axis=1)
-        clips, batches = cell["clip_bound"].to_numpy(dtype=float), cell["batch_size"].to_numpy(dtype=float)
-        best = cell.iloc[0]
-        replicated = cell["replicates"] >= 2
-        interval = {}
-        for name, picked in (("clip", clips[chosen]), ("batch", batches[chosen])):
-            low, high = np.quantile(picked, [tail, 1 - tail], method="inverted_cdf")
-            interval[f"{name}_low"], interval[f"{name}_high"] = float(low), float(high)
-        rows.append(
-            {
-                **dict(zip(by, key, strict=True)),
-                "clip_bound": best["clip_bound"],
-                "batch_size": best["batch_size"],
-                "configurations": len(cell),
-                "replicates": int(best["replicates"]),
-                **interval,
-                "selected_share": float(np.mean(chosen == 0)),
-                "clip_share": float(np.mean(clips[chosen] == best["clip_bound"])),
-                "batch_share": float(np.mean(batches[chosen] == best["batch_size"])),
-                "resamples": resamples,
-                "source": "replicates" if replicated.all() else "binomial" if not replicated.any() else "mixed",
-            }
-        )
-    return pd.DataFrame(rows, columns=columns)

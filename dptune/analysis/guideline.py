@@ -59,10 +59,12 @@ def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFram
     (``best_configurations``) — ``clip_bound``, ``batch_size``, ``learning_rate`` (η used),
     ``base_learning_rate`` (η₀), ``clipping``, ``optimizer``, ``replicates``, mean ``val_accuracy``
     and ``test_accuracy`` with ``test_low``/``test_high`` (its interval), ``within_noise`` of
-    ``configurations``, mean ``easy``/``hard`` class accuracy — then the configuration at the
-    ``FixedSetting`` (η best per cell): ``fixed_test_accuracy``, ``fixed_hard`` and the losses
-    ``loss`` = best − fixed test accuracy, ``hard_loss`` = best − fixed hard-class accuracy (NaN
-    without a fixed setting). With one replicate per configuration these are the best trials.
+    ``configurations`` with ``clip_low``/``clip_high`` and ``batch_low``/``batch_high`` (the
+    intervals of the optimal C and B over that confidence set of the best), mean ``easy``/``hard``
+    class accuracy — then the configuration at the ``FixedSetting`` (η best per cell):
+    ``fixed_test_accuracy``, ``fixed_hard`` and the losses ``loss`` = best − fixed test accuracy,
+    ``hard_loss`` = best − fixed hard-class accuracy (NaN without a fixed setting).
+    With one replicate per configuration these are the best trials.
     """
     accuracy = stratum_accuracy(results, strata)
     best = best_configurations(with_strata(results.tuned, accuracy), CELL, means=STRATA)
@@ -81,6 +83,10 @@ def guideline_table(results: Results, strata: pd.DataFrame) -> tuple[pd.DataFram
         "test_high",
         "within_noise",
         "configurations",
+        "clip_low",
+        "clip_high",
+        "batch_low",
+        "batch_high",
         *STRATA,
         "search_id",
         "trial_id",

@@ -40,29 +40,24 @@ def build_report(
     *,
     hard_fraction: float = 0.5,
     hard_classes: Collection[str] | None = None,
-    near_optimal: float = an.NEAR_OPTIMAL,
     title: str | None = None,
 ) -> Path:
     """Build the report of the result datasets at ``paths`` into folder ``out``; return its index.html.
 
     ``hard_fraction`` (0 < f < 1) and ``hard_classes`` (labels or names) define the strata
-    (``analysis.class_strata``); ``near_optimal`` is the tolerance of the near-optimal C range of Fig. 7a,
-    in accuracy units (Fig. 2 shows bootstrap intervals instead).
+    (``analysis.class_strata``).
     Raises ``AnalysisError`` for missing datasets or bad options before anything is written.
     """
     started = time.monotonic()
     an.check_results_paths(paths)
     if not 0 < hard_fraction < 1:
         raise an.AnalysisError(f"hard_fraction must lie strictly between 0 and 1, got {hard_fraction}")
-    if near_optimal < 0:
-        raise an.AnalysisError(f"near_optimal must be ≥ 0 (accuracy units), got {near_optimal}")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise an.AnalysisError(f"--out {out}: exists and is not a folder")
     options = Options(
         hard_fraction=hard_fraction,
         hard_classes=tuple(hard_classes) if hard_classes else None,
-        near_optimal=near_optimal,
         title=title or f"dptune report: {', '.join(map(_name, paths))}",
     )
     results = an.load_results(paths)

@@ -28,13 +28,6 @@ def main(argv: list[str] | None = None) -> None:
     strata.add_argument(
         "--hard-classes", help="comma-separated labels or class names that are hard (overrides --hard-fraction)"
     )
-    parser.add_argument(
-        "--near-optimal",
-        type=float,
-        default=100 * an.NEAR_OPTIMAL,
-        metavar="POINTS",
-        help="tolerance of near-optimal settings in accuracy points (default %(default)g)",
-    )
     parser.add_argument("--title", help="report title")
     parser.add_argument("--figure-index", action="store_true", help="print the Markdown index of the figures and exit")
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
@@ -48,8 +41,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--out is required, e.g. --out reports/NAME")
     if not 0 < args.hard_fraction < 1:
         parser.error(f"--hard-fraction must lie strictly between 0 and 1, got {args.hard_fraction}")
-    if args.near_optimal < 0:
-        parser.error(f"--near-optimal must be ≥ 0 accuracy points, got {args.near_optimal}")
     hard = [c.strip() for c in args.hard_classes.split(",") if c.strip()] if args.hard_classes else None
     try:
         an.check_results_paths(args.results)
@@ -59,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
             args.out,
             hard_fraction=args.hard_fraction,
             hard_classes=hard,
-            near_optimal=args.near_optimal / 100,
             title=args.title,
         )
     except DptuneError as exc:  # bad input (a corrupt part, an unwritable --out...); anything else is a bug

@@ -55,7 +55,6 @@ _HEADERS = {
     "clip_high": "C high",
     "batch_low": "B low",
     "batch_high": "B high",
-    "near_optimal_trials": "near-optimal trials",
     "diagnostic_epoch": "probe epoch",
     "tuned_test_accuracy": "tuned C test %",
     "auto_s_test_accuracy": "AUTO-S test %",
@@ -68,7 +67,7 @@ _HEADERS = {
     "recommended_accuracy": "test % at rule's B",
     "best_accuracy": "test % at best B",
     "accuracy_gap": "gap (points)",
-    "tuned_clip_bound": "tuned C",
+    "diagnosed_clip_bound": "C of the diagnosed run",
     "optimal_clip_bound": "C* (best trial)",
     "optimal_clip_low": "C* low",
     "optimal_clip_median": "C* median",
@@ -86,6 +85,9 @@ _HEADERS = {
     "replicates": "R",
     "test_interval": "test % interval",
     "noise_set": "within noise",
+    "optimal_c": "optimal C [interval]",
+    "optimal_b": "optimal B [interval]",
+    "established": "optimum established",
     "target_test_accuracy": "grid's best test %",
 }
 
@@ -162,7 +164,6 @@ class Options:
 
     hard_fraction: float = 0.5
     hard_classes: tuple[str, ...] | None = None
-    near_optimal: float = an.NEAR_OPTIMAL
     title: str = "dptune report"
 
 

@@ -93,9 +93,9 @@ FIGURES: tuple[FigureInfo, ...] = (
     FigureInfo(
         "fig7a-optimal-clip",
         7,
-        "C* of Theorem 5.2 against the tuned C",
-        "Per task and E: the tuned C (best on validation, bars: near-optimal range) and C* of Theorem "
-        "5.2 from the best trial's probe (band: C* over all diagnosed trials of the cell) against ε.",
+        "C* of Theorem 5.2 against the optimal C",
+        "Per task and E: the optimal C (best configuration on validation, bars: its confidence set) and C* of "
+        "Theorem 5.2 from the best trial's probe (band: C* over all diagnosed trials of the cell) against ε.",
     ),
     FigureInfo(
         "fig7b-mse-split",

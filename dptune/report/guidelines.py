@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from dptune import analysis as an
 from dptune.report.document import Context, Section, format_level, format_percent, format_points, format_sig
@@ -47,11 +48,21 @@ def guidelines(ctx: Context) -> Section:
             for low, high in zip(table["test_low"], table["test_high"], strict=True)
         ],
         noise_set=[f"{k} of {n}" for k, n in zip(table["within_noise"], table["configurations"], strict=True)],
+        optimal_c=[
+            f"{format_sig(v)} [{format_sig(lo)}, {format_sig(hi)}]"
+            for v, lo, hi in zip(table["clip_bound"], table["clip_low"], table["clip_high"], strict=True)
+        ],
+        optimal_b=[
+            f"{v:.0f} [{lo:.0f}, {hi:.0f}]"
+            for v, lo, hi in zip(table["batch_size"], table["batch_low"], table["batch_high"], strict=True)
+        ],
+        established=[_established(row) for _, row in table.iterrows()],
     )
     columns = [
         *an.CELL,
-        "clip_bound",
-        "batch_size",
+        "optimal_c",
+        "optimal_b",
+        "established",
         "learning_rate",
         "base_learning_rate",
         "clipping",
@@ -69,7 +80,6 @@ def guidelines(ctx: Context) -> Section:
     percent = ["val_accuracy", "test_accuracy", an.EASY, an.HARD, "fixed_test_accuracy"]
     formats = {
         "epsilon": format_sig,
-        "clip_bound": format_sig,
         "learning_rate": format_sig,
         "base_learning_rate": format_sig,
         **{c: format_percent for c in percent},
@@ -79,9 +89,10 @@ def guidelines(ctx: Context) -> Section:
     section.table(
         shown[columns],
         formats,
-        "Per cell: the best (C, B, η) selected on mean validation accuracy over its R replicates, its mean "
-        f"test accuracy with its {100 * an.CONFIDENCE:g} % interval (section 2 says how it is made), how "
-        "many configurations are within noise of it, and the loss of the fixed (C, B).",
+        "Per cell: the best (C, B, η) selected on mean validation accuracy over its R replicates, with the "
+        "intervals of the optimal C and B over the configurations within noise of it (section 2 says how the set "
+        "is made) and whether the optimum is established (one configuration alone within noise) or not; its mean "
+        f"test accuracy with its {100 * an.CONFIDENCE:g} % interval, and the loss of the fixed (C, B).",
     )
     trend = an.trends(table, an.task_difficulty(ctx.results))
     if trend.empty:
@@ -89,8 +100,20 @@ def guidelines(ctx: Context) -> Section:
     else:
         section.table(
             trend,
-            caption="How the best C and B move as the problem gets harder (counts over "
-            "comparisons of otherwise equal cells, point estimates: section 2 says which "
-            "moves in ε and E are beyond the bootstrap noise).",
+            caption="How the best C and B move as the problem gets harder: counts over comparisons of "
+            "otherwise equal cells of the point estimates' moves, and how many of them are established (the "
+            "intervals of the two optima do not overlap); details: easier → harder, optimum [interval]. A move "
+            "that is not established is not a finding of these runs (section 2 says what would settle it).",
         )
     return section
+
+
+def _established(row: pd.Series) -> str:
+    """Whether one cell's optimum is pinned down by its runs, in words."""
+    if int(row["within_noise"]) == 1:
+        return f"yes: the only one of {int(row['configurations'])} within noise"
+    return (
+        f"no: {int(row['within_noise'])} of {int(row['configurations'])} within noise "
+        f"(C {format_sig(row['clip_low'])}–{format_sig(row['clip_high'])}, "
+        f"B {row['batch_low']:.0f}–{row['batch_high']:.0f})"
+    )

@@ -9,7 +9,6 @@ import pandas as pd
 
 from dptune import analysis as an
 from dptune.report.document import Context, Section, format_int, format_percent, format_sig
-from dptune.report.figures import BOOTSTRAP_RESAMPLES
 from dptune.report.plotting import MARKERS, figure_legend, log_axis, new_figure, series_colors
 
 
@@ -18,10 +17,9 @@ def _interval(value: float, low: float, high: float, formatter: Callable[[float]
     return f"{formatter(value)} [{formatter(low)}, {formatter(high)}]"
 
 
-def _uncertainty_rule(best: pd.DataFrame, resamples: int | None = None) -> list[str]:
+def _uncertainty_rule(best: pd.DataFrame) -> list[str]:
     """How the scores, intervals and the within-noise set of ``best_configurations`` were made, in words."""
     replicates = best["replicates"].astype(int)
-    z = f"{an.normal_quantile(an.CONFIDENCE):.2f}"
     level = f"{100 * an.CONFIDENCE:g} %"
     p, n_val = best["val_accuracy"].astype(float), best["num_val"].astype(float)
     binomial = an.normal_quantile(an.CONFIDENCE) * np.sqrt(p * (1 - p) / n_val)
@@ -48,42 +46,57 @@ def _uncertainty_rule(best: pd.DataFrame, resamples: int | None = None) -> list[
             f"over its replicates, and its standard error se = std/√R. Intervals of the best configuration's "
             f"mean accuracies are {level} Student t intervals over its replicates (a rerun with fresh coins on "
             "the same splits; the splits' own sampling noise comes on top). A configuration run once in a "
-            f"replicated search falls back to {split}."
+            f"replicated search takes the cell's pooled spread, never below {split}."
         ]
     lines.append(
-        f"Within noise of the best: a configuration whose score is below the best's by at most "
-        f"{z}·√(se_best² + se²), se the replicate standard error (R ≥ 2) or the binomial validation noise "
-        "(R = 1); such settings cannot be told apart from the best on these data. Selection is always on "
-        "validation, never test."
+        f"Within noise of the best: the {level} confidence set of the best configuration (Gupta's subset "
+        "selection): a configuration whose score is below the best's by at most d·√(se_best² + se²), d Gupta's "
+        f"constant for the cell's K configurations ({_constants(best)}), so the set holds the configuration that "
+        f"is truly best at least {level} of the time however the K compare. se is the cell's pooled replicate "
+        "spread (the median variance of its configurations, robust to diverged ones; never below a "
+        "configuration's own) over √R, or for a configuration run once the validation split's binomial noise. "
+        "Why this and not a bootstrap of the best: resampling a few replicates of each configuration keeps "
+        "picking the observed best and gives intervals like [0.12, 0.12] while many configurations cannot be "
+        "told apart from it; the set asks which of K is best. The optimal C and B intervals are the ranges of C "
+        "and B over the set: such settings cannot be told apart from the best on these data. Selection is "
+        "always on validation, never test."
     )
-    if resamples:
-        lines.append(
-            f"Bars of the figure: {level} percentile intervals of the selected C and B over {resamples:,} "
-            "bootstrap rounds; each round resamples the replicates within every configuration (R = 1: "
-            "draws its validation score from Bin(n_val, p)/n_val) and selects the best on validation again."
-            + (
-                " With few replicates these bars understate the spread (resampling R values keeps (R − 1)/R "
-                "of their variance and never leaves their range): the within-noise set is the more cautious "
-                "of the two."
-                if replicates.max() >= 2
-                else ""
-            )
-        )
     return lines
 
 
+def _constants(best: pd.DataFrame) -> str:
+    """Gupta's d per cell in words: one value, or its range over the cells."""
+    k, d = best["configurations"].astype(int), best["set_constant"].astype(float)
+    if d.nunique() == 1:
+        return f"d = {d.iloc[0]:.2f} at K = {k.iloc[0]}"
+    return f"d = {d.min():.2f} to {d.max():.2f} at K = {k.min()} to {k.max()}"
+
+
 _VERDICTS = {
-    "agrees": "moves as the paper says, beyond the bootstrap noise",
-    "disagrees": "DISAGREES with the paper: it moves the other way, beyond the bootstrap noise",
-    "no change": "DISAGREES with the paper: every bootstrap round selected the same value on both sides (no move "
-    "at the resolution of the values searched)",
-    "inconclusive": "the intervals overlap: too wide to conclude",
+    "agrees": "established: moves as the paper says (the intervals do not overlap)",
+    "disagrees": "established: DISAGREES with the paper, it moves the other way (the intervals do not overlap)",
+    "no change": "established: DISAGREES with the paper, no move (each cell's set holds this one value alone, at "
+    "the resolution of the values searched)",
+    "not established": "not established by these runs (the intervals overlap)",
 }
 
 
-def _paper_checks(section: Section, intervals: pd.DataFrame) -> None:
+def _needed(count: float, harder_value: float, easier_value: float) -> str:
+    """What would settle a comparison that these runs do not: replicates (``count``, NaN: none up to
+    1,024 would), or configurations between the two optima's values."""
+    if np.isfinite(count):
+        return f"about {int(count)} replicates per configuration would separate them, if the observed gaps are real"
+    if harder_value == easier_value:
+        return (
+            "no replicate count would: the best configurations on both sides share this value; a move, if any, "
+            "lies between the values searched (search values between them)"
+        )
+    return "no replicate count up to 1,024 would: the gaps to the best are too small against the noise"
+
+
+def _paper_checks(section: Section, ranked: pd.DataFrame) -> None:
     """The table and the plain statement of where the optimal C and B move as the paper says."""
-    checks = an.paper_trend_checks(intervals)
+    checks = an.paper_trend_checks(ranked)
     if checks.empty:
         return
     rows = []
@@ -96,33 +109,39 @@ def _paper_checks(section: Section, intervals: pd.DataFrame) -> None:
                 "held": row.group,
                 "quantity": row.quantity,
                 "optimal, harder side": f"{row.harder}: "
-                f"{_interval(row.harder_value, row.harder_low, row.harder_high, shown)}",
+                f"{_interval(row.harder_value, row.harder_low, row.harder_high, shown)} ({row.harder_set})",
                 "optimal, easier side": f"{row.easier}: "
-                f"{_interval(row.easier_value, row.easier_low, row.easier_high, shown)}",
+                f"{_interval(row.easier_value, row.easier_low, row.easier_high, shown)} ({row.easier_set})",
                 "paper (harder side)": row.paper,
                 "observed (harder side)": row.observed,
-                "what the data says": _VERDICTS[row.verdict],
+                "what the data says": _VERDICTS[row.verdict]
+                + (
+                    ""
+                    if row.verdict != "not established"
+                    else f"; {_needed(row.replicates_needed, row.harder_value, row.easier_value)}"
+                ),
             }
         )
     section.table(
         pd.DataFrame(rows),
         caption="The paper finds the optimal C larger and the optimal B smaller under "
         "tighter privacy (smaller ε), and smaller B with fewer epochs. Optimal "
-        "values with their bootstrap intervals on the harder (smallest ε or "
-        "E) and the easier (largest) side.",
+        "values with their intervals over the confidence set of the best (its size of all configurations "
+        "in brackets) on the harder (smallest ε or E) and the easier (largest) side. A move is established "
+        "only when the two intervals do not overlap.",
     )
     counts = checks["verdict"].value_counts()
     against = int(counts.get("disagrees", 0) + counts.get("no change", 0))
     section.text(
-        f"Of {len(checks)} comparisons: {int(counts.get('agrees', 0))} agree with the paper beyond the "
-        f"noise, {against} disagree with it, and {int(counts.get('inconclusive', 0))} are too wide to "
-        "conclude anything (their bootstrap intervals overlap)."
+        f"Of {len(checks)} comparisons: {int(counts.get('agrees', 0))} establish the paper's move, {against} "
+        f"establish a disagreement with it, and {int(counts.get('not established', 0))} are not established by "
+        "these runs (their intervals overlap)."
     )
     for row in checks[checks["verdict"].isin(["disagrees", "no change"])].itertuples(index=False):
         section.note(
             f"Disagrees with the paper ({row.condition}): {row.task}, {row.group}: optimal {row.quantity} "
             f"{row.harder_value:g} at {row.harder} against {row.easier_value:g} at {row.easier} (paper: "
-            f"{row.paper} on the harder side; {_VERDICTS[row.verdict].split(': ', 1)[1]})."
+            f"{row.paper} on the harder side; {_VERDICTS[row.verdict].split(', ', 1)[1]})."
         )
 
 
@@ -132,18 +151,16 @@ def optimal(ctx: Context) -> Section:
     if best.empty:
         section.note("Missing: no finished trial with a tuned clip bound.")
         return section
-    intervals = an.optimal_setting_intervals(ctx.results.tuned, resamples=BOOTSTRAP_RESAMPLES)
+    ranked = an.rank_configurations(ctx.results.tuned)
     if best["epsilon"].nunique() < 2:
         section.note("Only one ε in the results: the trend against ε needs two or more privacy budgets.")
-    for line in _uncertainty_rule(best, BOOTSTRAP_RESAMPLES):
+    for line in _uncertainty_rule(best):
         section.text(line)
     figure, axes = new_figure(1, 2, width=4.6, height=3.6)
-    series = [
-        (task, n) for task in ctx.tasks for n in sorted(intervals.loc[intervals["task"] == task, "epochs"].unique())
-    ]
+    series = [(task, n) for task in ctx.tasks for n in sorted(best.loc[best["task"] == task, "epochs"].unique())]
     colors = series_colors(len(series))
     for k, (task, n_epochs) in enumerate(series):
-        part = intervals[(intervals["task"] == task) & (intervals["epochs"] == n_epochs)].sort_values("epsilon")
+        part = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
         x = part["epsilon"].to_numpy() * (1 + 0.04 * (k - (len(series) - 1) / 2))  # dodge overlapping bars
         for ax, value, low, high in (
             (axes[0, 0], "clip_bound", "clip_low", "clip_high"),
@@ -158,64 +175,54 @@ def optimal(ctx: Context) -> Section:
                 color=colors[k],
                 marker=MARKERS[k % len(MARKERS)],
                 capsize=3,
-                linestyle="-" if n_epochs == max(intervals["epochs"]) else "--",
+                linestyle="-" if n_epochs == max(best["epochs"]) else "--",
                 label=f"{task}, E = {n_epochs}",
             )
     for ax, column, low_col, high_col, name, unit in (
         (axes[0, 0], "clip_bound", "clip_low", "clip_high", "optimal clip bound C", "gradient norm"),
         (axes[0, 1], "batch_size", "batch_low", "batch_high", "optimal batch size B", "examples"),
     ):
-        log_axis(ax, "x", intervals["epsilon"].unique())
-        spread = intervals[[column, low_col, high_col]].to_numpy(dtype=float).ravel()
+        log_axis(ax, "x", best["epsilon"].unique())
+        spread = best[[column, low_col, high_col]].to_numpy(dtype=float).ravel()
         log_axis(ax, "y", np.unique(spread), spread)
         ax.set_xlabel("privacy budget ε (log scale)")
         ax.set_ylabel(f"{name} ({unit}, log scale)")
         ax.grid(True, which="major", alpha=0.3)
     figure_legend(figure, axes, 2)
     figure.suptitle(
-        f"Optimal (C, B) per cell, selected on validation; bars: {100 * an.CONFIDENCE:g} % bootstrap intervals",
+        f"Optimal (C, B) per cell, selected on validation; bars: C and B over the {100 * an.CONFIDENCE:g} % "
+        "confidence set of the best",
         fontsize=10,
     )
     ctx.writer.figure(section, figure, "fig2-optimal-c-b")
     section.table(
-        _best_table(best, intervals),
+        _best_table(best),
         caption=(
             "Best configuration per cell (selected on mean validation accuracy): accuracies in % with their "
-            f"{100 * an.CONFIDENCE:g} % intervals; within noise: configurations not distinguishable from the best, of "
-            "all ranked, and their C and B; optimal C and B with bootstrap intervals and how often the bootstrap "
-            "selected the best configuration."
+            f"{100 * an.CONFIDENCE:g} % intervals; within noise: the configurations of the confidence set of the "
+            "best, of all ranked; optimal C and B: the best's, with their range over that set as the interval."
         ),
     )
-    _paper_checks(section, intervals)
+    _paper_checks(section, ranked)
     return section
 
 
-def _best_table(best: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
-    """The shown table of ``best_configurations`` joined with ``optimal_setting_intervals`` on the cell."""
-    joined = best.merge(
-        intervals[[*an.CELL, "clip_low", "clip_high", "batch_low", "batch_high", "selected_share"]],
-        on=an.CELL,
-        suffixes=("", "_ci"),
-    )
+def _best_table(best: pd.DataFrame) -> pd.DataFrame:
+    """The shown table of ``best_configurations``: one row per cell."""
     rows = []
-    for row in joined.itertuples(index=False):
+    for row in best.itertuples(index=False):
         rows.append(
             {
                 "task": row.task,
                 "ε": format_sig(row.epsilon),
                 "E": row.epochs,
-                "best C": format_sig(row.clip_bound),
-                "best B": format_int(row.batch_size),
                 "η": format_sig(row.learning_rate),
                 "R": row.replicates,
                 "val % [interval]": _interval(row.val_accuracy, row.val_low, row.val_high, format_percent),
                 "test % [interval]": _interval(row.test_accuracy, row.test_low, row.test_high, format_percent),
                 "within noise": f"{row.within_noise} of {row.configurations}",
-                "C within noise": f"{format_sig(row.clip_low)}–{format_sig(row.clip_high)}",
-                "B within noise": f"{format_int(row.batch_low)}–{format_int(row.batch_high)}",
-                "optimal C [bootstrap]": f"[{format_sig(row.clip_low_ci)}, {format_sig(row.clip_high_ci)}]",
-                "optimal B [bootstrap]": f"[{format_int(row.batch_low_ci)}, {format_int(row.batch_high_ci)}]",
-                "bootstrap picks best %": format_percent(row.selected_share),
+                "optimal C [interval]": _interval(row.clip_bound, row.clip_low, row.clip_high, format_sig),
+                "optimal B [interval]": _interval(row.batch_size, row.batch_low, row.batch_high, format_int),
             }
         )
     return pd.DataFrame(rows)

@@ -1,16 +1,19 @@
-"""Section 0, the overview: what the results hold and miss, what their (ε, δ) covers, and the releases."""
+"""Section 0: the decision (``decision.decide``), then the overview: what the results hold and miss,
+what their (ε, δ) covers, and the releases."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from dptune import analysis as an
+from dptune.report.decision import decide
 from dptune.report.document import Context, Section, format_percent, format_sig
 
 
 def overview(ctx: Context) -> Section:
-    section = Section(0, "Overview: what the results hold")
+    section = Section(0, "Decision and overview: what to release, what the results hold")
     results = ctx.results
+    decide(section, results)
     section.text(
         f"Sources: {', '.join(results.sources)}. {len(results.trials)} trial records, "
         f"{len(results.finished)} finished (status ok), {len(results.tuned)} with tuned C, "

@@ -45,9 +45,9 @@ FIGURES: tuple[FigureInfo, ...] = (
         2,
         "Optimal C and B against ε (paper Fig. 2)",
         "Optimal C (left) and B (right) per cell against ε, one line per task and E: the configuration "
-        "with the best mean validation accuracy over its replicates; bars: 95 % bootstrap intervals of the "
-        "selected C and B (replicates resampled within each configuration, or the validation score drawn "
-        "from its binomial noise when R = 1, and the best re-selected on validation each round).",
+        "with the best mean validation accuracy over its replicates; bars: the range of C and B over the "
+        "configurations within noise of it, the 95 % confidence set of the best configuration (Gupta's "
+        "subset selection; section 2 says how it is made).",
     ),
     FigureInfo(
         "fig3-grad-norms",

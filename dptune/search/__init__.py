@@ -12,8 +12,8 @@ all cells (:mod:`~dptune.search.driver`, :mod:`~dptune.search.tune_adapters`), e
 own Optuna sampler (:mod:`~dptune.search.sampler`), budget and (optionally) ASHA scheduler, cells
 side by side → each unit's runs train once and write their own Parquet rows and ledger entries as
 they end (:mod:`~dptune.search.execution`) → the search table (with the privacy cost of tuning)
-and the summary (:mod:`~dptune.search.outcome`) → report. Ray appears only in the driver and the
-Tune adapters.
+and the summary (:mod:`~dptune.search.outcome`) → report → with ``tracking.mlflow``, the finished search
+in MLflow (:mod:`~dptune.search.tracking`). Ray appears only in the driver and the Tune adapters.
 
 The command line answers a mistake before anything heavy is imported: this package imports only
 :mod:`~dptune.search.cli` and its options; every other name below loads its module on first use (PEP 562).

@@ -64,6 +64,7 @@ from dptune.search.subsample import (
     public_schedules,
     release_context,
 )
+from dptune.search.tracking import check_server
 from dptune.search.tuners import private_tuner, search_tuner
 from dptune.space import LoadedSpace, SearchSpace, load_space
 
@@ -338,6 +339,7 @@ def run_search(options: SearchOptions) -> str:
     results_root = _results_root(options.storage, name)
     _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
     check_name(name, "--name" if options.name else f"{loaded.path}: name")  # one folder under --storage
+    check_server(loaded.space.tracking)  # the MLflow server a finished search is logged to answers
     if show_if_finished(options, loaded, name, results_root):  # reads only: a read-only folder shows it too
         return results_root
     check_location_and_cluster(options, loaded, results_root)
@@ -377,7 +379,7 @@ def _run_search(
     search_id = preflight.folder_search_id(runs, loaded, name, options.resume, options.dry_run, unreadable)
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
         print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
-        conclude(results_root, report, private=private)
+        conclude(results_root, report, search_id, space.tracking, private=private)
         return results_root
 
     cluster = options.address or os.environ.get("RAY_ADDRESS")
@@ -516,7 +518,7 @@ def _run_search(
         if released:
             store.write_part("release", search_id, released)
         store.write_part("search", search_id, rows)
-    conclude(results_root, report, private=private)
+    conclude(results_root, report, search_id, space.tracking, private=private)
     return results_root
 
 

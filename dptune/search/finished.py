@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 from dptune.paths import LocationError, probe_writable
 from dptune.records import read_table, runs_root
 from dptune.search import preflight
-from dptune.search.outcome import SUMMARY_HEADER, format_outcome, format_privacy
+from dptune.search.outcome import summary_text
+from dptune.search.tracking import log_search
 
 if TYPE_CHECKING:
     from dptune.search.options import SearchOptions
     from dptune.space import LoadedSpace
+    from dptune.space.tracking import TrackingSpec
 
 
 def report_location(results_root: str, report_dir: str | None) -> str:
@@ -34,22 +36,15 @@ def search_finished(results_root: str, search_id: str) -> bool:
     return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
 
 
-def conclude(results_root: str, report: str | None, *, private: bool) -> None:
-    """Print where the results are, the best trial per cell and the search's privacy cost, or for an
-    end-to-end private search only its release; build the report at ``report`` (unless ``None``)."""
+def conclude(results_root: str, report: str | None, search_id: str, tracking: TrackingSpec, *, private: bool) -> None:
+    """Print where the results are and the summary (``outcome.summary_text``); build the report at
+    ``report`` (unless ``None``); then log the search ``search_id`` to ``tracking.mlflow``, if set
+    (``tracking.log_search``: a failure there only warns)."""
     print(f"results: {results_root}")
-    if not private:
-        print(SUMMARY_HEADER)
-        print(format_outcome(results_root))
-    print(
-        format_privacy(
-            read_table(results_root, "search"),
-            read_table(results_root, "release"),
-            runs=runs_root(results_root, True) if private else None,
-        )
-    )
+    print(summary_text(results_root, private=private))
     if report is not None:
         print(f"report: {build_report_at(results_root, report)}")
+    log_search(tracking, results_root, search_id, private=private, report=report)
 
 
 def build_report_at(results_root: str, location: str) -> str:
@@ -94,5 +89,5 @@ def show_if_finished(options: SearchOptions, loaded: LoadedSpace, name: str, res
         except LocationError as error:
             print(f"warning: the report is not rebuilt: {error}", file=sys.stderr, flush=True)
             report = None
-    conclude(results_root, report, private=private)
+    conclude(results_root, report, search_id, loaded.space.tracking, private=private)
     return True

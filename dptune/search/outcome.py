@@ -18,7 +18,7 @@ from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.checks import bound_text
 from dptune.privacy.search import composition_cost, guarantee, select_release
-from dptune.records import SCHEMA_VERSION, ResultsStore, read_table
+from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, runs_root
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
 from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
@@ -386,6 +386,17 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
         )
     lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
     return "\n".join(lines)
+
+
+def summary_text(results_root: str, *, private: bool) -> str:
+    """The summary of the finished search at ``results_root``: the best trial per cell and the search's
+    privacy cost, or for an end-to-end private search only its release."""
+    privacy = format_privacy(
+        read_table(results_root, "search"),
+        read_table(results_root, "release"),
+        runs=runs_root(results_root, True) if private else None,
+    )
+    return "\n".join([privacy] if private else [SUMMARY_HEADER, format_outcome(results_root), privacy])
 
 
 def stopped_by_signal(

@@ -7,7 +7,8 @@ file, the key and what is allowed (``SpaceError``). See ``search_spaces/default.
 commented example of every key.
 
 - :mod:`~dptune.space.spec`: the typed spec (``SearchSpace`` and its parts), ``Cell``, ``LoadedSpace``;
-- :mod:`~dptune.space.files`: reading a file safely, ``extends``, overrides, ``load_space``.
+- :mod:`~dptune.space.files`: reading a file safely, ``extends``, overrides, ``load_space``;
+- :mod:`~dptune.space.tracking`: the ``tracking`` section (an MLflow server), left out of the recorded space.
 """
 
 from dptune.space.files import load_space, parse_override, parse_space, spec_differences

@@ -24,6 +24,8 @@ MAX_SPEC_BYTES = 1_000_000
 #: Most YAML nodes a spec may expand to, each alias counted at every place it is used: a small
 #: file of nested anchors (a "billion laughs") would otherwise expand to gigabytes.
 MAX_SPEC_NODES = 10_000
+#: The section of a spec left out of its recorded text (``LoadedSpace.text``, hashed into the search's id).
+UNRECORDED = "tracking"
 #: YAML tags a spec may resolve to: plain mappings, lists and scalars (and ``<<`` merge keys).
 _PLAIN_TAGS = frozenset(
     f"tag:yaml.org,2002:{name}" for name in ("map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp")
@@ -211,22 +213,25 @@ def parse_space(text: str, path: Path | str = "<string>", overrides: dict[str, A
 
     A file may start from another with ``extends: base.yaml`` (path relative to the file): its
     keys are deep-merged over the base's; ``--set extends=base.yaml`` sets or replaces it. The
-    hashed text is the fully resolved spec.
+    hashed text is the fully resolved spec, without ``UNRECORDED`` (where the search is logged is not
+    what it is: ``--set tracking.mlflow=URL`` leaves the text, so the search's id, as it was).
     """
     path = Path(path)
     overrides = dict(overrides or {})
     data = _read_mapping(text, path)
     if "extends" in overrides:
         data["extends"] = overrides.pop("extends")
-    resolved = "extends" in data
+    rewritten = "extends" in data or UNRECORDED in data
     data = _resolve_extends(data, path)
     for dotted, value in overrides.items():
         _apply_override(data, dotted, value)
+        rewritten |= dotted.split(".")[0] != UNRECORDED
     try:
         space = SearchSpace.model_validate(data)
     except ValidationError as exc:
         raise SpaceError(_format_errors(path, exc)) from None
-    text = yaml.safe_dump(data, sort_keys=False) if overrides or resolved else text
+    recorded = {key: value for key, value in data.items() if key != UNRECORDED}
+    text = yaml.safe_dump(recorded, sort_keys=False) if rewritten else text
     return LoadedSpace(space=space, path=path, text=text)
 
 

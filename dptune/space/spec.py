@@ -33,6 +33,7 @@ from dptune.errors import DptuneError
 from dptune.paths import ALLOWED_SCHEMES, MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
 from dptune.privacy import MAX_EPSILON, MIN_EPSILON
+from dptune.space.tracking import TrackingSpec
 
 #: Most trials one cell may run (``trials_per_cell``, or the points of a grid): a search is
 #: meant to finish, and a count beyond this is a typo far more often than a plan.
@@ -434,6 +435,9 @@ class SearchSpace(_Strict):
         description="derive every trial's noise, Poisson batches and initialisation from seed and the "
         "trial's id (research, tests). Off: fresh OS entropy per trial, never stored. On: the DP guarantees "
         "assume secret coins and do not hold for released results",
+    )
+    tracking: TrackingSpec = Field(
+        TrackingSpec(), description="where the finished search is also logged; not part of the recorded space"
     )
 
     @field_validator("name")

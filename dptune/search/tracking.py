@@ -1,0 +1,462 @@
+"""A finished search logged to an MLflow tracking server (``tracking.mlflow``; the extra ``dptune[mlflow]``).
+
+:func:`check_server`, before anything loads or trains: MLflow's client is installed and the server
+answers (one try, ``CHECK_TIMEOUT_S``), else ``PreflightError`` naming ``tracking.mlflow``.
+:func:`log_search`, once the search's own records are written (runs, models, ``search`` and
+``release`` tables, report): reads them back and logs them. A failure there is one warning line:
+the records and the command's exit status stay what they are, and ``--resume`` logs what is missing.
+
+What reaches the server (one MLflow experiment per search id; a search run again in another folder
+lands beside the first, told apart by its ``INSTANCE_TAG``):
+
+- without private selection: a run ``search`` (the summary, the report, the recorded space and the
+  whole search's ε), and nested under it one run per ``trials`` row: its configuration, (ε, δ), σ,
+  q and T as params, its accuracies, losses, ε spent and per-epoch curves as metrics, its start and
+  end from the record; each published model folder (``models/<cell>/``) goes to the run of the
+  trial it came from, as artifact path ``model``;
+- an end-to-end private search: per cell one run, its release: the ``release`` row's configuration
+  with the model card's σ, q and T, its noisy score (test accuracy where the test split is public),
+  (ε_total, δ), the model folder, the summary and the report; nothing from inside the trust
+  boundary (no run per tuning run, no count of runs, no trial id, no time of a run), and the
+  experiment is created after the search, so its times do not bracket it.
+
+Each published model can be registered (``tracking.registered_model``) as a version whose source is
+its run's ``model``. Idempotent: every run carries the tag ``DPTUNE_RUN_TAG`` (a trial id,
+``search``, or ``release <cell>``); a finished one is not logged again, an unfinished one (a failed
+earlier attempt) is deleted and logged again (the ``search`` run, which ends last, is kept: its
+nested runs point to it), and a model already registered from a run is not registered twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import pyarrow.fs as pafs
+
+from dptune import __version__
+from dptune.errors import shown
+from dptune.paths import filesystem
+from dptune.records import read_table
+from dptune.records.weights import CARD_JSON, MODELS_FOLDER
+from dptune.search.outcome import summary_text
+from dptune.search.preflight import PreflightError
+from dptune.search.publish import CONFIG_COLUMNS
+from dptune.space.tracking import TrackingSpec
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric, Run
+
+#: Seconds the check before compute waits for the server (one try, no retry).
+CHECK_TIMEOUT_S = 5
+#: MLflow's HTTP settings for the check: forced, so a server that is down is told in seconds.
+CHECK_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+#: MLflow's HTTP settings for logging, unless the environment sets them (MLflow's own defaults retry
+#: a request 7 times over minutes); and no "View run at" line per run on the console.
+LOGGING_SETTINGS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+#: The tag that names what a run holds: a trial id, ``search`` or ``release <cell id>``.
+DPTUNE_RUN_TAG = "dptune.run"
+#: The tag that tells two searches of one id apart (the same space run again in another folder, or
+#: after its folder was removed: the same trial ids): a digest of its ``search`` and ``release`` rows
+#: (:func:`_instance`), which a finished search writes once.
+INSTANCE_TAG = "dptune.instance"
+#: Where a model folder goes in its run (a registered version's source is ``runs:/<run id>/model``).
+MODEL_ARTIFACT = "model"
+#: A ``trials`` row's params: its configuration and budget (besides ``publish.CONFIG_COLUMNS``).
+TRIAL_PARAMS = ("epsilon", "delta", "replicate", "dataset", "backbone", "peft", "fraction", "engine")
+#: A ``trials`` row's metrics (missing values are left out).
+TRIAL_METRICS = (
+    "val_accuracy",
+    "test_accuracy",
+    "noisy_val_accuracy",
+    "train_loss",
+    "epsilon_spent",
+    "steps_taken",
+    "wall_time_s",
+    "examples_per_s",
+)
+#: The ``epochs`` table's curves, logged as ``epoch_<name>`` with the epoch as MLflow's step.
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "test_accuracy")
+#: A ``release`` row's params (the configuration besides the card's, and the selection's public numbers).
+RELEASE_PARAMS = (
+    "epsilon_per_trial",
+    "score_noise_multiplier",
+    "mean_trials",
+    "trial_count_shape",
+    "tuning_fraction",
+    "transfer",
+)
+#: The whole search's cost, from its ``search`` rows (every row alike), as the ``search`` run's metrics.
+SEARCH_METRICS = ("epsilon_search", "epsilon_search_basic", "delta_search_basic", "runs_charged", "runs_unrecorded")
+#: Most params and metrics one ``log_batch`` request carries (MLflow's limit).
+METRICS_PER_REQUEST = 1000
+
+
+def check_server(tracking: TrackingSpec) -> None:
+    """Refuse, before any compute, a ``tracking.mlflow`` whose client is not installed or whose server
+    does not answer within ``CHECK_TIMEOUT_S`` or refuses (its credentials, no model registry when
+    ``registered_model`` is set): ``PreflightError`` naming the key and the URL. Nothing to check
+    without ``tracking.mlflow``."""
+    uri = tracking.mlflow
+    if uri is None:
+        return
+    where = f"tracking.mlflow {shown(uri)}"
+    if importlib.util.find_spec("mlflow") is None:
+        raise PreflightError(
+            f"{where}: MLflow's client is not installed (install dptune's extra: pip install 'dptune[mlflow]'), "
+            "or remove tracking.mlflow; nothing was loaded or trained"
+        )
+    with _mlflow_settings(CHECK_SETTINGS, force=True):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(uri)
+        try:
+            client.search_experiments(max_results=1)
+            if tracking.registered_model is not None:
+                client.search_registered_models(max_results=1)
+        except Exception as error:  # whatever the client raises: refused, timed out, 401, not MLflow
+            raise PreflightError(
+                f"{where}: the MLflow tracking server does not answer or refuses ({_reason(error)}); start it, correct "
+                "the URL or its credentials (MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                "MLFLOW_TRACKING_TOKEN), or remove tracking.mlflow; nothing was loaded or trained"
+            ) from None
+
+
+def log_search(tracking: TrackingSpec, results_root: str, search_id: str, *, private: bool, report: str | None) -> None:
+    """Log the finished search ``search_id`` at ``results_root`` to ``tracking.mlflow`` (nothing without
+    it; nothing but a note when the search has no ``search`` rows, i.e. did not finish); ``private``: an
+    end-to-end private search, whose releases alone are logged; ``report``: the report's folder (logged
+    when it holds an ``index.html`` on this machine). Prints one line saying where, or on any failure one
+    warning naming the URL and what failed."""
+    uri = tracking.mlflow
+    if uri is None:
+        return
+    logger = _SearchLogger(tracking, uri, results_root, search_id, private, report)
+    try:
+        with _mlflow_settings(LOGGING_SETTINGS, force=False):
+            done = logger.log()
+    except Exception as error:  # the search's records are written: a tracking failure only warns
+        print(
+            f"warning: tracking.mlflow {uri}: {logger.doing} failed ({_reason(error)}); the search's records at "
+            f"{results_root} are complete (run the same command with --resume to log what is missing)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    print(f"mlflow: {done}", flush=True)
+
+
+class _SearchLogger:
+    """One logging of one search (:func:`log_search`); ``doing`` says what it was doing, for a warning."""
+
+    def __init__(
+        self, tracking: TrackingSpec, uri: str, results_root: str, search_id: str, private: bool, report: str | None
+    ) -> None:
+        self.tracking, self.uri, self.results_root = tracking, uri, results_root
+        self.search_id, self.private, self.report = search_id, private, report
+        self.doing = "connecting"
+        self.created = 0  # runs this logging created
+
+    def log(self) -> str:
+        """Log what is missing; return the line that says where it went."""
+        from mlflow.tracking import MlflowClient
+
+        search = read_table(self.results_root, "search")
+        search = search[search["search_id"] == self.search_id]
+        if search.empty:
+            return f"nothing logged to {self.uri}: the search {self.search_id} has not finished"
+        releases = read_table(self.results_root, "release")
+        releases = releases[releases["search_id"] == self.search_id]
+        self.instance = _instance(search, releases)
+        self.client = MlflowClient(self.uri)
+        self.doing = f"opening the experiment {self.search_id}"
+        experiment = self.client.get_experiment_by_name(self.search_id)
+        self.experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(
+                self.search_id, tags={"dptune.search_id": self.search_id, "dptune.version": __version__}
+            )
+        )
+        self.runs = self._active_runs()
+        with _local_copy(f"{self.results_root.rstrip('/')}/{MODELS_FOLDER}") as models:
+            cards = {card.parent: json.loads(card.read_text()) for card in sorted(models.glob(f"*/{CARD_JSON}"))}
+            if self.private:
+                logged = self._log_releases(releases, cards)
+            else:
+                logged = self._log_search(search.iloc[0].to_dict(), cards)
+        if self.tracking.registered_model is not None:
+            self._register(self.tracking.registered_model, logged)
+        where = f"{self.uri}/#/experiments/{self.experiment_id}"
+        if self.private:  # how many runs it holds is not said: a cell without a release has none
+            return f"the release is logged at {where}"
+        return f"{self.created} run(s) logged to {where}" + (" (the rest were logged before)" if self.runs else "")
+
+    # ----------------------------------------------------------------------- runs
+
+    def _active_runs(self) -> dict[str, Run]:
+        """The runs of this search's ``INSTANCE_TAG`` that are not deleted, by their ``DPTUNE_RUN_TAG``."""
+        found: dict[str, Run] = {}
+        token: str | None = None
+        while True:
+            page = self.client.search_runs([self.experiment_id], max_results=1000, page_token=token)
+            found |= {
+                run.data.tags[DPTUNE_RUN_TAG]: run
+                for run in page
+                if run.data.tags.get(INSTANCE_TAG) == self.instance and DPTUNE_RUN_TAG in run.data.tags
+            }
+            token = page.token
+            if not token:
+                return found
+
+    def _start(self, key: str, tags: dict[str, str], start_ms: int | None = None) -> str | None:
+        """A new run for ``key`` (None: a finished one holds it); an unfinished one is deleted first."""
+        existing = self.runs.get(key)
+        if existing is not None:
+            if existing.info.status == "FINISHED":
+                return None
+            self.client.delete_run(existing.info.run_id)
+        return self._create(key, tags, start_ms)
+
+    def _create(self, key: str, tags: dict[str, str], start_ms: int | None = None) -> str:
+        tags = {
+            DPTUNE_RUN_TAG: key,
+            INSTANCE_TAG: self.instance,
+            "dptune.search_id": self.search_id,
+            "dptune.version": __version__,
+            **tags,
+        }
+        self.created += 1
+        return self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=key).info.run_id
+
+    def _values(self, run_id: str, params: dict[str, Any], metrics: list[Metric]) -> None:
+        from mlflow.entities import Param
+
+        kept = [Param(name, str(value)) for name, value in params.items() if not _missing(value)]
+        first = METRICS_PER_REQUEST - len(kept)  # the params and the first metrics in one request
+        self.client.log_batch(run_id, metrics=metrics[:first], params=kept)
+        for start in range(first, len(metrics), METRICS_PER_REQUEST):
+            self.client.log_batch(run_id, metrics=metrics[start : start + METRICS_PER_REQUEST])
+
+    def _log_search(self, row: dict[str, Any], cards: dict[Path, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+        """The ``search`` run and one run per ``trials`` row nested under it; returns (run id, card) per model.
+        The ``search`` run ends last: finished, it says the whole search is logged."""
+        self.doing = "logging the search run"
+        parent = self.runs.get("search")  # an unfinished one is kept: it holds the runs logged before
+        parent_id = self._create("search", {}) if parent is None else parent.info.run_id
+        trials = read_table(self.results_root, "trials")
+        trials = trials[trials["search_id"] == self.search_id]
+        epochs = read_table(self.results_root, "epochs")
+        curves = {trial: frame for trial, frame in epochs[epochs["search_id"] == self.search_id].groupby("trial_id")}
+        by_trial = {card["model"]["trial_id"]: (folder, card) for folder, card in cards.items()}
+        models = []
+        for trial in trials.to_dict("records"):
+            model = by_trial.get(trial["trial_id"])
+            run_id = self._log_trial(trial, curves.get(trial["trial_id"]), parent_id, model[0] if model else None)
+            if model is not None:
+                models.append((run_id or self.runs[trial["trial_id"]].info.run_id, model[1]))
+        if parent is None or parent.info.status != "FINISHED":
+            self.doing = "logging the search run"
+            now = _now_ms()
+            metrics = [_metric(name, row[name], now) for name in SEARCH_METRICS if not _missing(row[name])]
+            self._values(parent_id, {name: row[name] for name in ("name", "dataset", "backbone", "peft")}, metrics)
+            with tempfile.TemporaryDirectory(prefix="dptune-mlflow-") as folder:
+                Path(folder, "summary.txt").write_text(summary_text(self.results_root, private=False) + "\n")
+                Path(folder, "space.yaml").write_text(str(row["spec_yaml"]))
+                self.client.log_artifacts(parent_id, folder)
+            self._log_report(parent_id)
+            self.client.set_terminated(parent_id)
+        return models
+
+    def _log_trial(self, trial: dict[str, Any], curve: Any, parent_id: str, model: Path | None) -> str | None:
+        """One ``trials`` row as a run nested under ``parent_id`` (None: logged before); ``curve``: its
+        ``epochs`` rows (or None); ``model``: the published model folder it produced (or None)."""
+        self.doing = f"logging run {trial['trial_id']}"
+        finished = None if _missing(trial["finished_at"]) else int(trial["finished_at"].timestamp() * 1000)
+        wall = 0.0 if _missing(trial["wall_time_s"]) else float(trial["wall_time_s"])
+        tags = {
+            "mlflow.parentRunId": parent_id,
+            "dptune.cell_id": str(trial["cell_id"]),
+            "dptune.configuration_id": str(trial["configuration_id"]),
+            "dptune.status": str(trial["status"]),
+        }
+        run_id = self._start(trial["trial_id"], tags, None if finished is None else finished - round(wall * 1000))
+        if run_id is None:
+            return None
+        stamp = finished or _now_ms()
+        metrics = [_metric(name, trial[name], stamp) for name in TRIAL_METRICS if not _missing(trial[name])]
+        if curve is not None:
+            metrics += [
+                _metric(f"epoch_{name}", value, stamp, int(epoch))
+                for epoch, *values in curve[["epoch", *EPOCH_METRICS]].itertuples(index=False)
+                for name, value in zip(EPOCH_METRICS, values, strict=True)
+                if not _missing(value)
+            ]
+        self._values(run_id, {name: trial[name] for name in (*CONFIG_COLUMNS, *TRIAL_PARAMS)}, metrics)
+        if model is not None:
+            self.client.log_artifacts(run_id, str(model), MODEL_ARTIFACT)
+        self.client.set_terminated(run_id, end_time=finished)
+        return run_id
+
+    def _log_releases(
+        self, releases: pd.DataFrame, cards: dict[Path, dict[str, Any]]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Per ``release`` row one run: the release and its model; returns (run id, card) per model."""
+        by_cell = {card["model"]["cell_id"]: (folder, card) for folder, card in cards.items()}
+        models = []
+        for release in releases.to_dict("records"):
+            key = f"release {release['cell_id']}"
+            self.doing = f"logging the {key}"
+            folder, card = by_cell[release["cell_id"]]
+            run_id = self._start(key, {"dptune.cell_id": str(release["cell_id"])})
+            if run_id is not None:
+                now = _now_ms()
+                public_test = bool(release["test_split_public"])
+                values = {
+                    "noisy_val_accuracy": release["noisy_val_accuracy"],
+                    "test_accuracy": release["test_accuracy"] if public_test else None,
+                    "epsilon": release["epsilon_total"],
+                    "delta": release["delta_total"],
+                }
+                metrics = [_metric(name, value, now) for name, value in values.items() if not _missing(value)]
+                params = {
+                    **card["configuration"],
+                    **{name: release[name] for name in RELEASE_PARAMS},
+                    "dataset": card["data"]["dataset"],
+                    "backbone": card["data"].get("backbone"),
+                    "peft": card["peft"],
+                }
+                self._values(run_id, params, metrics)
+                self.client.log_artifacts(run_id, str(folder), MODEL_ARTIFACT)
+                with tempfile.TemporaryDirectory(prefix="dptune-mlflow-") as summary:
+                    Path(summary, "summary.txt").write_text(summary_text(self.results_root, private=True) + "\n")
+                    self.client.log_artifacts(run_id, summary)
+                self._log_report(run_id)
+                self.client.set_terminated(run_id)
+            models.append((run_id or self.runs[key].info.run_id, card))
+        return models
+
+    def _log_report(self, run_id: str) -> None:
+        """The report folder as the run's artifacts ``report/``, when it was built (holds ``index.html``)."""
+        if self.report is None:
+            return
+        self.doing = "uploading the report"
+        with _local_copy(self.report) as report:
+            if (report / "index.html").is_file():
+                self.client.log_artifacts(run_id, str(report), "report")
+
+    # ----------------------------------------------------------------------- the model registry
+
+    def _register(self, name: str, models: list[tuple[str, dict[str, Any]]]) -> None:
+        """Each model as a version of registered model ``name`` (created if missing), unless its run has one."""
+        from mlflow.exceptions import MlflowException
+
+        self.doing = f"registering the models as {name}"
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            self.client.create_registered_model(name, tags={"dptune.search_id": self.search_id})
+        for run_id, card in models:
+            if self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+                continue
+            self.client.create_model_version(
+                name,
+                f"runs:/{run_id}/{MODEL_ARTIFACT}",
+                run_id=run_id,
+                tags={"dptune.cell_id": card["model"]["cell_id"], "dptune.clipping": card["model"]["clipping"]},
+                description=f"dptune model of {card['model']['cell_id']} [{card['model']['clipping']}], "
+                f"(ε, δ) = ({card['privacy']['epsilon']:.4g}, {card['privacy']['delta']:.3g}) covering "
+                f"{card['privacy']['covers']}",
+                await_creation_for=0,
+            )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _local_copy(location: str) -> Iterator[Path]:
+    """A temporary copy of the folder ``location`` (a local path or a URI, read through ``pyarrow.fs``),
+    empty when there is no such folder; removed on the way out."""
+    fs, path = filesystem(location)
+    local = Path(tempfile.mkdtemp(prefix="dptune-mlflow-"))
+    try:
+        if fs.get_file_info(path).type == pafs.FileType.Directory:
+            pafs.copy_files(path, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _mlflow_settings(values: dict[str, str], *, force: bool) -> Iterator[None]:
+    """MLflow's environment settings ``values`` (``force``: over the environment's own) and its and
+    urllib3's loggers at ERROR (dptune says what failed in one line), restored on the way out."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if force or saved[name] is None})
+    loggers = {name: logging.getLogger(name) for name in ("mlflow", "urllib3")}
+    levels = {name: logger.level for name, logger in loggers.items()}
+    for logger in loggers.values():
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, logger in loggers.items():
+            logger.setLevel(levels[name])
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _instance(search: pd.DataFrame, releases: pd.DataFrame) -> str:
+    """A digest of a finished search's ``search`` and ``release`` rows (public tables): a search's own
+    (its rows' ``created_at``, or a private search's released configuration, drawn from fresh entropy),
+    the same at every ``--resume``."""
+    rows = [search.to_dict("records"), releases.to_dict("records")]
+    return hashlib.sha256(json.dumps(rows, default=str, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _metric(name: str, value: Any, timestamp_ms: int, step: int = 0) -> Metric:
+    from mlflow.entities import Metric
+
+    return Metric(name, float(value), timestamp_ms, step)
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN or NaT: a value a record does not have."""
+    return bool(pd.isna(value))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, short: the OS error MLflow's message wraps (``[Errno 111] Connection refused``),
+    else the first line of the message (at most 200 characters), else the error's type."""
+    text = str(error).strip()
+    if match := re.search(r"\[Errno -?\d+\][^'\")\]]*", text):
+        return match.group(0).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -37,7 +37,7 @@ def trends(guideline: pd.DataFrame, difficulty: pd.DataFrame) -> pd.DataFrame:
                 continue
             ordered = group.sort_values(factor)
             label = ", ".join(
-                f"{name}={value:g}" if isinstance(value, float) else f"{value}"
+                f"{_SETTING[name]} = {value:g}" if name in _SETTING else f"{value}"
                 for name, value in zip(within, key, strict=True)
             )
             comparisons.append((condition, label, ordered.iloc[0], ordered.iloc[-1]))
@@ -85,8 +85,9 @@ _BOUNDS = {"C": ("clip_low", "clip_high"), "B": ("batch_low", "batch_high")}
 
 
 def _span(row: pd.Series, value: str, low: str, high: str) -> str:
-    """``value [low–high]`` of one cell's optimum (3 significant digits)."""
-    return f"{row[value]:.3g} [{row[low]:.3g}–{row[high]:.3g}]"
+    """``value [low–high]`` of one cell's optimum (C: 3 significant digits; B: a whole number)."""
+    shown = "{:.0f}" if value == "batch_size" else "{:.3g}"
+    return f"{shown.format(row[value])} [{shown.format(row[low])}–{shown.format(row[high])}]"
 
 
 @dataclass(frozen=True)

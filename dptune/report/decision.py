@@ -17,15 +17,20 @@ def decide(section: Section, results: an.Results) -> None:
     best = an.best_configurations(results.tuned)
     models = results.models
     if not best.empty:
-        rows = [_cell_row(row, models) for _, row in best.iterrows()]
+        table = pd.DataFrame([_cell_row(row, models) for _, row in best.iterrows()])
+        covers = table["what (ε, δ) covers"].unique()
+        if len(covers) == 1:  # one statement for every model: said once, under the table
+            table = table.drop(columns="what (ε, δ) covers")
         section.table(
-            pd.DataFrame(rows),
+            table,
             caption="Decision per cell: the configuration to use (the best on mean validation accuracy; optimal C and "
             "B with their intervals over the configurations within noise of it, section 2), the model to release "
             "(its folder under models/, from the same configuration) with its (ε, δ) and what that covers, its "
             f"test accuracy in % with the {100 * an.CONFIDENCE:g} % interval (the model's own, from its card; "
             "without a model, the configuration's mean over its replicates), and what the runs support.",
         )
+        if len(covers) == 1 and covers[0] != "–":
+            section.text(f"What each model's (ε, δ) covers: {covers[0]}.")
         section.text(
             "Choosing among configurations by their exact validation accuracy is not differentially private: each "
             "model alone is (ε, δ)-DP at its cell's ε, but its choice among the runs is not covered by any ε here, "

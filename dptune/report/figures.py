@@ -13,7 +13,7 @@ COLOR_MAP = "viridis"
 #: Line styles and markers of the strata (distinguishable without colour).
 STRATUM_STYLE: dict[str, tuple[LineStyleType, str]] = {an.EASY: ("-", "o"), an.HARD: ("--", "s")}
 DPI = 110
-#: Bootstrap rounds of the optimal-(C, B) intervals (``analysis.optimal_setting_intervals``).
+#: Random draw orders of the search-efficiency curves (``analysis.search_efficiency``, section 9).
 BOOTSTRAP_RESAMPLES = 1000
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -405,6 +406,10 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     # the report of the results shows the release, and counts no run
     page = (build_report([str(root)], tmp_path / "report")).read_text()
     assert "Releases of end-to-end private searches" in page and "0 trial records" in page
+    # the report opens with the decision: the release, its model file and the one (ε, δ) that covers it
+    (model,) = (root / "models").iterdir()
+    decision = html.unescape(page).split("Release of the private search ")[1].split("Sources:")[0]
+    assert f"model {model}/model.safetensors; one (ε, δ) = (8, 1e-05) covers the tuning, the selection" in decision
     assert "Trials per search cell" not in page
     assert_nothing_of_the_hidden_runs_outside(root, out, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1)
     # a second search of the same space proposes other configurations: the proposals are secret

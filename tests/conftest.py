@@ -230,6 +230,18 @@ def ray_head() -> Iterator[RayHead]:
 #: Caps for every test search, so all of them share one small feature cache entry.
 TINY_TRAIN_EXAMPLES = 300
 TINY_EVAL_EXAMPLES = 150
+#: ``--set`` flags that cut the tiny space to one cell (ε = 8) without AUTO-S and diagnostics: 6 runs
+#: recorded, 4 trained (the min-step rule prunes B = 256), in about a minute.
+ONE_CELL = (
+    "--set",
+    "privacy.epsilons=[8]",
+    "--set",
+    "training.compare_auto_s=false",
+    "--set",
+    "training.diagnostics=false",
+)
+#: ``--set`` flags of a private search short enough for a test: K has mean 3, five epochs.
+SHORT_PRIVATE = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
 
 
 def search_command(*args: str) -> list[str]:

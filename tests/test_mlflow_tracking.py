@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import REPO_ROOT, _free_ports, run_search
+from conftest import ONE_CELL, REPO_ROOT, SHORT_PRIVATE, _free_ports, run_search
 from dptune import search
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE
@@ -44,18 +44,6 @@ pytestmark = pytest.mark.xdist_group("mlflow_server")
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
-#: The tiny grid in one cell, without AUTO-S and diagnostics: 6 runs recorded, 4 trained (the min-step rule
-#: prunes B = 256), in about a minute.
-ONE_CELL = (
-    "--set",
-    "privacy.epsilons=[8]",
-    "--set",
-    "training.compare_auto_s=false",
-    "--set",
-    "training.diagnostics=false",
-)
-#: A private search short enough for a test: K has mean 3, five epochs (as tests/test_search.py runs it).
-SHORT_PRIVATE = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
 SERVER_START_TIMEOUT_S = 300.0
 #: A run's configuration and budget, as MLflow params.
 CONFIGURATION = (

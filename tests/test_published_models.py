@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import REPO_ROOT, SearchRun, run_search
+from conftest import ONE_CELL, REPO_ROOT, SearchRun, run_search
 from dptune.analysis import best_configurations, finished_trials
 from dptune.data.sources import load_20newsgroups
 from dptune.records import read_table
@@ -99,12 +99,7 @@ def test_predict_labels_a_public_test_file_as_the_search_scored_it(
         "--no-report",
         "--set",
         f"task.dataset={json.dumps({**dataset, 'test_public': True})}",
-        "--set",
-        "privacy.epsilons=[8]",
-        "--set",
-        "training.compare_auto_s=false",
-        "--set",
-        "training.diagnostics=false",
+        *ONE_CELL,
         "--set",
         "batch_size.values=[16, 32]",
         "--set",

@@ -22,6 +22,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
 from conftest import (
     REPO_ROOT,
+    SHORT_PRIVATE,
     TINY_EVAL_EXAMPLES,
     TINY_TRAIN_EXAMPLES,
     SearchRun,
@@ -301,8 +302,6 @@ def test_existing_results_need_resume(
 # --------------------------------------------------------------------------- end-to-end private tuning
 
 PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
-#: A private search short enough for a test: K has mean 3, five epochs.
-_SHORT = ("--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]")
 
 
 @pytest.mark.parametrize(
@@ -334,7 +333,7 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     slow = {**search_env, "TUNE_WARN_THRESHOLD_S": "0", "PYTHONPATH": pythonpath}
     with ThreadPoolExecutor(2) as pool:  # two independent searches, at once
         first, second = pool.map(
-            lambda name: private_search(slow, tmp_path, PRIVATE, name, *_SHORT), ("private", "again")
+            lambda name: private_search(slow, tmp_path, PRIVATE, name, *SHORT_PRIVATE), ("private", "again")
         )
     root = tmp_path / "private"
     inside = root / TRUST_BOUNDARY

@@ -17,6 +17,15 @@ autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` before t
    and validation accuracy of the configuration selected on validation, and per precision the
    largest difference to fp32 over all configurations.
 
+4. With ``--replicates R`` (issue 33's downstream rule): the DP probe at ε = 1 and 8, E = 10 (the
+   dense benchmark's cells; C ∈ {0.1, 1}, B ∈ {64, 256}, η₀ = 0.01), each configuration trained with
+   R explicit seeds on the features of every precision by the fused runner, the same seed on each
+   precision (the same coins: the pair differs only by the features). Per precision and ε: the mean
+   paired difference of test accuracy to fp32 with its 95 % t interval over the 4·R pairs, next to
+   the runs' own noise, the standard deviation of fp32's test accuracy across seeds (pooled over
+   the configurations); a precision's effect is "inside the noise" when its whole interval lies
+   within ± that deviation.
+
 Prints a markdown summary; ``--out FILE.json`` also writes every figure.
 
 3. With ``--batch-tokens 4096,16384``: docs/s at each tokens-per-batch budget of CPU encoding, in
@@ -25,6 +34,7 @@ Prints a markdown summary; ``--out FILE.json`` also writes every figure.
     OMP_NUM_THREADS=2 nice .venv/bin/python bench/bench_encoding_precision.py --out build/bench/precision.json
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --precisions openvino-bf16
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --skip-accuracy --batch-tokens 4096,8192,16384
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_encoding_precision.py --skip-accuracy --replicates 8
 """
 
 from __future__ import annotations
@@ -118,6 +128,43 @@ def batch_budget_speed(
     }
 
 
+def probe_config(
+    train_examples: int,
+    eval_examples: int,
+    max_tokens: int,
+    epsilon: float,
+    epochs: int,
+    clip_bound: float,
+    batch_size: int,
+    base_learning_rate: float,
+    seed: int,
+) -> TrialConfig:
+    """One DP probe of the capped 20 Newsgroups split: DP-Adam, normalized clipping, η = η₀·√(B/256),
+    explicit ``seed``, no diagnostics."""
+    return TrialConfig(
+        workload=WorkloadSpec(
+            dataset="20newsgroups",
+            backbone="minilm",
+            peft="head",
+            max_tokens=max_tokens,
+            max_train_examples=train_examples,
+            max_eval_examples=eval_examples,
+        ),
+        epsilon=epsilon,
+        delta=1e-5,
+        epochs=epochs,
+        clip_bound=clip_bound,
+        batch_size=batch_size,
+        learning_rate=base_learning_rate * (batch_size / REFERENCE_BATCH_SIZE) ** 0.5,
+        base_learning_rate=base_learning_rate,
+        optimizer="adam",
+        clipping="normalized",
+        seed=seed,
+        threads=torch.get_num_threads(),
+        diagnostics=False,
+    )
+
+
 def probe_accuracies(
     train_examples: int, eval_examples: int, max_tokens: int, seed: int, precisions: tuple[str, ...]
 ) -> list[dict]:
@@ -131,30 +178,9 @@ def probe_accuracies(
         for epsilon, epochs, clip, batch, base_lr in itertools.product(
             EPSILONS, EPOCHS, CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES
         ):
-            learning_rate = base_lr * (batch / REFERENCE_BATCH_SIZE) ** 0.5
-            config = TrialConfig(
-                workload=WorkloadSpec(
-                    dataset="20newsgroups",
-                    backbone="minilm",
-                    peft="head",
-                    max_tokens=max_tokens,
-                    max_train_examples=train_examples,
-                    max_eval_examples=eval_examples,
-                ),
-                epsilon=epsilon,
-                delta=1e-5,
-                epochs=epochs,
-                clip_bound=clip,
-                batch_size=batch,
-                learning_rate=learning_rate,
-                base_learning_rate=base_lr,
-                optimizer="adam",
-                clipping="normalized",
-                seed=seed,
-                threads=torch.get_num_threads(),
-                diagnostics=False,
+            result = run_trial(
+                probe_config(train_examples, eval_examples, max_tokens, epsilon, epochs, clip, batch, base_lr, seed)
             )
-            result = run_trial(config)
             rows.append(
                 {
                     "precision": precision,
@@ -171,6 +197,73 @@ def probe_accuracies(
             print(json.dumps(rows[-1]), flush=True)
     os.environ.pop(PRECISION_ENV)
     return rows
+
+
+#: The downstream rule's cells (issue 33): ε = 1 and 8 at E = 10.
+AGREEMENT_EPSILONS = (1.0, 8.0)
+AGREEMENT_EPOCHS = 10
+
+
+def replicated_probes(
+    train_examples: int, eval_examples: int, max_tokens: int, replicates: int, precisions: tuple[str, ...]
+) -> list[dict]:
+    """One row per (precision, ε, C, B, seed): test and validation accuracy of the DP probe (fused
+    runner, seeds 0..R-1, the same on every precision)."""
+    from dptune.runners import common
+    from dptune.runners.fused import run_fused
+
+    rows = []
+    for precision in precisions:
+        os.environ[PRECISION_ENV] = precision
+        common.cached_workload.cache_clear()  # the memo is keyed by spec, not by precision
+        for epsilon in AGREEMENT_EPSILONS:
+            configs = [
+                probe_config(
+                    train_examples, eval_examples, max_tokens, epsilon, AGREEMENT_EPOCHS, clip, batch, base_lr, seed
+                )
+                for clip, batch, base_lr in itertools.product(CLIP_BOUNDS, BATCH_SIZES, BASE_LEARNING_RATES)
+                for seed in range(replicates)
+            ]
+            for config, result in zip(configs, run_fused(configs), strict=True):
+                rows.append(
+                    {
+                        "precision": precision,
+                        "epsilon": epsilon,
+                        "clip_bound": config.clip_bound,
+                        "batch_size": config.batch_size,
+                        "seed": config.seed,
+                        "status": result.status,
+                        "val_accuracy": result.val_accuracy,
+                        "test_accuracy": result.test_accuracy,
+                    }
+                )
+    os.environ.pop(PRECISION_ENV)
+    return rows
+
+
+def agreement(rows: list[dict], precisions: tuple[str, ...]) -> dict:
+    """Per precision and ε: the paired test-accuracy difference to fp32 (points), its 95 % t interval,
+    and the runs' own noise (fp32's pooled standard deviation across seeds, points)."""
+    import pandas as pd
+    from scipy import stats
+
+    frame = pd.DataFrame(rows)
+    frame["test"] = 100 * frame["test_accuracy"]
+    table = frame.pivot_table(index=["epsilon", "clip_bound", "batch_size", "seed"], columns="precision", values="test")
+    figures: dict = {}
+    for epsilon, cell in table.groupby(level="epsilon"):
+        noise = float(np.sqrt(cell["fp32"].groupby(level=["clip_bound", "batch_size"]).var(ddof=1).mean()))
+        figures[f"eps={epsilon:g}"] = {"noise_sd_points": noise, "pairs": len(cell)}
+        for p in precisions[1:]:
+            difference = (cell[p] - cell["fp32"]).to_numpy()
+            mean = float(difference.mean())
+            half = float(stats.t.ppf(0.975, len(difference) - 1) * difference.std(ddof=1) / np.sqrt(len(difference)))
+            figures[f"eps={epsilon:g}"][p] = {
+                "mean_difference_points": mean,
+                "interval_points": [mean - half, mean + half],
+                "inside_noise": bool(-noise <= mean - half and mean + half <= noise),
+            }
+    return figures
 
 
 def compare(rows: list[dict], precisions: tuple[str, ...]) -> dict:
@@ -220,6 +313,9 @@ def main() -> None:
         help="also time CPU encoding at these tokens-per-batch budgets, comma-separated (e.g. 4096,16384)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --batch-tokens comparison")
+    parser.add_argument(
+        "--replicates", type=int, default=0, help="seeds per configuration of the replicated downstream comparison"
+    )
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     parser.add_argument(
         "--precisions",
@@ -277,6 +373,25 @@ def main() -> None:
             print(
                 f"largest |{p} − fp32| over {accuracy['configurations']} configurations: "
                 f"test {gaps['test']:.2f} points, val {gaps['val']:.2f} points"
+            )
+    if args.replicates:
+        rows = replicated_probes(args.train_examples, args.eval_examples, args.max_tokens, args.replicates, precisions)
+        figures["replicated"] = {"rows": rows, "agreement": agreement(rows, precisions)}
+        print(
+            f"\n| ε (E = {AGREEMENT_EPOCHS}) | runs' noise (SD, points) | "
+            + " | ".join(f"{p} − fp32, test points [95 % interval]" for p in precisions[1:])
+            + " |\n|---|---|"
+            + "---|" * (len(precisions) - 1)
+        )
+        for cell, found in figures["replicated"]["agreement"].items():
+            print(
+                f"| {cell} | {found['noise_sd_points']:.2f} | "
+                + " | ".join(
+                    f"{found[p]['mean_difference_points']:+.2f} [{found[p]['interval_points'][0]:+.2f}, "
+                    f"{found[p]['interval_points'][1]:+.2f}]" + (" inside" if found[p]["inside_noise"] else " OUTSIDE")
+                    for p in precisions[1:]
+                )
+                + " |"
             )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

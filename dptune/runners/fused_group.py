@@ -45,6 +45,7 @@ from dptune.runners.common import (
     probe_indices,
 )
 from dptune.runners.heads import (
+    HeadGradients,
     StackedOptimizer,
     augment,
     head_noisy_gradients,
@@ -59,6 +60,20 @@ FUSED_ENGINE = "fused"
 NOISE_CHUNK_BYTES = 1 << 20
 #: Most steps whose noise and Poisson batches are drawn in one call.
 MAX_CHUNK_STEPS = 64
+
+
+#: Gathered training rows (bytes, float32) a step computes on at once: a group of large batches is
+#: gathered and differentiated a few configurations at a time. Measured on the 2-core AMX Xeon of
+#: bench/RESULTS.md, one thread: 36 configurations at B = 2048 (2,100 padded rows of 385 values
+#: each) took 86 ms a step gathered all at once (116 MB), 59 ms in blocks of 12, 56 ms in blocks
+#: of 4 (13 MB) and 67 ms one at a time; at B ≤ 256 one block of all 36 was the fastest.
+GATHER_BLOCK_BYTES = 16 << 20
+
+
+def gather_block_configurations(width: int, row_values: int) -> int:
+    """Configurations whose ``width`` padded rows of ``row_values`` float32 values fit
+    :data:`GATHER_BLOCK_BYTES` (at least one)."""
+    return max(1, GATHER_BLOCK_BYTES // (4 * width * row_values))
 
 
 def chunk_steps(parameters: int) -> int:
@@ -162,7 +177,8 @@ class Draws:
     """A group's coins for S steps. ``index[t, k, r]`` (S, K, width; on the device) is the r-th
     training row in configuration k's Poisson batch at step t, in increasing order, padded with N
     (the zero row); ``counts[t, k]`` (numpy) its batch size; ``noise[t, k]`` (S, K, classes,
-    dim + 1; on the device) the standard normal draws of its Gaussian noise."""
+    dim + 1; on the device; a view of a (K, S, …) block per configuration) the standard normal draws
+    of its Gaussian noise."""
 
     index: torch.Tensor
     counts: np.ndarray
@@ -232,20 +248,18 @@ class GroupCoins:
         """The coins of the next ``steps`` steps, each configuration's from its own generators."""
         k, num_train = len(self.samplers), self.num_train
         draws = [sampler.draw(steps) for sampler in self.samplers]
-        noise = []
-        for coins in self.noise_coins:
+        # each configuration's draws fill its own contiguous block (as torch.randn would), no copy after
+        noise = torch.empty(k, steps, *self.initial_heads.shape[1:], device=self.device)
+        for block, coins in zip(noise, self.noise_coins, strict=True):
             coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
-            noise.append(
-                torch.randn(steps, *self.initial_heads.shape[1:], generator=coins.generator, device=self.device)
-            )
-        stacked = torch.stack(noise, dim=1)
+            block.normal_(generator=coins.generator)
         counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
         index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
         for column, (step, example) in enumerate(draws):
             starts = np.concatenate([[0], np.cumsum(counts[:, column])[:-1]])
             rank = torch.arange(len(step)) - torch.from_numpy(starts)[step]
             index[step, column, rank] = example
-        return Draws(index=index.to(self.device), counts=counts, noise=stacked)
+        return Draws(index=index.to(self.device), counts=counts, noise=noise.transpose(0, 1))
 
     def noisy_score(self, index: int, val: Evaluation, score_noise_multiplier: float) -> float:
         """Configuration ``index``'s DP selection score of ``val`` (:func:`~dptune.runners.common.noisy_score`)."""
@@ -281,25 +295,13 @@ class LockStep:
         self.last_step = torch.zeros(k, dtype=torch.int64, device=device)  # steps taken by each configuration
         self.divergent_loss = torch.zeros(k, device=device)  # the non-finite step loss that stopped a configuration
         self.steps_done = 0  # steps the group ran
+        self._gathered: torch.Tensor | None = None  # the step's gathered training rows, reused (see _gradients)
 
     def train(self, data: DeviceWorkload, draws: Draws, losses: torch.Tensor) -> None:
         """Every step of ``draws``; adds each active configuration's step losses to ``losses`` (K,)."""
-        num_train = data.num_train
         for t in range(draws.index.shape[0]):
             rows = draws.index[t, :, : max(1, int(draws.counts[t].max()))]
-            flat = rows.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
-            gradients = head_noisy_gradients(
-                self.heads,
-                data.features.index_select(0, flat).view(*rows.shape, -1),
-                data.labels.index_select(0, flat).view(rows.shape),
-                rows < num_train,
-                self.clip_bounds,
-                self.rule,
-                draws.noise[t],
-                self.noise_stds,
-                self.scales,
-                data.square_norms.index_select(0, flat).view(rows.shape),
-            )
+            gradients = self._gradients(data, rows, draws.noise[t])
             self.steps_done += 1
             self.last_step.add_(self.active.long())  # the step counts for every configuration that ran it
             if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
@@ -308,6 +310,43 @@ class LockStep:
                 self.active &= finite
             losses += torch.where(self.active, gradients.losses, torch.zeros_like(gradients.losses)).double()
             self.optimizer.step([gradients.heads], self.active)
+
+    def _gradients(self, data: DeviceWorkload, rows: torch.Tensor, noise: torch.Tensor) -> HeadGradients:
+        """One step's :func:`head_noisy_gradients` of every configuration on its batch ``rows`` (K, n),
+        gathered and computed for at most :func:`gather_block_configurations` configurations at a
+        time, into one buffer reused by every step (a fresh tensor of a large batch's rows costs the
+        operating system's page faults at every step)."""
+        k, width = rows.shape
+        block = gather_block_configurations(width, data.features.shape[1])
+        if self._gathered is None or self._gathered.numel() < block * width * data.features.shape[1]:
+            self._gathered = data.features.new_empty(block * width, data.features.shape[1])
+        parts = []
+        for first in range(0, k, block):
+            some = rows[first : first + block]
+            flat = some.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
+            features = torch.index_select(data.features, 0, flat, out=self._gathered[: len(flat)])
+            end = first + len(some)
+            parts.append(
+                head_noisy_gradients(
+                    self.heads[first:end],
+                    features.view(*some.shape, -1),
+                    data.labels.index_select(0, flat).view(some.shape),
+                    some < data.num_train,
+                    self.clip_bounds[first:end],
+                    self.rule,
+                    noise[first:end],
+                    self.noise_stds[first:end],
+                    self.scales[first:end],
+                    data.square_norms.index_select(0, flat).view(some.shape),
+                )
+            )
+        if len(parts) == 1:
+            return parts[0]
+        return HeadGradients(
+            heads=torch.cat([p.heads for p in parts]),
+            losses=torch.cat([p.losses for p in parts]),
+            norms=torch.cat([p.norms for p in parts]),
+        )
 
     def steps_taken(self) -> list[int]:
         """Steps each configuration took (a stopped one: up to the step where it stopped)."""

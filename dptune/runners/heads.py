@@ -12,13 +12,13 @@ Ray-free; nothing draws a coin (the noise comes in as standard normal draws).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.optim.adam import adam
 
 from dptune.contract import ClippingRule
 from dptune.dp.clipping import clip_factors
@@ -120,6 +120,11 @@ class StackedOptimizer:
     configuration's parameters on its gradient. ``params`` are tensors with the configurations on
     their first axis, updated in place; ``step(grads, active)`` leaves the rows where ``active``
     (K,) is False untouched (a configuration that diverged stops updating).
+
+    Adam runs as torch's fused kernel (``torch.optim.adam.adam(fused=True)``, one pass over the
+    gradient and both moments) at lr = 1 on a *direction* D zeroed before each step, so that
+    afterwards D = −m̂/(√v̂ + eps), every configuration's step at unit rate; each configuration then
+    moves by its own rate, θ_k ← θ_k + η_k·D_k, which is Adam's θ_k ← θ_k − η_k·m̂_k/(√v̂_k + eps).
     """
 
     def __init__(self, name: str, params: Sequence[torch.Tensor], learning_rates: torch.Tensor) -> None:
@@ -129,25 +134,46 @@ class StackedOptimizer:
         self.params = list(params)
         self.learning_rates = learning_rates
         self.steps = 0
-        self.first_moments = [torch.zeros_like(p) for p in self.params] if name == "adam" else []
-        self.second_moments = [torch.zeros_like(p) for p in self.params] if name == "adam" else []
+        adam = name == "adam"
+        self.first_moments = [torch.zeros_like(p) for p in self.params] if adam else []
+        self.second_moments = [torch.zeros_like(p) for p in self.params] if adam else []
+        self.directions = [torch.zeros_like(p) for p in self.params] if adam else []
+        self.step_counts = [torch.zeros((), device=p.device) for p in self.params] if adam else []
 
     def step(self, grads: Sequence[torch.Tensor], active: torch.Tensor) -> None:
         """One optimizer step of every active configuration on ``grads`` (shapes as ``params``)."""
         self.steps += 1
-        beta1, beta2 = ADAM_BETAS
-        for index, (param, grad) in enumerate(zip(self.params, grads, strict=True)):
+        if self.name == "adam":
+            for direction in self.directions:
+                direction.zero_()
+            beta1, beta2 = ADAM_BETAS
+            adam(
+                self.directions,
+                list(grads),
+                self.first_moments,
+                self.second_moments,
+                [],
+                self.step_counts,
+                fused=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=1.0,
+                weight_decay=0.0,
+                eps=ADAM_EPSILON,
+                maximize=False,
+            )
+            updates = self.directions
+        else:
+            updates = [-grad for grad in grads]
+        # where every configuration is active (known without a device sync on the CPU), no mask: a
+        # broadcast torch.where costs more than the fused Adam step there
+        masked = active.device.type != "cpu" or not bool(active.all())
+        for param, update in zip(self.params, updates, strict=True):
             rows = (-1, *([1] * (param.dim() - 1)))
-            rate = self.learning_rates.view(rows)
-            if self.name == "sgd":
-                update = rate * grad
-            else:
-                first, second = self.first_moments[index], self.second_moments[index]
-                first.lerp_(grad, 1 - beta1)
-                second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denominator = (second.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(ADAM_EPSILON)
-                update = (rate / (1 - beta1**self.steps)) * first / denominator
-            param.sub_(torch.where(active.view(rows), update, torch.zeros_like(update)))
+            if masked:  # a stopped configuration's update may be NaN: 0·NaN would move its frozen head
+                update = torch.where(active.view(rows), update, 0.0)
+            param.addcmul_(update, self.learning_rates.view(rows))
 
 
 def stacked_evaluations(

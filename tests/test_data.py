@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 import dptune.data.features as features
-from dptune.data import DATASETS, WorkloadError, WorkloadSpec, list_datasets, load_workload
+from dptune.data import DATASETS, WorkloadError, WorkloadSpec, downstream, list_datasets, load_workload
+from dptune.data.downstream import DownstreamAgreement
 from dptune.data.sources import ImageFiles, RawDataset, load_20newsgroups, load_mnist5k
 from dptune.data.splits import TEST_FRACTION, allocate, content_digests
 from dptune.data.workload import row_digests, split_rows
@@ -509,6 +510,50 @@ def test_a_faster_precision_whose_features_disagree_is_not_chosen():
     assert choice.precision == "fp32" and "not eligible" in choice.reason
 
 
+def test_downstream_evidence_decides_where_a_precision_has_it():
+    inside = DownstreamAgreement({1.0: (-0.2, 0.3), 8.0: (-0.1, 0.1)}, {1.0: 0.5, 8.0: 0.4}, 8, 0.999, ("a CPU",))
+    outside = DownstreamAgreement({1.0: (-0.2, 0.3), 8.0: (0.2, 0.6)}, {1.0: 0.5, 8.0: 0.4}, 8, 0.999, ("a CPU",))
+    assert inside.inside_noise and not outside.inside_noise and inside.sane_cosine == pytest.approx(0.998)
+    clock = _Clock({"fp32": 2.5, "bf16": 1.0, "openvino-fp32": 2.0, "openvino-bf16": 0.8})
+    gaps = {"bf16": 2e-4, "openvino-bf16": 1e-3}  # both below MIN_COSINE, as an int8 runtime's would be
+
+    def measure(agreement):
+        return features.measure_precision(
+            lambda p: clock.encode(p, gaps), rows=48, candidates=features.PRECISIONS, clock=clock, agreement=agreement
+        )
+
+    # evidence inside the runs' noise lets the fastest be chosen although its cosine is under MIN_COSINE
+    choice = measure({"openvino-bf16": inside})
+    assert choice.precision == "openvino-bf16" and choice.min_cosine["openvino-bf16"] < features.MIN_COSINE
+    assert "(DP probes inside the runs' noise (ε = 1: [-0.20, +0.30] vs ±0.50, ε = 8: [-0.10, +0.10]" in choice.reason
+    # evidence outside the noise rules it out although it is the fastest; bf16 has none: its cosine decides
+    choice = measure({"openvino-bf16": outside})
+    assert choice.precision == "openvino-fp32"
+    assert "openvino-bf16 60 (DP probes outside the runs' noise (" in choice.reason
+    assert "ε = 8: [+0.20, +0.60] vs ±0.40 test points, 8 seeds): not eligible)" in choice.reason
+    assert re.search(r"bf16 48 \(cosine 0\.999\d\d < 0\.9999: not eligible\)", choice.reason)
+    # features far from fp32's are not the runtime that was measured, whatever the evidence
+    gaps["openvino-bf16"] = 0.05
+    choice = measure({"openvino-bf16": inside, "bf16": inside})
+    assert choice.precision == "bf16" and "openvino-bf16 60 (cosine 0.9" in choice.reason
+    assert "< 0.99800: not the runtime measured, not eligible)" in choice.reason
+    # the reference is always eligible: nothing else agrees here
+    choice = measure({"openvino-bf16": outside, "bf16": outside, "openvino-fp32": outside})
+    assert choice.precision == "fp32"
+
+
+def test_the_chooser_goes_by_the_backbones_recorded_evidence(monkeypatch, temporary_cache):
+    monkeypatch.delenv(features.PRECISION_ENV)
+    outside = DownstreamAgreement({1.0: (0.6, 0.9)}, {1.0: 0.5}, 8, 0.9999, ("a CPU",))
+    monkeypatch.setattr(downstream, "AGREEMENT", {("minilm", "bf16"): outside})
+    clock = _Clock({"fp32": 2.5, "bf16": 1.0})
+    cpu = torch.device("cpu")
+    assert features.choose_precision(cpu, "minilm", clock.encode, 48, ("fp32", "bf16")).precision == "fp32"
+    assert features.choose_precision(cpu, "other", clock.encode, 48, ("fp32", "bf16")).precision == "bf16"
+    monkeypatch.setattr(downstream, "AGREEMENT", {})  # other evidence (an update of dptune): measured anew
+    assert features.choose_precision(cpu, "minilm", clock.encode, 48, ("fp32", "bf16")).precision == "bf16"
+
+
 def test_the_measured_choice_is_recorded_per_machine_and_forced_by_the_environment(monkeypatch, temporary_cache):
     monkeypatch.delenv(features.PRECISION_ENV)
     cpu = torch.device("cpu")
@@ -516,7 +561,7 @@ def test_the_measured_choice_is_recorded_per_machine_and_forced_by_the_environme
     assert features.recorded_precision(cpu, "minilm", both) is None
     clock = _Clock({"fp32": 2.5, "bf16": 1.0})
     stub = features.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, {"bf16": 1.0})
-    monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates: stub)
+    monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates, **_: stub)
     assert features.choose_precision(cpu, "minilm", clock.encode, 48, both).precision == "bf16"
     assert features.recorded_precision(cpu, "minilm", both).precision == "bf16"  # the next process measures nothing
     (record,) = (temporary_cache / "precision").glob("minilm-*.json")
@@ -547,8 +592,10 @@ def test_an_unmeasured_machine_measures_on_the_real_encoder_and_says_why(monkeyp
     choice = json.loads(record.read_text())["choice"]
     available = features.candidate_precisions(torch.device("cpu"), "text")  # openvino installed: 3 or 4
     assert set(choice["rows_per_s"]) == set(choice["min_cosine"]) == set(available) and len(available) >= 3
+    evidence = downstream.downstream_agreement("minilm")
     fastest_agreeing = max(
-        (p for p in available if choice["min_cosine"][p] >= features.MIN_COSINE), key=choice["rows_per_s"].get
+        (p for p in available if features.ineligibility(p, choice["min_cosine"][p], evidence.get(p)) is None),
+        key=choice["rows_per_s"].get,
     )
     assert choice["precision"] == fastest_agreeing and choice["min_cosine"]["openvino-fp32"] > 0.99999
     (key_file,) = (temporary_cache / "features").glob("tiny20-minilm-*.json")
@@ -656,7 +703,7 @@ def test_every_precision_agrees_with_fp32_and_is_cached_apart(
     stub = features.PrecisionChoice(
         "fp32", "measured: stub", {p: 1.0 for p in available}, dict.fromkeys(available, 1.0)
     )
-    monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates: stub)
+    monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates, **_: stub)
     features.cached_features(raw, None, "minilm", max_tokens=16, image_size=None)
     assert f"encoding text (fp32; measured: stub; openvino-bf16 not measured: {no_bf16})" in capsys.readouterr().err
     (record,) = (temporary_cache.parent / "unmeasured" / "precision").glob("minilm-*.json")

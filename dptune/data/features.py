@@ -8,9 +8,11 @@ for text on the CPU, OpenVINO's CPU runtime at fp32 or bf16 inference precision,
 it reports the CPU computes bf16, else left out and the probe says why) is chosen by
 measurement, not by CPU flags (``choose_precision``): on first use per machine and backbone, a few
 batches of the rows to encode are timed in each candidate (interleaved rounds, median), and the
-fastest whose features agree with torch's fp32 ones (cosine ≥ ``MIN_COSINE`` on every probe row) is
-chosen and recorded in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU
-model and flags, threads, device, torch version, the candidates); ``DPTUNE_ENCODE_PRECISION``
+fastest that the backbone's downstream evidence allows (``dptune.data.downstream``: DP probes on its
+features inside the runs' own noise against fp32's; for a backbone or precision without evidence,
+features within cosine ``MIN_COSINE`` of torch's fp32 ones on every probe row) is chosen and
+recorded in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU model and
+flags, threads, device, torch version, the candidates, the evidence); ``DPTUNE_ENCODE_PRECISION``
 overrides it. (bf16 was 2.4–2.7x faster than fp32 on CPUs with AMX or on an AMD EPYC with AVX-512
 BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX; on the EPYC, OpenVINO in bf16 was
 1.3x torch in bf16, with features closer to fp32: flags do not tell, ``bench/RESULTS.md``.) torch
@@ -44,7 +46,7 @@ import re
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -55,6 +57,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from dptune.data.downstream import DownstreamAgreement, downstream_agreement
 from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_left_out, openvino_text_runner
 from dptune.data.sources import ImageFiles, RawDataset
 from dptune.paths import cache_dir, exclusive
@@ -70,7 +73,8 @@ PRECISIONS = ("fp32", "bf16", "openvino-fp32", "openvino-bf16")
 OPENVINO = "openvino-"
 #: Environment variable that forces one of ``PRECISIONS`` (unset or ``auto``: the measured choice).
 PRECISION_ENV = "DPTUNE_ENCODE_PRECISION"
-#: A precision is chosen only if its features agree with fp32 ones to this cosine on every probe row.
+#: Without downstream evidence (:mod:`dptune.data.downstream`), a precision is chosen only if its
+#: features agree with fp32 ones to this cosine on every probe row.
 MIN_COSINE = 0.9999
 #: Rows of the data to encode that the measurement times, and its interleaved rounds (median; the
 #: order reverses every round, so two rounds time each candidate once early and once late).
@@ -187,21 +191,42 @@ def machine_identity(device: torch.device) -> dict[str, str | int]:
     return identity
 
 
+def ineligibility(
+    precision: str, min_cosine: float, agreement: DownstreamAgreement | None, reference: str = PRECISIONS[0]
+) -> str | None:
+    """Why ``precision`` may not be chosen (None: it may). The reference always may. With downstream
+    evidence (:mod:`dptune.data.downstream`) the rule is that evidence: inside the runs' noise, and
+    features not so far from the reference's (below the evidence's ``sane_cosine``) that the runtime
+    on this machine cannot be the one measured. Without it, the features' cosine to the
+    reference's must reach ``MIN_COSINE`` on every probe row."""
+    if precision == reference:
+        return None
+    if agreement is None:
+        return None if min_cosine >= MIN_COSINE else f"cosine {min_cosine:.5f} < {MIN_COSINE}: not eligible"
+    if min_cosine < agreement.sane_cosine:
+        return f"cosine {min_cosine:.5f} < {agreement.sane_cosine:.5f}: not the runtime measured, not eligible"
+    return None if agreement.inside_noise else f"{agreement.describe()}: not eligible"
+
+
 def measure_precision(
     encode: Callable[[str], np.ndarray],
     rows: int,
     candidates: tuple[str, ...] = PRECISIONS[:2],
     clock: Callable[[], float] = time.perf_counter,
     rounds: int = PROBE_ROUNDS,
+    agreement: Mapping[str, DownstreamAgreement] | None = None,
 ) -> PrecisionChoice:
     """Time ``encode(precision)`` (the same ``rows`` probe rows, features returned) in each of
-    ``candidates`` (the first is the fp32 reference) and choose the fastest whose features agree
-    with the reference's (``MIN_COSINE`` on every row).
+    ``candidates`` (the first is the fp32 reference) and choose the fastest that
+    :func:`ineligibility` allows: by the downstream ``agreement`` measured for it
+    (:func:`dptune.data.downstream.downstream_agreement` of the backbone), else by its features'
+    cosine to the reference's.
 
-    One warm-up call each (its features give the agreement), then ``rounds`` interleaved rounds,
+    One warm-up call each (its features give the cosine), then ``rounds`` interleaved rounds,
     the order reversing between rounds so that a drift of the machine's speed favours none; each
     candidate's speed is ``rows`` over its median time.
     """
+    agreement = agreement or {}
     reference = encode(candidates[0])
     min_cosine = {candidates[0]: 1.0}
     for precision in candidates[1:]:
@@ -215,22 +240,29 @@ def measure_precision(
             encode(precision)
             seconds[precision].append(clock() - start)
     rates = {precision: rows / max(statistics.median(times), 1e-9) for precision, times in seconds.items()}
-    eligible = [p for p in candidates if min_cosine[p] >= MIN_COSINE]
-    chosen = max(eligible, key=lambda p: rates[p])
+    why_not = {p: ineligibility(p, min_cosine[p], agreement.get(p), candidates[0]) for p in candidates}
+    chosen = max((p for p in candidates if why_not[p] is None), key=lambda p: rates[p])
     others = ", ".join(
-        f"{p} {rates[p]:.0f}" + ("" if p in eligible else f" (cosine {min_cosine[p]:.5f} < {MIN_COSINE}: not eligible)")
+        f"{p} {rates[p]:.0f}" + ("" if why_not[p] is None else f" ({why_not[p]})")
         for p in sorted(candidates, key=lambda p: -rates[p])
         if p != chosen
     )
-    reason = (
-        f"measured: {rates[chosen] / rates[candidates[0]]:.2f}x {candidates[0]}, {rates[chosen]:.0f} rows/s "
-        f"(cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}); {others}"
+    evidence = agreement.get(chosen)
+    basis = (
+        f"cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
+        if evidence is None
+        else f"{evidence.describe()}; cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
     )
+    speed = f"{rates[chosen] / rates[candidates[0]]:.2f}x {candidates[0]}, {rates[chosen]:.0f} rows/s"
+    reason = f"measured: {speed} ({basis}); {others}"
     return PrecisionChoice(chosen, reason, rates, min_cosine)
 
 
 def _precision_record(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> Path:
-    identity = {**machine_identity(device), "backbone": backbone, "candidates": list(candidates)}
+    """Where the choice for this machine, backbone and candidates is recorded (other downstream
+    evidence, as after an update of dptune, is another record: measured anew)."""
+    evidence = {p: found.describe() for p, found in sorted(downstream_agreement(backbone).items())}
+    identity = {**machine_identity(device), "backbone": backbone, "candidates": list(candidates), "evidence": evidence}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir("precision") / f"{file_label(backbone)}-{digest}.json"
 
@@ -259,11 +291,12 @@ def choose_precision(
     left_out: dict[str, str] | None = None,
 ) -> PrecisionChoice:
     """:func:`recorded_precision`, or a new :func:`measure_precision` of ``encode`` (``rows`` probe
-    rows) among ``candidates``, recorded for this machine and backbone; its reason ends with each of
-    ``left_out`` (``openvino_runtime.openvino_left_out``) and why it was not measured."""
+    rows) among ``candidates`` by the backbone's downstream evidence
+    (:func:`~dptune.data.downstream.downstream_agreement`), recorded for this machine and backbone;
+    its reason ends with each of ``left_out`` (``openvino_runtime.openvino_left_out``) and why it was not measured."""
     choice = recorded_precision(device, backbone, candidates)
     if choice is None:
-        choice = measure_precision(encode, rows, candidates)
+        choice = measure_precision(encode, rows, candidates, agreement=downstream_agreement(backbone))
         if left_out:
             notes = "; ".join(f"{p} not measured: {why}" for p, why in left_out.items())
             choice = replace(choice, reason=f"{choice.reason}; {notes}")

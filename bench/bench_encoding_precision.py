@@ -17,6 +17,11 @@ autocast of the fp32 encoder, which the figures in ``bench/RESULTS.md`` before t
    and validation accuracy of the configuration selected on validation, and per precision the
    largest difference to fp32 over all configurations.
 
+5. With ``--replicates R --token-limits 64,96`` (issue 33, item 2): the same replicated probe on
+   features of the first precision of ``--precisions`` truncated at each of those token limits,
+   against ``--max-tokens`` (the default search's 128), instead of the precisions against fp32
+   (add ``--skip-accuracy`` to leave out part 2).
+
 4. With ``--replicates R`` (issue 33's downstream rule): the DP probe at ε = 1 and 8, E = 10 (the
    dense benchmark's cells; C ∈ {0.1, 1}, B ∈ {64, 256}, η₀ = 0.01), each configuration trained with
    R explicit seeds on the features of every precision by the fused runner, the same seed on each
@@ -242,8 +247,9 @@ def replicated_probes(
 
 
 def agreement(rows: list[dict], precisions: tuple[str, ...]) -> dict:
-    """Per precision and ε: the paired test-accuracy difference to fp32 (points), its 95 % t interval,
-    and the runs' own noise (fp32's pooled standard deviation across seeds, points)."""
+    """Per precision and ε: the paired test-accuracy difference to the first of ``precisions`` (the
+    reference, fp32; points), its 95 % t interval, and the runs' own noise (the reference's pooled
+    standard deviation across seeds, points)."""
     import pandas as pd
     from scipy import stats
 
@@ -252,10 +258,11 @@ def agreement(rows: list[dict], precisions: tuple[str, ...]) -> dict:
     table = frame.pivot_table(index=["epsilon", "clip_bound", "batch_size", "seed"], columns="precision", values="test")
     figures: dict = {}
     for epsilon, cell in table.groupby(level="epsilon"):
-        noise = float(np.sqrt(cell["fp32"].groupby(level=["clip_bound", "batch_size"]).var(ddof=1).mean()))
+        reference = cell[precisions[0]]
+        noise = float(np.sqrt(reference.groupby(level=["clip_bound", "batch_size"]).var(ddof=1).mean()))
         figures[f"eps={epsilon:g}"] = {"noise_sd_points": noise, "pairs": len(cell)}
         for p in precisions[1:]:
-            difference = (cell[p] - cell["fp32"]).to_numpy()
+            difference = (cell[p] - reference).to_numpy()
             mean = float(difference.mean())
             half = float(stats.t.ppf(0.975, len(difference) - 1) * difference.std(ddof=1) / np.sqrt(len(difference)))
             figures[f"eps={epsilon:g}"][p] = {
@@ -264,6 +271,28 @@ def agreement(rows: list[dict], precisions: tuple[str, ...]) -> dict:
                 "inside_noise": bool(-noise <= mean - half and mean + half <= noise),
             }
     return figures
+
+
+def print_agreement(figures: dict, labels: tuple[str, ...]) -> None:
+    """A markdown table of :func:`agreement`'s figures: per ε the runs' noise and each label's
+    difference to the first label with its interval, inside or outside the noise."""
+    print(
+        f"| ε (E = {AGREEMENT_EPOCHS}) | runs' noise (SD, points) | "
+        + " | ".join(f"{label} − {labels[0]}, test points [95 % interval]" for label in labels[1:])
+        + " |\n|---|---|"
+        + "---|" * (len(labels) - 1)
+    )
+    for cell, found in figures.items():
+        print(
+            f"| {cell} | {found['noise_sd_points']:.2f} | "
+            + " | ".join(
+                f"{found[label]['mean_difference_points']:+.2f} [{found[label]['interval_points'][0]:+.2f}, "
+                f"{found[label]['interval_points'][1]:+.2f}]"
+                + (" inside" if found[label]["inside_noise"] else " OUTSIDE")
+                for label in labels[1:]
+            )
+            + " |"
+        )
 
 
 def compare(rows: list[dict], precisions: tuple[str, ...]) -> dict:
@@ -315,6 +344,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --batch-tokens comparison")
     parser.add_argument(
         "--replicates", type=int, default=0, help="seeds per configuration of the replicated downstream comparison"
+    )
+    parser.add_argument(
+        "--token-limits",
+        default="",
+        help="with --replicates: compare these max_tokens (comma-separated) with --max-tokens instead",
     )
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     parser.add_argument(
@@ -374,25 +408,23 @@ def main() -> None:
                 f"largest |{p} − fp32| over {accuracy['configurations']} configurations: "
                 f"test {gaps['test']:.2f} points, val {gaps['val']:.2f} points"
             )
-    if args.replicates:
+    if args.replicates and args.token_limits:
+        precision = precisions[1] if len(precisions) > 1 else "fp32"
+        limits = (args.max_tokens, *(int(m) for m in args.token_limits.split(",")))
+        labels = tuple(f"{m} tokens" for m in limits)
+        rows = [
+            {**row, "precision": label}
+            for limit, label in zip(limits, labels, strict=True)
+            for row in replicated_probes(args.train_examples, args.eval_examples, limit, args.replicates, (precision,))
+        ]
+        figures["token_limits"] = {"precision": precision, "rows": rows, "agreement": agreement(rows, labels)}
+        print(f"\n{precision} features")
+        print_agreement(figures["token_limits"]["agreement"], labels)
+    elif args.replicates:
         rows = replicated_probes(args.train_examples, args.eval_examples, args.max_tokens, args.replicates, precisions)
         figures["replicated"] = {"rows": rows, "agreement": agreement(rows, precisions)}
-        print(
-            f"\n| ε (E = {AGREEMENT_EPOCHS}) | runs' noise (SD, points) | "
-            + " | ".join(f"{p} − fp32, test points [95 % interval]" for p in precisions[1:])
-            + " |\n|---|---|"
-            + "---|" * (len(precisions) - 1)
-        )
-        for cell, found in figures["replicated"]["agreement"].items():
-            print(
-                f"| {cell} | {found['noise_sd_points']:.2f} | "
-                + " | ".join(
-                    f"{found[p]['mean_difference_points']:+.2f} [{found[p]['interval_points'][0]:+.2f}, "
-                    f"{found[p]['interval_points'][1]:+.2f}]" + (" inside" if found[p]["inside_noise"] else " OUTSIDE")
-                    for p in precisions[1:]
-                )
-                + " |"
-            )
+        print()
+        print_agreement(figures["replicated"]["agreement"], precisions)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1))

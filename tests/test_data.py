@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import dptune.data.features as features
+import dptune.data.precision_choice as precision_choice
 from dptune.data import DATASETS, WorkloadError, WorkloadSpec, downstream, list_datasets, load_workload
 from dptune.data.downstream import DownstreamAgreement
 from dptune.data.sources import ImageFiles, RawDataset, load_20newsgroups, load_mnist5k
@@ -488,23 +489,23 @@ class _Clock:
 def test_the_precision_is_the_fastest_one_measured(seconds, expected):
     clock = _Clock(seconds)
     candidates = tuple(seconds)
-    choice = features.measure_precision(clock.encode, rows=48, candidates=candidates, clock=clock)
+    choice = precision_choice.measure_precision(clock.encode, rows=48, candidates=candidates, clock=clock)
     assert choice.precision == expected
     assert choice.rows_per_s == pytest.approx({p: 48 / t for p, t in seconds.items()})
-    assert [clock.calls.count(p) for p in candidates] == [1 + features.PROBE_ROUNDS] * len(candidates)
+    assert [clock.calls.count(p) for p in candidates] == [1 + precision_choice.PROBE_ROUNDS] * len(candidates)
     assert choice.min_cosine == pytest.approx(dict.fromkeys(candidates, 1.0)) and "measured" in choice.reason
 
 
 def test_a_faster_precision_whose_features_disagree_is_not_chosen():
     clock = _Clock({"fp32": 2.5, "bf16": 1.0, "openvino-fp32": 2.0, "openvino-bf16": 0.8})
     gaps = {"openvino-bf16": 1e-3}
-    choice = features.measure_precision(
+    choice = precision_choice.measure_precision(
         lambda p: clock.encode(p, gaps), rows=48, candidates=features.PRECISIONS, clock=clock
     )
-    assert choice.precision == "bf16" and choice.min_cosine["openvino-bf16"] < features.MIN_COSINE
+    assert choice.precision == "bf16" and choice.min_cosine["openvino-bf16"] < precision_choice.MIN_COSINE
     assert re.search(r"; openvino-bf16 60 \(cosine 0\.999\d\d < 0\.9999: not eligible\)", choice.reason)
     gaps["bf16"] = 2e-4
-    choice = features.measure_precision(
+    choice = precision_choice.measure_precision(
         lambda p: clock.encode(p, gaps), rows=48, candidates=("fp32", "bf16"), clock=clock
     )
     assert choice.precision == "fp32" and "not eligible" in choice.reason
@@ -518,13 +519,13 @@ def test_downstream_evidence_decides_where_a_precision_has_it():
     gaps = {"bf16": 2e-4, "openvino-bf16": 1e-3}  # both below MIN_COSINE, as an int8 runtime's would be
 
     def measure(agreement):
-        return features.measure_precision(
+        return precision_choice.measure_precision(
             lambda p: clock.encode(p, gaps), rows=48, candidates=features.PRECISIONS, clock=clock, agreement=agreement
         )
 
     # evidence inside the runs' noise lets the fastest be chosen although its cosine is under MIN_COSINE
     choice = measure({"openvino-bf16": inside})
-    assert choice.precision == "openvino-bf16" and choice.min_cosine["openvino-bf16"] < features.MIN_COSINE
+    assert choice.precision == "openvino-bf16" and choice.min_cosine["openvino-bf16"] < precision_choice.MIN_COSINE
     assert "(DP probes inside the runs' noise (ε = 1: [-0.20, +0.30] vs ±0.50, ε = 8: [-0.10, +0.10]" in choice.reason
     # evidence outside the noise rules it out although it is the fastest; bf16 has none: its cosine decides
     choice = measure({"openvino-bf16": outside})
@@ -560,7 +561,7 @@ def test_the_measured_choice_is_recorded_per_machine_and_forced_by_the_environme
     both = features.PRECISIONS
     assert features.recorded_precision(cpu, "minilm", both) is None
     clock = _Clock({"fp32": 2.5, "bf16": 1.0})
-    stub = features.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, {"bf16": 1.0})
+    stub = precision_choice.PrecisionChoice("bf16", "stub", {"bf16": 2.0}, {"bf16": 1.0})
     monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates, **_: stub)
     assert features.choose_precision(cpu, "minilm", clock.encode, 48, both).precision == "bf16"
     assert features.recorded_precision(cpu, "minilm", both).precision == "bf16"  # the next process measures nothing
@@ -594,7 +595,7 @@ def test_an_unmeasured_machine_measures_on_the_real_encoder_and_says_why(monkeyp
     assert set(choice["rows_per_s"]) == set(choice["min_cosine"]) == set(available) and len(available) >= 3
     evidence = downstream.downstream_agreement("minilm")
     fastest_agreeing = max(
-        (p for p in available if features.ineligibility(p, choice["min_cosine"][p], evidence.get(p)) is None),
+        (p for p in available if precision_choice.ineligibility(p, choice["min_cosine"][p], evidence.get(p)) is None),
         key=choice["rows_per_s"].get,
     )
     assert choice["precision"] == fastest_agreeing and choice["min_cosine"]["openvino-fp32"] > 0.99999
@@ -700,7 +701,7 @@ def test_every_precision_agrees_with_fp32_and_is_cached_apart(
     assert f"encoding text (openvino-fp32 in place of openvino-bf16: {no_bf16}, card)" in capsys.readouterr().err
     monkeypatch.delenv(features.PRECISION_ENV)  # a measured choice (timings stubbed): its message says why
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(temporary_cache.parent / "unmeasured"))
-    stub = features.PrecisionChoice(
+    stub = precision_choice.PrecisionChoice(
         "fp32", "measured: stub", {p: 1.0 for p in available}, dict.fromkeys(available, 1.0)
     )
     monkeypatch.setattr(features, "measure_precision", lambda encode, rows, candidates, **_: stub)

@@ -1,5 +1,5 @@
 """What each encoding precision does to the result trained on its features: the evidence the
-precision chooser (:func:`dptune.data.features.measure_precision`) goes by.
+precision chooser (:func:`dptune.data.precision_choice.measure_precision`) goes by.
 
 A precision other than torch fp32 changes the features a little; what matters is whether that
 changes what is trained on them. ``bench/bench_encoding_precision.py --replicates R`` trains the
@@ -16,7 +16,7 @@ round the operands to bf16 and accumulate in fp32, with AMX tiles or AVX-512 BF1
 (OpenVINO's bf16 is left out on a CPU that has neither: ``openvino_runtime.openvino_left_out``).
 ``measured_on`` names the CPUs of the measurement; ``bench/RESULTS.md`` holds the tables. A
 (backbone, precision) with no evidence here falls back to the cosine of its features to fp32's
-(``features.MIN_COSINE``), and the chooser says so.
+(``precision_choice.MIN_COSINE``), and the chooser says so.
 """
 
 from __future__ import annotations

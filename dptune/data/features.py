@@ -10,12 +10,13 @@ measurement, not by CPU flags (``choose_precision``): on first use per machine a
 batches of the rows to encode are timed in each candidate (interleaved rounds, median), and the
 fastest that the backbone's downstream evidence allows (``dptune.data.downstream``: DP probes on its
 features inside the runs' own noise against fp32's; for a backbone or precision without evidence,
-features within cosine ``MIN_COSINE`` of torch's fp32 ones on every probe row) is chosen and
-recorded in ``dptune.paths.cache_dir("precision")`` with the machine's identity (CPU model and
-flags, threads, device, torch version, the candidates, the evidence); ``DPTUNE_ENCODE_PRECISION``
-overrides it. (bf16 was 2.4–2.7x faster than fp32 on CPUs with AMX or on an AMD EPYC with AVX-512
-BF16, and slower on an Intel Xeon with AVX-512 BF16 but no AMX; on the EPYC, OpenVINO in bf16 was
-1.3x torch in bf16, with features closer to fp32: flags do not tell, ``bench/RESULTS.md``.) torch
+features within cosine ``MIN_COSINE`` of torch's fp32 ones on every probe row; both rules in
+``dptune.data.precision_choice``) is chosen and recorded in ``dptune.paths.cache_dir("precision")``
+with the machine's identity (CPU model and flags, threads, device, torch version, the candidates,
+the evidence); ``DPTUNE_ENCODE_PRECISION`` overrides it. (bf16 was 2.4–2.7x faster than fp32 on
+CPUs with AMX or on an AMD EPYC with AVX-512 BF16, and slower on an Intel Xeon with AVX-512 BF16
+but no AMX; on the EPYC, OpenVINO in bf16 was 1.3x torch in bf16, with features closer to fp32:
+flags do not tell, ``bench/RESULTS.md``.) torch
 runs a text encoder in bf16 throughout (its weights cast to bf16; the mean pooling in float32),
 which on a CPU was 1.1–1.2x faster than a bf16 autocast in two hand-timed runs of 1,536 documents;
 an image encoder, whose preprocessing is float32, runs under a bf16 autocast. bf16 features of
@@ -43,11 +44,10 @@ import json
 import os
 import platform
 import re
-import statistics
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -57,8 +57,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from dptune.data.downstream import DownstreamAgreement, downstream_agreement
+from dptune.data.downstream import downstream_agreement
 from dptune.data.openvino_runtime import TextBatch, TextRunner, openvino_left_out, openvino_text_runner
+from dptune.data.precision_choice import REFERENCE_PRECISION, PrecisionChoice, measure_precision
 from dptune.data.sources import ImageFiles, RawDataset
 from dptune.paths import cache_dir, exclusive
 
@@ -69,17 +70,12 @@ FORMAT_VERSION = 2  # 2: bf16 text features from bf16 weights (1: from a bf16 au
 #: How features are encoded: torch in full fp32 or in bf16 (text: bf16 weights; images: bf16
 #: autocast), or (text on the CPU only) OpenVINO's CPU runtime at fp32 or bf16 inference precision.
 #: The first, torch fp32, is the reference the others must agree with.
-PRECISIONS = ("fp32", "bf16", "openvino-fp32", "openvino-bf16")
+PRECISIONS = (REFERENCE_PRECISION, "bf16", "openvino-fp32", "openvino-bf16")
 OPENVINO = "openvino-"
 #: Environment variable that forces one of ``PRECISIONS`` (unset or ``auto``: the measured choice).
 PRECISION_ENV = "DPTUNE_ENCODE_PRECISION"
-#: Without downstream evidence (:mod:`dptune.data.downstream`), a precision is chosen only if its
-#: features agree with fp32 ones to this cosine on every probe row.
-MIN_COSINE = 0.9999
-#: Rows of the data to encode that the measurement times, and its interleaved rounds (median; the
-#: order reverses every round, so two rounds time each candidate once early and once late).
+#: Rows of the data to encode that the measurement (``precision_choice.measure_precision``) times.
 PROBE_ROWS = 32
-PROBE_ROUNDS = 2
 #: A long document is first tokenized from its first ``PREFIX_CHARS_PER_TOKEN × max_tokens``
 #: characters (``token_ids``): at 128 tokens, 40 of the 18,821 20 Newsgroups documents needed their
 #: whole text after that, and tokenizing them all took 3.5 s instead of 6.7 s on 2 cores.
@@ -161,21 +157,6 @@ def forced_precision(candidates: tuple[str, ...] = PRECISIONS) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class PrecisionChoice:
-    """The precision features are encoded in, and why.
-
-    ``rows_per_s`` holds the measured speed of each candidate (rows per second of wall time,
-    median of interleaved rounds); ``min_cosine`` each candidate's least cosine of a probe row's
-    features to its torch fp32 ones; both empty when the precision was forced.
-    """
-
-    precision: str
-    reason: str
-    rows_per_s: dict[str, float]
-    min_cosine: dict[str, float]
-
-
 def machine_identity(device: torch.device) -> dict[str, str | int]:
     """What a measured choice of precision holds for: the processor (model name and a digest of its
     flags), the threads torch uses, the device and torch's version."""
@@ -189,73 +170,6 @@ def machine_identity(device: torch.device) -> dict[str, str | int]:
     if device.type == "cuda":
         identity["gpu"] = torch.cuda.get_device_name(device)
     return identity
-
-
-def ineligibility(
-    precision: str, min_cosine: float, agreement: DownstreamAgreement | None, reference: str = PRECISIONS[0]
-) -> str | None:
-    """Why ``precision`` may not be chosen (None: it may). The reference always may. With downstream
-    evidence (:mod:`dptune.data.downstream`) the rule is that evidence: inside the runs' noise, and
-    features not so far from the reference's (below the evidence's ``sane_cosine``) that the runtime
-    on this machine cannot be the one measured. Without it, the features' cosine to the
-    reference's must reach ``MIN_COSINE`` on every probe row."""
-    if precision == reference:
-        return None
-    if agreement is None:
-        return None if min_cosine >= MIN_COSINE else f"cosine {min_cosine:.5f} < {MIN_COSINE}: not eligible"
-    if min_cosine < agreement.sane_cosine:
-        return f"cosine {min_cosine:.5f} < {agreement.sane_cosine:.5f}: not the runtime measured, not eligible"
-    return None if agreement.inside_noise else f"{agreement.describe()}: not eligible"
-
-
-def measure_precision(
-    encode: Callable[[str], np.ndarray],
-    rows: int,
-    candidates: tuple[str, ...] = PRECISIONS[:2],
-    clock: Callable[[], float] = time.perf_counter,
-    rounds: int = PROBE_ROUNDS,
-    agreement: Mapping[str, DownstreamAgreement] | None = None,
-) -> PrecisionChoice:
-    """Time ``encode(precision)`` (the same ``rows`` probe rows, features returned) in each of
-    ``candidates`` (the first is the fp32 reference) and choose the fastest that
-    :func:`ineligibility` allows: by the downstream ``agreement`` measured for it
-    (:func:`dptune.data.downstream.downstream_agreement` of the backbone), else by its features'
-    cosine to the reference's.
-
-    One warm-up call each (its features give the cosine), then ``rounds`` interleaved rounds,
-    the order reversing between rounds so that a drift of the machine's speed favours none; each
-    candidate's speed is ``rows`` over its median time.
-    """
-    agreement = agreement or {}
-    reference = encode(candidates[0])
-    min_cosine = {candidates[0]: 1.0}
-    for precision in candidates[1:]:
-        found = encode(precision)
-        similarity = (found * reference).sum(1) / (np.linalg.norm(found, axis=1) * np.linalg.norm(reference, axis=1))
-        min_cosine[precision] = float(similarity.min())
-    seconds: dict[str, list[float]] = {precision: [] for precision in candidates}
-    for round_ in range(rounds):
-        for precision in candidates if round_ % 2 == 0 else candidates[::-1]:
-            start = clock()
-            encode(precision)
-            seconds[precision].append(clock() - start)
-    rates = {precision: rows / max(statistics.median(times), 1e-9) for precision, times in seconds.items()}
-    why_not = {p: ineligibility(p, min_cosine[p], agreement.get(p), candidates[0]) for p in candidates}
-    chosen = max((p for p in candidates if why_not[p] is None), key=lambda p: rates[p])
-    others = ", ".join(
-        f"{p} {rates[p]:.0f}" + ("" if why_not[p] is None else f" ({why_not[p]})")
-        for p in sorted(candidates, key=lambda p: -rates[p])
-        if p != chosen
-    )
-    evidence = agreement.get(chosen)
-    basis = (
-        f"cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
-        if evidence is None
-        else f"{evidence.describe()}; cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
-    )
-    speed = f"{rates[chosen] / rates[candidates[0]]:.2f}x {candidates[0]}, {rates[chosen]:.0f} rows/s"
-    reason = f"measured: {speed} ({basis}); {others}"
-    return PrecisionChoice(chosen, reason, rates, min_cosine)
 
 
 def _precision_record(device: torch.device, backbone: str, candidates: tuple[str, ...]) -> Path:

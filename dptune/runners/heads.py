@@ -133,16 +133,14 @@ class StackedOptimizer:
         self.name = name
         self.params = list(params)
         self.learning_rates = learning_rates
-        self.steps = 0
-        adam = name == "adam"
-        self.first_moments = [torch.zeros_like(p) for p in self.params] if adam else []
-        self.second_moments = [torch.zeros_like(p) for p in self.params] if adam else []
-        self.directions = [torch.zeros_like(p) for p in self.params] if adam else []
-        self.step_counts = [torch.zeros((), device=p.device) for p in self.params] if adam else []
+        moments = name == "adam"
+        self.first_moments = [torch.zeros_like(p) for p in self.params] if moments else []
+        self.second_moments = [torch.zeros_like(p) for p in self.params] if moments else []
+        self.directions = [torch.zeros_like(p) for p in self.params] if moments else []
+        self.step_counts = [torch.zeros((), device=p.device) for p in self.params] if moments else []  # Adam's t
 
     def step(self, grads: Sequence[torch.Tensor], active: torch.Tensor) -> None:
         """One optimizer step of every active configuration on ``grads`` (shapes as ``params``)."""
-        self.steps += 1
         if self.name == "adam":
             for direction in self.directions:
                 direction.zero_()

@@ -226,6 +226,22 @@ def test_each_fused_configuration_draws_its_own_independent_coins() -> None:
     assert not torch.equal(_masks(fresh, n)[0], masks[0]) and not torch.equal(fresh.noise[:, 0], draws.noise[:, 0])
 
 
+def test_a_step_gathered_in_blocks_of_configurations_releases_what_one_gather_releases(monkeypatch):
+    group = _group([None, None, 3, 4, 5])
+    lock_step, data = group.lock_step, group.data
+    lock_step.heads.normal_(std=0.3, generator=torch.Generator().manual_seed(2))  # a trained-looking head
+    draws = group.coins.draw(2)
+    rows = draws.index[1, :, : int(draws.counts[1].max())]
+    whole = lock_step._gradients(data, rows, draws.noise[1])
+    assert fused_group.gather_block_configurations(rows.shape[1], data.features.shape[1]) >= 5  # one block
+    monkeypatch.setattr(fused_group, "GATHER_BLOCK_BYTES", 4 * 2 * rows.shape[1] * data.features.shape[1])
+    assert fused_group.gather_block_configurations(rows.shape[1], data.features.shape[1]) == 2
+    blocks = lock_step._gradients(data, rows, draws.noise[1])  # blocks of 2, 2 and 1 configurations
+    for name in ("heads", "losses", "norms"):
+        torch.testing.assert_close(getattr(blocks, name), getattr(whole, name), rtol=1e-6, atol=1e-6)
+    assert whole.heads.shape == (5, *lock_step.heads.shape[1:]) and bool(whole.heads.abs().sum(dim=(1, 2)).min() > 0)
+
+
 # --------------------------------------------------------------------------- fused runs against run_trial
 
 

@@ -314,10 +314,11 @@ class LockStep:
     def _gradients(self, data: DeviceWorkload, rows: torch.Tensor, noise: torch.Tensor) -> HeadGradients:
         """One step's :func:`head_noisy_gradients` of every configuration on its batch ``rows`` (K, n),
         gathered and computed for at most :func:`gather_block_configurations` configurations at a
-        time, into one buffer reused by every step (a fresh tensor of a large batch's rows costs the
-        operating system's page faults at every step)."""
+        time on the CPU (all at once on a GPU), into one buffer reused by every step (a fresh tensor of
+        a large batch's rows costs the operating system's page faults at every step)."""
         k, width = rows.shape
-        block = gather_block_configurations(width, data.features.shape[1])
+        # measured on the CPU only; a GPU keeps the whole group in one gather and one product each
+        block = gather_block_configurations(width, data.features.shape[1]) if data.device.type == "cpu" else k
         if self._gathered is None or self._gathered.numel() < block * width * data.features.shape[1]:
             self._gathered = data.features.new_empty(block * width, data.features.shape[1])
         parts = []

@@ -57,6 +57,12 @@ class DownstreamAgreement:
         another version)."""
         return 1 - max(2 * (1 - self.min_cosine), MIN_DEPARTURE)
 
+    def summary(self) -> str:
+        """A few words for a progress bar: the verdict, the ε and the seeds."""
+        epsilons = ", ".join(f"{epsilon:g}" for epsilon in sorted(self.intervals_points))
+        verdict = "inside" if self.inside_noise else "outside"
+        return f"DP probes {verdict} the runs' noise at ε = {epsilons}, {self.replicates} seeds"
+
     def describe(self) -> str:
         """One line: the intervals against the noise, per ε."""
         cells = ", ".join(

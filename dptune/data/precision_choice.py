@@ -101,7 +101,7 @@ def measure_precision(
     basis = (
         f"cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
         if evidence is None
-        else f"{evidence.describe()}; cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
+        else f"{evidence.summary()}; cosine to {candidates[0]} ≥ {min_cosine[chosen]:.5f}"
     )
     speed = f"{rates[chosen] / rates[candidates[0]]:.2f}x {candidates[0]}, {rates[chosen]:.0f} rows/s"
     reason = f"measured: {speed} ({basis}); {others}"

@@ -57,11 +57,14 @@ class DownstreamAgreement:
         another version)."""
         return 1 - max(2 * (1 - self.min_cosine), MIN_DEPARTURE)
 
+    @property
+    def _verdict(self) -> str:
+        return f"DP probes {'inside' if self.inside_noise else 'outside'} the runs' noise"
+
     def summary(self) -> str:
         """A few words for a progress bar: the verdict, the ε and the seeds."""
         epsilons = ", ".join(f"{epsilon:g}" for epsilon in sorted(self.intervals_points))
-        verdict = "inside" if self.inside_noise else "outside"
-        return f"DP probes {verdict} the runs' noise at ε = {epsilons}, {self.replicates} seeds"
+        return f"{self._verdict} at ε = {epsilons}, {self.replicates} seeds"
 
     def describe(self) -> str:
         """One line: the intervals against the noise, per ε."""
@@ -69,8 +72,7 @@ class DownstreamAgreement:
             f"ε = {epsilon:g}: [{low:+.2f}, {high:+.2f}] vs ±{self.noise_points[epsilon]:.2f}"
             for epsilon, (low, high) in sorted(self.intervals_points.items())
         )
-        verdict = "inside" if self.inside_noise else "outside"
-        return f"DP probes {verdict} the runs' noise ({cells} test points, {self.replicates} seeds)"
+        return f"{self._verdict} ({cells} test points, {self.replicates} seeds)"
 
 
 #: A departure from cosine 1 that a probe row may always show under evidence (``sane_cosine``).

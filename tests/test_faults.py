@@ -170,6 +170,7 @@ def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dic
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        start_new_session=True,  # its embedded Ray's processes are in its session: checked below
     )
     lease_file = tmp_path / "tiny" / lease.LEASE_FILE
     deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Python slowly
@@ -195,6 +196,11 @@ def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dic
         assert "loading" not in out  # refused before any data loads (no timing: the machine may be busy)
     out, err = first.communicate(timeout=1800)
     assert first.returncode == 0, err[-3000:]
+    # it shut its embedded Ray down (in a thread, beside the composition) before exiting: nothing is left
+    deadline = time.monotonic() + 10
+    while _in_session(first.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _in_session(first.pid)
     ran = recorded(tmp_path / "tiny")
     assert len(ran) == 4 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
     starts, _ = ledger_entries(tmp_path / "tiny")

@@ -106,15 +106,16 @@ def test_a_fused_step_releases_what_the_film_and_opacus_engines_release(
     noise = torch.randn(k, classes, dim + 1, generator=generator)  # one draw per parameter: [W | b]
     stds = [noise_std(sigma, c, rule) for c in clip_bounds]
     scales = [update_scale(c, rule, batch_size) for c in clip_bounds]
+    padded = augment(features[rows]) * mask.unsqueeze(2)  # padding rows are zero rows
     released = head_noisy_gradients(
         stack_heads(weight, bias),
-        augment(features[rows]),
+        padded,
         labels[rows],
-        mask,
+        mask.float(),
+        torch.linalg.vector_norm(padded, dim=2),
         torch.tensor(clip_bounds),
         rule,
-        noise,
-        torch.tensor(stds),
+        torch.tensor([s * c for s, c in zip(scales, stds, strict=True)]).view(k, 1, 1) * noise,
         torch.tensor(scales),
     )
 
@@ -218,7 +219,14 @@ def test_each_fused_configuration_draws_its_own_independent_coins() -> None:
             assert abs(overlap - q * q * trials) < 5 * math.sqrt(trials * q * q)
             z = draws.noise[:, [a, b]].transpose(0, 1).flatten(1)
             assert abs(float(torch.corrcoef(z)[0, 1])) < 5 / math.sqrt(z.shape[1])
-    assert float(draws.noise.std()) == pytest.approx(1.0, rel=0.01)
+    # drawn at the released scale r_k = update_scale(C_k)·noise_std(σ, C_k): N(0, r_k²) per parameter
+    rule, expected_batch = BASE.clipping, group.schedule.expected_batch_size
+    released_std = update_scale(BASE.clip_bound, rule, expected_batch) * noise_std(1.0, BASE.clip_bound, rule)
+    assert group.coins.noise_stds == pytest.approx([released_std] * 3, rel=1e-12)
+    for k in range(3):
+        z = draws.noise[:, k]
+        assert float(z.mean()) == pytest.approx(0.0, abs=5 * released_std / math.sqrt(z.numel()))
+        assert float(z.std()) == pytest.approx(released_std, rel=0.01)
     # the same explicit seed gives the same coins, whatever the configuration's companions
     again = _group([8, 7]).coins.draw(steps)
     assert torch.equal(_masks(again, n)[1], masks[2]) and torch.equal(again.noise[:, 1], draws.noise[:, 2])
@@ -231,11 +239,12 @@ def test_a_step_gathered_in_blocks_of_configurations_releases_what_one_gather_re
     lock_step, data = group.lock_step, group.data
     lock_step.heads.normal_(std=0.3, generator=torch.Generator().manual_seed(2))  # a trained-looking head
     draws = group.coins.draw(2)
-    rows = draws.index[1, :, : int(draws.counts[1].max())]
+    width = int(draws.counts[1].max())
+    rows = fused_group.BatchRows.of(data, draws.index).step(1, width)
     whole = lock_step._gradients(data, rows, draws.noise[1])
-    assert fused_group.gather_block_configurations(rows.shape[1], data.features.shape[1]) >= 5  # one block
-    monkeypatch.setattr(fused_group, "GATHER_BLOCK_BYTES", 4 * 2 * rows.shape[1] * data.features.shape[1])
-    assert fused_group.gather_block_configurations(rows.shape[1], data.features.shape[1]) == 2
+    assert fused_group.gather_block_configurations(width, data.features.shape[1]) >= 5  # one block
+    monkeypatch.setattr(fused_group, "GATHER_BLOCK_BYTES", 4 * 2 * width * data.features.shape[1])
+    assert fused_group.gather_block_configurations(width, data.features.shape[1]) == 2
     blocks = lock_step._gradients(data, rows, draws.noise[1])  # blocks of 2, 2 and 1 configurations
     for name in ("heads", "losses", "norms"):
         torch.testing.assert_close(getattr(blocks, name), getattr(whole, name), rtol=1e-6, atol=1e-6)

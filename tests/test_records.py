@@ -107,6 +107,29 @@ def test_rewriting_a_trial_replaces_it(tmp_path: Path) -> None:
     assert read_table(str(tmp_path), "epochs")["epoch"].tolist() == [1, 2, 3]
 
 
+def test_a_table_read_again_shows_every_part_written_replaced_or_removed_since(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, root = ResultsStore(str(tmp_path)), str(tmp_path)
+    write(store, "t1", make_result(0.5))
+    datasets = []
+    real_dataset = pq.ParquetDataset
+    monkeypatch.setattr(pq, "ParquetDataset", lambda parts, **kw: datasets.append(parts) or real_dataset(parts, **kw))
+    assert read_table(root, "trials")["val_accuracy"].tolist() == [0.5]
+    assert read_table(root, "trials", columns=["trial_id"])["trial_id"].tolist() == ["t1"]
+    assert len(datasets) == 1  # unchanged parts are read once
+    write(store, "t2", make_result(0.6))
+    assert read_table(root, "trials")["val_accuracy"].tolist() == [0.5, 0.6]
+    write(store, "t1", make_result(0.7))  # the same part, replaced: the same size, a new file
+    assert read_table(root, "trials")["val_accuracy"].tolist() == [0.7, 0.6]
+    (tmp_path / "trials" / "part-t2.parquet").unlink()
+    assert read_table(root, "trials")["trial_id"].tolist() == ["t1"]
+    assert len(datasets) == 4
+    frame = read_table(root, "trials")
+    frame.loc[0, "val_accuracy"] = 0.0  # a reader's changes stay in its own frame
+    assert read_table(root, "trials")["val_accuracy"].tolist() == [0.7]
+
+
 def test_crash_mid_write_leaves_no_part_and_readers_ignore_orphans(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -82,9 +82,40 @@ class ResultsStore:
         return set(read_table(self.root, "trials", columns=["trial_id"])["trial_id"])
 
 
-def _part_paths(store: ResultsStore, table: str) -> list[str]:
+def _part_infos(store: ResultsStore, table: str) -> list[pafs.FileInfo]:
     infos = store._fs.get_file_info(pafs.FileSelector(store._table_dir(table), allow_not_found=True))
-    return sorted(i.path for i in infos if i.base_name.startswith("part-") and i.base_name.endswith(".parquet"))
+    parts = [i for i in infos if i.base_name.startswith("part-") and i.base_name.endswith(".parquet")]
+    return sorted(parts, key=lambda info: info.path)
+
+
+def _part_paths(store: ResultsStore, table: str) -> list[str]:
+    return [info.path for info in _part_infos(store, table)]
+
+
+#: Tables read whole from local folders, each kept with the listing (path, bytes, mtime in ns) of
+#: the parts it was read from, and served again while that listing is the same: the end of a
+#: search reads its ``trials`` table five times (the composition, the models, the summary), and a
+#: table of one part per trial costs a file open per trial at each read. Any part written,
+#: replaced or removed changes the listing. Object stores are read anew every time.
+_TABLE_CACHE: dict[tuple[str, str], tuple[tuple[tuple[str, int, int], ...], pa.Table]] = {}
+#: Tables kept at once (the oldest goes first).
+TABLE_CACHE_ENTRIES = 8
+
+
+def _read_parts(store: ResultsStore, table: str, parts: list[pafs.FileInfo]) -> pa.Table:
+    """Every column of ``parts`` of ``table`` (see :data:`_TABLE_CACHE`)."""
+    local = isinstance(store._fs, pafs.LocalFileSystem)
+    listing = tuple((info.path, info.size, info.mtime_ns) for info in parts)
+    key = (store._path, table)
+    if local and key in _TABLE_CACHE and _TABLE_CACHE[key][0] == listing:
+        return _TABLE_CACHE[key][1]
+    data = pq.ParquetDataset([info.path for info in parts], filesystem=store._fs, schema=SCHEMAS[table]).read()
+    if local:
+        _TABLE_CACHE.pop(key, None)
+        while len(_TABLE_CACHE) >= TABLE_CACHE_ENTRIES:
+            del _TABLE_CACHE[next(iter(_TABLE_CACHE))]
+        _TABLE_CACHE[key] = (listing, data)
+    return data
 
 
 def part_problem(store: ResultsStore, table: str, part: str) -> str | None:
@@ -137,20 +168,16 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
     Raises ``RecordsError`` naming the part when one cannot be read.
     """
     store = ResultsStore(root)
-    parts = _part_paths(store, table)  # checks the table's name
+    parts = _part_infos(store, table)  # checks the table's name
     schema = SCHEMAS[table]
     selected = list(columns or schema.names)
     if not parts:
         return schema.empty_table().select(selected).to_pandas()
     fill_ids = "configuration_id" in selected and "trial_id" not in selected
     try:
-        frame = (
-            pq.ParquetDataset(parts, filesystem=store._fs, schema=schema)
-            .read(columns=[*selected, "trial_id"] if fill_ids else selected)
-            .to_pandas()
-        )
+        frame = _read_parts(store, table, parts).select([*selected, "trial_id"] if fill_ids else selected).to_pandas()
     except (pa.ArrowException, OSError) as exc:
-        bad = [(part, problem) for part in parts if (problem := part_problem(store, table, part)) is not None]
+        bad = [(part.path, problem) for part in parts if (problem := part_problem(store, table, part.path)) is not None]
         if not bad:
             raise
         part, problem = bad[0]

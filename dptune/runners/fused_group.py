@@ -30,7 +30,7 @@ from torch.utils.data import TensorDataset
 from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrainedModel, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.data.spec import Split
-from dptune.dp.clipping import noise_std, update_scale
+from dptune.dp.clipping import update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose
 from dptune.models import new_head
@@ -50,6 +50,7 @@ from dptune.runners.heads import (
     augment,
     head_noisy_gradients,
     head_probe_gradients,
+    released_noise_stds,
     stack_heads,
     stacked_evaluations,
 )
@@ -143,7 +144,7 @@ class DeviceWorkload:
     workload: Workload
     device: torch.device
     features: torch.Tensor  # (N + 1, dim + 1) augmented training features x̃ on the device; row N is zeros (padding)
-    square_norms: torch.Tensor  # (N + 1,) ‖x̃_i‖² = ‖x_i‖² + 1
+    feature_norms: torch.Tensor  # (N + 1,) ‖x̃_i‖ = √(‖x_i‖² + 1); 0 at row N
     labels: torch.Tensor  # (N + 1,) int64; row N is 0 (padding)
     probe: tuple[torch.Tensor, torch.Tensor] | None  # augmented probe features and labels on the device
 
@@ -161,7 +162,7 @@ class DeviceWorkload:
             workload=workload,
             device=device,
             features=features,
-            square_norms=features.square().sum(1),
+            feature_norms=torch.linalg.vector_norm(features, dim=1),
             labels=labels,
             probe=probe,
         )
@@ -177,12 +178,43 @@ class Draws:
     """A group's coins for S steps. ``index[t, k, r]`` (S, K, width; on the device) is the r-th
     training row in configuration k's Poisson batch at step t, in increasing order, padded with N
     (the zero row); ``counts[t, k]`` (numpy) its batch size; ``noise[t, k]`` (S, K, classes,
-    dim + 1; on the device; a view of a (K, S, …) block per configuration) the standard normal draws
-    of its Gaussian noise."""
+    dim + 1; on the device; a view of a (K, S, …) block per configuration) its Gaussian noise at its
+    released scale, N(0, r_k²) with r_k = ``GroupCoins.noise_stds[k]``."""
 
     index: torch.Tensor
     counts: np.ndarray
     noise: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """Padded Poisson batches (see :class:`Draws`) and what a step reads of its rows besides their
+    features: ``index``, ``labels`` (int64), ``row_weights`` (1.0 for a batch row, 0.0 for padding)
+    and ``feature_norms`` (‖x̃_i‖, 0 at padding), all of one shape (steps, K, width) or, for one
+    step, (K, width), on the device. :meth:`of` looks up the labels and norms of many steps at once."""
+
+    index: torch.Tensor
+    labels: torch.Tensor
+    row_weights: torch.Tensor
+    feature_norms: torch.Tensor
+
+    @classmethod
+    def of(cls, data: DeviceWorkload, index: torch.Tensor) -> BatchRows:
+        """The rows ``index`` (padded with N) of ``data``'s training split."""
+        return cls(
+            index=index,
+            labels=data.labels[index],
+            row_weights=(index < data.num_train).float(),
+            feature_norms=data.feature_norms[index],
+        )
+
+    def step(self, t: int, width: int) -> BatchRows:
+        """Step ``t``'s batches, cut to ``width`` rows (the largest batch of the step)."""
+        return BatchRows(*(getattr(self, f.name)[t, :, :width] for f in dataclasses.fields(self)))
+
+    def configurations(self, first: int, end: int) -> BatchRows:
+        """One step's batches of configurations ``first`` to ``end`` (excluded)."""
+        return BatchRows(*(getattr(self, f.name)[first:end] for f in dataclasses.fields(self)))
 
 
 @dataclass(frozen=True)
@@ -222,11 +254,20 @@ class GroupSchedule:
 class GroupCoins:
     """Each configuration's own coins, as a trial draws them (:func:`~dptune.dp.coins.trial_coins`
     of its seed): its initial head (built under ``torch.manual_seed`` of its init stream, without
-    touching the global generator), its Poisson sampler, its Gaussian noise and its score noise."""
+    touching the global generator), its Poisson sampler, its Gaussian noise and its score noise.
+    The Gaussian noise is drawn at the scale it has in the released gradient,
+    r_k = update_scale(C_k)·noise_std(σ, C_k) (:func:`~dptune.runners.heads.released_noise_stds`)."""
 
     def __init__(self, configs: Sequence[TrialConfig], schedule: GroupSchedule, data: DeviceWorkload) -> None:
         self.num_train = data.num_train
         self.device = data.device
+        #: r_k: the standard deviation of each configuration's noise as released.
+        self.noise_stds = released_noise_stds(
+            schedule.noise_multiplier,
+            [c.clip_bound for c in configs],
+            configs[0].clipping,
+            schedule.expected_batch_size,
+        )
         weights, biases = [], []
         self.samplers: list[PoissonSteps] = []
         self.noise_coins: list[DeviceCoins] = []
@@ -250,9 +291,9 @@ class GroupCoins:
         draws = [sampler.draw(steps) for sampler in self.samplers]
         # each configuration's draws fill its own contiguous block (as torch.randn would), no copy after
         noise = torch.empty(k, steps, *self.initial_heads.shape[1:], device=self.device)
-        for block, coins in zip(noise, self.noise_coins, strict=True):
+        for block, coins, std in zip(noise, self.noise_coins, self.noise_stds, strict=True):
             coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
-            block.normal_(generator=coins.generator)
+            block.normal_(0.0, std, generator=coins.generator)
         counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
         index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
         for column, (step, example) in enumerate(draws):
@@ -268,8 +309,12 @@ class GroupCoins:
 
 class LockStep:
     """The K stacked heads of a group and their optimizer, stepped together on each configuration's
-    own batch, clip bound C_k, noise std s_k and learning rate η_k. A configuration that stops
-    (:meth:`stop`, or a non-finite step loss when ``stop_on_loss``) keeps its head from then on."""
+    own batch, clip bound C_k, update scale and learning rate η_k (the noise comes drawn at its released
+    scale, :class:`Draws`). A configuration that stops (:meth:`stop`, or a non-finite step loss when
+    ``stop_on_loss``) keeps its head from then on.
+
+    On the CPU the step knows without a device sync whether every configuration is still active
+    (``all_active``) and then skips the masks; on a GPU every step applies them, with no sync."""
 
     def __init__(
         self, configs: Sequence[TrialConfig], heads: torch.Tensor, schedule: GroupSchedule, stop_on_loss: bool
@@ -282,9 +327,6 @@ class LockStep:
         self.stop_on_loss = stop_on_loss
         clip_bounds = [c.clip_bound for c in configs]
         self.clip_bounds = torch.tensor(clip_bounds, device=device)
-        self.noise_stds = torch.tensor(
-            [noise_std(schedule.noise_multiplier, c, self.rule) for c in clip_bounds], device=device
-        )
         self.scales = torch.tensor(
             [update_scale(c, self.rule, schedule.expected_batch_size) for c in clip_bounds], device=device
         )
@@ -292,53 +334,69 @@ class LockStep:
             first.optimizer, [self.heads], torch.tensor([c.learning_rate for c in configs], device=device)
         )
         self.active = torch.ones(k, dtype=torch.bool, device=device)  # not stopped
-        self.last_step = torch.zeros(k, dtype=torch.int64, device=device)  # steps taken by each configuration
+        self.all_active = device.type == "cpu"  # known true (CPU only: a GPU never syncs to find out)
+        self.stopped_at = torch.zeros(k, dtype=torch.int64, device=device)  # steps taken by a stopped configuration
         self.divergent_loss = torch.zeros(k, device=device)  # the non-finite step loss that stopped a configuration
         self.steps_done = 0  # steps the group ran
         self._gathered: torch.Tensor | None = None  # the step's gathered training rows, reused (see _gradients)
 
     def train(self, data: DeviceWorkload, draws: Draws, losses: torch.Tensor) -> None:
         """Every step of ``draws``; adds each active configuration's step losses to ``losses`` (K,)."""
-        for t in range(draws.index.shape[0]):
-            rows = draws.index[t, :, : max(1, int(draws.counts[t].max()))]
-            gradients = self._gradients(data, rows, draws.noise[t])
+        widths = np.maximum(draws.counts.max(axis=1), 1)
+        rows = BatchRows.of(data, draws.index)
+        for t, width in enumerate(widths.tolist()):
+            gradients = self._gradients(data, rows.step(t, width), draws.noise[t])
             self.steps_done += 1
-            self.last_step.add_(self.active.long())  # the step counts for every configuration that ran it
             if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
-                finite = torch.isfinite(gradients.losses)
-                self.divergent_loss = torch.where(self.active & ~finite, gradients.losses, self.divergent_loss)
-                self.active &= finite
-            losses += torch.where(self.active, gradients.losses, torch.zeros_like(gradients.losses)).double()
-            self.optimizer.step([gradients.heads], self.active)
+                self._stop_non_finite(gradients.losses)
+            if self.all_active:
+                losses += gradients.losses
+                self.optimizer.step([gradients.heads], None)
+            else:
+                losses += torch.where(self.active, gradients.losses, 0.0)
+                self.optimizer.step([gradients.heads], self.active)
 
-    def _gradients(self, data: DeviceWorkload, rows: torch.Tensor, noise: torch.Tensor) -> HeadGradients:
-        """One step's :func:`head_noisy_gradients` of every configuration on its batch ``rows`` (K, n),
-        gathered and computed for at most :func:`gather_block_configurations` configurations at a
-        time on the CPU (all at once on a GPU), into one buffer reused by every step (a fresh tensor of
-        a large batch's rows costs the operating system's page faults at every step)."""
-        k, width = rows.shape
+    def _stop_non_finite(self, step_losses: torch.Tensor) -> None:
+        """Stop every active configuration whose loss at the step just taken is not finite (the step
+        counts for it); on the CPU only when one is (one sync), on a GPU as masks."""
+        finite = torch.isfinite(step_losses)
+        if self.all_active:
+            if bool(finite.all()):
+                return
+            self.all_active = False
+        stopping = self.active & ~finite
+        self.divergent_loss = torch.where(stopping, step_losses, self.divergent_loss)
+        self.stopped_at = torch.where(stopping, self.steps_done, self.stopped_at)
+        self.active &= finite
+
+    def _gradients(self, data: DeviceWorkload, rows: BatchRows, noise: torch.Tensor) -> HeadGradients:
+        """One step's :func:`head_noisy_gradients` of every configuration on its batch ``rows``
+        (K, n), gathered and computed for at most :func:`gather_block_configurations`
+        configurations at a time on the CPU (all at once on a GPU), into one buffer reused by every
+        step (a fresh tensor of a large batch's rows costs the operating system's page faults at
+        every step)."""
+        k, width = rows.index.shape
         # measured on the CPU only; a GPU keeps the whole group in one gather and one product each
         block = gather_block_configurations(width, data.features.shape[1]) if data.device.type == "cpu" else k
         if self._gathered is None or self._gathered.numel() < block * width * data.features.shape[1]:
             self._gathered = data.features.new_empty(block * width, data.features.shape[1])
         parts = []
         for first in range(0, k, block):
-            some = rows[first : first + block]
-            flat = some.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
+            end = min(first + block, k)
+            some = rows.configurations(first, end) if block < k else rows
+            flat = some.index.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
             features = torch.index_select(data.features, 0, flat, out=self._gathered[: len(flat)])
-            end = first + len(some)
             parts.append(
                 head_noisy_gradients(
                     self.heads[first:end],
-                    features.view(*some.shape, -1),
-                    data.labels.index_select(0, flat).view(some.shape),
-                    some < data.num_train,
+                    features.view(end - first, width, -1),
+                    some.labels,
+                    some.row_weights,
+                    some.feature_norms,
                     self.clip_bounds[first:end],
                     self.rule,
                     noise[first:end],
-                    self.noise_stds[first:end],
                     self.scales[first:end],
-                    data.square_norms.index_select(0, flat).view(some.shape),
                 )
             )
         if len(parts) == 1:
@@ -351,15 +409,18 @@ class LockStep:
 
     def steps_taken(self) -> list[int]:
         """Steps each configuration took (a stopped one: up to the step where it stopped)."""
-        return self.last_step.tolist()
+        return torch.where(self.active, self.steps_done, self.stopped_at).tolist()
 
     def finite(self, index: int) -> bool:
         """Whether configuration ``index``'s head is finite: a function of the DP outputs only."""
         return bool(torch.isfinite(self.heads[index]).all())
 
     def stop(self, index: int) -> None:
-        """Configuration ``index`` takes no further step."""
-        self.active[index] = False
+        """Configuration ``index`` takes no further step (one already stopped keeps its step count)."""
+        if bool(self.active[index]):
+            self.stopped_at[index] = self.steps_done
+            self.active[index] = False
+        self.all_active = False
 
 
 @dataclass

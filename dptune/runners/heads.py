@@ -7,7 +7,7 @@ on the augmented features x̃ = (x, 1); K heads are a (K, classes, dim + 1) tens
 g_i = δ_i x̃_iᵀ, so ‖g_i‖ = ‖δ_i‖·√(‖x_i‖² + 1) and the clipped sum Σ_i f_i g_i = (f ⊙ δ)ᵀ X̃ is one
 batched matrix product (:func:`head_noisy_gradients`; the FiLM engine's head path,
 :mod:`dptune.dp.film`, for K heads at once). Everything here is float32 (float64 sums) and
-Ray-free; nothing draws a coin (the noise comes in as standard normal draws).
+Ray-free; nothing draws a coin (the noise comes in drawn, at its released scale).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.optim.adam import adam
 
 from dptune.contract import ClippingRule
-from dptune.dp.clipping import clip_factors
+from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.diagnostics import ProbeGradients
 from dptune.runners.common import Evaluation
 
@@ -80,36 +80,48 @@ def head_noisy_gradients(
     heads: torch.Tensor,
     features: torch.Tensor,
     labels: torch.Tensor,
-    mask: torch.Tensor,
+    row_weights: torch.Tensor,
+    feature_norms: torch.Tensor,
     clip_bounds: torch.Tensor,
     rule: ClippingRule,
     noise: torch.Tensor,
-    noise_stds: torch.Tensor,
     scales: torch.Tensor,
-    feature_square_norms: torch.Tensor | None = None,
 ) -> HeadGradients:
     """The DP step of :mod:`dptune.dp.engine` for K linear heads on K padded batches at once.
 
-    Shapes: ``heads`` (K, classes, dim + 1) (:func:`stack_heads`), ``features`` (K, n, dim + 1)
-    augmented (:func:`augment`), ``labels`` (K, n) int64, ``mask`` (K, n) bool (False: padding,
-    contributes nothing); ``clip_bounds``, ``noise_stds`` (s_k) and ``scales``
-    (``update_scale``) are (K,); ``noise`` (K, classes, dim + 1) standard normal draws, one per
-    parameter; ``feature_square_norms`` (K, n) ‖x̃_i‖² when already known. Per configuration k::
+    Shapes: ``heads`` (K, classes, dim + 1) (:func:`stack_heads`); ``features`` (K, n, dim + 1)
+    augmented (:func:`augment`) and padded with rows of zeros (x̃ = 0, so a padding row's gradient
+    δ x̃ᵀ is 0 and it adds nothing to the sum); ``labels`` (K, n) int64; ``row_weights`` (K, n) 1.0
+    for a batch row, 0.0 for padding (whose loss is left out); ``feature_norms`` (K, n) ‖x̃_i‖ (0 at
+    padding); ``clip_bounds`` and ``scales`` (``update_scale``) (K,); ``noise`` (K, classes, dim + 1)
+    the released Gaussian noise, one draw per parameter, already at its released scale
+    ``scales_k · s_k · z`` with s_k = ``noise_std`` and z standard normal (:func:`released_noise_stds`).
+    Per configuration k::
 
-        released_k = scales_k · (Σ_i f_i g_i + noise_stds_k · noise_k),  f = clip_factors(‖g‖, C_k, rule)
+        released_k = scales_k · Σ_i f_i g_i + noise_k,  f = clip_factors(‖g‖, C_k, rule)
 
-    with g_i = δ_i x̃_iᵀ and ‖g_i‖ = ‖δ_i‖·‖x̃_i‖; the clipped sum is one batched product (f ⊙ δ)ᵀ X̃.
+    with g_i = δ_i x̃_iᵀ and ‖g_i‖ = ‖δ_i‖·‖x̃_i‖; the clipped sum and the noise are one batched
+    product that accumulates into the noise, ``baddbmm(noise, (scales·f ⊙ δ)ᵀ, X̃)``. Each step is a
+    dozen tensor operations, most of them in place: at small batches their dispatch, not their
+    arithmetic, is the step's cost.
     """
-    k = heads.shape[0]
-    deltas, losses = head_deltas(heads, features, labels)
-    deltas = deltas * mask.unsqueeze(2)
-    if feature_square_norms is None:
-        feature_square_norms = features.square().sum(2)
-    norms = (deltas.square().sum(2) * feature_square_norms).sqrt()
-    factors = clip_factors(norms, clip_bounds.unsqueeze(1), rule) * mask
-    clipped = torch.bmm((deltas * factors.unsqueeze(2)).transpose(1, 2), features)
-    released = torch.addcmul(clipped, noise_stds.view(k, 1, 1), noise).mul_(scales.view(k, 1, 1))
-    return HeadGradients(heads=released, losses=torch.where(mask, losses, torch.zeros_like(losses)).sum(1), norms=norms)
+    log_probs = F.log_softmax(torch.bmm(features, heads.transpose(1, 2)), dim=2)
+    label_index = labels.unsqueeze(2)
+    losses = torch.linalg.vecdot(log_probs.gather(2, label_index).squeeze(2), row_weights).neg_()
+    deltas = log_probs.exp_().scatter_(2, label_index, -1.0, reduce="add")  # softmax − onehot(y)
+    norms = torch.linalg.vector_norm(deltas, dim=2).mul_(feature_norms)
+    factors = clip_factors(norms, clip_bounds.unsqueeze(1), rule).mul_(scales.unsqueeze(1))
+    released = torch.baddbmm(noise, deltas.mul_(factors.unsqueeze(2)).transpose(1, 2), features)
+    return HeadGradients(heads=released, losses=losses, norms=norms)
+
+
+def released_noise_stds(
+    noise_multiplier: float, clip_bounds: Sequence[float], rule: ClippingRule, expected_batch_size: float
+) -> list[float]:
+    """Each configuration's standard deviation of the noise in its released gradient,
+    ``update_scale(C_k) · noise_std(σ, C_k)``: the noise of :func:`head_noisy_gradients` is drawn
+    at this scale directly (one pass over the draws instead of two multiplications)."""
+    return [update_scale(c, rule, expected_batch_size) * noise_std(noise_multiplier, c, rule) for c in clip_bounds]
 
 
 class StackedOptimizer:
@@ -139,8 +151,10 @@ class StackedOptimizer:
         self.directions = [torch.zeros_like(p) for p in self.params] if moments else []
         self.step_counts = [torch.zeros((), device=p.device) for p in self.params] if moments else []  # Adam's t
 
-    def step(self, grads: Sequence[torch.Tensor], active: torch.Tensor) -> None:
-        """One optimizer step of every active configuration on ``grads`` (shapes as ``params``)."""
+    def step(self, grads: Sequence[torch.Tensor], active: torch.Tensor | None) -> None:
+        """One optimizer step of every active configuration on ``grads`` (shapes as ``params``);
+        ``active`` (K,) bool, or None where every configuration is active (no mask is applied: a
+        broadcast ``torch.where`` costs more than the fused Adam step on the CPU)."""
         if self.name == "adam":
             for direction in self.directions:
                 direction.zero_()
@@ -164,12 +178,9 @@ class StackedOptimizer:
             updates = self.directions
         else:
             updates = [-grad for grad in grads]
-        # where every configuration is active (known without a device sync on the CPU), no mask: a
-        # broadcast torch.where costs more than the fused Adam step there
-        masked = active.device.type != "cpu" or not bool(active.all())
         for param, update in zip(self.params, updates, strict=True):
             rows = (-1, *([1] * (param.dim() - 1)))
-            if masked:  # a stopped configuration's update may be NaN: 0·NaN would move its frozen head
+            if active is not None:  # a stopped configuration's update may be NaN: 0·NaN would move its frozen head
                 update = torch.where(active.view(rows), update, 0.0)
             param.addcmul_(update, self.learning_rates.view(rows))
 

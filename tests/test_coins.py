@@ -15,8 +15,9 @@ import torch
 
 from dptune.contract import TrialConfig
 from dptune.dp.coins import DeviceCoins, cpu_generator, trial_coins
+from dptune.runners.batches import DeviceWorkload, Draws
 from dptune.runners.common import cached_workload
-from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup
+from dptune.runners.fused_group import FusedGroup
 from dptune.runners.trainer import Trial
 from trial_configs import HEAD_TRIAL as BASE
 

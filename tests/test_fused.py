@@ -24,9 +24,10 @@ from dptune.dp.opacus_engine import OpacusEngine
 from dptune.plan import epoch_steps, sample_rate, total_steps
 from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
 from dptune.runners import fused, fused_group
+from dptune.runners.batches import BatchRows, DeviceWorkload, Draws, PoissonSteps
 from dptune.runners.common import cached_workload
 from dptune.runners.fused import FusedTrialsFailed, fused_refusal, max_fused_configurations, run_fused
-from dptune.runners.fused_group import DeviceWorkload, Draws, FusedGroup, PoissonSteps
+from dptune.runners.fused_group import FusedGroup
 from dptune.runners.heads import StackedOptimizer, augment, head_noisy_gradients, stack_heads
 from dptune.runners.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
 
@@ -240,7 +241,7 @@ def test_a_step_gathered_in_blocks_of_configurations_releases_what_one_gather_re
     lock_step.heads.normal_(std=0.3, generator=torch.Generator().manual_seed(2))  # a trained-looking head
     draws = group.coins.draw(2)
     width = int(draws.counts[1].max())
-    rows = fused_group.BatchRows.of(data, draws.index).step(1, width)
+    rows = BatchRows.of(data, draws.index).step(1, width)
     whole = lock_step._gradients(data, rows, draws.noise[1])
     assert fused_group.gather_block_configurations(width, data.features.shape[1]) >= 5  # one block
     monkeypatch.setattr(fused_group, "GATHER_BLOCK_BYTES", 4 * 2 * width * data.features.shape[1])

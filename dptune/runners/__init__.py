@@ -7,8 +7,9 @@ from its Ray actors (``dptune.search.execution``) and tests call them directly.
   :mod:`~dptune.runners.trainer` (the model, the engine, the Poisson loop, evaluation, diagnostics);
 - :mod:`~dptune.runners.fused`: ``run_fused(configs)``, the configurations of one cell that
   differ only in C, B, η and seed trained side by side as stacked linear heads on cached features;
-  one group of them is :mod:`~dptune.runners.fused_group`, the stacked heads' tensor math
-  :mod:`~dptune.runners.heads`;
+  one group of them is :mod:`~dptune.runners.fused_group`, what it trains on (the training split
+  on the device, the Poisson batches) :mod:`~dptune.runners.batches`, the stacked heads' tensor
+  math :mod:`~dptune.runners.heads`;
 - :mod:`~dptune.runners.common`: what both share (checks, workload loading, the diagnostics
   probe, evaluation records, the noisy selection score). The coins are :mod:`dptune.dp.coins`.
 

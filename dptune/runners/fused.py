@@ -69,8 +69,9 @@ from dptune.data import Workload
 from dptune.errors import DptuneError, TrialConfigError
 from dptune.plan import run_schedule
 from dptune.privacy import calibrate_noise_multiplier
+from dptune.runners.batches import DeviceWorkload, chunk_steps
 from dptune.runners.common import cached_workload, check_config, check_fits_workload, torch_threads
-from dptune.runners.fused_group import FUSED_ENGINE, DeviceWorkload, FusedGroup, chunk_steps
+from dptune.runners.fused_group import FUSED_ENGINE, FusedGroup
 from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
 
 #: Working-set budget of one fused group on its device (bytes): :func:`max_fused_configurations`.

@@ -92,24 +92,25 @@ def _part_paths(store: ResultsStore, table: str) -> list[str]:
     return [info.path for info in _part_infos(store, table)]
 
 
-#: Tables read whole from local folders, each kept with the listing (path, bytes, mtime in ns) of
-#: the parts it was read from, and served again while that listing is the same: the end of a
+#: Tables read from local folders, each kept (by its columns) with the listing (path, bytes, mtime in
+#: ns) of the parts it was read from, and served again while that listing is the same: the end of a
 #: search reads its ``trials`` table five times (the composition, the models, the summary), and a
-#: table of one part per trial costs a file open per trial at each read. Any part written,
-#: replaced or removed changes the listing. Object stores are read anew every time.
-_TABLE_CACHE: dict[tuple[str, str], tuple[tuple[tuple[str, int, int], ...], pa.Table]] = {}
+#: table of one part per trial costs a file open per trial at each read. Any part written, replaced
+#: or removed changes the listing. Object stores are read anew every time.
+_TABLE_CACHE: dict[tuple[str, str, tuple[str, ...]], tuple[tuple[tuple[str, int, int], ...], pa.Table]] = {}
 #: Tables kept at once (the oldest goes first).
 TABLE_CACHE_ENTRIES = 8
 
 
-def _read_parts(store: ResultsStore, table: str, parts: list[pafs.FileInfo]) -> pa.Table:
-    """Every column of ``parts`` of ``table`` (see :data:`_TABLE_CACHE`)."""
+def _read_parts(store: ResultsStore, table: str, parts: list[pafs.FileInfo], columns: list[str]) -> pa.Table:
+    """``columns`` of ``parts`` of ``table`` (see :data:`_TABLE_CACHE`)."""
     local = isinstance(store._fs, pafs.LocalFileSystem)
     listing = tuple((info.path, info.size, info.mtime_ns) for info in parts)
-    key = (store._path, table)
+    key = (store._path, table, tuple(columns))
     if local and key in _TABLE_CACHE and _TABLE_CACHE[key][0] == listing:
         return _TABLE_CACHE[key][1]
-    data = pq.ParquetDataset([info.path for info in parts], filesystem=store._fs, schema=SCHEMAS[table]).read()
+    paths = [info.path for info in parts]
+    data = pq.ParquetDataset(paths, filesystem=store._fs, schema=SCHEMAS[table]).read(columns=columns)
     if local:
         _TABLE_CACHE.pop(key, None)
         while len(_TABLE_CACHE) >= TABLE_CACHE_ENTRIES:
@@ -175,7 +176,7 @@ def read_table(root: str, table: str, columns: list[str] | None = None) -> pd.Da
         return schema.empty_table().select(selected).to_pandas()
     fill_ids = "configuration_id" in selected and "trial_id" not in selected
     try:
-        frame = _read_parts(store, table, parts).select([*selected, "trial_id"] if fill_ids else selected).to_pandas()
+        frame = _read_parts(store, table, parts, [*selected, "trial_id"] if fill_ids else selected).to_pandas()
     except (pa.ArrowException, OSError) as exc:
         bad = [(part.path, problem) for part in parts if (problem := part_problem(store, table, part.path)) is not None]
         if not bad:

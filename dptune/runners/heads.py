@@ -70,10 +70,9 @@ def head_deltas(heads: torch.Tensor, features: torch.Tensor, labels: torch.Tenso
     → δ of shape (K, n, classes) and ℓ of shape (K, n).
     """
     log_probs = F.log_softmax(torch.bmm(features, heads.transpose(1, 2)), dim=2)
-    losses = -log_probs.gather(2, labels.unsqueeze(2)).squeeze(2)
-    deltas = log_probs.exp()
-    deltas.scatter_add_(2, labels.unsqueeze(2), torch.full_like(losses, -1.0).unsqueeze(2))
-    return deltas, losses
+    label_index = labels.unsqueeze(2)
+    losses = -log_probs.gather(2, label_index).squeeze(2)
+    return log_probs.exp_().scatter_(2, label_index, -1.0, reduce="add"), losses
 
 
 def head_noisy_gradients(
@@ -105,10 +104,8 @@ def head_noisy_gradients(
     dozen tensor operations, most of them in place: at small batches their dispatch, not their
     arithmetic, is the step's cost.
     """
-    log_probs = F.log_softmax(torch.bmm(features, heads.transpose(1, 2)), dim=2)
-    label_index = labels.unsqueeze(2)
-    losses = torch.linalg.vecdot(log_probs.gather(2, label_index).squeeze(2), row_weights).neg_()
-    deltas = log_probs.exp_().scatter_(2, label_index, -1.0, reduce="add")  # softmax − onehot(y)
+    deltas, row_losses = head_deltas(heads, features, labels)
+    losses = torch.linalg.vecdot(row_losses, row_weights)
     norms = torch.linalg.vector_norm(deltas, dim=2).mul_(feature_norms)
     factors = clip_factors(norms, clip_bounds.unsqueeze(1), rule).mul_(scales.unsqueeze(1))
     released = torch.baddbmm(noise, deltas.mul_(factors.unsqueeze(2)).transpose(1, 2), features)

@@ -166,7 +166,7 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     return f"{EMBEDDED_STARTED} ({cpus} CPUs)"
 
 
-def shut_down_in_background() -> threading.Thread:
+def shut_down_in_background() -> None:
     """Shut this driver's embedded Ray down in a thread: once the last unit has run, nothing of the
     search needs Ray, and its shutdown (stopping its processes: about 1.3 s on a 2-core machine)
     overlaps the composition and the summary instead of following them. The thread is not a
@@ -175,9 +175,7 @@ def shut_down_in_background() -> threading.Thread:
     Ray folder is removed after the shutdown: :func:`private_ray_folder`)."""
     import ray
 
-    thread = threading.Thread(target=ray.shutdown, name="dptune-ray-shutdown")
-    thread.start()
-    return thread
+    threading.Thread(target=ray.shutdown, name="dptune-ray-shutdown").start()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ import pandas as pd
 
 from conftest import run_search
 from dptune.records import TRUST_BOUNDARY
+from dptune.records.weights import WEIGHTS_FOLDER, trained_model
 
 #: A timestamp as Ray's and Tune's log lines print one.
 LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
@@ -108,6 +110,29 @@ def hidden_needles(
     return needles
 
 
+def private_data_digests(inside: Path) -> dict[bytes, str]:
+    """The sha256 of the private rows, as the runs' own weights files record it inside the trust
+    boundary (``provenance.data_sha256``): what no released byte may hold."""
+    digests = {
+        trained_model(path.read_bytes()).provenance.get("data_sha256")
+        for path in (inside / WEIGHTS_FOLDER).glob("*.safetensors")
+    }
+    found = {digest.encode(): "the private rows' sha256" for digest in digests if digest}
+    assert found, f"no run in {inside} recorded the data's digest"
+    return found
+
+
+def assert_owner_only(root: Path) -> None:
+    """Every folder and file a private search created under ``root`` (and ``root`` itself) is the
+    owner's alone: no permission bit for the group or others."""
+    opened = [
+        f"{path} {stat.filemode(path.lstat().st_mode)}"
+        for path in [root, *root.rglob("*")]
+        if not path.is_symlink() and path.lstat().st_mode & 0o077
+    ]
+    assert not opened, "readable by others:\n" + "\n".join(opened[:10])
+
+
 def assert_none_in(blob: bytes, needles: dict[bytes, str], where: str) -> None:
     """Fail naming the first needles found in ``blob`` (a number only where no digit or point
     continues it: 0.25 is not found in 0.257) and ``where`` they were."""
@@ -130,13 +155,15 @@ def assert_nothing_of_the_hidden_runs_outside(
     root: Path, out: str, temporary: Path | None, slots: int, public: set[float] | None = None
 ) -> None:
     """Outside ``inside_trust_boundary/`` of the private search at ``root`` that printed ``out``: none of
-    :func:`hidden_needles`, no timestamped log line on the console; an embedded Ray's owner-only
+    :func:`hidden_needles` nor the private rows' digest (:func:`private_data_digests`: the model file's
+    header, its cards), no timestamped log line on the console; an embedded Ray's owner-only
     session folder gone from ``temporary``, and no shared one left there; and Ray Tune ran a number of
     units that does not depend on K (``slots``, the trial slots, per cell), each holding one constant
     report. ``public``: numbers published anywhere (default: this search's model cards)."""
     inside = root / TRUST_BOUNDARY
     trials, release = pd.read_parquet(inside / "trials"), pd.read_parquet(root / "release")
     needles = hidden_needles(trials, release, card_numbers(root) if public is None else public)
+    needles |= private_data_digests(inside)
     assert_none_in(outside_bytes(root), needles, f"{root} outside {TRUST_BOUNDARY}")
     assert_none_in(out.encode(), needles, "the console")
     stamped = [line for line in out.splitlines() if LOG_TIME.search(line)]

@@ -31,13 +31,19 @@ import pytest
 
 from conftest import ONE_CELL, REPO_ROOT, SHORT_PRIVATE, _free_ports, run_search
 from dptune import search
-from dptune.records import TRUST_BOUNDARY, read_table
+from dptune.records import TRUST_BOUNDARY, read_table, release_label
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE
 from dptune.search.preflight import PreflightError
 from dptune.search.tracking import CHECK_TIMEOUT_S, DPTUNE_RUN_TAG, check_server
 from dptune.space import load_space
 from dptune.space.tracking import TrackingSpec
-from hidden_runs import assert_none_in, assert_nothing_of_the_hidden_runs_outside, card_numbers, hidden_needles
+from hidden_runs import (
+    assert_none_in,
+    assert_nothing_of_the_hidden_runs_outside,
+    card_numbers,
+    hidden_needles,
+    private_data_digests,
+)
 
 #: One server serves the module: its tests run on one xdist worker.
 pytestmark = pytest.mark.xdist_group("mlflow_server")
@@ -398,7 +404,9 @@ def test_a_private_search_logs_its_release_and_nothing_of_its_hidden_runs(
     assert count == 1
     (run,) = client.search_runs([experiment.experiment_id])
     card = json.loads(next((root / "models").glob(f"*/{CARD_JSON}")).read_text())
-    assert run.data.tags[DPTUNE_RUN_TAG] == f"release {release['cell_id']}"
+    # named by the release's own total (ε, δ), as its model folder and card are
+    assert run.data.tags[DPTUNE_RUN_TAG] == run.info.run_name == "release eps=8|delta=1e-05|epochs=5"
+    assert card["model"]["cell_id"] == release_label(release) == "eps=8|delta=1e-05|epochs=5"
     for name in ("clip_bound", "base_learning_rate", "learning_rate"):
         assert float(run.data.params[name]) == release[name], name
     for name in ("noise_multiplier", "sample_rate"):
@@ -414,6 +422,7 @@ def test_a_private_search_logs_its_release_and_nothing_of_its_hidden_runs(
     assert version.source == f"runs:/{run.info.run_id}/model"
     # nothing of the hidden runs anywhere the server keeps or logs: its store, its artifacts, its log
     needles = hidden_needles(hidden, read_table(str(root), "release"), card_numbers(root))
+    digests = private_data_digests(root / TRUST_BOUNDARY)
     for needle, what in list(needles.items()):  # a float as SQLite keeps a REAL: 8 bytes, big-endian
         try:
             needles[struct.pack(">d", float(needle))] = f"{what} (binary)"
@@ -422,4 +431,4 @@ def test_a_private_search_logs_its_release_and_nothing_of_its_hidden_runs(
     stored = b"".join(path.read_bytes() for path in sorted(mlflow_server.folder.rglob("*")) if path.is_file())
     assert needles and release["search_id"].encode() in stored  # the scan reads what the server keeps...
     assert struct.pack(">d", release["noisy_val_accuracy"]) in stored  # ...and its doubles as 8 bytes
-    assert_none_in(stored, needles, f"the MLflow server's folder {mlflow_server.folder}")
+    assert_none_in(stored, needles | digests, f"the MLflow server's folder {mlflow_server.folder}")

@@ -22,7 +22,7 @@ from dptune.data.spec import WorkloadError
 from dptune.data.workload import check_spec, row_digests, split_rows
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.space import SpaceError, load_space
-from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
+from hidden_runs import assert_nothing_of_the_hidden_runs_outside, assert_owner_only, private_search
 
 #: Newsgroups kept, and rows of each in the training and the test file.
 GROUPS = ("rec.autos", "sci.space", "talk.politics.guns")
@@ -222,10 +222,15 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
     assert_nothing_of_the_hidden_runs_outside(
         root, completed.stdout, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1
     )
+    assert_owner_only(root)
     (model,) = (root / "models").iterdir()  # the released run's model, and nothing that orders it
     card = json.loads((model / "model_card.json").read_text())
     assert card["model"]["trial_id"] is None and card["accuracy"]["test_accuracy"] is None
     assert card["data"]["data_sha256"] is None  # a hash of the private rows is no DP release
+    # why the test accuracy is withheld, and how the owner scores the model, on the card and the console
+    assert "carved from the private pool" in card["accuracy"]["test_withheld"]
+    assert "--label-column" in card["accuracy"]["test_withheld"]
+    assert "test accuracy of eps=8|delta=1e-05|epochs=5 withheld: the test split is carved" in out
     assert card["privacy"]["epsilon"] == release.epsilon_total and "the whole tuning" in card["privacy"]["covers"]
     assert card["configuration"]["batch_size"] == release.batch_size and card["data"]["backbone"] == "none"
     labelled = tmp_path / "labelled.jsonl"  # the model on embeddings (backbone none), in a fresh process

@@ -479,15 +479,15 @@ def test_concurrent_processes_calibrate_into_one_consistent_cache(tmp_path: Path
 def test_cache_writes_are_atomic_under_contending_writers(tmp_path: Path) -> None:
     """Three processes rewrite one entry as fast as they can while this process reads it: every read
     sees a complete entry (a plain open-truncate-write would expose empty or partial files)."""
-    path = tmp_path / "entry.json"
     key = {"kind": "test", "padding": "x" * 10_000}  # large enough that a write is not one syscall
-    cache._write_cached(path, key, -1.0)
+    path = tmp_path / cache._file_name(key)
+    cache._write_cached(tmp_path, key, -1.0)
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
         from dptune.privacy.cache import _write_cached
         for i in range(300):
-            _write_cached(Path({str(path)!r}), {key!r}, float(sys.argv[1]) * 1000 + i)
+            _write_cached(Path({str(tmp_path)!r}), {key!r}, float(sys.argv[1]) * 1000 + i)
     """)
     writers = [subprocess.Popen([sys.executable, "-c", script, str(i)]) for i in range(3)]
     reads = 0
@@ -497,7 +497,7 @@ def test_cache_writes_are_atomic_under_contending_writers(tmp_path: Path) -> Non
         reads += 1
     assert all(writer.wait() == 0 for writer in writers)
     assert reads > 10
-    assert [p.name for p in tmp_path.iterdir()] == ["entry.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hmac-key", path.name]  # no temporary left
 
 
 def test_unreadable_cache_entry_is_recomputed(private_cache: Path) -> None:

@@ -1,6 +1,6 @@
 """End-to-end private searches submitted with ``ray job submit`` to the suite's token-authenticated
 head: nothing of the hidden runs reaches the job's logs,
-Ray's state API, the dashboard or the head's session folders, and the number of actors is the same
+Ray's state API, the dashboard or the head's session folders, and the actors and tasks are the same
 for K = 1 and K = 20."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from conftest import REPO_ROOT, TINY_TRAIN_EXAMPLES, RayHead, ray_job_submit, se
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.search import TRIAL_COUNT_FILE
 from dptune.search.cells import plan_cells
+from dptune.search.driver import CLUSTER_TIMING_NOTE
 from dptune.space import load_space
 from hidden_runs import (
     assert_none_in,
@@ -62,16 +63,26 @@ def _state(ray_head: RayHead, resource: str, **filters: str) -> list[dict]:
     return answer["data"]["result"]["result"]
 
 
+def _job_id(ray_head: RayHead, submission: str) -> str:
+    (job_id,) = [
+        job["job_id"] for job in json.loads(_dashboard(ray_head, "/api/jobs/")) if job["submission_id"] == submission
+    ]
+    return str(job_id)
+
+
 def _job_actors(ray_head: RayHead, submission: str) -> collections.Counter[str]:
     """The actors the job ``submission`` started (dead ones included), counted by class (its name without
     the qualifying prefix, which Ray's state API shows for one job and not for another:
     ``wrap_function.<locals>.ImplicitFunc`` and ``ImplicitFunc`` are Ray Tune's one trainable class)."""
-    (job_id,) = [
-        job["job_id"] for job in json.loads(_dashboard(ray_head, "/api/jobs/")) if job["submission_id"] == submission
-    ]
-    return collections.Counter(
-        actor["class_name"].rsplit(".", 1)[-1] for actor in _state(ray_head, "actors", job_id=job_id)
-    )
+    actors = _state(ray_head, "actors", job_id=_job_id(ray_head, submission))
+    return collections.Counter(actor["class_name"].rsplit(".", 1)[-1] for actor in actors)
+
+
+def _job_tasks(ray_head: RayHead, submission: str) -> collections.Counter[str]:
+    """The tasks (actor methods included) the job ``submission`` ran, counted by name without the
+    qualifying prefix (``wrap_function.<locals>.``, as :func:`_job_actors`)."""
+    tasks = _state(ray_head, "tasks", job_id=_job_id(ray_head, submission))
+    return collections.Counter(task["name"].rsplit("<locals>.", 1)[-1] for task in tasks)
 
 
 def _head_files(ray_head: RayHead) -> bytes:
@@ -108,7 +119,7 @@ def _seed_trial_count(space: Path, storage: Path, name: str, overrides: dict, tr
     (inside / TRIAL_COUNT_FILE).write_text(json.dumps({plan.cell_key: trials}))
 
 
-def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_as_many_actors_for_k_1_and_20(
+def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_the_same_actors_and_tasks_for_k_1_and_20(
     ray_head: RayHead, test_cache_dir: Path, tmp_path: Path
 ) -> None:
     flags = ("--set", "epochs=[5]")
@@ -140,6 +151,9 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
     # the same actors, one per trial slot, whatever K
     k1, k20 = (_job_actors(ray_head, submissions[name]) for name in ("k1", "k20"))
     assert k1 == k20 and 0 < sum(k1.values()) <= HEAD_SLOTS, (k1, k20)
+    # and the same tasks: every unit loads the workload and runs in an actor of its own, whatever its runs
+    k1_tasks, k20_tasks = (_job_tasks(ray_head, submissions[name]) for name in ("k1", "k20"))
+    assert k1_tasks == k20_tasks and k1_tasks["ImplicitFunc.__init__"] == sum(k1.values()), (k1_tasks, k20_tasks)
     shown = _released_to_ray(ray_head, list(submissions.values()))
     # what any of the three searches released is public: Ray's views hold all three (a released number
     # of one, k/150 on its model card, can equal a hidden noisy score of another and tells nothing of it)
@@ -149,6 +163,7 @@ def test_private_searches_on_a_cluster_show_ray_nothing_of_their_runs_and_start_
         root = tmp_path / name
         logs = json.loads(shown[f"`ray job logs {submission}`"])["logs"]
         assert "joined Ray cluster" in logs and "the release of this end-to-end private search" in logs
+        assert " ".join(CLUSTER_TIMING_NOTE.split()) in " ".join(logs.split())  # what of K the cluster still shows
         # Ray's job manager stamps the job's start before the search runs (its start and end times are
         # in Ray's job table too: the wall time is seen by whoever watches the cluster, docs/PRIVACY.md)
         ray_lines, search_output = logs.split(f"Running entrypoint for job {submission}", 1)

@@ -196,7 +196,7 @@ def test_replicates_share_a_configuration_id(tmp_path: Path) -> None:
     trials = read_table(str(tmp_path), "trials").sort_values("replicate")
     assert trials["trial_id"].tolist() == ["eps1-E2-abc-r0", "eps1-E2-abc-r1"]
     assert trials["configuration_id"].tolist() == ["eps1-E2-abc"] * 2 and trials["replicate"].tolist() == [0, 1]
-    assert trials["replicate"].dtype == "int64" and records.SCHEMA_VERSION == 6
+    assert trials["replicate"].dtype == "int64" and records.SCHEMA_VERSION == 7
     only = read_table(str(tmp_path), "trials", columns=["configuration_id", "replicate"])
     assert list(only.columns) == ["configuration_id", "replicate"] and len(only) == 2
     for bad in (-1, 1.0, True):

@@ -39,7 +39,7 @@ from dptune.search import execution
 from dptune.search.sampler import CellSampler
 from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
-from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
+from hidden_runs import assert_nothing_of_the_hidden_runs_outside, assert_owner_only, private_search
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
@@ -232,7 +232,7 @@ def test_search_table_reports_the_whole_search_cost(
     search = read_table(str(tiny_search.root), "search")
     trials = read_table(str(tiny_search.root), "trials")
     delta = load_space(TINY).space.privacy.delta
-    assert len(search) == 4 and set(search["schema_version"]) == {SCHEMA_VERSION} == {6}
+    assert len(search) == 4 and set(search["schema_version"]) == {SCHEMA_VERSION} == {7}
     ran = trials[trials["steps_taken"] > 0]
     assert len(ran) == 12 and ran["epsilon_spent"].notna().all() and (ran["epsilon_spent"] > 0).all()
     # the whole search: every trial of every cell and variant, composed by dp_accounting's PLD accountant
@@ -410,7 +410,22 @@ def test_private_search_releases_one_run_within_the_total_budget_and_shows_nothi
     decision = html.unescape(page).split("Release of the private search ")[1].split("Sources:")[0]
     assert f"model {model}/model.safetensors; one (ε, δ) = (8, 1e-05) covers the tuning, the selection" in decision
     assert "Trials per search cell" not in page
+    assert " built " not in page  # the build follows the search's end: its time would date the search
+    # named by its own total (ε, δ), never the per-run ε of the cell its runs were planned in
+    assert model.name == "eps=8_delta=1e-05_epochs=5-normalized", model.name
+    assert (model / "model_card.md").read_text().startswith("# dptune model: eps=8|delta=1e-05|epochs=5 [normalized]")
+    assert "(eps=8|delta=1e-05|epochs=5): C = " in decision and f"{row.epsilon_per_trial:g}" not in str(model)
     assert_nothing_of_the_hidden_runs_outside(root, out, (tmp_path / "private-tmp").resolve(), os.cpu_count() or 1)
+    assert_owner_only(root)
+    # the hidden runs' ε at their own mechanisms is cached inside the boundary, not in the user's cache
+    hidden = {(run.noise_multiplier, run.sample_rate) for run in ok.itertuples()}
+
+    def epsilon_entries(folder: Path) -> set[tuple[float, float]]:
+        keys = [json.loads(path.read_text())["key"] for path in folder.glob("epsilon-*.json")]
+        return {(key["noise_multiplier"], key["sample_rate"]) for key in keys}
+
+    assert not hidden & epsilon_entries(test_cache_dir / "accounting")
+    assert hidden <= epsilon_entries(inside / "accounting")
     # a second search of the same space proposes other configurations: the proposals are secret
     again = read_table(str(tmp_path / "again" / TRUST_BOUNDARY), "trials")
     proposed = {tuple(r) for r in trials[["clip_bound", "batch_size", "base_learning_rate"]].to_numpy().tolist()}

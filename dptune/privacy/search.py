@@ -95,6 +95,28 @@ _OUTSIDE = (
 )
 
 
+#: How a data owner scores the released model on labelled rows of their own, inside their boundary.
+OWNER_EVALUATION = "python -m dptune.predict --model <model folder> --input FILE --column COL --label-column LABEL"
+
+
+def test_withheld(space: SearchSpace, official_test_split: bool) -> str | None:
+    """Why an end-to-end private search's release withholds its test accuracy, naming the source of the
+    test rows and how the owner scores the model themselves (``OWNER_EVALUATION``); None where the test
+    split is public (shipped with the dataset, or a test file declared ``test_public``)."""
+    if official_test_split:
+        return None
+    own = space.task.dataset_file
+    if own is not None and own.test_path is not None:
+        return (
+            "your test file (task.dataset.test_path) is not declared test_public, so its accuracy would be a "
+            f"release about private rows; score it yourself, inside your trust boundary: {OWNER_EVALUATION}"
+        )
+    return (
+        "the test split is carved from the private pool, so its accuracy would be a release about private rows; "
+        f"score a labelled file of your own, inside your trust boundary: {OWNER_EVALUATION}"
+    )
+
+
 def _test_split(dataset: str, official_test_split: bool, own: DatasetFile | None, *, private_selection: bool) -> str:
     """What the guarantee says of test accuracy (public when the dataset ships its own test split, or a
     data owner's test file is declared ``test_public``) and, for a data owner's file (``own``), of its rows."""

@@ -32,7 +32,14 @@ from dptune.records.store import (
     read_table,
     unreadable_parts,
 )
-from dptune.records.trust import TRUST_BOUNDARY, TRUST_BOUNDARY_README, runs_root
+from dptune.records.trust import (
+    TRUST_BOUNDARY,
+    TRUST_BOUNDARY_README,
+    owner_only,
+    release_label,
+    runs_root,
+    withheld_reason,
+)
 
 __all__ = [
     "QUARANTINE",
@@ -45,9 +52,12 @@ __all__ = [
     "ResultsStore",
     "part_problem",
     "quarantine_part",
+    "owner_only",
     "read_table",
+    "release_label",
     "replicate_trial_id",
     "runs_root",
     "trial_rows",
     "unreadable_parts",
+    "withheld_reason",
 ]

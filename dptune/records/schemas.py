@@ -29,7 +29,8 @@ from dptune.errors import DptuneError
 #: 5: search gains runs_charged and runs_unrecorded: the whole-search cost composes the privacy ledger
 #: (``dptune.records.ledger``), every run that was charged before its first step, recorded or not.
 #: 6: release gains tuning_fraction and transfer (tuning on a private subsample; null otherwise).
-SCHEMA_VERSION = 6
+#: 7: release gains test_withheld (the test rows' source and how the owner scores the model themselves).
+SCHEMA_VERSION = 7
 
 #: The quantiles of per-class gradient norms the ``classes`` table keeps, as column suffixes.
 QUANTILES = ("q05", "q25", "q50", "q75", "q95")
@@ -182,6 +183,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("noisy_val_accuracy", pa.float64()),  # the maximum of the K noisy scores: biased upward
             ("test_accuracy", pa.float64()),  # null unless the test split is public (shipped with the dataset)
             ("test_split_public", pa.bool_()),
+            ("test_withheld", pa.string()),  # why the test accuracy is withheld, and how to score it; null: public
             ("epsilon_total", pa.float64()),
             ("delta_total", pa.float64()),
             ("epsilon_per_trial", pa.float64()),

@@ -71,7 +71,8 @@ def build_report(
     )
     sections = [make(ctx) for make in SECTIONS]
     index = out / "index.html"
-    index.write_text(render(sections, options.title, results.sources, time.monotonic() - started), encoding="utf-8")
+    seconds = None if not results.release.empty else time.monotonic() - started
+    index.write_text(render(sections, options.title, results.sources, seconds), encoding="utf-8")
     return index
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dptune import analysis as an
+from dptune.records import release_label, withheld_reason
 from dptune.report.document import Section, format_int, format_percent, format_sig
 
 
@@ -43,7 +44,7 @@ def decide(section: Section, results: an.Results) -> None:
         for _, release in results.release.iterrows():
             folder = _release_folder(release, models)
             section.text(
-                f"Release of the private search {release['search_id']} ({release['cell_id']}): C = "
+                f"Release of the private search {release['search_id']} ({release_label(release)}): C = "
                 f"{format_sig(release['clip_bound'])}, B = {format_int(release['batch_size'])}, η = "
                 f"{format_sig(release['learning_rate'])}; model {folder}; one (ε, δ) = "
                 f"({format_sig(release['epsilon_total'])}, {format_sig(release['delta_total'])}) covers the "
@@ -52,7 +53,7 @@ def decide(section: Section, results: an.Results) -> None:
                 + (
                     f"Test accuracy {format_percent(release['test_accuracy'])} % (public test split)."
                     if pd.notna(release["test_accuracy"])
-                    else "Its test accuracy is withheld (the test split is private)."
+                    else f"Its test accuracy is withheld: {withheld_reason(release)}."
                 )
             )
     if best.empty and results.release.empty:
@@ -105,7 +106,7 @@ def _release_folder(release: pd.Series, models: pd.DataFrame) -> str:
     if models.empty:
         return "not in these results"
     match = models[
-        (models["cell_id"] == release["cell_id"])
+        (models["cell_id"] == release_label(release))
         & (models["clip_bound"] == release["clip_bound"])
         & (models["batch_size"] == release["batch_size"])
     ]

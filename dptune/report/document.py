@@ -197,9 +197,12 @@ nav li{margin:2px 0}
 """
 
 
-def render(sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float) -> str:
+def render(sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float | None) -> str:
     """The self-contained HTML document of ``sections``: those with something to show in full, then
-    one line for each left out for lack of data (:attr:`Section.left_out`), saying what it lacks."""
+    one line for each left out for lack of data (:attr:`Section.left_out`), saying what it lacks.
+    ``seconds``: how long the build took, shown with its time; None (a report that holds a private
+    search's release): neither is shown, since the build follows the search's end, and its time
+    and duration would date a search whose wall time grows with its secret number of runs."""
     shown = [s for s in sections if not s.left_out]
     contents = "".join(f'<li><a href="#s{s.number}">{s.number}. {html.escape(s.title)}</a></li>' for s in shown)
     body = "".join(
@@ -215,10 +218,12 @@ def render(sections: Sequence[Section], title: str, sources: Sequence[str], seco
         contents += '<li><a href="#sections-left-out">left out for lack of data</a></li>'
         body += f'<section id="sections-left-out"><h2>Left out for lack of data</h2><ul>{lines}</ul></section>'
 
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    built = (
+        "" if seconds is None else f", built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {seconds:.1f} s"
+    )
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"<p>dptune {html.escape(__version__)}, built {stamp} in {seconds:.1f} s from "
+        f"<p>dptune {html.escape(__version__)}{built} from "
         f"{html.escape(', '.join(sources))}.</p><nav><ol>{contents}</ol></nav>{body}</body></html>"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dptune import analysis as an
+from dptune.records import release_label
 from dptune.report.decision import decide
 from dptune.report.document import Context, Section, format_percent, format_sig
 
@@ -27,7 +28,7 @@ def overview(ctx: Context) -> Section:
     if not results.release.empty:
         columns = {
             "search_id": "search",
-            "cell_id": "cell",
+            "release": "release",
             "clip_bound": "C",
             "batch_size": "B",
             "base_learning_rate": "η₀",
@@ -40,7 +41,9 @@ def overview(ctx: Context) -> Section:
             "delta_total": "δ",
         }
         section.table(
-            results.release.reindex(columns=list(columns)).rename(columns=columns),
+            results.release.assign(release=[release_label(row) for _, row in results.release.iterrows()])
+            .reindex(columns=list(columns))
+            .rename(columns=columns),
             {
                 "noisy val acc (max, %)": format_percent,
                 "test acc (%)": format_percent,

@@ -11,12 +11,9 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -27,7 +24,7 @@ from dptune.errors import (
     SearchIncomplete,
 )
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
-from dptune.records import TRUST_BOUNDARY_README, ResultsStore, read_table, runs_root
+from dptune.records import TRUST_BOUNDARY_README, ResultsStore, owner_only, read_table, runs_root
 from dptune.records.ledger import charged_runs
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
@@ -43,7 +40,7 @@ from dptune.search.cells import (
     task_workload,
 )
 from dptune.search.damaged_ledger import charge_unreadable_starts
-from dptune.search.embedded_ray import end_orphans, record_session
+from dptune.search.embedded_ray import end_orphans, private_ray_folder, private_session_folder, record_session
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.finished import conclude, report_location, search_finished, show_if_finished
 from dptune.search.lease import hold_lease
@@ -73,19 +70,19 @@ if TYPE_CHECKING:
     from dptune.search.options import SearchOptions
 
 
-#: Where :func:`private_ray_folder` puts the session folder of a private search's embedded Ray (set
-#: while the search runs; read by :func:`init_ray`).
-PRIVATE_RAY_FOLDER_ENV = "DPTUNE_PRIVATE_RAY_FOLDER"
-
-#: The longest session folder parent Ray can use: it adds ``/session_<date>_<time>_<pid>/sockets/plasma_store``
-#: (about 63 characters) below it, and a Unix socket's path holds at most 107 bytes.
-RAY_FOLDER_MAX_CHARS = 40
-
 #: Tries of an embedded Ray start whose processes time out registering (an overloaded machine: Ray
 #: waits a fixed 30 s), and the seconds between them.
 RAY_START_ATTEMPTS = 3
 RAY_START_RETRY_PAUSE_S = 15.0
 
+
+#: What a private search on a cluster prints: what of K the cluster's own views still show.
+CLUSTER_TIMING_NOTE = (
+    "note: every unit loads the workload and starts the same Ray actors and tasks whatever the secret number "
+    "of runs K, but the units' durations (the dashboard, `ray list tasks --detail`) and the job's wall time "
+    "grow with K: the cluster's dashboard and state API are inside your trust boundary, or K's order of "
+    "magnitude is public (docs/PRIVACY.md)"
+)
 
 #: How :func:`init_ray`'s answer begins when it started an embedded Ray.
 EMBEDDED_STARTED = "started embedded local Ray"
@@ -94,9 +91,10 @@ EMBEDDED_STARTED = "started embedded local Ray"
 def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool = False) -> str:
     """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
 
-    ``private`` (an end-to-end private search): Ray logs errors only, so the console (and ``ray job
-    logs``) carries none of Ray's or Tune's timestamped lines; an embedded Ray keeps its session folder in
-    the owner-only temporary folder :func:`private_ray_folder` made (``RAY_TMPDIR``), removed at the end.
+    ``private`` (an end-to-end private search): Ray logs critical errors only, so the console (and ``ray
+    job logs``) carries none of Ray's or Tune's timestamped lines, also when a unit's process dies; an
+    embedded Ray keeps its session folder in the owner-only temporary folder :func:`private_ray_folder`
+    made, removed at the end.
 
     A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
     the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
@@ -112,9 +110,9 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     target = address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return "already initialised"
-    quiet: dict[str, Any] = {"logging_level": logging.ERROR} if private else {}
-    if private:  # Tune's own INFO lines (its end line, with a time) go through the same logger
-        logging.getLogger("ray").setLevel(logging.ERROR)
+    quiet: dict[str, Any] = {"logging_level": logging.CRITICAL} if private else {}
+    if private:  # Tune's own lines (its end line, a dead unit's ERROR lines, with a time) go through the same logger
+        logging.getLogger("ray").setLevel(logging.CRITICAL)
     # Every worker process first leaves a deleted working directory (inherited from the
     # `ray start` of its node), which would otherwise kill trials at `import torch`.
     runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
@@ -136,11 +134,11 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
                 include_dashboard=False,
                 log_to_driver=False,
                 runtime_env=runtime_env,
-                _temp_dir=os.environ.get(PRIVATE_RAY_FOLDER_ENV) if private else None,
+                _temp_dir=private_session_folder() if private else None,
                 **quiet,
             )
             session = cast(Any, started).address_info["session_dir"]  # a RayContext, typed as its base
-            record_session(session, os.environ.get(PRIVATE_RAY_FOLDER_ENV))
+            record_session(session, private_session_folder(parent=True))
             break
         except Exception as error:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(error):
@@ -176,28 +174,6 @@ def shut_down_in_background() -> None:
     import ray
 
     threading.Thread(target=ray.shutdown, name="dptune-ray-shutdown").start()
-
-
-@contextlib.contextmanager
-def private_ray_folder() -> Iterator[str]:
-    """An owner-only (0700) temporary folder for the session folder of a private search's embedded
-    Ray: Ray keeps there its logs, its Tune staging folders and its object spill, which a shared
-    ``/tmp/ray`` would leave world-readable after the search. On the way out Ray is shut down and
-    the folder removed, whatever ended the search."""
-    folder = tempfile.mkdtemp(prefix="dptune-ray-")
-    if len(folder) > RAY_FOLDER_MAX_CHARS:  # Ray's sockets live below it, and a socket's path has ≤ 107 bytes
-        os.rmdir(folder)
-        folder = tempfile.mkdtemp(prefix="dptune-ray-", dir="/tmp")
-    os.environ[PRIVATE_RAY_FOLDER_ENV] = folder
-    try:
-        yield folder
-    finally:
-        os.environ.pop(PRIVATE_RAY_FOLDER_ENV, None)
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_cluster_resources(space: SearchSpace) -> None:
@@ -261,7 +237,7 @@ def run_cells(
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     # Tune's "Wrote the latest version..." lines; a private search shows none of its warnings either: they
     # carry a time ("The `process_trial_result` operation took 2.1 s" on a busy machine)
-    logging.getLogger("ray.tune").setLevel(logging.ERROR if private else logging.WARNING)
+    logging.getLogger("ray.tune").setLevel(logging.CRITICAL if private else logging.WARNING)
     if resume and tune.Tuner.can_restore(experiment):
         tuner = tune.Tuner.restore(
             experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
@@ -363,11 +339,12 @@ def run_search(options: SearchOptions) -> str:
     if options.dry_run:
         return _run_search(options, loaded, name, results_root)
     private = loaded.space.privacy.private_selection is not None
-    embedded = not (options.address or os.environ.get("RAY_ADDRESS"))
-    # a private search's lease (whose times bracket the search) and Ray's session folder stay inside
+    # a private search creates everything owner-only; its lease (whose times bracket the search), Ray's
+    # session folder and Tune's lock files stay inside
     with (
+        owner_only() if private else contextlib.nullcontext(),
         hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:") as token,
-        private_ray_folder() if private and embedded else contextlib.nullcontext(),
+        private_ray_folder() if private else contextlib.nullcontext(),
     ):
         return _run_search(options, loaded, name, results_root, token)
 
@@ -412,6 +389,8 @@ def _run_search(
     plans = plan_cells(space, len(workload.train))
     if private and not options.dry_run:  # K once per search, inside the trust boundary
         write_file_atomic(runs, "README.txt", TRUST_BOUNDARY_README.encode())
+        if "://" not in runs:  # made before this search was private-only, or by an older dptune
+            os.chmod(runs, 0o700)
         plans = kept_trial_counts(runs, plans)
     _warn(data_notes := preflight.data_warnings(space, len(workload.train)))
     notes += data_notes
@@ -469,6 +448,8 @@ def _run_search(
             f"secret number of runs (per-run records: {runs})",
             flush=True,
         )
+        if cluster:
+            print(CLUSTER_TIMING_NOTE, flush=True)
     else:
         replicates = f" × {space.replicates} replicates" if space.replicates > 1 else ""
         print(

@@ -9,6 +9,9 @@ driver records its Ray session folder in ``<cache>/embedded-ray/<pid>.json`` onc
 whose driver is gone (each names the session folder on its command line or holds its log files
 there open), removes the session folder of a private search (its owner-only ``dptune-ray-*``
 folder, left by the kill), and drops the record. Linux only (``/proc``); elsewhere nothing is recorded or ended.
+
+A private search keeps what Ray writes on its machine in an owner-only folder of its own
+(:func:`private_ray_folder`): the session folder of its embedded Ray and Tune's lock files.
 """
 
 from __future__ import annotations
@@ -19,13 +22,63 @@ import json
 import os
 import shutil
 import signal
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from dptune.paths import cache_dir, write_file_atomic
 
+#: Where :func:`private_ray_folder` puts the session folder of a private search's embedded Ray (set
+#: while the search runs; read by ``driver.init_ray``).
+PRIVATE_RAY_FOLDER_ENV = "DPTUNE_PRIVATE_RAY_FOLDER"
+
+#: The subfolder of :func:`private_ray_folder` that an embedded Ray keeps its session folder in.
+RAY_SESSION_SUBFOLDER = "ray"
+
+#: The longest session folder parent Ray can use: it adds ``/session_<date>_<time>_<pid>/sockets/plasma_store``
+#: (about 63 characters) below it, and a Unix socket's path holds at most 107 bytes.
+RAY_FOLDER_MAX_CHARS = 40
+
 #: The cache folder of the records.
 RECORDS = "embedded-ray"
 _PROC = Path("/proc")
+
+
+@contextlib.contextmanager
+def private_ray_folder() -> Iterator[str]:
+    """An owner-only (0700) temporary folder for what Ray writes of a private search on this machine:
+    Tune's lock files (``RAY_TMPDIR``: the driver's, and an embedded Ray's workers') and, below it in
+    ``RAY_SESSION_SUBFOLDER``, the session folder of an embedded Ray (its logs, Tune's staging folders,
+    its object spill), which a shared ``/tmp/ray`` would leave world-readable. Ray opens the session
+    folder it is given to everyone (mode 0777); the 0700 parent still closes it. On the way out Ray is
+    shut down and the folder removed, whatever ended the search."""
+    folder = tempfile.mkdtemp(prefix="dptune-ray-")
+    if len(folder) + len(RAY_SESSION_SUBFOLDER) + 1 > RAY_FOLDER_MAX_CHARS:  # a socket's path has ≤ 107 bytes
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="dptune-ray-", dir="/tmp")
+    saved = {name: os.environ.get(name) for name in (PRIVATE_RAY_FOLDER_ENV, "RAY_TMPDIR")}
+    os.environ[PRIVATE_RAY_FOLDER_ENV] = folder
+    os.environ["RAY_TMPDIR"] = folder
+    try:
+        yield folder
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def private_session_folder(*, parent: bool = False) -> str | None:
+    """Where a private search's embedded Ray keeps its session folder (``parent``: the owner-only
+    folder above it), while :func:`private_ray_folder` holds one; else None."""
+    folder = os.environ.get(PRIVATE_RAY_FOLDER_ENV)
+    return folder if folder is None or parent else os.path.join(folder, RAY_SESSION_SUBFOLDER)
 
 
 def _started(pid: int) -> str | None:

@@ -17,8 +17,8 @@ from dptune.errors import SearchIncomplete, SearchInterrupted
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.checks import bound_text
-from dptune.privacy.search import composition_cost, guarantee, select_release
-from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, runs_root
+from dptune.privacy.search import composition_cost, guarantee, select_release, test_withheld
+from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, release_label, runs_root, withheld_reason
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
 from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
@@ -201,6 +201,7 @@ def release_rows(
                 },
                 "test_accuracy": chosen["test_accuracy"] if official_test_split else None,
                 "test_split_public": official_test_split,
+                "test_withheld": test_withheld(space, official_test_split),
                 "epsilon_total": selection.epsilon,
                 "delta_total": space.privacy.delta,
                 "epsilon_per_trial": plan.cell.epsilon,
@@ -218,16 +219,22 @@ def release_rows(
 def _subsample_release(trials: pd.DataFrame, cell_id: str, fraction: float) -> pd.Series | None:
     """The release of a cell tuned on a subsample of rate ``fraction`` (q₁): its finished release run
     (cell id ``<cell>|release``) with the noisy validation count of the tuning run whose configuration it
-    trained, divided by the public nominal q₁·N_val (N_val: the release run's validation rows), never by
-    X₁'s own validation size, which stays inside the trust boundary. None: no release finished."""
+    trained, the integer k divided once by the public nominal q₁·N_val (N_val: the release run's validation
+    rows), never by X₁'s own validation size, which stays inside the trust boundary. None: no release
+    finished."""
     release = trials[(trials["cell_id"] == cell_id + RELEASE_SUFFIX) & (trials["status"] == "ok")]
     if release.empty:
         return None
     chosen = release.iloc[0].copy()
     tuned = trials[(trials["cell_id"] == cell_id) & (trials["status"] == "ok")]
     same = tuned[(tuned[list(RELEASE_PARAMETERS)] == chosen[list(RELEASE_PARAMETERS)].to_numpy()).all(axis=1)]
-    count = (same["noisy_val_accuracy"] * same["num_val"]).max() if not same.empty else math.nan
-    chosen["noisy_val_accuracy"] = count / (fraction * chosen["num_val"])
+    if same.empty:
+        chosen["noisy_val_accuracy"] = math.nan
+        return chosen
+    # the run's noisy count k: an integer (count + discrete Gaussian), stored as k / |X₁ ∩ val|; rounded
+    # back to k so that the score's bits depend on k and public numbers only, never on |X₁ ∩ val|
+    count = round(float((same["noisy_val_accuracy"] * same["num_val"]).max()))
+    chosen["noisy_val_accuracy"] = count / (fraction * int(chosen["num_val"]))
     return chosen
 
 
@@ -311,9 +318,8 @@ def format_outcome(results_root: str) -> str:
     return "\n".join(([] if best.empty and failed else [format_summary(best)]) + failed)
 
 
-#: The release table's columns as the summary shows them.
+#: The release table's columns as the summary shows them (after its name, ``records.release_label``).
 RELEASE_COLUMNS = {
-    "cell_id": "cell",
     "clip_bound": "C",
     "batch_size": "B",
     "base_learning_rate": "η₀",
@@ -340,12 +346,15 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
             lines.append("none: no run finished")
         else:
             table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
+            table.insert(0, "release", [release_label(row) for _, row in release.iterrows()])
             table["tuned on (q₁)"] = table["tuned on (q₁)"].where(release["tuning_fraction"].notna(), "all rows")
-            table["test acc"] = table["test acc"].where(
-                release["test_split_public"].fillna(True).astype(bool),
-                "withheld (test split carved from the private pool)",
-            )
+            public = release["test_split_public"].fillna(True).astype(bool)
+            table["test acc"] = table["test acc"].where(public, "withheld")
             lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+            lines += [
+                f"test accuracy of {release_label(row)} withheld: {withheld_reason(row)}"
+                for _, row in release[~public].iterrows()
+            ]
             lines.append(
                 "the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
                 "not an estimate of the model's accuracy"

@@ -21,13 +21,14 @@ equal draws (categorical ranges) stay two runs with their own records and coins.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dptune.paths import read_file, write_file_atomic
-from dptune.records import ResultsStore, replicate_trial_id
+from dptune.records import ResultsStore, owner_only, replicate_trial_id
 from dptune.search.execution import TrialContext, configuration_id, run_checkpoint, run_configurations
 
 #: The file inside a private search's trust boundary that keeps every cell's proposals.
@@ -95,20 +96,39 @@ def unit_proposals(proposals: Sequence[dict[str, Any]], unit: PrivateUnit) -> li
 
 def run_private_unit(context: TrialContext, unit: PrivateUnit, chunk: int) -> None:
     """Run unit ``unit``'s proposals of its cell (read from the trust boundary), ``chunk`` at a time;
-    returns nothing, so nothing of the runs can reach the caller's report."""
-    mine = unit_proposals(read_proposals(context.results_root, unit.cell_key), unit)
-    for start in range(0, len(mine), chunk):
-        run_configurations(context, mine[start : start + chunk])
+    returns nothing, so nothing of the runs can reach the caller's report. Inside :func:`hidden_work`,
+    whether or not the secret draw gave this unit any run."""
+    with hidden_work(context):
+        mine = unit_proposals(read_proposals(context.results_root, unit.cell_key), unit)
+        for start in range(0, len(mine), chunk):
+            run_configurations(context, mine[start : start + chunk])
 
 
 def run_release(context: TrialContext, params: dict[str, Any]) -> None:
     """Train the release of a cell tuned on a subsample (``subsample.release_context``) with the chosen
     ``params``, once (skipped when recorded; continued from its checkpoint when a process running it
-    was lost), then delete the checkpoint; returns nothing, as a private unit does."""
-    run_configurations(context, [params])
-    checkpoint = run_checkpoint(context, replicate_trial_id(configuration_id(context.cell_key, params), 0))
-    assert checkpoint is not None, "a release context keeps checkpoints"
-    checkpoint.remove()
+    was lost), then delete the checkpoint; returns nothing, as a private unit does. Inside
+    :func:`hidden_work`."""
+    with hidden_work(context):
+        run_configurations(context, [params])
+        checkpoint = run_checkpoint(context, replicate_trial_id(configuration_id(context.cell_key, params), 0))
+        assert checkpoint is not None, "a release context keeps checkpoints"
+        checkpoint.remove()
+
+
+@contextlib.contextmanager
+def hidden_work(context: TrialContext) -> Iterator[None]:
+    """What a process (a Ray worker, on any node) does around a private search's runs: it creates
+    everything owner-only (``records.owner_only``), keeps the ε it computes at the runs' mechanisms
+    inside the trust boundary (``privacy.cache.kept_inside``), and first loads the workload the runs
+    train on, so that a unit's imports and memory are the same whether its share of the K runs is
+    empty or not."""
+    from dptune.privacy.cache import kept_inside
+    from dptune.runners.common import cached_workload
+
+    with owner_only(), kept_inside(context.results_root):
+        cached_workload(context.base.workload)
+        yield
 
 
 def unrecorded_runs(context: TrialContext, proposals: Sequence[dict[str, Any]]) -> int:

@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 from scipy import stats
 
 from dptune import __version__
+from dptune.contract import TrainedModel
 from dptune.paths import write_file_atomic
-from dptune.records import read_table
+from dptune.records import read_table, release_label, withheld_reason
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, MODELS_FOLDER, read_weights, weights_bytes
 from dptune.space import SearchSpace
 
 #: Confidence of the accuracy intervals on a card (Wilson score interval of one run's k of n).
 CARD_CONFIDENCE = 0.95
+#: Provenance keys that describe the private rows themselves: never in a private release's files.
+PRIVATE_PROVENANCE = frozenset({"data_sha256"})
 #: The configuration a card states, from the run's record.
 CONFIG_COLUMNS = (
     "clip_bound",
@@ -72,8 +76,9 @@ def publish_models(
     releases: list[tuple[dict[str, Any], pd.Series]],
 ) -> list[str]:
     """Publish a finished search's models under ``<results>/models/`` and say where: ``releases`` (the
-    ``release`` rows with the runs they release) for an end-to-end private search, else the best
-    model of each cell and clipping rule. Returns the models' folders."""
+    ``release`` rows with the runs they release) for an end-to-end private search, each model named by
+    its release's own total (ε, δ) (``records.release_label``), else the best model of each cell and
+    clipping rule. Returns the models' folders."""
     folders = (
         publish_release_models(results_root, runs, releases)
         if space.privacy.private_selection is not None
@@ -158,9 +163,9 @@ def publish_release_models(results_root: str, runs: str, choices: list[tuple[dic
             "test_accuracy": float(release["test_accuracy"]) if public else None,
             "test_interval": accuracy_interval(release["test_accuracy"], int(run["num_test"])) if public else None,
             "num_test": int(run["num_test"]) if public else None,
-            "test_withheld": None if public else "the test split is private data: its accuracy is not released",
+            "test_withheld": None if public else withheld_reason(release),
         }
-        key = (release["cell_id"], str(run["clipping"]))
+        key = (release_label(release), str(run["clipping"]))
         folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, private=True)
         if folder is not None:
             folders.append(folder)
@@ -185,14 +190,15 @@ def _publish(
 ) -> str | None:
     """Write run ``trial_id``'s model and cards under ``models/<model_name(*key)>``; None: it left no weights.
 
-    ``private`` (an end-to-end private release): the card holds neither the trial id (it orders the
-    run among the runs) nor the data's sha256 (a hash of the private rows is no DP release: who knows
-    all rows but one could test guesses of it). The class names are on every card: they name the
-    model's outputs, so the label set is taken as public (the card says so)."""
+    The model file and the card are written from one :func:`released_model`, redacted once for the
+    search's shape. ``private`` (an end-to-end private release): neither holds the trial id (it orders
+    the run among the runs) nor the data's sha256 (``PRIVATE_PROVENANCE``). The class names are on
+    every card: they name the model's outputs, so the label set is taken as public (the card says so)."""
     trained = read_weights(runs, trial_id)
     if trained is None:
         return None
-    provenance = dict(trained.provenance)
+    released = released_model(trained, private=private)
+    provenance = dict(released.provenance)
     class_names = json.loads(provenance.pop("class_names", "[]"))
     fingerprint = provenance.pop("data_sha256", None)
     data_note = (
@@ -206,7 +212,7 @@ def _publish(
         "data": {
             "dataset": str(run["dataset"]),
             "class_names": class_names,
-            "data_sha256": None if private else fingerprint,
+            "data_sha256": fingerprint,
             **provenance,
             "notes": f"{data_note}; the class names (the model's outputs) are taken as public",
         },
@@ -218,10 +224,22 @@ def _publish(
         "accuracy": accuracy,
     }
     folder = f"{results_root.rstrip('/')}/{MODELS_FOLDER}/{model_name(*key)}"
-    write_file_atomic(folder, MODEL_FILE, weights_bytes(trained))
+    write_file_atomic(folder, MODEL_FILE, weights_bytes(released))
     write_file_atomic(folder, CARD_MD, card_markdown(card).encode())
     write_file_atomic(folder, CARD_JSON, json.dumps(card, indent=1, ensure_ascii=False).encode())
     return folder
+
+
+def released_model(trained: TrainedModel, *, private: bool) -> TrainedModel:
+    """What leaves of a run's saved model: its parameters, logits rule and provenance, the provenance
+    redacted once for the search's shape. ``private`` (an end-to-end private release): without
+    ``PRIVATE_PROVENANCE`` (the data's sha256: a hash of the private rows is no DP release, whoever
+    knows all rows but one can test guesses of it). The model file's header and the cards are both
+    written from the one object this returns."""
+    if not private:
+        return trained
+    provenance = {name: value for name, value in trained.provenance.items() if name not in PRIVATE_PROVENANCE}
+    return replace(trained, provenance=provenance)
 
 
 def _plain(value: Any) -> Any:
@@ -265,7 +283,9 @@ def card_markdown(card: dict[str, Any]) -> str:
             f"- noisy validation score (the private selection's, biased upward): {accuracy['noisy_val_accuracy']:.1%}"
         )
     lines.append(
-        f"- test: {share('test_accuracy')}" + (f" on {accuracy['num_test']} rows" if accuracy.get("num_test") else "")
+        f"- test: {share('test_accuracy')}"
+        + (f" on {accuracy['num_test']} rows" if accuracy.get("num_test") else "")
+        + (f" ({accuracy['test_withheld']})" if accuracy.get("test_withheld") else "")
     )
     lines += ["", "## Configuration", ""]
     lines += [f"- {name}: {value}" for name, value in config.items()]

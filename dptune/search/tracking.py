@@ -22,9 +22,9 @@ lands beside the first, told apart by its ``INSTANCE_TAG``):
 
 Each published model can be registered (``tracking.registered_model``) as a version whose source is
 its run's ``model``. Idempotent: every run carries the tag ``DPTUNE_RUN_TAG`` (a trial id,
-``search``, or ``release <cell>``); a finished one is not logged again, an unfinished one (a failed
-earlier attempt) is deleted and logged again (the ``search`` run, which ends last, is kept: its
-nested runs point to it), and a model already registered from a run is not registered twice.
+``search``, or ``release <label>``: ``records.release_label``); a finished one is not logged again,
+an unfinished one (a failed earlier attempt) is deleted and logged again (the ``search`` run, which
+ends last, is kept: its nested runs point to it), and a model already registered from a run is not registered twice.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import pyarrow.fs as pafs
 from dptune import __version__
 from dptune.errors import shown
 from dptune.paths import filesystem
-from dptune.records import read_table
+from dptune.records import read_table, release_label
 from dptune.records.weights import CARD_JSON, MODELS_FOLDER
 from dptune.search.outcome import summary_text
 from dptune.search.preflight import PreflightError
@@ -72,7 +72,7 @@ LOGGING_SETTINGS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
-#: The tag that names what a run holds: a trial id, ``search`` or ``release <cell id>``.
+#: The tag that names what a run holds: a trial id, ``search`` or ``release <release label>``.
 DPTUNE_RUN_TAG = "dptune.run"
 #: The tag that tells two searches of one id apart (the same space run again in another folder, or
 #: after its folder was removed: the same trial ids): a digest of its ``search`` and ``release`` rows
@@ -323,10 +323,11 @@ class _SearchLogger:
         by_cell = {card["model"]["cell_id"]: (folder, card) for folder, card in cards.items()}
         models = []
         for release in releases.to_dict("records"):
-            key = f"release {release['cell_id']}"
+            label = release_label(release)  # its own total (ε, δ), as its model folder and card name it
+            key = f"release {label}"
             self.doing = f"logging the {key}"
-            folder, card = by_cell[release["cell_id"]]
-            run_id = self._start(key, {"dptune.cell_id": str(release["cell_id"])})
+            folder, card = by_cell[label]
+            run_id = self._start(key, {"dptune.release": label})
             if run_id is not None:
                 now = _now_ms()
                 public_test = bool(release["test_split_public"])

@@ -193,6 +193,23 @@ class StopOnStorageFailure(Callback):
             stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
 
+class SayUnitFailed(Callback):
+    """Driver-side, private search: one line, without a time or a trial name, each time a unit fails (its
+    process lost, or an error raised), pointing into the trust boundary (``runs``: Tune's error files under
+    ``_tune``, tracebacks under ``PRIVATE_UNIT_ERRORS``); Ray's and Tune's own lines about it are off."""
+
+    def __init__(self, runs: str, max_retries: int) -> None:
+        self.runs, self.max_retries = runs.rstrip("/"), max_retries
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        print(
+            f"a unit of the private search failed; Ray Tune runs a failed unit again up to {self.max_retries} "
+            f"time(s) (resources.max_retries); what happened stays inside the trust boundary: {self.runs}/_tune "
+            f"and {self.runs}/{PRIVATE_UNIT_ERRORS}",
+            flush=True,
+        )
+
+
 class CellMultiplexer(Searcher):
     """One Tune searcher over every cell run: each cell keeps its own sampler and budget.
 

@@ -89,14 +89,16 @@ def private_tuner(
     """The Tuner of an end-to-end private search: per cell a public number of units
     (``private_units.unit_count`` of the trial slots), each running its share of the cell's proposals
     kept inside the trust boundary; Tune's searcher, trial names, results and callbacks hold nothing
-    that depends on K or on the runs (the one callback ends the search on a storage error)."""
+    that depends on K or on the runs (its callbacks end the search on a storage error, and say in one
+    line that a unit failed)."""
     from ray import tune
 
     from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
-    from dptune.search.tune_adapters import METRIC, StopOnStorageFailure
+    from dptune.search.tune_adapters import METRIC, SayUnitFailed, StopOnStorageFailure
 
     units = unit_count(trial_slots(space))
-    run_config.callbacks = [StopOnStorageFailure()]
+    runs = next(iter(contexts.values())).results_root
+    run_config.callbacks = [StopOnStorageFailure(), SayUnitFailed(runs, space.resources.max_retries)]
     return tune.Tuner(
         trainable,
         param_space={
@@ -108,7 +110,9 @@ def private_tuner(
             metric=METRIC,
             mode="max",
             max_concurrent_trials=space.resources.max_concurrent_trials,
-            reuse_actors=True,
+            # one actor per unit: a reused actor gets calls (reset) that a fresh one does not, and which
+            # units finish first, and so are reused, depends on K
+            reuse_actors=False,
         ),
         run_config=run_config,
     )

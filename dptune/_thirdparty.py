@@ -1,8 +1,9 @@
 """Every call dptune makes into a third-party library's private API, one small function each.
 
 Private names (Opacus' gradient bookkeeping and noise, dp_accounting's RDP internals, torchvision's
-SUN397 file listing) may change in any release, so each is used only here, and only after the
-installed version is checked once against the minor releases it was read and tested against
+SUN397 file listing, the printer of Ray's driver) may change in any release, so each is used only
+here, and only after the installed version is checked once against the minor releases it was read
+and tested against
 (``TESTED_VERSIONS``): another version fails at first use with :class:`UnsupportedVersionError`
 naming the library, its version and the range, instead of a wrong result or an ``AttributeError``
 deep inside a trial. ``tests/test_thirdparty.py`` pins the behaviour each function relies on.
@@ -12,9 +13,10 @@ Torch-free at import: each library is imported inside the function that uses it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,12 +33,14 @@ TESTED_VERSIONS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "opacus": ((1, 6), (1, 7)),
     "dp-accounting": ((0, 6), (0, 7)),
     "torchvision": ((0, 29), (0, 30)),
+    "ray": ((2, 60), (2, 61)),
 }
 #: What dptune uses of each, for the error message.
 PRIVATE_NAMES: dict[str, str] = {
     "opacus": "opacus.optimizers.optimizer._generate_noise, _mark_as_processed, _check_processed_flag",
     "dp-accounting": "RdpAccountant._rdp, rdp_privacy_accountant._compute_rdp_repeat_and_select",
     "torchvision": "SUN397._image_files, SUN397._labels",
+    "ray": "ray._private.worker.print_to_stdstream",
 }
 
 Result = TypeVar("Result")
@@ -147,3 +151,28 @@ def sun397_listing(dataset: Any) -> tuple[Sequence[Path], Sequence[int]]:
     """The image files of a ``torchvision.datasets.SUN397`` and their labels (indices into
     ``dataset.classes``), aligned; torchvision keeps both private."""
     return dataset._image_files, dataset._labels
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+@contextlib.contextmanager
+@_checked("ray")
+def without_raylet_messages() -> Iterator[None]:
+    """In the ``with`` block the driver prints none of the error messages the cluster publishes to it
+    (``pid`` ``raylet``: a worker died, with its lease, worker and node ids and address), which Ray's
+    listener thread prints through ``ray._private.worker.print_to_stdstream``; every other line it
+    prints (a worker's output, when forwarded) passes."""
+    import ray._private.worker as worker
+
+    printing = worker.print_to_stdstream
+
+    def quiet(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            printing(data, ignore_prefix)
+
+    worker.print_to_stdstream = quiet
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = printing

@@ -192,7 +192,40 @@ def test_the_space_takes_a_file_mapping(tmp_path: Path) -> None:
         load_space(tiny, {"task.dataset": {**dataset, "test_public": True}})
 
 
-def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_shows_nothing_else(
+#: Installed as sitecustomize in the search's processes: the first private unit to start, in any
+#: process, SIGKILLs its own process (a worker lost, as to the OOM killer); Ray Tune runs it again.
+_KILL_ONE_UNIT = """
+import importlib.abc, importlib.util, os, pathlib, signal, sys
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "dptune.search.private_units":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        sys.meta_path.insert(0, self)
+        loader = spec.loader
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+            def exec_module(self, module):
+                loader.exec_module(module)
+                real = module.hidden_work
+                def hidden_work(context):
+                    try:
+                        os.close(os.open(os.environ["DPTUNE_KILL_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    except FileExistsError:
+                        return real(context)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                module.hidden_work = hidden_work
+        spec.loader = _Loader()
+        return spec
+
+sys.meta_path.insert(0, _Hook())
+"""
+
+
+def test_a_private_search_on_embeddings_releases_one_run_says_one_line_for_a_killed_unit_and_shows_nothing_else(
     search_env: dict[str, str], embeddings: pd.DataFrame, tmp_path: Path
 ) -> None:
     dataset = {
@@ -209,7 +242,20 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
         "task.max_tokens=null",
     ]
     flags += ["--set", "sampler.trials_per_cell=3", "--set", "epochs=[5]"]
-    completed = private_search(search_env, tmp_path, REPO_ROOT / "search_spaces/private.yaml", "private", *flags)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_ONE_UNIT)
+    env = {
+        **search_env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), search_env.get("PYTHONPATH", "")])),
+        "DPTUNE_KILL_MARK": str(tmp_path / "killed"),
+    }
+    completed = private_search(env, tmp_path, REPO_ROOT / "search_spaces/private.yaml", "private", *flags)
+    # a unit's process was killed once: the console says so in one line of its own (no time, no trial
+    # name: assert_nothing_of_the_hidden_runs_outside finds no timestamped line) and the unit ran again
+    assert (tmp_path / "killed").exists()
+    (said,) = [line for line in completed.stdout.splitlines() if "a unit of the private search failed" in line]
+    assert f"{tmp_path / 'private' / TRUST_BOUNDARY}/_tune" in said and "private_unit_trainable" not in said
     root = tmp_path / "private"
     (release,) = read_table(str(root), "release").itertuples()
     # no official test split: the carved test rows are private, so their accuracy is withheld
@@ -217,6 +263,7 @@ def test_a_private_search_on_a_parquet_file_of_embeddings_releases_one_run_and_s
     trials = read_table(str(root / TRUST_BOUNDARY), "trials")
     assert set(trials["dataset"]) == {"file:digits.parquet"} and set(trials["backbone"]) == {"none"}
     out = " ".join(completed.stdout.split())
+    assert "ERROR" not in completed.stdout + completed.stderr and "(raylet)" not in completed.stdout
     assert "file:digits.parquet has no official test split: its test rows are carved from the same private pool" in out
     assert "One row of file:digits.parquet is one record: (ε, δ) protects each row" in out
     assert_nothing_of_the_hidden_runs_outside(

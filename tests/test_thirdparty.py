@@ -42,8 +42,9 @@ def test_a_missing_library_is_refused_with_a_dptune_error() -> None:
         del _thirdparty.TESTED_VERSIONS["no-such-distribution-dptune"]
 
 
-def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_accounting_torchvision() -> None:
+def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_accounting_torchvision_ray() -> None:
     private = {
+        "_private",
         "_generate_noise",
         "_mark_as_processed",
         "_check_processed_flag",
@@ -60,6 +61,8 @@ def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_acco
                 if isinstance(node, ast.Attribute)
                 else {alias.name for alias in node.names}
                 if isinstance(node, ast.ImportFrom)
+                else {part for alias in node.names for part in alias.name.split(".")}
+                if isinstance(node, ast.Import)
                 else set()
             )
             if names & private:
@@ -119,3 +122,19 @@ def test_sun397_listing_aligns_files_and_labels(tmp_path: Path) -> None:
     by_file = {Path(path).relative_to(data).parent.as_posix(): label for path, label in zip(files, labels, strict=True)}
     assert len(files) == 3
     assert by_file == {"a/abbey": 0, "b/bakery/shop": 1}
+
+
+def test_without_raylet_messages_the_driver_prints_no_cluster_error_and_everything_else(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    import ray._private.worker as worker
+
+    def show(pid: str, line: str) -> None:
+        worker.print_to_stdstream({"lines": [line], "pid": pid, "is_err": False}, ignore_prefix=False)
+
+    with _thirdparty.without_raylet_messages():
+        show("raylet", "A worker died or was killed while executing a task")
+        show("4242", "a worker's own output")
+    show("raylet", "after the block: shown again")
+    printed = capsys.readouterr().out
+    assert "A worker died" not in printed and "a worker's own output" in printed and "shown again" in printed

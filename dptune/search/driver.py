@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from dptune import __version__
+from dptune._thirdparty import without_raylet_messages
 from dptune.errors import (
     SearchError,
     SearchIncomplete,
@@ -79,9 +80,9 @@ RAY_START_RETRY_PAUSE_S = 15.0
 #: What a private search on a cluster prints: what of K the cluster's own views still show.
 CLUSTER_TIMING_NOTE = (
     "note: every unit loads the workload and starts the same Ray actors and tasks whatever the secret number "
-    "of runs K, but the units' durations (the dashboard, `ray list tasks --detail`) and the job's wall time "
-    "grow with K: the cluster's dashboard and state API are inside your trust boundary, or K's order of "
-    "magnitude is public (docs/PRIVACY.md)"
+    "of runs K, but the units' durations (the dashboard, `ray list tasks --detail`), their memory beyond the "
+    "workload and the job's wall time grow with K: the cluster's dashboard, state API and nodes are inside "
+    "your trust boundary, or K's order of magnitude is public (docs/PRIVACY.md)"
 )
 
 #: How :func:`init_ray`'s answer begins when it started an embedded Ray.
@@ -345,6 +346,7 @@ def run_search(options: SearchOptions) -> str:
         owner_only() if private else contextlib.nullcontext(),
         hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:") as token,
         private_ray_folder() if private else contextlib.nullcontext(),
+        without_raylet_messages() if private else contextlib.nullcontext(),  # a dead unit: dptune's own line
     ):
         return _run_search(options, loaded, name, results_root, token)
 

@@ -14,9 +14,10 @@ or trial names, not Ray's GCS, dashboard, state API or session folders, not the 
   ledger before its first step, recorded inside the boundary, skipped when recorded), and reports a
   constant to Tune (:data:`UNIT_DONE`).
 
-What remains visible outside is timing: a unit's duration, and the search's, grow with the runs
-it holds (docs/PRIVACY.md says so). Every proposal carries its index (``PROPOSAL_KEY``) so that two
-equal draws (categorical ranges) stay two runs with their own records and coins.
+What remains visible outside is timing and a unit's memory beyond its workload: a unit's duration,
+and the search's, grow with the runs it holds (docs/PRIVACY.md says so). Every proposal carries its
+index (``PROPOSAL_KEY``) so that two equal draws (categorical ranges) stay two runs with their own
+records and coins.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def hidden_work(context: TrialContext) -> Iterator[None]:
     """What a process (a Ray worker, on any node) does around a private search's runs: it creates
     everything owner-only (``records.owner_only``), keeps the ε it computes at the runs' mechanisms
     inside the trust boundary (``privacy.cache.kept_inside``), and first loads the workload the runs
-    train on, so that a unit's imports and memory are the same whether its share of the K runs is
-    empty or not."""
+    train on, so that a unit's imports and resident workload are the same whether its share of the K
+    runs is empty or not (its runs' own tensors still add to its peak memory: docs/PRIVACY.md)."""
     from dptune.privacy.cache import kept_inside
     from dptune.runners.common import cached_workload
 

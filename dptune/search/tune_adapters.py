@@ -201,11 +201,16 @@ class SayUnitFailed(Callback):
     def __init__(self, runs: str, max_retries: int) -> None:
         self.runs, self.max_retries = runs.rstrip("/"), max_retries
 
+    def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._say("it runs again")
+
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._say(f"it was run {self.max_retries + 1} time(s) (resources.max_retries = {self.max_retries})")
+
+    def _say(self, then: str) -> None:
         print(
-            f"a unit of the private search failed; Ray Tune runs a failed unit again up to {self.max_retries} "
-            f"time(s) (resources.max_retries); what happened stays inside the trust boundary: {self.runs}/_tune "
-            f"and {self.runs}/{PRIVATE_UNIT_ERRORS}",
+            f"a unit of the private search failed, and {then}; what happened stays inside the trust boundary: "
+            f"{self.runs}/_tune and {self.runs}/{PRIVATE_UNIT_ERRORS}",
             flush=True,
         )
 

@@ -193,7 +193,7 @@ class StopOnStorageFailure(Callback):
             stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
 
-class SayUnitFailed(Callback):
+class UnitFailureNotice(Callback):
     """Driver-side, private search: one line, without a time or a trial name, each time a unit fails (its
     process lost, or an error raised), pointing into the trust boundary (``runs``: Tune's error files under
     ``_tune``, tracebacks under ``PRIVATE_UNIT_ERRORS``); Ray's and Tune's own lines about it are off."""

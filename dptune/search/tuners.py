@@ -94,11 +94,11 @@ def private_tuner(
     from ray import tune
 
     from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
-    from dptune.search.tune_adapters import METRIC, SayUnitFailed, StopOnStorageFailure
+    from dptune.search.tune_adapters import METRIC, UnitFailureNotice, StopOnStorageFailure
 
     units = unit_count(trial_slots(space))
     runs = next(iter(contexts.values())).results_root
-    run_config.callbacks = [StopOnStorageFailure(), SayUnitFailed(runs, space.resources.max_retries)]
+    run_config.callbacks = [StopOnStorageFailure(), UnitFailureNotice(runs, space.resources.max_retries)]
     return tune.Tuner(
         trainable,
         param_space={

@@ -94,7 +94,7 @@ def private_tuner(
     from ray import tune
 
     from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
-    from dptune.search.tune_adapters import METRIC, UnitFailureNotice, StopOnStorageFailure
+    from dptune.search.tune_adapters import METRIC, StopOnStorageFailure, UnitFailureNotice
 
     units = unit_count(trial_slots(space))
     runs = next(iter(contexts.values())).results_root

@@ -6,11 +6,13 @@ execution) goes in, :class:`EpochMetrics` are reported per epoch, a :class:`Tria
 search sends them through Ray Tune, :mod:`dptune.records` writes them to Parquet.
 
 The name registries live here as ``Literal`` types with their tuples (``PEFT_NAMES``,
-``OPTIMIZER_NAMES``, ``ENGINE_NAMES``, ``RUNNER_NAMES``, ``CLIPPING_RULES``): the one list of each that the search
-space (:mod:`dptune.space`), the trial checks and the implementations read. Each implementation
-table (``dptune.models.PEFTS``, ``dptune.dp.optimizers.OPTIMIZERS``) is keyed by one of them and
-checked against it with :func:`check_registry` when it is built; adding a name means adding it
-here and its implementation there.
+``OPTIMIZER_NAMES``, ``ENGINE_NAMES``, ``RUNNER_NAMES``, ``CLIPPING_RULES``), or as tuples
+(``DATASET_NAMES``, ``BACKBONE_NAMES``): the one list of each that the search space
+(:mod:`dptune.space`, :mod:`dptune.search.preflight`), the trial checks and the implementations read.
+Each implementation table (``dptune.models.PEFTS``, ``dptune.dp.optimizers.OPTIMIZERS``,
+``dptune.data.DATASETS``, ``dptune.models.backbones.BACKBONES``) is keyed by one of them and checked
+against it with :func:`check_registry` when it is built; adding a name means adding it here and its
+implementation there.
 
 This module imports nothing from dptune, torch or Ray, so any module (and the torch-free
 readers: space, records, analysis) can import it without a cycle.
@@ -58,6 +60,17 @@ def check_registry(kind: str, names: tuple[str, ...], table: Table) -> Table:
     return table
 
 
+#: Registry datasets, ``task.dataset`` by name (implementations: ``dptune.data.sources.DATASETS``).
+DATASET_NAMES: tuple[str, ...] = ("20newsgroups", "mnist5k", "cifar100", "sun397", "cassava")
+#: Registry backbones, ``task.backbone`` by name (implementations: ``dptune.models.backbones.BACKBONES``).
+BACKBONE_NAMES: tuple[str, ...] = (
+    "vit_base_patch16_224.augreg_in21k",
+    "vit_tiny_patch16_224.augreg_in21k",
+    "efficientnet_lite0",
+    "wrn16_4",
+    "minilm",
+    "distilbert",
+)
 #: ``task.backbone`` of a dataset that holds its rows' own embeddings: the head trains on them as they are.
 NO_BACKBONE = "none"
 #: Prefixes of the name of a team's own backbone (``task.backbone`` as a mapping, :mod:`dptune.models.own`).

@@ -53,9 +53,10 @@ class SearchIncomplete(DptuneError, RuntimeError):
 
 
 class SearchInterrupted(SearchIncomplete):
-    """A search stopped by a signal (Ctrl+C's SIGINT, SIGTERM as ``ray job stop`` sends) before it
-    finished: nothing is marked finished, what finished is kept, ``--resume`` runs the rest. Its exit
-    status is 128 + the signal's number, as a shell reports a process that signal ended."""
+    """A search stopped by a signal (Ctrl+C's SIGINT, SIGTERM as ``ray job stop`` sends): before it
+    finished (nothing is marked finished, what finished is kept, ``--resume`` runs the rest), or once its
+    runs were recorded (the message says what is not done; ``--resume`` does it). Its exit status is
+    128 + the signal's number, as a shell reports a process that signal ended."""
 
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)

@@ -223,8 +223,29 @@ def _validate(
         raise PlanError(
             f"reference batch size (--reference-batch-size) must be an integer ≥ 1, got {reference_batch_size!r}"
         )
-    check_max_steps(
-        num_examples, min(batch_sizes or default_batch_sizes(num_examples)), epochs, "--n, --epochs, --batch-sizes"
+    smallest = min(batch_sizes or default_batch_sizes(num_examples))
+    check_max_steps(num_examples, smallest, epochs, "--n, --epochs, --batch-sizes")
+    check_min_steps_reachable(num_examples, smallest, epochs, min_steps)
+
+
+def check_min_steps_reachable(num_examples: int, smallest_batch_size: int, epochs: int, min_steps: int) -> None:
+    """Refuse a plan in which no B qualifies: T = round(E·N/B) < ``min_steps`` even at the smallest B, which
+    gives the most steps (``PlanError`` saying so and what would let one qualify: a lower T_min, more
+    epochs, or smaller batch sizes)."""
+    most = total_steps(num_examples, smallest_batch_size, epochs)
+    if most >= min_steps:
+        return
+    more_epochs = math.ceil(Fraction(2 * min_steps - 1, 2) * smallest_batch_size / num_examples)
+    while total_steps(num_examples, smallest_batch_size, more_epochs) < min_steps:
+        more_epochs += 1  # round() takes halves to the even side: at most one more
+    largest = math.floor(Fraction(epochs * num_examples) / Fraction(2 * min_steps - 1, 2))
+    while largest >= 1 and total_steps(num_examples, largest, epochs) < min_steps:
+        largest -= 1
+    smaller = f", or give batch sizes B ≤ {largest} (--batch-sizes)" if largest >= 1 else ""
+    raise PlanError(
+        f"--min-steps {min_steps}: no batch size qualifies: T = round(E·N/B) < {min_steps} for every B (N = "
+        f"{num_examples}, E = {epochs}: the most steps are T = {most}, at B = {smallest_batch_size}). Lower "
+        f"--min-steps to {most} or less, raise --epochs to {more_epochs} or more{smaller}"
     )
 
 
@@ -255,11 +276,12 @@ def plan(
     progress: bool = False,
 ) -> list[PlanRow]:
     """One row per (ε, B), distinct ε in the given order and B ascending; exactly one row per ε is
-    ``recommended`` unless no B meets T ≥ ``min_steps``.
+    ``recommended``.
 
     All inputs are checked (``PlanError`` naming the parameter and its CLI flag) before any
-    accounting; a δ above 1/N is warned about. ``progress`` shows a tqdm bar on stderr while σ is
-    calibrated (calibrations are cached, so a repeated plan is fast).
+    accounting, that some B meets T ≥ ``min_steps`` included; a δ above 1/N is warned about.
+    ``progress`` shows a tqdm bar on stderr while σ is calibrated (calibrations are cached, so a
+    repeated plan is fast).
     """
     _validate(
         num_examples,
@@ -333,14 +355,11 @@ def format_plan(
     blocks = []
     for epsilon in dict.fromkeys(row.epsilon for row in rows):
         block = [row for row in rows if row.epsilon == epsilon]
-        floor = min((row.cumulative_noise for row in block if row.meets_min_steps), default=math.nan)
-        pick = next((row.batch_size for row in block if row.recommended), None)
+        floor = min(row.cumulative_noise for row in block if row.meets_min_steps)
+        (pick,) = [row.batch_size for row in block if row.recommended]
         first = block[0]
-        title = f"ε = {epsilon:g}, δ = {first.delta:g}, N = {first.num_examples}, E = {first.epochs}: " + (
-            f"recommended B = {pick}"
-            if pick is not None
-            else f"no B gives T ≥ {min_steps}; lower --min-steps or raise --epochs"
-        )
+        title = f"ε = {epsilon:g}, δ = {first.delta:g}, N = {first.num_examples}, E = {first.epochs}: "
+        title += f"recommended B = {pick}"
         table = [header] + [
             (
                 str(row.batch_size),

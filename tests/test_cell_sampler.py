@@ -8,6 +8,7 @@ import json
 import math
 import pickle
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -125,16 +126,18 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
     assert restored.study.trials[0].state.name == "FAIL"
 
 
-def test_the_tune_searcher_checkpoints_plain_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dptune.search.tune_adapters import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+def test_the_tune_searcher_checkpoints_plain_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dptune.search.searcher import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+    from test_tune_adapters import context
 
-    monkeypatch.setattr("dptune.search.tune_adapters.DRIVER_CONTEXTS", {"a": None, "b": None})
+    contexts = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}
+    monkeypatch.setattr("dptune.search.searcher.DRIVER_CONTEXTS", contexts)
 
     searcher = CellMultiplexer(
         {"a": CellSampler(GRID), "b": CellSampler(GRID)},
         budgets={"a": 12, "b": 5},
         unit_sizes={"a": 4, "b": 5},
-        contexts={"a": None, "b": None},
+        contexts=contexts,
         num_train=1000,
         min_steps=1,
     )

@@ -5,24 +5,30 @@ the search's command exits 0 without computing; the report lands beside the resu
 from __future__ import annotations
 
 import importlib
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import ray
 
-from conftest import REPO_ROOT, SearchRun, search_command
+from conftest import ONE_CELL, REPO_ROOT, SearchRun, run_search, search_command
 from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
 from dptune.contract import EpochMetrics, TrialResult
-from dptune.errors import shown
+from dptune.errors import SearchInterrupted, shown
 from dptune.records import ResultsStore, read_table, trial_rows
-from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
+from dptune.search import CellPlan, base_trial_config, format_summary, preflight, summary_table
 from dptune.search.execution import TrialContext, configuration_id, trial_config
+from dptune.search.finished import STOPPED_COMPOSING
 from dptune.space import Cell, load_space
+from dptune.space.tracking import TrackingSpec
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
 
@@ -136,6 +142,160 @@ def test_a_finished_search_shows_its_summary_from_a_read_only_folder(tiny_search
                 path.chmod(path.stat().st_mode | 0o200)
 
 
+# --------------------------------------------------------------------------- Ctrl+C once every run is recorded
+
+#: A search command (``python -c``) whose step ``sys.argv[1]`` says that it has begun, then waits for a Ctrl+C:
+#: ``compose`` the search rows (every run is recorded), ``report`` the report (the summary is printed).
+_WAITS_IN = """
+import sys, time
+import dptune.search.finished as finished, dptune.search.outcome as outcome
+from dptune.search import main
+def wait(*args, **kwargs):
+    print("waiting for Ctrl+C", flush=True)
+    time.sleep(600)
+if sys.argv[1] == "compose":
+    outcome.search_rows = wait
+else:
+    finished.build_report_at = wait
+main(sys.argv[2:])
+"""
+
+
+def _ctrl_c_in(step: str, env: dict[str, str], tmp_path: Path, *args: str) -> tuple[int, str, list[str], float]:
+    """Run the search command with ``args``, Ctrl+C its process group (as a terminal does) once ``step`` has
+    begun; its exit status, stdout, stderr lines and the seconds from the Ctrl+C to its exit."""
+    errors = tmp_path / f"{step}.stderr"
+    with errors.open("w") as stderr:
+        driver = subprocess.Popen(
+            [sys.executable, "-c", _WAITS_IN, step, *search_command(*args)[3:]],
+            cwd=REPO_ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        assert driver.stdout is not None
+        printed = []
+        for line in driver.stdout:
+            printed.append(line)
+            if line == "waiting for Ctrl+C\n":
+                break
+        else:
+            raise AssertionError(f"{step} never began:\n{''.join(printed)[-3000:]}\n{errors.read_text()[-3000:]}")
+        sent = time.monotonic()
+        os.killpg(driver.pid, signal.SIGINT)
+        out, _ = driver.communicate(timeout=120)
+        took = time.monotonic() - sent
+    return driver.returncode, "".join(printed) + out, errors.read_text().splitlines(), took
+
+
+def test_ctrl_c_during_the_report_of_a_finished_search_says_it_finished_in_one_line(
+    tiny_search: SearchRun, search_env: dict[str, str], tmp_path: Path
+) -> None:
+    results = tmp_path / "tiny"
+    shutil.copytree(tiny_search.root, results)
+    status, out, err, took = _ctrl_c_in(
+        "report", search_env, tmp_path, "--space", str(TINY), "--storage", str(tmp_path), "--resume"
+    )
+    assert "is finished; nothing to run" in out and format_summary(summary_table(str(results))) in out
+    assert status == 130 and err == [
+        f"error: stopped by Ctrl+C (SIGINT) after the search finished: its results are at {results}, its summary is "
+        f"above; not done: its report ({results / 'report'}). Run the same command with --resume to do what is not "
+        "done; it trains nothing"
+    ], err
+    assert took < 10, f"{took:.1f} s from Ctrl+C to exit"
+
+
+def test_ctrl_c_once_every_run_is_recorded_says_so_and_resume_trains_nothing(
+    search_env: dict[str, str], tmp_path: Path
+) -> None:
+    args = ("--space", str(TINY), "--storage", str(tmp_path), "--no-report", *ONE_CELL)
+    status, out, err, took = _ctrl_c_in("compose", search_env, tmp_path, *args)
+    root = tmp_path / "tiny"
+    assert "search finished" in out and not (root / "search").exists()
+    assert status == 130 and err[-1] == f"error: {STOPPED_COMPOSING}" and "Traceback" not in "\n".join(err), err
+    assert took < 10, f"{took:.1f} s from Ctrl+C to exit"
+    ledger, recorded = sorted((root / "ledger").iterdir()), read_table(str(root), "trials")
+    resumed = run_search(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted((root / "ledger").iterdir()) == ledger, "a resume after every run was recorded trains nothing"
+    assert read_table(str(root), "trials").equals(recorded) and (root / "search").is_dir()
+
+
+def test_a_ctrl_c_is_one_line_naming_the_phase(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """In process: a Ctrl+C before every run is recorded (the dry run apart), inside :func:`finished.composing`,
+    and during each step of :func:`finished.conclude`."""
+    from dptune.search import driver, finished
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "run_search", interrupted)
+    for flags, line in (
+        ([], "error: stopped by Ctrl+C (SIGINT) before the search finished. Run the same command with --resume to "),
+        (["--dry-run"], "error: stopped by Ctrl+C (SIGINT) during the dry run; nothing was written"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            search.main(["--space", str(TINY), "--storage", str(tmp_path), *flags])
+        (err,) = capsys.readouterr().err.splitlines()
+        assert info.value.code == 130 and err.startswith(line), err
+    with pytest.raises(SearchInterrupted, match=f"^{re.escape(STOPPED_COMPOSING)}$") as stopped:
+        with finished.composing():
+            interrupted()
+    assert stopped.value.exit_status == 130
+    tracking = TrackingSpec(mlflow="http://127.0.0.1:5000")
+    monkeypatch.setattr(finished, "summary_text", lambda *args, **kwargs: "the summary")
+    for step, done, undone in (
+        ("summary_text", "", "its summary, its report (R/report), its record in MLflow (http://127.0.0.1:5000)"),
+        (
+            "build_report_at",
+            ", its summary is above",
+            "its report (R/report), its record in MLflow (http://127.0.0.1:5000)",
+        ),
+        (
+            "log_search",
+            ", its summary is above, its report (R/report) is built",
+            "its record in MLflow (http://127.0.0.1:5000)",
+        ),
+    ):
+        with monkeypatch.context() as patch:
+            patch.setattr(finished, "build_report_at", lambda *args: "R/report/index.html")
+            patch.setattr(finished, "log_search", lambda *args, **kwargs: None)
+            patch.setattr(finished, step, interrupted)
+            with pytest.raises(SearchInterrupted) as stopped:
+                finished.conclude("R", "R/report", "s", tracking, private=False)
+        assert str(stopped.value) == (
+            f"stopped by Ctrl+C (SIGINT) after the search finished: its results are at R{done}; not done: {undone}. "
+            "Run the same command with --resume to do what is not done; it trains nothing"
+        )
+        assert stopped.value.exit_status == 130
+
+
+def test_a_job_that_ray_job_stop_would_kill_mid_stop_is_warned_about() -> None:
+    """Under ``ray job submit`` (the driver has Ray's RAY_JOB_CONFIG_JSON_ENV_VAR) with the stop wait below
+    ``JOB_STOP_WAIT_S``: one warning naming the variable and where to set it; none outside a job."""
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert preflight.job_stop_warnings({}) == []
+    assert preflight.job_stop_warnings({**job, "RAY_JOB_STOP_WAIT_TIME_S": str(preflight.JOB_STOP_WAIT_S)}) == []
+    fix = (
+        f"set RAY_JOB_STOP_WAIT_TIME_S={preflight.JOB_STOP_WAIT_S} in the environment of the cluster's nodes or in the "
+        "job's --runtime-env-json env_vars (cluster/README.md)"
+    )
+    assert preflight.job_stop_warnings(job) == [
+        f"`ray job stop` kills this search 3 s after its SIGTERM (Ray's default), before it can stop cleanly; {fix}"
+    ]
+    assert preflight.job_stop_warnings({**job, "RAY_JOB_STOP_WAIT_TIME_S": "30"}) == [
+        "`ray job stop` kills this search 30 s after its SIGTERM (RAY_JOB_STOP_WAIT_TIME_S), before it can stop "
+        f"cleanly; {fix}"
+    ]
+    assert preflight.job_stop_warnings({**job, "RAY_JOB_STOP_WAIT_TIME_S": "2m"}) == [
+        f"RAY_JOB_STOP_WAIT_TIME_S='2m' is not a whole number of seconds, as Ray reads it; {fix}"
+    ]
+
+
 def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     # A trial stopped early at a high intermediate validation accuracy must not beat a finished one.
     space = load_space(TINY).space
@@ -181,7 +341,14 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["--space", "/no/such/space.yaml"], ["--space", "{malformed}"], ["--help"], ["--set", "sampler.name=cmaes"]],
+    [
+        ["--space", "/no/such/space.yaml"],
+        ["--space", "{malformed}"],
+        ["--help"],
+        ["--set", "sampler.name=cmaes"],
+        ["--space", str(TINY), "--set", "task.dataset=cifar1000"],
+        ["--space", str(TINY), "--set", "task.backbone=vit_huge"],
+    ],
 )
 def test_the_command_line_answers_before_importing_anything_heavy(args: list[str], tmp_path: Path) -> None:
     """A mistake (or --help) is answered before torch, Ray, Optuna, pandas or pyarrow load."""

@@ -691,6 +691,30 @@ def test_rayjob_runs_the_raycluster_spec_and_cleans_up() -> None:
     assert job["spec"]["submissionMode"] == "K8sJobMode"
 
 
+def test_ray_job_stop_leaves_the_search_time_to_stop_cleanly() -> None:
+    """``ray job stop`` SIGKILLs the search ``RAY_JOB_STOP_WAIT_TIME_S`` seconds after its SIGTERM (Ray's default:
+    3). Ray's job supervisor (an actor on the head; on a worker for a job that asks for entrypoint resources)
+    reads it from its node's environment, its Ray container's: every one sets at least what dptune asks for,
+    and so do the runbook's commands for a head on one machine."""
+    from dptune.search.preflight import JOB_STOP_WAIT_S
+
+    for manifest in CUSTOM_RESOURCES:
+        for role, template in pod_templates(manifest.obj).items():
+            if role == "submitter":  # runs `ray job submit` only
+                continue
+            for container in template["spec"]["containers"]:
+                env = {item["name"]: item.get("value", "") for item in container.get("env", [])}
+                wait = env.get("RAY_JOB_STOP_WAIT_TIME_S", "3")
+                assert wait.isdigit() and int(wait) >= JOB_STOP_WAIT_S, (
+                    f"{manifest.id} {role} {container['name']}: RAY_JOB_STOP_WAIT_TIME_S={wait!r}; `ray job stop` "
+                    f"must leave the search {JOB_STOP_WAIT_S} s"
+                )
+    runbook = (CLUSTER_DIR / "README.md").read_text()
+    head = runbook.index("ray start --head")
+    exported = re.findall(r"^export RAY_JOB_STOP_WAIT_TIME_S=(\d+)", runbook[:head], re.MULTILINE)
+    assert exported and int(exported[-1]) >= JOB_STOP_WAIT_S, "cluster/README.md §0 must export it before `ray start`"
+
+
 def test_entrypoint_names_a_space_that_loads_and_fits_a_gpu_worker() -> None:
     from dptune.search import parse_args, report_location
 

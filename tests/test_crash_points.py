@@ -2,15 +2,18 @@
 search in turn, and ``--resume`` carries on from whatever the kill left.
 
 One real search (embedded Ray, the tiny space, a random sampler so that asks pending at a kill
-matter, one configuration per trial process, 2 replicates) is started, killed at a write point,
-resumed and killed at the next one, ... and finally resumed to its end. Halfway the unfinished
-folder is copied under another name and the copy is resumed from then on (the ledger belongs to the
-folder). The write points, each hit in the process that writes it (a trial process or the driver):
+matter, one configuration per trial process, 2 replicates; the fused runner, and one trial per run) is
+started, killed at a write point, resumed and killed at the next one, ... and finally resumed to its
+end. Halfway the unfinished folder is copied under another name and the copy is resumed from then on
+(the ledger belongs to the folder; Tune's saved state, which leads back to the original, is set
+aside). The write points, each hit in the process that writes it (a trial process or the driver):
 
 - before the first start entry of the ledger is written (nothing charged yet);
-- after a start entry (charged, nothing trained);
+- after a start entry (charged, nothing trained): the first, and the second (a unit charged after Tune
+  last saved its state, which a resume must run as it was charged, not replace by a new proposal);
 - after an end entry (trained and charged, no row yet);
-- after a ``trials`` part file (a run recorded, the rest of its unit not);
+- after a ``trials`` part file (a run recorded, the rest of its unit not), and after a start entry once
+  runs are recorded;
 - during composition: before the driver writes the ``search`` row (every run recorded, the search
   not yet finished);
 - during the release of a private search tuned on a subsample (its own test): after its start entry
@@ -40,7 +43,7 @@ from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.ledger import charged_runs
 from dptune.runners.checkpoint import CHECKPOINTS, RunCheckpoint
 from dptune.search.subsample import RELEASE_SUFFIX
-from test_faults import TINY, expected_search_epsilon, recorded
+from test_faults import TINY, expected_search_epsilon, ledger_entries, recorded
 
 # Installed as sitecustomize in every process of the search: the write functions are wrapped when
 # dptune's records modules are imported (Ray's own processes never import them). The hit of a write
@@ -118,9 +121,36 @@ if _AT:
 POINTS = (
     ("start:before:1", "tiny"),
     ("start:after:1", "tiny"),
+    ("start:after:2", "tiny"),  # the second unit charged, perhaps after Tune last saved its state
     ("end:after:1", "tiny"),
     ("trials:after:2", "copy"),  # the first trials part of a launch may be a pruned configuration's
+    ("start:after:2", "copy"),  # just after a start, with runs recorded
     ("search:before:1", "copy"),
+)
+
+
+#: The searches of these tests: one cell, a random sampler (asks pending at a kill matter), 4 configurations
+#: × 2 replicates, one configuration per trial process, units asked one at a time.
+_RANDOM_SEARCH = (
+    "--space",
+    str(TINY),
+    "--no-report",
+    "--set",
+    "privacy.epsilons=[2]",
+    "--set",
+    "training.compare_auto_s=false",
+    "--set",
+    "sampler.name=random",
+    "--set",
+    "sampler.trials_per_cell=4",
+    "--set",
+    "base_learning_rate={low: 0.001, high: 0.1}",
+    "--set",
+    "replicates=2",
+    "--set",
+    "resources.configurations_per_trial=1",
+    "--set",
+    "resources.max_concurrent_trials=1",
 )
 
 
@@ -138,11 +168,11 @@ def _session_pids(session: int) -> list[int]:
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``root`` (Tune's own folder aside): its size and modification time (ns)."""
+    """Every file under ``root`` (Tune's own folder included): its size and modification time (ns)."""
     return {
         str(path.relative_to(root)): (path.stat().st_size, path.stat().st_mtime_ns)
         for path in root.rglob("*")
-        if path.is_file() and "_tune" not in path.relative_to(root).parts
+        if path.is_file()
     }
 
 
@@ -186,54 +216,90 @@ def crash_env(search_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return {**search_env, "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p)}
 
 
+@pytest.mark.parametrize("runner", ["fused", "trial"])
 def test_a_kill_at_every_write_point_then_resume_records_every_run_once_and_charges_every_start(
-    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path
+    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path, runner: str
 ) -> None:
-    common = (
-        "--space",
-        str(TINY),
-        "--no-report",
-        "--storage",
-        str(tmp_path / "st"),
-        "--set",
-        "privacy.epsilons=[2]",
-        "--set",
-        "training.compare_auto_s=false",
-        "--set",
-        "sampler.name=random",
-        "--set",
-        "sampler.trials_per_cell=4",
-        "--set",
-        "base_learning_rate={low: 0.001, high: 0.1}",
-        "--set",
-        "replicates=2",
-        "--set",
-        "resources.configurations_per_trial=1",
-    )
+    common = (*_RANDOM_SEARCH, "--set", f"training.runner={runner}", "--storage", str(tmp_path / "st"))
     st = tmp_path / "st"
     for stage, (point, name) in enumerate(POINTS):
         if name == "copy" and not (st / "copy").exists():  # the unfinished folder, copied as cp -a does
             shutil.copytree(st / "tiny", st / "copy", symlinks=True)
             original = _files(st / "tiny")
         args = (*common, "--name", name, *(("--resume",) if stage else ()))
-        _killed_at(point, args, crash_env, tmp_path / f"marks-{stage}")
+        # Tune saves its state once, as it starts: every kill leaves that state behind the ledger and the rows
+        lagging = {**crash_env, "TUNE_GLOBAL_CHECKPOINT_S": "3600"}
+        _killed_at(point, args, lagging, tmp_path / f"marks-{stage}")
         root = st / name
         assert not (root / "search").exists(), f"{point}: a killed search was marked finished"
         ran = recorded(root) if (root / "trials").exists() else None
         assert ran is None or ran["trial_id"].is_unique, point
+        assert ran is None or len(ledger_entries(root)[0]) >= len(ran), point  # no row without its start entry
     done = run_search(search_env, *common, "--name", "copy", "--resume")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _files(st / "tiny") == original  # the copy's resumes wrote nothing into the folder it came from
+    assert done.returncode == 0, done.stderr[-3000:]  # in one go, whatever Tune's saved state missed
+    # the copy's resumes wrote nothing into the folder it came from, Tune's trial folders included
+    assert _files(st / "tiny") == original
     root = st / "copy"
     ran = recorded(root)
     configurations = ran[["clip_bound", "batch_size", "base_learning_rate"]].apply(tuple, axis=1)
     assert len(ran) == 8 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}, ran[["trial_id", "status"]]
-    assert configurations.nunique() == 4 and sorted(ran["replicate"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert configurations.nunique() == 4 and sorted(ran["replicate"]) == [0, 0, 0, 0, 1, 1, 1, 1]  # as planned
+    assert len(ledger_entries(root)[0]) >= len(ran)
     row = read_table(str(root), "search").iloc[0]
     assert row["trials_planned"] == 8
     # every start entry of the folder's ledger, the killed attempts' and the copied ones included
     assert row["epsilon_search"] >= expected_search_epsilon(root, 1e-5) * (1 - 1e-9)
     assert f"whole search: ε = {bound_text(row['epsilon_search'])} at δ = 1e-05" in done.stdout
+
+
+def test_a_kill_just_after_a_unit_was_charged_and_before_tune_saved_it_is_run_again_by_one_resume(
+    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Tune's saved state knows the first unit only; the second was charged, then the driver was killed. One
+    ``--resume`` runs that unit's configuration as it was charged (not a new proposal in its place), asks no
+    more configurations than planned, and finishes."""
+    args = (*_RANDOM_SEARCH, "--set", "training.runner=trial", "--storage", str(tmp_path / "st"), "--name", "tiny")
+    lagging = {**crash_env, "TUNE_GLOBAL_CHECKPOINT_S": "3600"}  # Tune saves its state once, as it starts
+    _killed_at("start:after:2", args, lagging, tmp_path / "marks")
+    root = tmp_path / "st" / "tiny"
+    charged = {start["configuration_id"] for start in ledger_entries(root)[0]}
+    assert len(charged) == 2
+    done = run_search(search_env, *args, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 configuration(s) charged in the privacy ledger after Tune last saved its state run again" in done.stdout
+    ran = recorded(root)
+    assert len(ran) == 8 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}  # 4 planned, each twice
+    assert charged <= set(ran["configuration_id"]) and ran["configuration_id"].nunique() == 4
+    starts, _ = ledger_entries(root)
+    assert len(starts) == 8 + 2  # the killed attempt's two runs, then each planned run once
+    row = read_table(str(root), "search").iloc[0]
+    assert row["epsilon_search"] >= expected_search_epsilon(root, 1e-5) * (1 - 1e-9)
+
+
+def test_a_moved_folder_resumes_on_the_first_try_and_writes_nothing_where_it_came_from(
+    search_env: dict[str, str], crash_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A search killed once runs had been recorded; its folder is copied and the original moved away (as a
+    rename across disks does). The first ``--resume`` of the copy finishes; Tune's saved state, whose paths
+    lead to the original, is set aside, so nothing is written at the original's path or into the moved one."""
+    st = tmp_path / "st"
+    args = (*_RANDOM_SEARCH, "--set", "training.runner=trial", "--storage", str(st))
+    _killed_at("trials:after:3", (*args, "--name", "tiny"), crash_env, tmp_path / "marks")
+    shutil.copytree(st / "tiny", st / "copy", symlinks=True)
+    (st / "tiny").rename(tmp_path / "elsewhere")
+    before = _files(tmp_path / "elsewhere")
+    done = run_search(search_env, *args, "--name", "copy", "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (st / "tiny").exists() and _files(tmp_path / "elsewhere") == before
+    came_from = str(st / "tiny").encode()
+    assert came_from + b"/_tune/search/" not in done.stderr.encode()  # no Tune trial of the resume is placed there
+    live = [path for path in (st / "copy" / "_tune" / "search").rglob("*") if path.is_file()]
+    assert live and not [path for path in live if came_from in path.read_bytes()]  # Tune's state: the copy's own
+    assert "this results folder was copied or moved from" in done.stderr and "Tune starts afresh" in done.stderr
+    ran = recorded(st / "copy")
+    assert len(ran) == 8 and ran["trial_id"].is_unique and ran["configuration_id"].nunique() == 4
+    row = read_table(str(st / "copy"), "search").iloc[0]
+    assert row["epsilon_search"] >= expected_search_epsilon(st / "copy", 1e-5) * (1 - 1e-9)
 
 
 def test_a_kill_during_the_subsample_release_is_continued_by_resume_under_its_one_charge(

@@ -309,7 +309,9 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
     failed = run_search(env, *args)
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]  # Tune logs each lost process above; the command ends in one line
-    assert last.startswith("error: 1 run(s) of this search did not finish") and "--resume" in last, last
+    assert last.startswith("error: 1 run(s) of this search have no record (cell(s) eps2-E3)") and "--resume" in last, (
+        last
+    )
     assert sorted(mark.name for mark in marks.iterdir()) == ["C0.1-0", "C0.1-1", "C1-0"]
     root = tmp_path / "tiny"
     ran = recorded(root)
@@ -335,6 +337,52 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
     )
     assert row["epsilon_search"] > rows_only  # the lost attempts are in it
     assert "charged but unrecorded: 3 of the 7 runs" in resumed.stdout
+
+
+# In the search's trial processes: every unit of the cells whose key begins with DPTUNE_TEST_FAIL_CELL
+# fails before it charges anything (as a transient object-store error, a node without the volume or a
+# failed worker start do).
+_FAIL_BEFORE_CHARGE = """
+import os, sys
+if sys.argv and sys.argv[0].endswith("default_worker.py"):
+    import dptune.search.execution as execution
+    _real = execution.charge_runs
+    def charge_runs(context, runs):
+        if context.cell_key.startswith(os.environ["DPTUNE_TEST_FAIL_CELL"]):
+            raise ConnectionError("injected: the object store did not answer")
+        return _real(context, runs)
+    execution.charge_runs = charge_runs
+"""
+
+
+def test_a_cell_whose_units_fail_before_they_charge_fails_the_command_and_resume_runs_it(
+    search_env: dict[str, str], tmp_path: Path
+) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_FAIL_BEFORE_CHARGE)
+    failing = {
+        **search_env,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(hook), search_env.get("PYTHONPATH", "")) if p),
+        "DPTUNE_TEST_FAIL_CELL": "eps1-",
+    }
+    args = (*SMALL, "--storage", str(tmp_path), "--set", "privacy.epsilons=[1, 2]", "--set", "resources.max_retries=0")
+    failed = run_search(failing, *args)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 4 run(s) of this search have no record (cell(s) eps1-E3): a unit failed (")
+    assert "injected: the object store did not answer" in last and "--resume" in last, last
+    root = tmp_path / "tiny"
+    assert not (root / "search").exists()  # not a finished search: its cell ε = 1 never ran
+    assert set(recorded(root)["cell_id"]) == {"eps=2|epochs=3"}
+    resumed = run_search(search_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ran = recorded(root)
+    assert len(ran) == 8 and ran["trial_id"].is_unique and set(ran["status"]) == {"ok"}
+    assert ran.groupby("cell_id").size().to_dict() == {"eps=1|epochs=3": 4, "eps=2|epochs=3": 4}
+    starts, _ = ledger_entries(root)
+    assert len(starts) == 8  # the failed units charged nothing: each run was charged once, when it ran
+    assert set(read_table(str(root), "search")["cell_id"]) == {"eps=1|epochs=3", "eps=2|epochs=3"}
 
 
 # --------------------------------------------------------------------------- a full disk
@@ -696,6 +744,7 @@ def test_a_stop_signal_leaves_the_search_unfinished_and_resume_runs_the_rest_onc
     assert "of 8 runs recorded" in last and "--resume" in last and "search finished" not in out
     assert not (root / "search").exists()  # stopped is not finished
     stopped = recorded(root)
+    assert f": {len(stopped)} of 8 runs recorded" in last  # the pruned B = 256 rows are not runs
     assert 1 <= len(stopped) < 8 and stopped["trial_id"].is_unique
     resumed = run_search(search_env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from dptune import plan, report, search
 from dptune.errors import MAX_SHOWN_CHARS, DptuneError
 from dptune.paths import probe_writable
 from dptune.records import SCHEMAS, ResultsStore, read_table
-from dptune.search import driver, preflight
+from dptune.search import driver, lease, preflight
 from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
@@ -166,6 +167,22 @@ def test_bad_ray_address_in_the_environment_is_named(
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:not-a-port")
     err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--dry-run")
     assert "RAY_ADDRESS '127.0.0.1:not-a-port': not a Ray address" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "name", "allowed"),
+    [
+        ("dataset", "cifar1000", "20newsgroups, mnist5k, cifar100, sun397, cassava, or a file of your own"),
+        ("backbone", "vit_huge", "vit_base_patch16_224.augreg_in21k, vit_tiny_patch16_224.augreg_in21k,"),
+    ],
+    ids=["dataset", "backbone"],
+)
+def test_an_unknown_dataset_or_backbone_is_named_with_the_allowed_ones_before_any_data(
+    key: str, name: str, allowed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused(capsys, search.main, "--space", str(TINY), "--storage", str(tmp_path), "--set", f"task.{key}={name}")
+    assert err.startswith(f"error: {TINY}: task.{key}: unknown {key} '{name}' (allowed: {allowed}"), err
+    assert not list(tmp_path.iterdir())  # refused before the results folder and its lease
 
 
 def test_dotdot_name_cannot_write_outside_storage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -456,6 +473,27 @@ def test_dry_run_prints_warnings_and_dropped_batch_sizes(search_env: dict[str, s
     assert "warning: batch_size: B = [512] exceed the training set (N = 300) and are dropped" in done.stderr
     assert "  dropped, larger than N = 300: B = [512]" in done.stdout
     assert not list(tmp_path.iterdir())
+
+
+def test_a_trial_worker_that_cannot_see_its_results_folder_names_storage_every_node_shares(tmp_path: Path) -> None:
+    """A worker on a node where --storage is another folder (a local path the nodes do not share) is told
+    so, not that its search ended; one whose folder was removed after it saw it is told that."""
+    root = tmp_path / "head" / "tiny"
+    elsewhere = tmp_path / "worker" / "tiny"  # the same --storage path, as another node's own disk has it
+    with lease.hold_lease(str(root)) as token:
+        with pytest.raises(lease.SearchGone) as unshared:
+            lease.check_holder(str(elsewhere), token)
+        assert str(unshared.value).startswith(f"{elsewhere}: this results folder is not visible on this node (")
+        assert "--storage must be a path every node of the cluster shares" in str(unshared.value)
+        assert "s3://" in str(unshared.value) and "ended" not in str(unshared.value)
+        lease.check_holder(str(root), token)  # its search holds it
+        shutil.rmtree(root)
+        with pytest.raises(lease.SearchGone, match="the results folder was removed while its search ran"):
+            lease.check_holder(str(root), token)
+    root.mkdir(parents=True)
+    (root / lease.LEASE_FILE).write_bytes(b"")  # released, as a search that ended leaves it
+    with pytest.raises(lease.SearchGone, match="no longer holds its results folder .it ended, or was stopped"):
+        lease.check_holder(str(root), token)
 
 
 # --------------------------------------------------------------------------- spec loading

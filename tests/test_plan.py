@@ -338,12 +338,48 @@ def test_bad_flags_exit_nonzero_before_any_accounting(
 
 def test_delta_above_one_over_n_is_warned_about() -> None:
     with pytest.warns(UserWarning, match="1/num_examples"):
-        (row,) = plan(1000, [1.0, 1.0], 1e-2, 1, [1000])  # one full-batch step; ε listed twice, planned once
-    assert row.steps == 1 and not row.recommended  # T = 1 < T_min = 20
+        (row,) = plan(
+            1000, [1.0, 1.0], 1e-2, 1, [1000], min_steps=1
+        )  # one full-batch step; ε listed twice, planned once
+    assert row.steps == 1 and row.recommended
 
 
-def test_cli_says_so_when_no_batch_size_meets_the_min_step_rule(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--n", "100", "--eps", "2", "--epochs", "3", "--batch-sizes", "100"])
-    out = capsys.readouterr().out
-    assert "no B gives T ≥ 20; lower --min-steps or raise --epochs" in out
-    assert RECOMMENDED_MARK not in out
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        (
+            ["--n", "100", "--epochs", "3", "--batch-sizes", "100"],
+            "the most steps are T = 3, at B = 100). Lower --min-steps to 3 or less, raise --epochs to 20 or more, or "
+            "give batch sizes B ≤ 15 (--batch-sizes)",
+        ),
+        (  # the default grid (16, 32, ..., N): B = 16 gives round(2·50/16) = 6 steps; B = 5 would give 20
+            ["--n", "50", "--epochs", "2"],
+            "the most steps are T = 6, at B = 16). Lower --min-steps to 6 or less, raise --epochs to 7 or more, or "
+            "give batch sizes B ≤ 5 (--batch-sizes)",
+        ),
+        (  # no B can: T ≤ E·N = 30 < 40
+            ["--n", "10", "--epochs", "3", "--batch-sizes", "10", "--min-steps", "40"],
+            "the most steps are T = 3, at B = 10). Lower --min-steps to 3 or less, raise --epochs to 40 or more",
+        ),
+    ],
+)
+def test_cli_refuses_a_plan_in_which_no_batch_size_meets_the_min_step_rule(
+    argv: list[str], fix: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every B has T < T_min: the command says so and what would let a B qualify, and exits 2 before any
+    accounting (it used to print a table of nan and exit 0)."""
+
+    def forbidden(*args: object) -> float:
+        raise AssertionError(f"accounting ran for {args}")
+
+    monkeypatch.setattr(plan_module, "calibrate_noise_multiplier", forbidden)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--eps", "2"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    (line,) = captured.err.splitlines()
+    min_steps = argv[argv.index("--min-steps") + 1] if "--min-steps" in argv else "20"
+    assert line.startswith(
+        f"error: --min-steps {min_steps}: no batch size qualifies: T = round(E·N/B) < {min_steps} for every B "
+    ), line
+    assert line.endswith(fix), line

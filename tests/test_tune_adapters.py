@@ -35,17 +35,13 @@ from dptune.search.execution import (
     write_result,
 )
 from dptune.search.sampler import CellSampler, CellSpec
+from dptune.search.searcher import DRIVER_CONTEXTS, METRIC, SCORES_KEY, CellMultiplexer, Unit
 from dptune.search.tune_adapters import (
-    DRIVER_CONTEXTS,
-    METRIC,
     RUN_STATUSES_KEY,
-    SCORES_KEY,
     STORAGE_ERROR_KEY,
-    CellMultiplexer,
     CellRun,
     PerCellASHA,
     RecordAndReport,
-    Unit,
     stop_search,
 )
 from dptune.space import Cell, load_space
@@ -287,3 +283,71 @@ def test_stop_search_interrupts_tune_once() -> None:
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert received == [signal.SIGUSR1] and tune_adapters.DRIVER_FAILURES == ["first", "second"]
+
+
+def _charge(cell: TrialContext, params: dict[str, Any], accuracy: float | None = None) -> None:
+    """Charge both replicates of ``params`` as a unit does before its first step; with ``accuracy``, also
+    record them as finished."""
+    pending = [PendingRun(0, params, replicate, trial_config(cell, params, replicate)) for replicate in (0, 1)]
+    run_ids = charge_runs(cell, pending)
+    if accuracy is not None:
+        for run, run_id in zip(pending, run_ids, strict=True):
+            result = TrialResult(
+                config=run.config,
+                status="ok",
+                steps=12,
+                steps_taken=12,
+                epsilon_spent=2.0,
+                num_train=N,
+                val_accuracy=accuracy,
+            )
+            write_result(cell, FinishedRun(params, run.replicate, result, run_id), ledger=True)
+
+
+def test_a_resumed_searcher_runs_what_was_charged_after_tune_last_saved_and_asks_no_more_than_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cell = context(tmp_path)
+    spec = replace(
+        GRID, sampler="random", ranges={**GRID.ranges, "base_learning_rate": {"low": 1e-3, "high": 1e-1, "log": True}}
+    )
+
+    def searcher() -> CellMultiplexer:
+        return CellMultiplexer(
+            {"a": CellSampler(spec)},
+            budgets={"a": 4},
+            unit_sizes={"a": 1},
+            contexts={"a": cell},
+            num_train=N,
+            min_steps=1,
+        )
+
+    first = searcher()
+    (saved,) = Unit.of(first.suggest("t0")).configurations
+    checkpoint = tmp_path / "searcher.json"
+    first.save(str(checkpoint))  # Tune's last saved state: t0 asked, nothing else
+    (charged,) = Unit.of(first.suggest("t1")).configurations
+    _charge(cell, charged)  # started, then the driver was killed: no row, and Tune never saved it
+    (recorded,) = Unit.of(first.suggest("t2")).configurations
+    _charge(cell, recorded, accuracy=0.75)  # ran to its rows after the last save
+
+    resumed = searcher()
+    resumed.restore(str(checkpoint))
+    assert Unit.of(resumed.suggest("t3")).configurations == [charged]  # first, as it was charged
+    assert "1 configuration(s) charged in the privacy ledger after Tune last saved its state run again" in (
+        capsys.readouterr().out
+    )
+    sampler = resumed.samplers["a"]
+    assert sampler.pending == [saved, charged]  # t0 runs again as Tune restores it; t1 as the searcher gave it
+    assert [(params, value, state) for params, value, state in sampler.told] == [(recorded, 0.75, "complete")]
+    (new,) = Unit.of(resumed.suggest("t4")).configurations
+    assert new not in (saved, charged, recorded)
+    assert resumed.suggest("t5") == CellMultiplexer.FINISHED  # 4 planned: t0, t1, t2 and t4
+    resumed.on_trial_complete("t3", {SCORES_KEY: [0.5]})
+    assert sampler.pending == [saved, new] and sampler.told[-1] == (charged, 0.5, "complete")
+
+    again = searcher()  # a later resume from the same saved state: t1 is recorded now, nothing is run twice
+    again.restore(str(checkpoint))
+    _charge(cell, charged, accuracy=0.5)
+    (after,) = Unit.of(again.suggest("t6")).configurations
+    assert after not in (saved, charged, recorded) and again.suggested == {"a": 4}

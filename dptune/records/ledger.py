@@ -14,6 +14,13 @@ alike on local disks, network file systems and object stores, and from every Ray
   the driver for a unit it saw end, only its ``trial_id``: see :func:`charged_runs`), status,
   steps taken and ε spent.
 
+Each file carries a ``checksum``: SHA-256 of the rest of its document in canonical JSON
+(:func:`_checksum`), written with it, so a file that still parses after a change (bit rot that turns
+one digit into another, a partial copy, an edit) is known as damaged and never trusted: a damaged
+start file is refused like an unreadable one (restore it, or charge it conservatively:
+``CHARGE_UNREADABLE_FLAG``), a damaged end file is skipped like an unreadable one
+(:func:`unreadable_ends`). Files of format 1 (older dptune) carry none and are read as they are.
+
 Invariant: what a search is charged (:func:`charged_runs`) is every start entry, at the steps its
 end entry took if there is one, else at its planned steps; a diverged run at its planned steps
 (``privacy.search.charged_steps``). A rerun (a retry of a lost process, or ``--resume``) is a new
@@ -23,6 +30,7 @@ what was trained. Results written before the ledger existed are charged from the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -39,8 +47,10 @@ from dptune.paths import filesystem, write_file_atomic
 
 #: The ledger's folder under a search's per-run folder.
 LEDGER = "ledger"
-#: Format of an entry file.
-LEDGER_VERSION = 1
+#: Format of an entry file: 2 carries ``checksum`` (:func:`_checksum`); 1 (older dptune) has none.
+LEDGER_VERSION = 2
+#: The formats this dptune reads.
+READABLE_VERSIONS = (1, 2)
 #: Where :func:`replace_unreadable_start` moves an unreadable start file (``ledger/unreadable/``).
 UNREADABLE = "unreadable"
 #: How the trial ids of the runs charged in place of an unreadable start file begin: no row records
@@ -68,7 +78,11 @@ CHARGED_COLUMNS = (
 
 
 class LedgerError(DptuneError, ValueError):
-    """A ledger entry that cannot be read: what it charges is unknown."""
+    """A ledger entry that cannot be read, or is damaged: what it charges is unknown."""
+
+
+class _Damaged(ValueError):
+    """An entry file that parses but is not as it was written (its checksum does not hold)."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,57 @@ def _write(
         **about,
         "entries": entries,
     }
+    document["checksum"] = _checksum(document)
     name = name or f"{kind}-{uuid.uuid4().hex}.json"
     write_file_atomic(_folder(runs_root), name, json.dumps(document).encode(), durable=durable)
+
+
+def _checksum(document: Mapping[str, Any]) -> str:
+    """SHA-256 (64 hex digits) of ``document`` without its ``checksum``, as canonical JSON (keys sorted,
+    no spaces, ASCII). What ``json.loads`` reads back of a written document serialises to the same text
+    (a float as its shortest round-tripping repr, an int exactly), so a file verifies as long as no
+    byte of its content changed."""
+    content = {key: value for key, value in document.items() if key != "checksum"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _verified_entries(document: Any) -> list[dict[str, Any]]:
+    """The entries of a parsed entry file; ``ValueError`` unless it is one, of a format this dptune reads,
+    and ``_Damaged`` unless its checksum holds (one is required from format 2 on, and checked wherever
+    present)."""
+    if not isinstance(document, dict):
+        raise ValueError(f"expected a JSON object, got {type(document).__name__}")
+    version = document.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise ValueError(f"format version {version!r} is not one this dptune reads ({READABLE_VERSIONS})")
+    if "checksum" in document or version >= 2:
+        if "checksum" not in document:
+            raise _Damaged(f"no checksum, which every entry file of format {version} carries")
+        if document["checksum"] != _checksum(document):
+            raise _Damaged(
+                "checksum mismatch: its content changed after it was written (bit rot, a partial copy or an "
+                "edit), so none of its values can be trusted"
+            )
+    entries = document["entries"]
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError("'entries' is not a list of objects")
+    return entries
+
+
+def _refusal(path: str, problem: Exception) -> LedgerError:
+    """What to say about the unreadable or damaged start file at ``path``, and what to do."""
+    what = (
+        f"damaged privacy ledger entry ({problem})"
+        if isinstance(problem, _Damaged)
+        else f"unreadable privacy ledger entry ({type(problem).__name__}: {str(problem)[:160]})"
+    )
+    return LedgerError(
+        f"{path}: {what}; what it charges is unknown, so no ε can be printed and nothing more is trained on "
+        f"this results folder. Restore the file from a backup, or pass {CHARGE_UNREADABLE_FLAG} to charge it "
+        "conservatively (every run one start file of this search can hold, at every mechanism its plan can "
+        "start; the printed ε then says so)"
+    )
 
 
 def _start_entries(starts: list[RunStart]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -175,10 +238,13 @@ def record_ends(runs_root: str, ends: Iterable[RunEnd]) -> None:
         _write(runs_root, "end", entries, durable=False)
 
 
-def _entries(runs_root: str, unreadable: list[str] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(start entries, end entries) of the ledger; an unreadable start file raises ``LedgerError`` (or,
-    given ``unreadable``, is appended to it: :func:`unreadable_starts`), an unreadable end file is
-    skipped (its runs stay charged their planned steps)."""
+def _entries(
+    runs_root: str, unreadable: list[str] | None = None, unreadable_end_files: list[str] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(start entries, end entries) of the ledger, from its intact files only. An unreadable or damaged
+    (:func:`_verified_entries`) start file raises ``LedgerError`` (or, given ``unreadable``, is appended to
+    it: :func:`unreadable_starts`); such an end file is skipped, its runs staying charged their planned
+    steps (appended to ``unreadable_end_files`` if given: :func:`unreadable_ends`)."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(runs_root)
@@ -191,19 +257,14 @@ def _entries(runs_root: str, unreadable: list[str] | None = None) -> tuple[list[
             continue
         try:
             with fs.open_input_file(info.path) as file:
-                document = json.loads(file.readall())
-            entries = list(document["entries"])
+                entries = _verified_entries(json.loads(file.readall()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            if name.startswith("start-") and unreadable is not None:
+            if name.startswith("start-"):
+                if unreadable is None:
+                    raise _refusal(info.path, exc) from None
                 unreadable.append(info.path)
-            elif name.startswith("start-"):
-                raise LedgerError(
-                    f"{info.path}: unreadable privacy ledger entry ({type(exc).__name__}: "
-                    f"{str(exc)[:160]}); what it charges is unknown, so no ε can be printed and nothing more "
-                    f"is trained on this results folder. Restore the file from a backup, or pass "
-                    f"{CHARGE_UNREADABLE_FLAG} to charge it conservatively (every run one start file of this "
-                    "search can hold, at every mechanism its plan can start; the printed ε then says so)"
-                ) from None
+            elif name.startswith("end-") and unreadable_end_files is not None:
+                unreadable_end_files.append(info.path)
             continue
         (starts if name.startswith("start-") else ends if name.startswith("end-") else []).extend(entries)
     return starts, ends
@@ -219,10 +280,33 @@ def check_ledger(runs_root: str, unreadable: list[str] | None = None) -> Counter
 
 def unreadable_starts(runs_root: str) -> list[str]:
     """The paths (inside the ledger's filesystem) of the start files of the ledger at ``runs_root`` that
-    cannot be read."""
+    cannot be read or are damaged (their checksum does not hold)."""
     found: list[str] = []
     _entries(runs_root, found)
     return found
+
+
+def unreadable_ends(runs_root: str) -> list[str]:
+    """The paths (inside the ledger's filesystem) of the end files of the ledger at ``runs_root`` that
+    cannot be read or are damaged: skipped, so the runs they close stay charged their planned steps
+    (never fewer than they took; the printed ε is an upper bound, looser than it would be with them).
+    Never raises for an unreadable or damaged start file (:func:`check_ledger` and :func:`unreadable_starts`
+    tell those)."""
+    found: list[str] = []
+    _entries(runs_root, [], found)
+    return found
+
+
+def started_runs(runs_root: str, search_id: str) -> list[RunStart]:
+    """Every run of ``search_id`` the ledger at ``runs_root`` holds a start entry of (one per start: a
+    run started twice is listed twice), as it was charged: what a resume must see recorded."""
+    starts, _ = _entries(runs_root)
+    fields = RunStart.__dataclass_fields__
+    return [
+        RunStart(**{name: start[name] for name in fields})
+        for start in starts
+        if start.get("search_id") == search_id and not str(start.get("trial_id")).startswith(UNREADABLE_TRIAL_PREFIX)
+    ]
 
 
 def charged_runs(runs_root: str, search_id: str, trials: pd.DataFrame | None = None) -> pd.DataFrame:

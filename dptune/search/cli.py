@@ -7,7 +7,9 @@ imports the driver (:mod:`dptune.search.driver`).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,20 +118,28 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags and validate the space (answering a mistake at once), then run the search."""
+    """Parse the flags and validate the space and its dataset and backbone names (answering a mistake at
+    once), then run the search. A Ctrl+C ends it with one line (exit status 130), no traceback; once
+    every run is recorded the driver's own line says what is not done (``finished.composing``)."""
     options = parse_args(argv)
     try:
-        load_space(options.space_path, options.overrides)  # a bad space is told before the driver loads
+        loaded = load_space(options.space_path, options.overrides)  # a bad space is told before the driver loads
+        preflight.check_task_names(loaded)
+        if not options.dry_run:
+            for note in preflight.job_stop_warnings(os.environ):
+                print(f"warning: {note}", file=sys.stderr, flush=True)
         from dptune.search.driver import run_search
 
         run_search(options)
     except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
         report_and_exit(exc)
-    except KeyboardInterrupt:  # Ctrl+C outside the Tune run (loading, composing), or a second one inside it
+    except KeyboardInterrupt:  # Ctrl+C before every run is recorded, outside the Tune run or a second one inside it
         report_and_exit(
             SearchInterrupted(
-                "stopped by Ctrl+C (SIGINT) before the search finished. Run the same command with --resume to run "
-                "the rest, each exactly once (what finished is kept, and every training that took a step stays "
+                "stopped by Ctrl+C (SIGINT) during the dry run; nothing was written"
+                if options.dry_run
+                else "stopped by Ctrl+C (SIGINT) before the search finished. Run the same command with --resume to "
+                "run the rest, each exactly once (what finished is kept, and every training that took a step stays "
                 "charged in the privacy ledger)",
                 signal.SIGINT,
             )

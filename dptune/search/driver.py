@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -26,7 +25,7 @@ from dptune.errors import (
 )
 from dptune.paths import check_name, filesystem, probe_writable, write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, ResultsStore, owner_only, read_table, runs_root
-from dptune.records.ledger import charged_runs
+from dptune.records.ledger import charged_runs, started_runs, unreadable_ends
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.cells import (
@@ -43,9 +42,10 @@ from dptune.search.cells import (
 from dptune.search.damaged_ledger import charge_unreadable_starts
 from dptune.search.embedded_ray import end_orphans, private_ray_folder, private_session_folder, record_session
 from dptune.search.execution import TrialContext, record_pruned
-from dptune.search.finished import conclude, report_location, search_finished, show_if_finished
+from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
 from dptune.search.lease import hold_lease
 from dptune.search.outcome import (
+    FailedUnits,
     check_every_run_recorded,
     release_choices,
     release_rows,
@@ -165,18 +165,6 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     return f"{EMBEDDED_STARTED} ({cpus} CPUs)"
 
 
-def shut_down_in_background() -> None:
-    """Shut this driver's embedded Ray down in a thread: once the last unit has run, nothing of the
-    search needs Ray, and its shutdown (stopping its processes: about 1.3 s on a 2-core machine)
-    overlaps the composition and the summary instead of following them. The thread is not a
-    daemon, so the interpreter waits for it before exiting; Ray's own exit hook then has nothing
-    left to do. Not for a joined cluster (the driver only disconnects) nor a private search (its
-    Ray folder is removed after the shutdown: :func:`private_ray_folder`)."""
-    import ray
-
-    threading.Thread(target=ray.shutdown, name="dptune-ray-shutdown").start()
-
-
 def check_cluster_resources(space: SearchSpace) -> None:
     """Refuse per-trial resources no node of the joined Ray cluster has (``preflight.PreflightError``),
     disconnecting from it (``ray.shutdown``) first."""
@@ -195,11 +183,11 @@ def _tune_storage(results_root: str) -> str:
 
 def run_cells(
     space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext], resume: bool
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], list[str], dict[str, FailedUnits]]:
     """One Ray Tune run for every cell of the search (resumed from its experiment state when asked);
     returns what ended it early: the results writes that failed (``tune_adapters.DRIVER_FAILURES``)
     and the stop signals received (``tune_adapters.STOP_SIGNALS``: Ctrl+C, SIGTERM), both empty when
-    it ran to its end.
+    it ran to its end; and the runs of the units that failed for good, by cell (``searcher.failed_units``).
 
     The cells share the trial processes (one set-up, not one per cell) and run side by side. A unit
     whose process is lost runs again up to ``resources.max_retries`` times (Tune's ``FailureConfig``);
@@ -210,10 +198,11 @@ def run_cells(
     from ray import tune
 
     from dptune.search import tune_adapters as adapters
+    from dptune.search.searcher import DRIVER_CONTEXTS, failed_units
 
     adapters.DRIVER_FAILURES.clear()
-    adapters.DRIVER_CONTEXTS.clear()
-    adapters.DRIVER_CONTEXTS.update({plan.cell_key: context for plan, context in zip(plans, contexts, strict=True)})
+    DRIVER_CONTEXTS.clear()
+    DRIVER_CONTEXTS.update({plan.cell_key: context for plan, context in zip(plans, contexts, strict=True)})
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order (dicts keep it).
     cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
@@ -229,6 +218,7 @@ def run_cells(
     trainable = tune.with_resources(function, {"cpu": space.resources.cpus, "gpu": space.resources.gpu})
     storage = _tune_storage(contexts[0].results_root)
     experiment = f"{storage}/search"
+    preflight.record_tune_location(contexts[0].results_root, storage)
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
@@ -244,7 +234,7 @@ def run_cells(
             experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
         )
     else:
-        if resume:
+        if resume and not started_runs(contexts[0].results_root, contexts[0].search_id):  # else: Tune's state set aside
             print(f"--resume: no search to resume at {contexts[0].results_root}; starting it", flush=True)
         run_config = tune.RunConfig(
             name="search",
@@ -255,8 +245,8 @@ def run_cells(
         build = private_tuner if private else search_tuner
         tuner = build(space, [plan for plan, _ in cells], by_key, trainable, run_config)
     with adapters.stop_on_signals():
-        tuner.fit()
-    return list(adapters.DRIVER_FAILURES), list(adapters.STOP_SIGNALS)
+        results = tuner.fit()
+    return list(adapters.DRIVER_FAILURES), list(adapters.STOP_SIGNALS), failed_units(results, by_key)
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -302,6 +292,7 @@ def check_results(options: SearchOptions, loaded: LoadedSpace, results_root: str
     ]
     if options.resume:
         repeatable = space.sampler.name in ("grid", "random") and space.privacy.private_selection is None
+        notes += preflight.set_aside_moved_tune_state(runs, _tune_storage(runs), move=not options.dry_run)
         notes += preflight.check_tune_state(runs, set_aside=repeatable and not options.dry_run)
         preflight.check_same_space(runs, loaded)
     return notes
@@ -329,6 +320,7 @@ def run_search(options: SearchOptions) -> str:
     the same folder is refused at once.
     """
     loaded = load_space(options.space_path, options.overrides)
+    preflight.check_task_names(loaded)  # an unknown dataset or backbone is told before anything loads
     name = options.name or loaded.space.name
     results_root = _results_root(options.storage, name)
     _warn(preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides))
@@ -373,6 +365,14 @@ def _run_search(
 
     unreadable: list[str] | None = [] if options.charge_unreadable_ledger else None  # charged once contexts exist
     search_id = preflight.folder_search_id(runs, loaded, name, options.resume, options.dry_run, unreadable)
+    _warn(
+        skipped := [
+            f"{path}: an unreadable or damaged privacy ledger end entry, skipped: the runs it closes are charged "
+            "their planned steps (the printed ε stays an upper bound, looser)"
+            for path in unreadable_ends(runs)
+        ]
+    )
+    notes += skipped
     if options.resume and not options.dry_run and search_finished(results_root, search_id):
         print(f"--resume: search {search_id} at {results_root} is finished; nothing to run")
         conclude(results_root, report, search_id, space.tracking, private=private)
@@ -463,7 +463,7 @@ def _run_search(
         proposals = kept_proposals(
             runs, [plan.cell_key for plan in plans], partial(_propose, space, {p.cell_key: p for p in plans}, contexts)
         )
-    failures, signals = run_cells(space, plans, contexts, options.resume)
+    failures, signals, failed = run_cells(space, plans, contexts, options.resume)
     stopped_by_signal(signals, runs, search_id, space, plans, private)
     if failures:
         raise SearchIncomplete(
@@ -472,7 +472,7 @@ def _run_search(
             "--resume: what finished is kept, and every training that took a step stays charged in the "
             "privacy ledger"
         )
-    check_every_run_recorded(runs, search_id, space.resources.max_retries, private)
+    check_every_run_recorded(runs, search_id, space.resources.max_retries, private, failed)
     if private and any(unrecorded_runs(context, proposals[context.cell_key]) for context in contexts):
         raise SearchIncomplete(
             "the private search stopped before every planned run was recorded; nothing is released. Run the same "
@@ -482,46 +482,49 @@ def _run_search(
     if subsample:
         train_releases(space, plans, contexts)
     if not private and embedded is not None and embedded.startswith(EMBEDDED_STARTED):
-        shut_down_in_background()
+        import ray
+
+        ray.shutdown()  # nothing of the search needs Ray now; in this thread: no Ray object outlives it
     print("\nsearch finished" + ("" if private else f" in {time.monotonic() - started:.0f} s"), flush=True)
-    ran = plans_that_ran(runs, search_id, plans)
-    _warn(
-        idle := [
-            f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
-            for p in plans
-            if p not in ran
-        ]
-    )
-    if ran:
-        print(
-            "selecting the release by its noisy validation score..."
-            if private
-            else "composing the privacy cost of every trial (PLD accountant)...",
-            flush=True,
+    with composing():  # a Ctrl+C from here on: every run is recorded, --resume trains nothing
+        ran = plans_that_ran(runs, search_id, plans)
+        _warn(
+            idle := [
+                f"cell {p.cell.cell_id} [{p.clipping}] recorded no trial; no search row is written for it"
+                for p in plans
+                if p not in ran
+            ]
         )
-        trials = read_table(runs, "trials")
-        public_test = dataset_info(workload.spec).official_test_split
-        rows = [
-            {**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
-            for row in search_rows(
-                loaded,
-                ran,
-                search_id,
-                trials,
-                official_test_split=public_test,
-                charged=charged_runs(runs, search_id, trials),
+        if ran:
+            print(
+                "selecting the release by its noisy validation score..."
+                if private
+                else "composing the privacy cost of every trial (PLD accountant)...",
+                flush=True,
             )
-        ]
-        choices = release_choices(space, ran, rows, trials)
-        released = release_rows(space, choices, official_test_split=public_test)
-        # the models, then the release, then the search rows: a search row marks a finished search
-        publish_models(
-            space, results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)]
-        )
-        if released:
-            store.write_part("release", search_id, released)
-        store.write_part("search", search_id, rows)
-    conclude(results_root, report, search_id, space.tracking, private=private)
+            trials = read_table(runs, "trials")
+            public_test = dataset_info(workload.spec).official_test_split
+            rows = [
+                {**row, "warnings": json.dumps(notes + idle, ensure_ascii=False)}
+                for row in search_rows(
+                    loaded,
+                    ran,
+                    search_id,
+                    trials,
+                    official_test_split=public_test,
+                    charged=charged_runs(runs, search_id, trials),
+                )
+            ]
+            choices = release_choices(space, ran, rows, trials)
+            released = release_rows(space, choices, official_test_split=public_test)
+            # the models, then the release, then the search rows: a search row marks a finished search
+            publish_models(
+                space, results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)]
+            )
+            if released:
+                store.write_part("release", search_id, released)
+            store.write_part("search", search_id, rows)
+        conclude(results_root, report, search_id, space.tracking, private=private)
     return results_root
 
 

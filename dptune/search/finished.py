@@ -3,15 +3,20 @@
 ``--resume`` of a search that ran to its end (its ``search`` rows exist) computes nothing: it prints
 the summary and rebuilds the report. That needs no lease and no write to the results folder, so it
 works on a read-only copy too (a results pod's volume, an archived folder); a report location that
-cannot be written is said so, and the summary is shown all the same.
+cannot be written is said so, and the summary is shown all the same. A Ctrl+C once every run is recorded
+says so, and what is not done yet (:func:`composing`, :func:`conclude`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dptune.errors import SearchInterrupted
 from dptune.paths import LocationError, probe_writable
 from dptune.records import read_table, runs_root
 from dptune.search import preflight
@@ -36,15 +41,51 @@ def search_finished(results_root: str, search_id: str) -> bool:
     return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
 
 
+#: What a Ctrl+C says of a search it stopped after every run was recorded (``--resume`` then trains nothing).
+STOPPED_COMPOSING = (
+    "stopped by Ctrl+C (SIGINT) after every run was recorded, before the search's outcome was written (its privacy "
+    "cost, the models it hands back, its summary). Run the same command with --resume to write it; nothing trains again"
+)
+
+
+@contextlib.contextmanager
+def composing() -> Iterator[None]:
+    """Around what a search does once every run is recorded (composing its privacy cost, publishing its
+    models, writing its ``search`` rows, :func:`conclude`): a Ctrl+C there raises ``SearchInterrupted``
+    (exit status 130) with ``STOPPED_COMPOSING``, where the command's own handler would say that the search
+    stopped before it finished its runs."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise SearchInterrupted(STOPPED_COMPOSING, signal.SIGINT) from None
+
+
 def conclude(results_root: str, report: str | None, search_id: str, tracking: TrackingSpec, *, private: bool) -> None:
     """Print where the results are and the summary (``outcome.summary_text``); build the report at
     ``report`` (unless ``None``); then log the search ``search_id`` to ``tracking.mlflow``, if set
-    (``tracking.log_search``: a failure there only warns)."""
+    (``tracking.log_search``: a failure there only warns). A Ctrl+C on the way raises
+    ``SearchInterrupted`` (exit status 130) saying that the search finished and which of these steps
+    are not done (``--resume`` does them again, training nothing)."""
     print(f"results: {results_root}")
-    print(summary_text(results_root, private=private))
+    done = [f"its results are at {results_root}"]
+    undone = ["its summary"]
     if report is not None:
-        print(f"report: {build_report_at(results_root, report)}")
-    log_search(tracking, results_root, search_id, private=private, report=report)
+        undone.append(f"its report ({report})")
+    if tracking.mlflow is not None:
+        undone.append(f"its record in MLflow ({tracking.mlflow})")
+    try:
+        print(summary_text(results_root, private=private))
+        done.append(f"{undone.pop(0)} is above")
+        if report is not None:
+            print(f"report: {build_report_at(results_root, report)}")
+            done.append(f"{undone.pop(0)} is built")
+        log_search(tracking, results_root, search_id, private=private, report=report)
+    except KeyboardInterrupt:
+        raise SearchInterrupted(
+            f"stopped by Ctrl+C (SIGINT) after the search finished: {', '.join(done)}; not done: {', '.join(undone)}. "
+            "Run the same command with --resume to do what is not done; it trains nothing",
+            signal.SIGINT,
+        ) from None
 
 
 def build_report_at(results_root: str, location: str) -> str:

@@ -106,25 +106,59 @@ def hold_lease(results_root: str, where: str = "--storage/--name") -> Iterator[s
             yield token
 
 
-def holder_token(results_root: str) -> str | None:
-    """The token of the search that holds (or, killed, last held) the lease on ``results_root``; None
-    when none does (released, or never taken)."""
+def _lease(results_root: str) -> tuple[bool, bytes | None]:
+    """Whether ``results_root`` is on a file system (else an object store), and the bytes of its lease
+    file (or object) as this process sees them: None when there is none."""
     import pyarrow.fs as pafs
 
     fs, _ = filesystem(results_root)
-    name = LEASE_FILE if isinstance(fs, pafs.LocalFileSystem) else LEASE_OBJECT
-    token = (_parse(read_file(results_root, name)) or {}).get("token")
+    local = isinstance(fs, pafs.LocalFileSystem)
+    return local, read_file(results_root, LEASE_FILE if local else LEASE_OBJECT)
+
+
+def holder_token(results_root: str) -> str | None:
+    """The token of the search that holds (or, killed, last held) the lease on ``results_root``; None
+    when none does (released, or never taken)."""
+    token = (_parse(_lease(results_root)[1]) or {}).get("token")
     return None if token is None else str(token)
+
+
+#: The (results folder, token) pairs whose lease this process has seen held by that token
+#: (:func:`check_holder`): a lease file that is gone afterwards was removed, not never there.
+_SEEN_HELD: set[tuple[str, str]] = set()
 
 
 def check_holder(results_root: str, token: str | None) -> None:
     """Raise ``SearchGone`` unless the search whose lease token is ``token`` still holds ``results_root``
-    (``token`` None: no search to check, as when a runner is called directly)."""
-    if token is not None and holder_token(results_root) != token:
+    (``token`` None: no search to check, as when a runner is called directly).
+
+    The message names the likely cause. On a file system the lease file is never deleted, so one this
+    process never saw there means the folder it sees is not its search's: ``--storage`` is a path the
+    cluster's nodes do not share. One it saw and that is gone now was removed with the folder. An empty
+    lease (released) or another token means the search ended, or was stopped and another search took
+    the folder over."""
+    if token is None:
+        return
+    local, data = _lease(results_root)
+    if (_parse(data) or {}).get("token") == token:
+        _SEEN_HELD.add((results_root, token))
+        return
+    if local and data is None and (results_root, token) not in _SEEN_HELD:
         raise SearchGone(
-            f"{results_root}: the search that started this trial worker no longer holds its results folder (it "
-            "ended, or was stopped and another search took the folder over); this worker starts and writes nothing more"
+            f"{results_root}: this results folder is not visible on this node ({socket.gethostname()}): its search's "
+            f"lease file {LEASE_FILE} is not there. --storage must be a path every node of the cluster shares (a "
+            "volume mounted at the same path on each, as cluster/storage.yaml's), or an object-store URI (s3://, "
+            "gs://); this trial worker starts and writes nothing"
         )
+    if local and data is None:
+        raise SearchGone(
+            f"{results_root}: the results folder was removed while its search ran (its lease file {LEASE_FILE} is "
+            "gone); this trial worker starts and writes nothing more"
+        )
+    raise SearchGone(
+        f"{results_root}: the search that started this trial worker no longer holds its results folder (it "
+        "ended, or was stopped and another search took the folder over); this worker starts and writes nothing more"
+    )
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -422,7 +424,8 @@ def stopped_by_signal(
         done = "nothing is released"
     else:
         trials = read_table(runs, "trials")
-        recorded = int((trials["search_id"] == search_id).sum()) if len(trials) else 0
+        trained = (trials["search_id"] == search_id) & (trials["status"] != "pruned_min_steps")  # as planned counts
+        recorded = int(trained.sum()) if len(trials) else 0
         planned = sum(plan.configurations for plan in plans) * space.replicates
         done = f"{recorded} of {planned} runs recorded"
     raise SearchInterrupted(
@@ -433,22 +436,41 @@ def stopped_by_signal(
     )
 
 
-def check_every_run_recorded(runs: str, search_id: str, max_retries: int, private: bool) -> None:
-    """Raise ``SearchIncomplete`` when a run the privacy ledger charged has no row (its trial process
-    was lost ``max_retries`` + 1 times, or it could not write): ``--resume`` runs it again. A private
-    search's message does not count the runs (that would reveal K). A subsample tuning's release is
-    not among them: it trains after this check, and a resume continues it from its checkpoint; nor are
+@dataclass(frozen=True)
+class FailedUnits:
+    """The runs of a cell's units that failed for good in a Tune run: their ``trial_ids`` and the last
+    line of the last error (empty when a unit's process was lost without one)."""
+
+    trial_ids: tuple[str, ...]
+    error: str
+
+
+def check_every_run_recorded(
+    runs: str, search_id: str, max_retries: int, private: bool, failed_units: Mapping[str, FailedUnits] | None = None
+) -> None:
+    """Raise ``SearchIncomplete`` unless every run the search planned has its row: each run the privacy ledger
+    charged (a process lost ``max_retries`` + 1 times, a write that failed) and each run of a unit that
+    failed (``failed_units``, by cell key: a unit that failed before it charged anything leaves no start
+    entry). ``--resume`` runs them again. The message names the cells and, for a search that is not
+    end-to-end private, counts the runs (a private one's count would reveal K). A subsample tuning's release
+    is not among them: it trains after this check, and a resume continues it from its checkpoint; nor are
     the stand-ins of unreadable start files (:mod:`dptune.search.damaged_ledger`)."""
     charged = charged_runs(runs, search_id)
     stand_in = charged["trial_id"].astype(str).str.startswith(UNREADABLE_TRIAL_PREFIX)  # no row records them
     tuned = charged[~charged["cell_id"].astype(str).str.endswith(RELEASE_SUFFIX) & ~stand_in]
-    missing = set(tuned["trial_id"]) - ResultsStore(runs).completed_trial_ids()
+    planned = set(tuned["trial_id"])
+    for failed in (failed_units or {}).values():
+        planned |= set(failed.trial_ids)
+    missing = planned - ResultsStore(runs).completed_trial_ids()
     if not missing:
         return
+    cells = sorted({key for key in (failed_units or {})} | {trial.rsplit("-", 2)[0] for trial in missing})
     count = "some runs" if private else f"{len(missing)} run(s)"
+    errors = [failed.error for failed in (failed_units or {}).values() if failed.error]
+    why = f"a unit failed ({errors[0][:300]})" if errors else f"a trial process was lost {max_retries + 1} time(s)"
     raise SearchIncomplete(
-        f"{count} of this search did not finish: their trial process was lost {max_retries + 1} time(s) "
-        f"(resources.max_retries = {max_retries}); each attempt is charged in the privacy ledger ({runs}/ledger). "
-        "Run the same command with --resume to run them again; the search table and summary are written when "
-        "every run has finished"
+        f"{count} of this search have no record (cell(s) {', '.join(cells)[:300]}): {why}, or the results could "
+        f"not be written (resources.max_retries = {max_retries}); every attempt that took a step is charged in "
+        f"the privacy ledger ({runs}/ledger). Run the same command with --resume to run them again; the search "
+        "table and summary are written when every planned run is recorded"
     )

@@ -7,9 +7,9 @@ results folder (every part readable, Tune's state loadable, the same search spac
 ``--resume``). A failed check raises ``PreflightError``: the command exits before any compute,
 so nothing can fail after Ray has started or hang waiting for resources that never come.
 
-A started search keeps a manifest (``manifest.json``: name, spec hash, resolved spec), written
-atomically before Ray starts, so that ``--resume`` can compare spaces even when the search was
-stopped before it wrote its ``search`` table.
+A started search keeps a manifest (``manifest.json``: search id, name, spec hash, resolved spec),
+written atomically before Ray starts, so that ``--resume`` can compare spaces (as validated, not as
+written) even when the search was stopped before it wrote its ``search`` table.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dptune.contract import BACKBONE_NAMES, DATASET_NAMES, NO_BACKBONE, is_own_backbone
 from dptune.errors import DptuneError, shown
 from dptune.paths import filesystem, write_file_atomic
 from dptune.plan import check_max_steps
 from dptune.privacy import check_delta
-from dptune.space import LoadedSpace, ResourcesSpec, SearchSpace, spec_differences
+from dptune.space import LoadedSpace, ResourcesSpec, SearchSpace, SpaceError, parse_space, spec_differences
 
 #: The manifest a started search writes into its results folder.
 MANIFEST = "manifest.json"
@@ -37,6 +39,9 @@ MANIFEST = "manifest.json"
 ADDRESS_TIMEOUT_S = 5.0
 #: Where Tune keeps its experiment state under the results folder (``dptune.search`` writes it).
 TUNE_EXPERIMENT = "_tune/search"
+#: The file (beside Tune's experiment folder) naming where the folder was when Tune last saved its state:
+#: Tune's saved state holds absolute paths, so a copied or moved folder does not restore it.
+TUNE_LOCATION = "_tune/location.txt"
 
 _ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
 
@@ -287,21 +292,26 @@ def folder_search_id(
     the folder is called now.
 
     The search that starts a folder names it ``<name>-<spec hash>`` and keeps that id in the folder's
-    manifest; a resume takes it from there, so a copied, renamed or moved folder resumed under
-    another ``--name`` continues the same search, and its printed ε composes every start entry of
-    its ledger. Refused (``PreflightError``), before anything trains: a start without ``--resume`` on
-    a folder whose ledger charges runs, and a ledger holding start entries of another search (entry
-    files copied in from another folder), which this search's ε would not compose. An unreadable
-    start file raises ``LedgerError`` unless ``unreadable`` collects its path (then the driver charges it
-    conservatively before anything trains: :mod:`dptune.search.damaged_ledger`).
+    manifest; a resume takes it from there (from a ``search`` row when there is no manifest) when the
+    recorded space is this one (:func:`same_space`: formatting never counts, and a folder whose id an
+    older dptune drew from the space's text keeps it), so a copied, renamed or moved folder resumed
+    under another ``--name`` continues the same search, and its printed ε composes every start entry
+    of its ledger. Refused (``PreflightError``), before anything trains, each with its own message: a
+    resume with another space (the keys that differ); a start without ``--resume`` on a folder whose
+    ledger charges runs; a ledger holding intact start entries of another search (entry files copied
+    in from another folder), which this search's ε would not compose. An unreadable or damaged start
+    file (its checksum does not hold) raises ``LedgerError`` unless ``unreadable`` collects its path
+    (then the driver charges it conservatively before anything trains: :mod:`dptune.search.damaged_ledger`).
     """
     from dptune.records.ledger import check_ledger
 
     charged = check_ledger(runs, unreadable)  # an unreadable start entry is told now, not after more training
-    manifest = read_manifest(runs) if resume else None
     search_id = f"{name}-{loaded.spec_hash}"
-    if manifest is not None and manifest.get("spec_hash") == loaded.spec_hash:
-        search_id = str(manifest.get("search_id") or f"{manifest.get('name')}-{loaded.spec_hash}")
+    if resume and (recorded := _recorded_spaces(runs)):
+        mine = next((space for space in recorded if same_space(space, loaded)), None)
+        if mine is None:  # told as a changed space, never as the ledger's entries being another search's
+            raise _changed_space(runs, recorded[0], loaded)
+        search_id = str(mine.get("search_id") or f"{mine.get('name')}-{mine.get('spec_hash')}")
     if charged and not resume and not dry_run:
         raise PreflightError(
             f"{runs}/ledger: the privacy ledger of this results folder already charges {sum(charged.values())} "
@@ -319,29 +329,85 @@ def folder_search_id(
 
 
 def check_same_space(results_root: str, loaded: LoadedSpace) -> None:
-    """On ``--resume``: refuse a space whose hash differs from the one the search started with.
+    """On ``--resume``: refuse a space other than the one the search started with (:func:`same_space`).
 
     The recorded space is the manifest's, else (searches from before manifests) the ``search``
     table's. The error lists the keys that differ. Nothing recorded: nothing to compare.
     """
+    recorded = _recorded_spaces(results_root)
+    if recorded and not any(same_space(space, loaded) for space in recorded):
+        raise _changed_space(results_root, recorded[0], loaded)
+
+
+def _recorded_spaces(results_root: str) -> list[dict[str, Any]]:
+    """The spaces the search at ``results_root`` recorded, each with ``search_id``, ``spec_hash`` and
+    ``spec_yaml``: the manifest, else (searches from before manifests) the ``search`` table's rows; none
+    when nothing is recorded."""
     manifest = read_manifest(results_root)
     if manifest is not None:
-        recorded = {manifest.get("spec_hash"): manifest["spec_yaml"]}
-    else:
-        from dptune.records import read_table
+        return [manifest]
+    from dptune.records import read_table
 
-        search = read_table(results_root, "search", columns=["spec_hash", "spec_yaml"])
-        recorded = dict(zip(search["spec_hash"], search["spec_yaml"], strict=True))
-    if not recorded or loaded.spec_hash in recorded:
-        return
-    old_hash, old_text = next(iter(recorded.items()))
-    changes = spec_differences(old_text, loaded.text)
+    search = read_table(results_root, "search", columns=["search_id", "spec_hash", "spec_yaml"])
+    return list(search.drop_duplicates().to_dict("records"))
+
+
+def same_space(recorded: Mapping[str, Any], loaded: LoadedSpace) -> bool:
+    """Whether a recorded space (a manifest, or a ``search`` row) is ``loaded``'s: the same spec hash, or
+    its ``spec_yaml`` validates, now, to the same space (a folder written by a dptune that hashed the
+    space's text, or whose canonical form has changed since). Formatting never makes two spaces differ."""
+    if recorded.get("spec_hash") == loaded.spec_hash:
+        return True
+    try:
+        return parse_space(str(recorded.get("spec_yaml")), "the recorded space").spec_hash == loaded.spec_hash
+    except SpaceError:  # it no longer validates: not the space that does
+        return False
+
+
+def _changed_space(results_root: str, recorded: Mapping[str, Any], loaded: LoadedSpace) -> PreflightError:
+    """The refusal of a ``--resume`` with a space other than ``recorded``: the keys that differ."""
+    changes = spec_differences(str(recorded.get("spec_yaml")), loaded.text)
     what = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
-    raise PreflightError(
-        f"--resume: the search space differs from the one {results_root} was started with (spec {old_hash} → "
-        f"{loaded.spec_hash}): {what or 'its text differs (comments or layout), no key'} (resume with the same "
-        "space and --set flags, or start a new search with another --name)"
+    return PreflightError(
+        f"--resume: the search space differs from the one {results_root} was started with (spec "
+        f"{recorded.get('spec_hash')} → {loaded.spec_hash}): {what or 'no key as written, but their validated values'} "
+        "(resume with the same space and --set flags, or start a new search with another --name)"
     )
+
+
+def record_tune_location(results_root: str, location: str) -> None:
+    """Note, before Tune starts, that its state under ``results_root`` is saved at ``location`` (Tune's storage
+    path: an absolute path or a URI)."""
+    folder, name = TUNE_LOCATION.rsplit("/", 1)
+    write_file_atomic(f"{results_root.rstrip('/')}/{folder}", name, location.encode())
+
+
+def set_aside_moved_tune_state(results_root: str, location: str, move: bool = True) -> list[str]:
+    """On ``--resume`` of a folder copied or moved since Tune last saved its state (:data:`TUNE_LOCATION` names
+    another place than ``location``): Tune's state leads back to the original folder (its new trials would
+    write there), so it moves to ``<TUNE_EXPERIMENT>.moved-<time>`` and the search starts Tune afresh; what
+    to run comes from the folder itself (``dptune.search.reconcile``: every configuration recorded or charged
+    is kept, every charged one without its rows runs again). ``move`` False (``--dry-run``) only says so.
+    Returns one note."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(results_root)
+    marker, experiment = f"{root}/{TUNE_LOCATION}", f"{root}/{TUNE_EXPERIMENT}"
+    absent = fs.get_file_info(experiment).type == pafs.FileType.NotFound
+    if absent or fs.get_file_info(marker).type != pafs.FileType.File:
+        return []
+    with fs.open_input_file(marker) as file:
+        saved_at = file.readall().decode(errors="replace")
+    if saved_at == location:
+        return []
+    aside = f"{experiment}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
+    if move:
+        fs.move(experiment, aside)
+    return [
+        f"this results folder was copied or moved from {shown(saved_at)}: Tune's saved state there is set aside "
+        f"({aside}) and Tune starts afresh; every configuration recorded or charged in the folder is kept, and "
+        "every charged run without its row runs again"
+    ]
 
 
 # --------------------------------------------------------------------------- warnings
@@ -360,6 +426,52 @@ def flag_warnings(space: SearchSpace, trials_per_cell_flag: bool) -> list[str]:
     if space.coupling.rule == "none" and "reference_batch_size" in space.coupling.model_fields_set:
         notes.append("coupling.reference_batch_size does not apply with coupling rule 'none'; ignored")
     return notes
+
+
+#: Seconds ``ray job stop`` should give a search between its SIGTERM and the SIGKILL that follows: Ray's
+#: job supervisor reads ``RAY_JOB_STOP_WAIT_TIME_S`` from its own environment (its node's, or the job's
+#: runtime_env ``env_vars``; Ray's default 3 s). The graceful stop (Tune's state saved, the recorded runs
+#: counted, the results folder's lease released) took 15 s on an object store.
+JOB_STOP_WAIT_S = 120
+
+
+def job_stop_warnings(environ: Mapping[str, str]) -> list[str]:
+    """Under ``ray job submit`` (``environ`` has Ray's ``RAY_JOB_CONFIG_JSON_ENV_VAR``; a job's driver inherits
+    its supervisor's environment): a warning when ``RAY_JOB_STOP_WAIT_TIME_S`` is below ``JOB_STOP_WAIT_S``."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in environ:
+        return []
+    value = environ.get("RAY_JOB_STOP_WAIT_TIME_S")
+    fix = (
+        f"set RAY_JOB_STOP_WAIT_TIME_S={JOB_STOP_WAIT_S} in the environment of the cluster's nodes or in the job's "
+        "--runtime-env-json env_vars (cluster/README.md)"
+    )
+    if value is not None and not value.strip().isdigit():
+        return [f"RAY_JOB_STOP_WAIT_TIME_S={shown(value)} is not a whole number of seconds, as Ray reads it; {fix}"]
+    wait = 3 if value is None else int(value)
+    if wait >= JOB_STOP_WAIT_S:
+        return []
+    source = "Ray's default" if value is None else "RAY_JOB_STOP_WAIT_TIME_S"
+    return [
+        f"`ray job stop` kills this search {wait} s after its SIGTERM ({source}), before it can stop cleanly; {fix}"
+    ]
+
+
+def check_task_names(loaded: LoadedSpace) -> None:
+    """Refuse a ``task.dataset`` or ``task.backbone`` that no registry (``dptune.contract.DATASET_NAMES``,
+    ``BACKBONE_NAMES``) holds and that is not a file or model of one's own (nor ``none``), from the names
+    alone: before torch, Ray or any data loads."""
+    task, where = loaded.space.task, f"{loaded.path}: task"
+    if isinstance(task.dataset, str) and task.dataset not in DATASET_NAMES:
+        raise PreflightError(
+            f"{where}.dataset: unknown dataset {shown(task.dataset)} (allowed: {', '.join(DATASET_NAMES)}, or a "
+            "file of your own: {path: FILE, input_column: COLUMN, label_column: COLUMN})"
+        )
+    if task.backbone not in (*BACKBONE_NAMES, NO_BACKBONE) and not is_own_backbone(task.backbone):
+        raise PreflightError(
+            f"{where}.backbone: unknown backbone {shown(task.backbone)} (allowed: {', '.join(BACKBONE_NAMES)}; "
+            f"{NO_BACKBONE} for rows that are embeddings; or a model of your own: {{hf: FOLDER}} or "
+            "{timm: ARCHITECTURE, weights: FILE})"
+        )
 
 
 def check_steps(space: SearchSpace, num_train: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -79,7 +79,8 @@ class CellSpec:
         return {"batch_size": list(self.batch_sizes), **listed}
 
 
-def _key(params: dict[str, Any]) -> str:
+def params_key(params: Mapping[str, Any]) -> str:
+    """A configuration's identity for a sampler: its values as floats, by name (B = 64 and 64.0 are one)."""
     return json.dumps({name: float(value) for name, value in sorted(params.items())})
 
 
@@ -124,20 +125,40 @@ class CellSampler:
                 optuna.trial.create_trial(params=params, distributions=distributions, value=value, state=_STATES[state])
             )
         for params in self.pending:  # asked before a resume, their unit runs again: running trials
-            self.study.add_trial(
-                optuna.trial.create_trial(params=params, distributions=distributions, state=TrialState.RUNNING)
-            )
-            self._numbers.setdefault(_key(params), []).append(len(self.study.trials) - 1)
+            self._running(params)
         if self.spec.sampler == "grid":
-            done = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
+            done = self.asked()
             points = [
                 dict(zip(self.spec.grid(), values, strict=True))
                 for values in itertools.product(*self.spec.grid().values())
             ]
             for index in np.random.default_rng(self.spec.seed).permutation(len(points)):
-                if _key(points[index]) not in done:
+                if params_key(points[index]) not in done:
                     self.study.enqueue_trial(points[index])
             self._grid_left = len(self.study.get_trials(states=(TrialState.WAITING,)))
+
+    def _running(self, params: dict[str, Any]) -> None:
+        """Add ``params`` to the study as a running trial, told later by :meth:`tell`."""
+        self.study.add_trial(
+            optuna.trial.create_trial(params=params, distributions=self.spec.distributions(), state=TrialState.RUNNING)
+        )
+        self._numbers.setdefault(params_key(params), []).append(len(self.study.trials) - 1)
+
+    def asked(self) -> set[str]:
+        """The :func:`params_key` of every configuration asked so far (told, pruned or pending)."""
+        return {params_key(params) for params, _, _ in self.told} | {params_key(params) for params in self.pending}
+
+    def hold(self, params: dict[str, Any]) -> None:
+        """Take ``params``, asked by an earlier sampler of this cell that this one does not know (its runs
+        were charged), as pending: it is told like a configuration this sampler asked, and never asked again."""
+        self._running(params)
+        self.pending.append(params)
+
+    def with_told(self, told: list[Told]) -> CellSampler:
+        """This sampler rebuilt as if it had also been told ``told`` (configurations an earlier sampler of
+        this cell asked and whose runs are recorded): never asked again, and its model learns from them."""
+        state = self.state()
+        return CellSampler.from_state({**state, "told": [*state["told"], *(list(entry) for entry in told)]})
 
     def _sampler(self, asks: int) -> optuna.samplers.BaseSampler:
         # Re-seeded from the public seed and the number of configurations asked (told or pending), so
@@ -161,7 +182,7 @@ class CellSampler:
         """
         distributions = self.spec.distributions()
         asked: list[dict[str, Any]] = []
-        seen = {_key(params) for params, _, _ in self.told} | {_key(params) for params in self.pending}
+        seen = self.asked()
         pruned_in_a_row = repeated_in_a_row = 0
         while len(asked) < count and repeated_in_a_row < MAX_REPEATED_PROPOSALS:
             if self.spec.sampler == "grid":
@@ -170,12 +191,12 @@ class CellSampler:
                 self._grid_left -= 1
             trial = self.study.ask(distributions)
             params = dict(trial.params)
-            if _key(params) in seen:
+            if params_key(params) in seen:
                 self.study.tell(trial, state=TrialState.FAIL)
                 repeated_in_a_row += 1
                 continue
             repeated_in_a_row = 0
-            seen.add(_key(params))
+            seen.add(params_key(params))
             if int(params["batch_size"]) not in self.spec.feasible_batch_sizes:
                 self.study.tell(trial, state=TrialState.PRUNED)
                 self.told.append(Told(params, None, "pruned"))
@@ -185,7 +206,7 @@ class CellSampler:
                     raise SamplerExhausted(f"the sampler proposed only pruned batch sizes {pruned_in_a_row} times")
                 continue
             pruned_in_a_row = 0
-            self._numbers.setdefault(_key(params), []).append(trial.number)
+            self._numbers.setdefault(params_key(params), []).append(trial.number)
             self.pending.append(params)
             asked.append(params)
         return asked
@@ -193,7 +214,7 @@ class CellSampler:
     def tell(self, params: dict[str, Any], value: float | None) -> None:
         """Tell the study a configuration's value (``None``: it failed) — also one asked before a
         resume, which the live study does not know."""
-        key = _key(params)
+        key = params_key(params)
         state = "complete" if value is not None else "fail"
         numbers = self._numbers.get(key)
         if numbers:
@@ -204,7 +225,7 @@ class CellSampler:
                     params=params, distributions=self.spec.distributions(), value=value, state=_STATES[state]
                 )
             )
-        waiting = [_key(p) for p in self.pending]
+        waiting = [params_key(p) for p in self.pending]
         if key in waiting:
             del self.pending[waiting.index(key)]
         self.told.append(Told(params, value, state))

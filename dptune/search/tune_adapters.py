@@ -1,16 +1,16 @@
-"""The Ray Tune layer of a search: one searcher over every cell, per-cell ASHA, the trainable, and
-the driver's callback. Ray appears here and in :mod:`dptune.search.driver` only.
+"""The Ray Tune layer of a search: per-cell ASHA, the trainables, and the driver's callbacks. Ray appears
+here, in :mod:`dptune.search.searcher` (the searcher over every cell and its :class:`Unit`) and in
+:mod:`dptune.search.driver` only.
 
-A Tune trial is a *unit* (:class:`Unit`): one cell's batch of sampled configurations (C, B, η₀),
-run by :func:`dptune.search.execution.run_configurations` (fused where it applies, R replicates
-each). A cell here is a cell under one clipping rule, named by its ``cell_key``
-(:attr:`dptune.search.cells.CellPlan.cell_key`). Its last report carries one score per
-configuration (``SCORES_KEY``, the mean selection value over replicates), which the
-:class:`CellMultiplexer` tells that cell's :class:`~dptune.search.sampler.CellSampler`.
+A Tune trial is a *unit* (:class:`~dptune.search.searcher.Unit`): one cell's batch of sampled
+configurations (C, B, η₀), run by :func:`dptune.search.execution.run_configurations` (fused where it
+applies, R replicates each). A cell here is a cell under one clipping rule, named by its ``cell_key``
+(:attr:`dptune.search.cells.CellPlan.cell_key`). Its last report carries one score per configuration
+(``SCORES_KEY``, the mean selection value over replicates), which the searcher tells that cell's
+:class:`~dptune.search.sampler.CellSampler`.
 
-Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``);
-the searcher's checkpoint is plain JSON (``save``/``restore``) and it pickles as plain data
-(``__getstate__``), so a resumed search never unpickles code.
+Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``); the
+callbacks pickle without their contexts, which a restored Tuner takes from ``DRIVER_CONTEXTS``.
 """
 
 from __future__ import annotations
@@ -18,21 +18,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ray import tune
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-from ray.tune.search import Searcher
 
 from dptune.contract import EpochMetrics, TrialResult, TrialStatus
 from dptune.errors import DptuneError, storage_error
@@ -44,22 +41,13 @@ from dptune.search.execution import (
     FinishedRun,
     TrialContext,
     configuration_id,
-    record_pruned,
     run_configurations,
     trial_config,
     write_result,
 )
 from dptune.search.private_units import UNIT_DONE, PrivateUnit, run_private_unit
-from dptune.search.sampler import CellSampler
+from dptune.search.searcher import DRIVER_CONTEXTS, METRIC, SCORES_KEY, Unit
 
-#: The metric every sampler and scheduler optimises: accuracy on the validation split.
-METRIC = "val_accuracy"
-#: Keys of a unit's Tune config: its cell (the value is the cell's ``cell_key``), and the
-#: configurations it carries (:class:`Unit`).
-CELL_KEY = "cell"
-CONFIGURATIONS_KEY = "configurations"
-#: Key of a unit's last report: per configuration, the mean selection value over its replicates.
-SCORES_KEY = "scores"
 #: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
 RUN_STATUSES_KEY = "run_statuses"
 #: Key of the report of a unit that could not write to the results folder (a full or read-only disk):
@@ -74,30 +62,6 @@ DRIVER_FAILURES: list[str] = []
 #: The stop signals (``SIGINT``: Ctrl+C; ``SIGTERM``: ``ray job stop``, ``kill``) this driver received
 #: while its Tune run ran (:func:`stop_on_signals`): the search then ends unfinished.
 STOP_SIGNALS: list[str] = []
-#: This driver's context of each cell (its results folder, its lease token), set by
-#: :func:`dptune.search.driver.run_cells` before Tune builds or restores its run. A restored Tuner
-#: unpickles its searcher and callbacks from the experiment state the search's first driver wrote
-#: (another process, another lease, perhaps another folder: a copy); they take their contexts from
-#: here, never from that pickle, so a resume writes only to its own folder under its own lease.
-DRIVER_CONTEXTS: dict[str, TrialContext] = {}
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One Tune trial's work: ``configurations`` (each a dict of the sampled C, B and η₀) of the
-    cell ``cell_key``. Tune holds it as a plain config dict (:meth:`config`, read back by :meth:`of`)."""
-
-    cell_key: str
-    configurations: list[dict[str, Any]]
-
-    def config(self) -> dict[str, Any]:
-        """The unit as a Tune trial's config."""
-        return {CELL_KEY: self.cell_key, CONFIGURATIONS_KEY: self.configurations}
-
-    @classmethod
-    def of(cls, config: Mapping[str, Any]) -> Unit:
-        """The unit a Tune trial's config holds."""
-        return cls(config[CELL_KEY], list(config[CONFIGURATIONS_KEY]))
 
 
 @dataclass(frozen=True)
@@ -213,116 +177,6 @@ class UnitFailureNotice(Callback):
             f"{self.runs}/_tune and {self.runs}/{PRIVATE_UNIT_ERRORS}",
             flush=True,
         )
-
-
-class CellMultiplexer(Searcher):
-    """One Tune searcher over every cell run: each cell keeps its own sampler and budget.
-
-    Cells take turns (round-robin over those with budget left), so they run side by side. A
-    unit asks its cell's sampler for up to ``unit_sizes[cell]`` configurations; a proposal with
-    T < T_min is recorded by :func:`~dptune.search.execution.record_pruned` (no compute) and does not
-    count against the cell's ``budgets`` (configurations per cell).
-    """
-
-    def __init__(
-        self,
-        samplers: dict[str, CellSampler],
-        budgets: dict[str, int],
-        unit_sizes: dict[str, int],
-        contexts: dict[str, TrialContext],
-        num_train: int,
-        min_steps: int,
-        metric: str = METRIC,
-    ) -> None:
-        super().__init__(metric=metric, mode="max")
-        self.samplers = samplers
-        self.budgets = dict(budgets)
-        self.unit_sizes = dict(unit_sizes)
-        self._contexts: dict[str, TrialContext] | None = contexts  # None once unpickled: DRIVER_CONTEXTS
-        self.num_train = num_train
-        self.min_steps = min_steps
-        self.suggested = dict.fromkeys(samplers, 0)
-        self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
-        self.turn = 0
-
-    @property
-    def contexts(self) -> dict[str, TrialContext]:
-        """Each cell's context: the one given, or once unpickled (a restored Tuner's) this driver's."""
-        if self._contexts is not None:
-            return self._contexts
-        return {cell_key: DRIVER_CONTEXTS[cell_key] for cell_key in self.unit_sizes}
-
-    def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
-        return True
-
-    # Ray annotates Searcher.suggest as returning Optional[Dict] but documents (and handles) the
-    # string Searcher.FINISHED as its end-of-search answer.
-    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:  # type: ignore[override]
-        while open_cells := [key for key in self.samplers if self.suggested[key] < self.budgets[key]]:
-            cell_key = open_cells[self.turn % len(open_cells)]
-            self.turn += 1
-            context = self.contexts[cell_key]
-            count = min(self.unit_sizes[cell_key], self.budgets[cell_key] - self.suggested[cell_key])
-            configurations = self.samplers[cell_key].ask(
-                count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps)
-            )
-            if not configurations:  # a grid ran out early: close the cell
-                self.budgets[cell_key] = self.suggested[cell_key]
-                continue
-            self.suggested[cell_key] += len(configurations)
-            self.owner[trial_id] = unit = Unit(cell_key, configurations)
-            return unit.config()
-        return Searcher.FINISHED
-
-    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
-        unit = self.owner.pop(trial_id, None)
-        if unit is None:  # a unit restarted on --resume after it errored: its sampler was told then
-            return
-        sampler = self.samplers[unit.cell_key]
-        if error or not result:
-            values: list[float | None] = [None] * len(unit.configurations)
-        elif SCORES_KEY in result:
-            values = list(result[SCORES_KEY])
-        else:  # stopped early by ASHA (one configuration): its last intermediate accuracy
-            values = [result.get(self.metric)]
-        for params, value in zip(unit.configurations, values, strict=True):
-            sampler.tell(params, None if value is None or not math.isfinite(value) else float(value))
-
-    def _dynamic_state(self) -> dict[str, Any]:
-        return {
-            "samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
-            "budgets": self.budgets,
-            "suggested": self.suggested,
-            "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
-            "turn": self.turn,
-        }
-
-    def _load_dynamic_state(self, state: dict[str, Any]) -> None:
-        self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
-        self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
-        self.owner = {
-            trial_id: Unit(cell_key, configurations) for trial_id, (cell_key, configurations) in state["owner"].items()
-        }
-
-    def save(self, checkpoint_path: str) -> None:
-        """One JSON file (Tune renames it into place): plain data only."""
-        Path(checkpoint_path).write_text(json.dumps(self._dynamic_state()))
-
-    def restore(self, checkpoint_path: str) -> None:
-        self._load_dynamic_state(json.loads(Path(checkpoint_path).read_text()))
-
-    def __getstate__(self) -> dict[str, Any]:
-        fixed = {name: value for name, value in self.__dict__.items() if name not in _DYNAMIC_STATE}
-        return {**fixed, **self._dynamic_state(), "_contexts": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        dynamic = {name: state.pop(name) for name in _DYNAMIC_STATE}
-        self.__dict__.update(state)
-        self._load_dynamic_state(dynamic)
-
-
-#: The attributes of a :class:`CellMultiplexer` that change as it runs (its JSON checkpoint).
-_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn")
 
 
 class PerCellASHA(FIFOScheduler):

@@ -4,7 +4,6 @@ private search's carry public unit numbers only (:mod:`dptune.search.private_uni
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from dptune.search.cells import CellPlan, cell_spec, record_pruned_grid, unit_size
@@ -32,7 +31,8 @@ def search_tuner(
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.search.tune_adapters import METRIC, CellMultiplexer, CellRun, PerCellASHA, RecordAndReport
+    from dptune.search.searcher import METRIC, CellMultiplexer
+    from dptune.search.tune_adapters import CellRun, PerCellASHA, RecordAndReport
 
     slots = trial_slots(space)
     units = {plan.cell_key: unit_size(space, plan, slots, contexts[plan.cell_key].fused) for plan in plans}
@@ -75,7 +75,7 @@ def search_tuner(
             scheduler=scheduler,
             metric=METRIC,
             mode="max",
-            num_samples=sum(math.ceil(plan.configurations / units[plan.cell_key]) for plan in plans),
+            num_samples=-1,  # until the searcher says it is finished: a resume may add units (search.reconcile)
             max_concurrent_trials=space.resources.max_concurrent_trials,
             reuse_actors=True,  # a trial process keeps torch, the model code and the data loaded
         ),
@@ -94,7 +94,8 @@ def private_tuner(
     from ray import tune
 
     from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
-    from dptune.search.tune_adapters import METRIC, StopOnStorageFailure, UnitFailureNotice
+    from dptune.search.searcher import METRIC
+    from dptune.search.tune_adapters import StopOnStorageFailure, UnitFailureNotice
 
     units = unit_count(trial_slots(space))
     runs = next(iter(contexts.values())).results_root

@@ -17,15 +17,13 @@ import yaml
 from pydantic import ValidationError
 
 from dptune.errors import shown
-from dptune.space.spec import LoadedSpace, SearchSpace, SpaceError
+from dptune.space.spec import UNRECORDED, LoadedSpace, SearchSpace, SpaceError
 
 #: Largest spec file read, in bytes (shipped specs are a few kB).
 MAX_SPEC_BYTES = 1_000_000
 #: Most YAML nodes a spec may expand to, each alias counted at every place it is used: a small
 #: file of nested anchors (a "billion laughs") would otherwise expand to gigabytes.
 MAX_SPEC_NODES = 10_000
-#: The section of a spec left out of its recorded text (``LoadedSpace.text``, hashed into the search's id).
-UNRECORDED = "tracking"
 #: YAML tags a spec may resolve to: plain mappings, lists and scalars (and ``<<`` merge keys).
 _PLAIN_TAGS = frozenset(
     f"tag:yaml.org,2002:{name}" for name in ("map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp")
@@ -213,8 +211,8 @@ def parse_space(text: str, path: Path | str = "<string>", overrides: dict[str, A
 
     A file may start from another with ``extends: base.yaml`` (path relative to the file): its
     keys are deep-merged over the base's; ``--set extends=base.yaml`` sets or replaces it. The
-    hashed text is the fully resolved spec, without ``UNRECORDED`` (where the search is logged is not
-    what it is: ``--set tracking.mlflow=URL`` leaves the text, so the search's id, as it was).
+    recorded text is the fully resolved spec, without ``UNRECORDED`` (where the search is logged is not
+    what it is: ``--set tracking.mlflow=URL`` leaves the text, and the search's id, as it was).
     """
     path = Path(path)
     overrides = dict(overrides or {})

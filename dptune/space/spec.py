@@ -10,6 +10,7 @@ commented example of every key.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ from dptune.space.tracking import TrackingSpec
 #: Most trials one cell may run (``trials_per_cell``, or the points of a grid): a search is
 #: meant to finish, and a count beyond this is a typo far more often than a plan.
 MAX_TRIALS_PER_CELL = 10_000
+#: The section of a spec left out of its recorded text and its hash (``LoadedSpace``): where a search
+#: is logged is not what it is.
+UNRECORDED = "tracking"
 #: Largest ``seed``: Optuna's samplers take 32-bit seeds (NumPy ``RandomState``) and each cell
 #: adds an offset below 2**24 to the space's seed.
 MAX_SEED = 2**32 - 2**24 - 1
@@ -565,7 +569,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class LoadedSpace:
-    """A validated space with the text it came from (hashed into the results)."""
+    """A validated space with the text it came from (recorded with the results, hashed into its id)."""
 
     space: SearchSpace
     path: Path
@@ -573,4 +577,11 @@ class LoadedSpace:
 
     @property
     def spec_hash(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+        """16 hex digits of SHA-256 of the validated space, not of its text: every key with its value as
+        the model holds it (defaults filled in, ``1``, ``1.0`` and ``1.0e-05``/``1e-5`` as the number
+        they are, relative paths resolved from the current folder), keys sorted, without
+        ``UNRECORDED``. The same space in another layout (block or flow lists, key order, comments,
+        number spelling) has the same hash; a changed value has another."""
+        canonical = self.space.model_dump(mode="json", exclude={UNRECORDED})
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

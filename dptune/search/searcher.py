@@ -1,0 +1,234 @@
+"""The searcher of a search's Ray Tune run: one Tune ``Searcher`` over every cell (:class:`CellMultiplexer`),
+and the unit it hands out (:class:`Unit`). Ray appears here, in :mod:`dptune.search.tune_adapters` and in
+:mod:`dptune.search.driver` only.
+
+A Tune trial is a *unit*: one cell's batch of sampled configurations (C, B, η₀). Each cell keeps its own
+:class:`~dptune.search.sampler.CellSampler` and budget; the searcher's checkpoint is plain JSON
+(``save``/``restore``) and it pickles as plain data (``__getstate__``), so a resumed search never unpickles
+code. What Tune's saved state lags behind the results folder is learnt from the folder when a driver first
+asks for a unit (:mod:`dptune.search.reconcile`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from ray.tune.search import Searcher
+
+from dptune.records import read_table, replicate_trial_id
+from dptune.records.ledger import started_runs
+from dptune.search.execution import TrialContext, configuration_id, record_pruned
+from dptune.search.outcome import FailedUnits
+from dptune.search.reconcile import unknown_configurations
+from dptune.search.sampler import CellSampler
+
+#: The metric every sampler and scheduler optimises: accuracy on the validation split.
+METRIC = "val_accuracy"
+#: Keys of a unit's Tune config: its cell (the value is the cell's ``cell_key``), and the
+#: configurations it carries (:class:`Unit`).
+CELL_KEY = "cell"
+CONFIGURATIONS_KEY = "configurations"
+#: Key of a unit's last report: per configuration, the mean selection value over its replicates.
+SCORES_KEY = "scores"
+#: This driver's context of each cell (its results folder, its lease token), set by
+#: :func:`dptune.search.driver.run_cells` before Tune builds or restores its run. A restored Tuner
+#: unpickles its searcher and callbacks from the experiment state the search's first driver wrote
+#: (another process, another lease, perhaps another folder: a copy); they take their contexts from
+#: here, never from that pickle, so a resume writes only to its own folder under its own lease.
+DRIVER_CONTEXTS: dict[str, TrialContext] = {}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Tune trial's work: ``configurations`` (each a dict of the sampled C, B and η₀) of the
+    cell ``cell_key``. Tune holds it as a plain config dict (:meth:`config`, read back by :meth:`of`)."""
+
+    cell_key: str
+    configurations: list[dict[str, Any]]
+
+    def config(self) -> dict[str, Any]:
+        """The unit as a Tune trial's config."""
+        return {CELL_KEY: self.cell_key, CONFIGURATIONS_KEY: self.configurations}
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> Unit:
+        """The unit a Tune trial's config holds."""
+        return cls(config[CELL_KEY], list(config[CONFIGURATIONS_KEY]))
+
+
+class CellMultiplexer(Searcher):
+    """One Tune searcher over every cell run: each cell keeps its own sampler and budget.
+
+    Cells take turns (round-robin over those with budget left), so they run side by side. A
+    unit asks its cell's sampler for up to ``unit_sizes[cell]`` configurations; a proposal with
+    T < T_min is recorded by :func:`~dptune.search.execution.record_pruned` (no compute) and does not
+    count against the cell's ``budgets`` (configurations per cell).
+
+    The first time a driver asks it for a unit, it learns from the results folder what Tune's saved state
+    missed (:mod:`dptune.search.reconcile`): recorded configurations are told and counted, charged ones
+    without their rows are handed out again, as they were charged, before anything new is asked. So a
+    cell asks at most its budget across any number of kills and resumes, and no charged run is dropped.
+    """
+
+    def __init__(
+        self,
+        samplers: dict[str, CellSampler],
+        budgets: dict[str, int],
+        unit_sizes: dict[str, int],
+        contexts: dict[str, TrialContext],
+        num_train: int,
+        min_steps: int,
+        metric: str = METRIC,
+    ) -> None:
+        super().__init__(metric=metric, mode="max")
+        self.samplers = samplers
+        self.budgets = dict(budgets)
+        self.unit_sizes = dict(unit_sizes)
+        self._contexts: dict[str, TrialContext] | None = contexts  # None once unpickled: DRIVER_CONTEXTS
+        self.num_train = num_train
+        self.min_steps = min_steps
+        self.suggested = dict.fromkeys(samplers, 0)
+        self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
+        self.turn = 0
+        self._unrecorded: dict[str, list[dict[str, Any]]] | None = None  # per cell, once this process reads it
+
+    @property
+    def contexts(self) -> dict[str, TrialContext]:
+        """Each cell's context: the one given, or once unpickled (a restored Tuner's) this driver's."""
+        if self._contexts is not None:
+            return self._contexts
+        return {cell_key: DRIVER_CONTEXTS[cell_key] for cell_key in self.unit_sizes}
+
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
+        return True
+
+    # Ray annotates Searcher.suggest as returning Optional[Dict] but documents (and handles) the
+    # string Searcher.FINISHED as its end-of-search answer.
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:  # type: ignore[override]
+        if self._unrecorded is None:
+            self._unrecorded = self._reconcile()
+        unrecorded = self._unrecorded
+        while open_cells := [
+            key for key in self.samplers if unrecorded[key] or self.suggested[key] < self.budgets[key]
+        ]:
+            cell_key = open_cells[self.turn % len(open_cells)]
+            self.turn += 1
+            context = self.contexts[cell_key]
+            if unrecorded[cell_key]:  # charged before Tune saved its state: run again before anything new
+                configurations = unrecorded[cell_key][: self.unit_sizes[cell_key]]
+                del unrecorded[cell_key][: len(configurations)]
+                for params in configurations:
+                    self.samplers[cell_key].hold(params)
+            else:
+                count = min(self.unit_sizes[cell_key], self.budgets[cell_key] - self.suggested[cell_key])
+                configurations = self.samplers[cell_key].ask(
+                    count, partial(record_pruned, context, num_train=self.num_train, min_steps=self.min_steps)
+                )
+            if not configurations:  # a grid ran out early: close the cell
+                self.budgets[cell_key] = self.suggested[cell_key]
+                continue
+            self.suggested[cell_key] += len(configurations)
+            self.owner[trial_id] = unit = Unit(cell_key, configurations)
+            return unit.config()
+        return Searcher.FINISHED
+
+    def _reconcile(self) -> dict[str, list[dict[str, Any]]]:
+        """Teach each cell's sampler what the results folder holds and it does not know (Tune's saved state
+        lags the folder: :mod:`dptune.search.reconcile`); returns, per cell, the charged configurations
+        with a replicate unrecorded, which this searcher hands out before asking for anything new."""
+        context = next(iter(self.contexts.values()))
+        started = started_runs(context.results_root, context.search_id)
+        trials = read_table(context.results_root, "trials")
+        trials = trials[trials["search_id"] == context.search_id]
+        unrecorded = {}
+        for cell_key, sampler in self.samplers.items():
+            found = unknown_configurations(self.contexts[cell_key], sampler, started, trials)
+            if found.told:
+                self.samplers[cell_key] = sampler.with_told(found.told)
+                self.suggested[cell_key] += sum(told.state != "pruned" for told in found.told)
+            unrecorded[cell_key] = found.unrecorded
+        if count := sum(map(len, unrecorded.values())):
+            print(
+                f"{count} configuration(s) charged in the privacy ledger after Tune last saved its state run "
+                "again, as they were charged",
+                flush=True,
+            )
+        return unrecorded
+
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+        unit = self.owner.pop(trial_id, None)
+        if unit is None:  # a unit restarted on --resume after it errored: its sampler was told then
+            return
+        sampler = self.samplers[unit.cell_key]
+        if error or not result:
+            values: list[float | None] = [None] * len(unit.configurations)
+        elif SCORES_KEY in result:
+            values = list(result[SCORES_KEY])
+        else:  # stopped early by ASHA (one configuration): its last intermediate accuracy
+            values = [result.get(self.metric)]
+        for params, value in zip(unit.configurations, values, strict=True):
+            sampler.tell(params, None if value is None or not math.isfinite(value) else float(value))
+
+    def _dynamic_state(self) -> dict[str, Any]:
+        return {
+            "samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
+            "budgets": self.budgets,
+            "suggested": self.suggested,
+            "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
+            "turn": self.turn,
+        }
+
+    def _load_dynamic_state(self, state: dict[str, Any]) -> None:
+        self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
+        self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
+        self.owner = {
+            trial_id: Unit(cell_key, configurations) for trial_id, (cell_key, configurations) in state["owner"].items()
+        }
+        self._unrecorded = None
+
+    def save(self, checkpoint_path: str) -> None:
+        """One JSON file (Tune renames it into place): plain data only."""
+        Path(checkpoint_path).write_text(json.dumps(self._dynamic_state()))
+
+    def restore(self, checkpoint_path: str) -> None:
+        self._load_dynamic_state(json.loads(Path(checkpoint_path).read_text()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        fixed = {name: value for name, value in self.__dict__.items() if name not in _DYNAMIC_STATE}
+        return {**fixed, **self._dynamic_state(), "_contexts": None, "_unrecorded": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        dynamic = {name: state.pop(name) for name in _DYNAMIC_STATE}
+        self.__dict__.update(state)
+        self._load_dynamic_state(dynamic)
+
+
+#: The attributes of a :class:`CellMultiplexer` that change as it runs (its JSON checkpoint).
+_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn")
+
+
+def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str, FailedUnits]:
+    """The runs of the units of a finished Tune run (its ``ResultGrid``) that ended in error, by cell key,
+    with the last line of one of their errors: :func:`dptune.search.outcome.check_every_run_recorded`
+    requires their rows."""
+    failed: dict[str, tuple[list[str], str]] = {}
+    for result in results:
+        if result.error is None or CONFIGURATIONS_KEY not in (result.config or {}):  # not a private unit
+            continue
+        unit = Unit.of(result.config)
+        replicates = contexts[unit.cell_key].replicates
+        trials, _ = failed.setdefault(unit.cell_key, ([], ""))
+        trials += [
+            replicate_trial_id(configuration_id(unit.cell_key, params), replicate)
+            for params in unit.configurations
+            for replicate in range(replicates)
+        ]
+        lines = str(result.error).strip().splitlines()
+        failed[unit.cell_key] = (trials, lines[-1] if lines else type(result.error).__name__)
+    return {key: FailedUnits(tuple(trials), error) for key, (trials, error) in failed.items()}

@@ -63,6 +63,26 @@ class SearchInterrupted(SearchIncomplete):
         self.exit_status = 128 + signal_number
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM (``ray job stop``, ``kill``) received by a search's driver outside its Tune run: raised where
+    the driver is, as Ctrl+C raises ``KeyboardInterrupt``, so every phase ends in the same one line
+    (:func:`stop_named`), with exit status 128 + 15, its lease released on the way out."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal_number)
+        self.signal_number = signal_number
+
+
+def stop_named(interrupt: KeyboardInterrupt) -> tuple[str, int]:
+    """How the command's line names what stopped it, and the signal's number: ``Ctrl+C (SIGINT)`` for a
+    ``KeyboardInterrupt``, the signal's name for a :class:`StopSignal`."""
+    import signal
+
+    if isinstance(interrupt, StopSignal):
+        return signal.Signals(interrupt.signal_number).name, interrupt.signal_number
+    return "Ctrl+C (SIGINT)", int(signal.SIGINT)
+
+
 def storage_error(error: BaseException) -> str | None:
     """``"<strerror> (errno NAME)"`` when ``error`` or an exception it was raised from or while handling
     is an ``OSError`` of ``STORAGE_ERRNOS`` (no space, quota, read-only, file too large), else None."""

@@ -214,7 +214,8 @@ def test_ctrl_c_once_every_run_is_recorded_says_so_and_resume_trains_nothing(
     status, out, err, took = _ctrl_c_in("compose", search_env, tmp_path, *args)
     root = tmp_path / "tiny"
     assert "search finished" in out and not (root / "search").exists()
-    assert status == 130 and err[-1] == f"error: {STOPPED_COMPOSING}" and "Traceback" not in "\n".join(err), err
+    composing_line = STOPPED_COMPOSING.format(how="Ctrl+C (SIGINT)")
+    assert status == 130 and err[-1] == f"error: {composing_line}" and "Traceback" not in "\n".join(err), err
     assert took < 10, f"{took:.1f} s from Ctrl+C to exit"
     ledger, recorded = sorted((root / "ledger").iterdir()), read_table(str(root), "trials")
     resumed = run_search(search_env, *args, "--resume")
@@ -242,7 +243,8 @@ def test_a_ctrl_c_is_one_line_naming_the_phase(
             search.main(["--space", str(TINY), "--storage", str(tmp_path), *flags])
         (err,) = capsys.readouterr().err.splitlines()
         assert info.value.code == 130 and err.startswith(line), err
-    with pytest.raises(SearchInterrupted, match=f"^{re.escape(STOPPED_COMPOSING)}$") as stopped:
+    composing_line = STOPPED_COMPOSING.format(how="Ctrl+C (SIGINT)")
+    with pytest.raises(SearchInterrupted, match=f"^{re.escape(composing_line)}$") as stopped:
         with finished.composing():
             interrupted()
     assert stopped.value.exit_status == 130
@@ -365,3 +367,36 @@ def test_the_command_line_answers_before_importing_anything_heavy(args: list[str
         [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
     )
     assert completed.stdout.strip().splitlines()[-1] == f"EXIT {0 if args == ['--help'] else 2} []", completed.stderr
+
+
+def test_sigterm_outside_the_tune_run_stops_the_search_in_one_line_as_ctrl_c_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """``ray job stop`` during loading, composing or the report (Ray's own handler would exit 15 without a
+    line): SIGTERM raises ``StopSignal`` where the driver is, and each phase's line names SIGTERM, exit 143."""
+    from dptune.errors import StopSignal
+    from dptune.search import driver, finished
+    from dptune.search.stopping import sigterm_raises, sigterm_stops_the_search
+
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_stops_the_search():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as ray.init replaces it
+        sigterm_raises()  # the driver's call after each Ray start
+        with pytest.raises(StopSignal) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode
+        assert stop.value.signal_number == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise StopSignal(signal.SIGTERM)
+
+    monkeypatch.setattr(driver, "run_search", stopped)
+    with pytest.raises(SystemExit) as info:
+        search.main(["--space", str(TINY), "--storage", str(tmp_path)])
+    (err,) = capsys.readouterr().err.splitlines()
+    assert info.value.code == 143 and err.startswith("error: stopped by SIGTERM before the search finished. "), err
+    with pytest.raises(SearchInterrupted, match=re.escape(STOPPED_COMPOSING.format(how="SIGTERM"))) as composing:
+        with finished.composing():
+            stopped()
+    assert composing.value.exit_status == 143

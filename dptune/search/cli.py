@@ -8,7 +8,6 @@ imports the driver (:mod:`dptune.search.driver`).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from dptune.errors import (
     SearchInterrupted,
     report_and_exit,
     shown,
+    stop_named,
     storage_error,
 )
 from dptune.paths import check_name
@@ -133,15 +133,16 @@ def main(argv: list[str] | None = None) -> None:
         run_search(options)
     except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
         report_and_exit(exc)
-    except KeyboardInterrupt:  # Ctrl+C before every run is recorded, outside the Tune run or a second one inside it
+    except KeyboardInterrupt as interrupt:  # before every run is recorded, outside the Tune run or a second stop in it
+        how, number = stop_named(interrupt)
         report_and_exit(
             SearchInterrupted(
-                "stopped by Ctrl+C (SIGINT) during the dry run; nothing was written"
+                f"stopped by {how} during the dry run; nothing was written"
                 if options.dry_run
-                else "stopped by Ctrl+C (SIGINT) before the search finished. Run the same command with --resume to "
+                else f"stopped by {how} before the search finished. Run the same command with --resume to "
                 "run the rest, each exactly once (what finished is kept, and every training that took a step stays "
                 "charged in the privacy ledger)",
-                signal.SIGINT,
+                number,
             )
         )
     except Exception as exc:  # ...and keeps its traceback, unless the results folder took no more writes

@@ -55,6 +55,7 @@ from dptune.search.outcome import (
 from dptune.search.private_units import kept_proposals, unrecorded_runs
 from dptune.search.publish import publish_models
 from dptune.search.sampler import CellSampler
+from dptune.search.stopping import sigterm_raises, sigterm_stops_the_search
 from dptune.search.subsample import (
     RELEASE_PARAMETERS,
     draw_tuning_rows,
@@ -339,6 +340,7 @@ def run_search(options: SearchOptions) -> str:
         hold_lease(runs_root(results_root, private), f"--storage {options.storage!r} --name {name!r}:") as token,
         private_ray_folder() if private else contextlib.nullcontext(),
         without_raylet_messages() if private else contextlib.nullcontext(),  # a dead unit: dptune's own line
+        sigterm_stops_the_search(),
     ):
         return _run_search(options, loaded, name, results_root, token)
 
@@ -381,6 +383,7 @@ def _run_search(
     cluster = options.address or os.environ.get("RAY_ADDRESS")
     if cluster and not options.dry_run:  # a cluster that refuses this driver (its token) fails before data loads
         print(init_ray(options.address, private=private), flush=True)
+        sigterm_raises()
         check_cluster_resources(space)
     print(
         f"dptune {__version__}: loading {space.task.dataset_name} for {space.task.backbone}/{space.task.peft}",
@@ -418,6 +421,7 @@ def _run_search(
     embedded = None
     if not cluster:
         print(embedded := init_ray(options.address, private=private), flush=True)
+        sigterm_raises()
     started = time.monotonic()
     contexts = [
         TrialContext(

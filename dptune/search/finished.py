@@ -10,13 +10,12 @@ says so, and what is not done yet (:func:`composing`, :func:`conclude`).
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dptune.errors import SearchInterrupted
+from dptune.errors import SearchInterrupted, stop_named
 from dptune.paths import LocationError, probe_writable
 from dptune.records import read_table, runs_root
 from dptune.search import preflight
@@ -41,9 +40,10 @@ def search_finished(results_root: str, search_id: str) -> bool:
     return search_id in set(read_table(results_root, "search", columns=["search_id"])["search_id"])
 
 
-#: What a Ctrl+C says of a search it stopped after every run was recorded (``--resume`` then trains nothing).
+#: What a Ctrl+C (or SIGTERM: ``{how}``) says of a search it stopped after every run was recorded (``--resume``
+#: then trains nothing).
 STOPPED_COMPOSING = (
-    "stopped by Ctrl+C (SIGINT) after every run was recorded, before the search's outcome was written (its privacy "
+    "stopped by {how} after every run was recorded, before the search's outcome was written (its privacy "
     "cost, the models it hands back, its summary). Run the same command with --resume to write it; nothing trains again"
 )
 
@@ -56,8 +56,9 @@ def composing() -> Iterator[None]:
     stopped before it finished its runs."""
     try:
         yield
-    except KeyboardInterrupt:
-        raise SearchInterrupted(STOPPED_COMPOSING, signal.SIGINT) from None
+    except KeyboardInterrupt as interrupt:
+        how, number = stop_named(interrupt)
+        raise SearchInterrupted(STOPPED_COMPOSING.format(how=how), number) from None
 
 
 def conclude(results_root: str, report: str | None, search_id: str, tracking: TrackingSpec, *, private: bool) -> None:
@@ -80,11 +81,12 @@ def conclude(results_root: str, report: str | None, search_id: str, tracking: Tr
             print(f"report: {build_report_at(results_root, report)}")
             done.append(f"{undone.pop(0)} is built")
         log_search(tracking, results_root, search_id, private=private, report=report)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
+        how, number = stop_named(interrupt)
         raise SearchInterrupted(
-            f"stopped by Ctrl+C (SIGINT) after the search finished: {', '.join(done)}; not done: {', '.join(undone)}. "
+            f"stopped by {how} after the search finished: {', '.join(done)}; not done: {', '.join(undone)}. "
             "Run the same command with --resume to do what is not done; it trains nothing",
-            signal.SIGINT,
+            number,
         ) from None
 
 

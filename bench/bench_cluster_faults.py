@@ -39,7 +39,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+# the suite's own helpers: Ray's ports and processes (conftest), the ledger read with plain json and an
+# independent dp_accounting PLD of it (test_faults)
+from conftest import (  # noqa: E402
+    _HEAD_START_TIMEOUT_S,
+    _HEAD_STOP_TIMEOUT_S,
+    _PORT_FLAGS,
+    _alive,
+    _descendants,
+    _free_ports,
+    _job_api_status,
+)
+from test_faults import expected_search_epsilon, ledger_entries, recorded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -82,20 +96,6 @@ if sys.argv and sys.argv[0].endswith("default_worker.py") and os.environ.get("DP
         return _real(context, runs)
     execution.charge_runs = charge_runs
 """
-#: The ports ``ray start`` would otherwise take at fixed defaults; a worker node takes the last six.
-PORT_FLAGS = (
-    "--port",
-    "--dashboard-port",
-    "--ray-client-server-port",
-    "--dashboard-agent-listen-port",
-    "--dashboard-agent-grpc-port",
-    "--runtime-env-agent-port",
-    "--metrics-export-port",
-    "--node-manager-port",
-    "--object-manager-port",
-)
-START_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 60.0
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -130,61 +130,18 @@ def search_flags(epochs: int) -> list[str]:
 # --------------------------------------------------------------------------- processes and ports
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports that are free right now (held open together while chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def descendants(root: int) -> set[int]:
-    """PIDs of every living process below ``root``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def stop_node(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM the ``ray start --block`` process (it stops the Ray processes it started), then SIGKILL,
     by PID, whatever of its process tree outlives it. Never ``ray stop``: it would stop every Ray here."""
-    tree = descendants(process.pid)
+    tree = _descendants(process.pid)
     process.send_signal(signal.SIGTERM)
     try:
-        process.wait(timeout=STOP_TIMEOUT_S)
+        process.wait(timeout=_HEAD_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
     deadline = time.monotonic() + 10
-    while (leftovers := [pid for pid in tree if alive(pid)]) and time.monotonic() < deadline:
+    while (leftovers := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in leftovers:
         with contextlib.suppress(ProcessLookupError):
@@ -210,16 +167,6 @@ def job_api(cluster_url: str, token: str, path: str) -> Any:
     request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
-
-
-def job_api_status(dashboard_url: str, token: str) -> int:
-    try:
-        job_api(dashboard_url, token, "")
-    except urllib.error.HTTPError as error:
-        return error.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0
-    return 200
 
 
 @contextlib.contextmanager
@@ -251,7 +198,7 @@ def two_node_cluster(keep: bool) -> Iterator[Cluster]:
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # the teardown stops at once
     }
     ray = str(VENV_BIN / "ray")
-    head_ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    head_ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     head_cmd = [
         ray,
         "start",
@@ -277,8 +224,8 @@ def two_node_cluster(keep: bool) -> Iterator[Cluster]:
         with (temp_dir / "head.log").open("wb") as log:
             processes.append(subprocess.Popen(head_cmd, cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT))
         address_file = temp_dir / "ray_current_cluster"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (address_file.is_file() and job_api_status(dashboard_url, token) == 200):
+        deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
+        while not (address_file.is_file() and _job_api_status(dashboard_url, token) == 200):
             if processes[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the head did not serve its job API at {dashboard_url}:\n"
@@ -286,7 +233,7 @@ def two_node_cluster(keep: bool) -> Iterator[Cluster]:
                 )
             time.sleep(0.5)
         address = address_file.read_text().strip()
-        worker_ports = dict(zip(PORT_FLAGS[3:], free_ports(len(PORT_FLAGS) - 3), strict=True))
+        worker_ports = dict(zip(_PORT_FLAGS[3:], _free_ports(len(_PORT_FLAGS) - 3), strict=True))
         worker_cmd = [ray, "start", "--block", "--address", address, "--temp-dir", str(worker_temp_dir)]
         worker_cmd += ["--num-cpus", "2", "--num-gpus", "0"]
         for flag, port in worker_ports.items():
@@ -299,7 +246,7 @@ def two_node_cluster(keep: bool) -> Iterator[Cluster]:
             f"import ray, time; ray.init(address={address!r}, log_to_driver=False)\n"
             "while ray.cluster_resources().get('CPU', 0) < 2: time.sleep(0.5)",
         ]
-        subprocess.run(probe, cwd=ROOT, env=client_env, check=True, timeout=START_TIMEOUT_S, capture_output=True)
+        subprocess.run(probe, cwd=ROOT, env=client_env, check=True, timeout=_HEAD_START_TIMEOUT_S, capture_output=True)
         yield Cluster(address, dashboard_url, client_env, token, temp_dir, time.monotonic() - begun)
     finally:
         for process in reversed(processes):
@@ -388,49 +335,6 @@ def describe(cluster: Cluster, submission: str, record: dict[str, Any], wall_s: 
 
 
 # --------------------------------------------------------------------------- what the results folder holds
-
-
-def ledger_entries(root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(start entries, end entries), read with plain json, independently of dptune.records.ledger."""
-    starts: list[dict[str, Any]] = []
-    ends: list[dict[str, Any]] = []
-    for path in sorted((root / "ledger").glob("*.json")):
-        entries = json.loads(path.read_text())["entries"]
-        (starts if path.name.startswith("start-") else ends).extend(entries)
-    return starts, ends
-
-
-def independent_epsilon(root: Path, delta: float) -> float:
-    """PLD (dp_accounting's public PLDAccountant, pessimistic, 1e-3) of every run the ledger started: at
-    the steps its end entry took (matched by run id, else an end naming only its trial), else at its
-    planned steps; a diverged run at its planned steps."""
-    from dp_accounting.dp_event import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
-    from dp_accounting.pld import PLDAccountant
-
-    starts, ends = ledger_entries(root)
-    by_run = {end["run"]: end for end in ends if end.get("run")}
-    by_trial: dict[str, list[dict[str, Any]]] = {}
-    for entry in ends:
-        if not entry.get("run"):
-            by_trial.setdefault(entry["trial_id"], []).append(entry)
-    events = []
-    for start in starts:
-        closing = by_run.get(start["run"])
-        if closing is None and by_trial.get(start["trial_id"]):
-            closing = by_trial[start["trial_id"]].pop(0)
-        steps = start["steps"] if closing is None or closing["status"] == "diverged" else closing["steps_taken"]
-        if steps:
-            sampled = PoissonSampledDpEvent(start["sample_rate"], GaussianDpEvent(start["noise_multiplier"]))
-            events.append(SelfComposedDpEvent(sampled, int(steps)))
-    accountant = PLDAccountant(value_discretization_interval=1e-3)
-    return float(accountant.compose(ComposedDpEvent(events)).get_epsilon(delta))
-
-
-def recorded(root: Path) -> Any:
-    from dptune.records import read_table
-
-    trials = read_table(str(root), "trials")
-    return trials[trials["status"] != "pruned_min_steps"]
 
 
 def recorded_with_pruned(root: Path) -> Any:
@@ -584,7 +488,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for cell in cells
     }
     printed = re.search(r"whole search: ε = ([0-9.eE+-]+)", logs)
-    expected = independent_epsilon(root, DELTA)
+    expected = expected_search_epsilon(root, DELTA)
     row = search.iloc[0] if len(search) else None
     third.update(
         recorded=len(ran),

@@ -32,7 +32,7 @@ from dptune.privacy import (
 from dptune.privacy.checks import bound_text
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.sampler import CellSpec
-from dptune.search.subsample import TuningPlan, plan_tuning
+from dptune.search.subsample import TuningPlan, on_tuning_rows, plan_tuning, public_schedules
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -449,3 +449,36 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
                 "sizes"
             )
     return True
+
+
+def cell_context(
+    space: SearchSpace,
+    plan: CellPlan,
+    max_train_examples: int | None,
+    max_eval_examples: int | None,
+    runs: str,
+    search_id: str,
+    fused: bool,
+    tuning_rows: str | None,
+    lease_token: str | None,
+) -> TrialContext:
+    """What every run of cell ``plan`` shares (:class:`~dptune.search.execution.TrialContext`): its base
+    configuration (on the secret tuning rows ``tuning_rows`` where it tunes on a subsample), ids, coupling,
+    coins, runner, N with σ per feasible B from the plan, a subsample tuning's public schedules, and the
+    search's lease token; its runs are recorded under ``runs``."""
+    return TrialContext(
+        base=on_tuning_rows(base_trial_config(space, plan, max_train_examples, max_eval_examples), tuning_rows),
+        results_root=runs,
+        search_id=search_id,
+        cell_id=plan.cell.cell_id,
+        cell_key=plan.cell_key,
+        coupling=space.coupling.rule,
+        reference_batch_size=space.coupling.reference_batch_size,
+        reproducible_seed=space.seed if space.reproducible else None,
+        replicates=space.replicates,
+        fused=fused,
+        num_train=plan.num_train,
+        noise_multipliers=dict(plan.noise_multipliers if plan.tuning is None else plan.tuning.noise_multipliers),
+        schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
+        lease_token=lease_token,
+    )

@@ -31,6 +31,7 @@ from dptune.search import preflight
 from dptune.search.cells import (
     CellPlan,
     base_trial_config,
+    cell_context,
     cell_spec,
     check_runner,
     format_plan,
@@ -60,8 +61,6 @@ from dptune.search.subsample import (
     RELEASE_PARAMETERS,
     draw_tuning_rows,
     kept_release_choice,
-    on_tuning_rows,
-    public_schedules,
     release_context,
 )
 from dptune.search.tracking import check_server
@@ -424,23 +423,16 @@ def _run_search(
         sigterm_raises()
     started = time.monotonic()
     contexts = [
-        TrialContext(
-            base=on_tuning_rows(
-                base_trial_config(space, plan, options.max_train_examples, options.max_eval_examples), tuning_rows
-            ),
-            results_root=runs,
-            search_id=search_id,
-            cell_id=plan.cell.cell_id,
-            cell_key=plan.cell_key,
-            coupling=space.coupling.rule,
-            reference_batch_size=space.coupling.reference_batch_size,
-            reproducible_seed=space.seed if space.reproducible else None,
-            replicates=space.replicates,
-            fused=fused,
-            num_train=plan.num_train,
-            noise_multipliers=dict(plan.noise_multipliers if plan.tuning is None else plan.tuning.noise_multipliers),
-            schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
-            lease_token=lease_token,
+        cell_context(
+            space,
+            plan,
+            options.max_train_examples,
+            options.max_eval_examples,
+            runs,
+            search_id,
+            fused,
+            tuning_rows,
+            lease_token,
         )
         for plan in plans
     ]

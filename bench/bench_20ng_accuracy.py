@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from dptune.contract import TrialConfig, TrialResult
 from dptune.data import WorkloadSpec, load_workload
+from dptune.plan.mechanism import with_mechanism
+from dptune.runners.common import cached_workload
 from dptune.runners.trial import run_trial
 
 L2_GRID = (0.0, 1e-4, 1e-3, 1e-2)
@@ -95,7 +97,7 @@ def main() -> None:
                 seed=args.seed,
                 threads=1,
             )
-            result = run_trial(config)
+            result = run_trial(with_mechanism(config, len(cached_workload(config.workload).train)))
             trials.append(result)
             summary = {
                 k: v

@@ -59,6 +59,7 @@ from dptune.data import features as feature_cache
 from dptune.data.features import PRECISION_ENV, PRECISIONS, TEXT_BATCH_TOKENS, cpu_flags, encode_texts
 from dptune.data.sources import load_20newsgroups
 from dptune.models import BACKBONES, build_feature_extractor, load_tokenizer
+from dptune.plan.mechanism import with_mechanism
 from dptune.runners.trial import run_trial
 
 #: The default search's cells (search_spaces/default.yaml) and a spread of (C, B, η₀) in its ranges.
@@ -145,8 +146,10 @@ def probe_config(
     seed: int,
 ) -> TrialConfig:
     """One DP probe of the capped 20 Newsgroups split: DP-Adam, normalized clipping, η = η₀·√(B/256),
-    explicit ``seed``, no diagnostics."""
-    return TrialConfig(
+    explicit ``seed``, no diagnostics; with the mechanism the planner calibrates for it on the split's N."""
+    from dptune.runners.common import cached_workload
+
+    config = TrialConfig(
         workload=WorkloadSpec(
             dataset="20newsgroups",
             backbone="minilm",
@@ -168,6 +171,7 @@ def probe_config(
         threads=torch.get_num_threads(),
         diagnostics=False,
     )
+    return with_mechanism(config, len(cached_workload(config.workload).train))
 
 
 def probe_accuracies(

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from dptune.contract import TrialConfig, WorkloadSpec
-from dptune.plan import sample_rate, total_steps
-from dptune.privacy import calibrate_noise_multiplier
+from dptune.plan.mechanism import with_mechanism
 from dptune.runners.common import cached_workload
 from dptune.runners.fused import run_fused
 from dptune.runners.trial import run_trial
@@ -98,9 +97,7 @@ def main() -> None:
     workload = cached_workload(configs[0].workload)
     num_train = len(workload.train)
     batch_sizes = sorted({c.batch_size for c in configs})
-    for b in batch_sizes:  # σ calibrated and cached before anything is timed
-        steps = total_steps(num_train, b, args.epochs)
-        calibrate_noise_multiplier(args.epsilon, 1e-5, sample_rate(num_train, b), steps)
+    configs = [with_mechanism(c, num_train) for c in configs]  # σ planned (calibrated once) before anything is timed
 
     start, start_cpu = time.perf_counter(), time.process_time()
     fused = run_fused(configs)

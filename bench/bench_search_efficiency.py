@@ -80,6 +80,7 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
     from dptune.plan import coupled_learning_rate
+    from dptune.plan.mechanism import with_mechanism
     from dptune.runners.fused import run_fused
     from dptune.space import load_space
 
@@ -132,13 +133,16 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
         if len(done) and replicate in set(done["replicate"]):
             continue
         configs = [
-            replace(
-                base,
-                clip_bound=c,
-                batch_size=b,
-                learning_rate=lr,
-                base_learning_rate=lr,
-                seed=run_seed(c, b, lr, replicate),
+            with_mechanism(  # σ from the planner (a pruned B too: the grid runs it), cached per (ε, δ, q, T)
+                replace(
+                    base,
+                    clip_bound=c,
+                    batch_size=b,
+                    learning_rate=lr,
+                    base_learning_rate=lr,
+                    seed=run_seed(c, b, lr, replicate),
+                ),
+                num_train,
             )
             for c, b, lr in runs
         ]

@@ -48,7 +48,7 @@ def main() -> None:
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
     from dptune.runners.trial import run_trial
-    from dptune.search.execution import TrialContext, trial_config
+    from dptune.search.execution import TrialContext, run_spec
     from dptune.space import load_space
 
     def cell_run(points: int, storage: str) -> tuple[float, list]:
@@ -75,6 +75,7 @@ def main() -> None:
             cell_key=plan.cell_key,
             coupling=space.coupling.rule,
             reference_batch_size=space.coupling.reference_batch_size,
+            mechanisms=plan.mechanisms,
         )
         started = time.perf_counter()
         search.run_cells(space, [plan], [context], resume=False)
@@ -83,10 +84,10 @@ def main() -> None:
 
         ran = read_table(storage, "trials")
         configs = [
-            trial_config(
+            run_spec(
                 context,
                 {"clip_bound": r.clip_bound, "batch_size": r.batch_size, "base_learning_rate": r.base_learning_rate},
-            )
+            ).config
             for r in ran.itertuples()
         ]
         return elapsed, configs

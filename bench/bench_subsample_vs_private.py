@@ -12,7 +12,7 @@ clipping, √B coupling, E = 10, 10 random-search runs on average, score noise �
   the per-run ε of Koskela & Kulkarni's bound.
 
 Each procedure runs as the service runs it, without Ray. The planner draws K from fresh OS entropy,
-the cell's secret sampler proposes, ``execution.trial_config`` couples η (and gives a tuning run its
+the cell's secret sampler proposes, ``execution.run_spec`` couples η (and gives a tuning run its
 public schedule), ``draw_tuning_rows`` draws X₁, and the fused runner trains with fresh coins.
 Reported per (ε_total, mode), over ``--repetitions`` independent procedures: the released model's
 test accuracy (mean, 95 % t interval, range); K; the compute in trial-epochs (a run's epochs times
@@ -48,7 +48,7 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
     from dptune.errors import SearchError
     from dptune.runners.fused import run_fused
     from dptune.search.cells import base_trial_config, cell_spec, plan_cells, task_workload
-    from dptune.search.execution import TrialContext, trial_config
+    from dptune.search.execution import TrialContext, run_spec
     from dptune.search.sampler import CellSampler
     from dptune.search.subsample import draw_tuning_rows, on_tuning_rows, public_schedules, release_context
     from dptune.space import load_space
@@ -77,10 +77,11 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
         cell_key=plan.cell_key,
         coupling=space.coupling.rule,
         reference_batch_size=space.coupling.reference_batch_size,
+        mechanisms=plan.mechanisms if plan.tuning is None else plan.tuning.mechanisms,
         schedules=schedules,
     )
     proposals = CellSampler(cell_spec(space, plan)).ask(plan.configurations, on_pruned=lambda params: None)
-    runs = run_fused([trial_config(context, params) for params in proposals])
+    runs = run_fused([run_spec(context, params).config for params in proposals])
     finished = [(r.noisy_val_accuracy, i) for i, r in enumerate(runs) if r.status == "ok"]
     share = plan.tuning.fraction if plan.tuning is not None else 1.0
     trial_epochs = share * plan.cell.epochs * len(runs)
@@ -94,7 +95,7 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
                 "batch_size": best.config.batch_size,
                 "base_learning_rate": best.config.base_learning_rate,
             }
-            (release,) = run_fused([trial_config(release_context(context, plan.tuning), chosen)])
+            (release,) = run_fused([run_spec(release_context(context, plan.tuning), chosen).config])
             released = release.test_accuracy if release.status == "ok" else None
             trial_epochs += plan.cell.epochs
     return {

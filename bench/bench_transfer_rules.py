@@ -30,7 +30,7 @@ own seeded coins (a benchmark, reproducible; the service draws secret coins).
 ``--draw poisson`` measures the service's own mode instead (any q₁, default 0.1, 0.2, 0.5): per
 replicate a fresh Poisson X₁ of the training *and validation* rows (``subsample.draw_tuning_rows``),
 the grid's configurations run on it as tuning runs with their public schedules under each rule
-(``execution.trial_config``, ``subsample.public_schedules``), the one with the best validation
+(``execution.run_spec``, ``subsample.public_schedules``), the one with the best validation
 accuracy on X₁'s validation rows chosen (exact, not the private mode's noisy score), and its
 full-data truth read off the full grid. Under ``batch_size``, the B above q₁·N cannot be tuned.
 """
@@ -100,6 +100,7 @@ def grid(fraction: float, batch_sizes: list[int], args: argparse.Namespace) -> p
                 base_learning_rate=lr0,
                 learning_rate=lr0 * (b / space.coupling.reference_batch_size) ** 0.5,
                 seed=run_seed(fraction, c, b, lr0, replicate),
+                mechanism=plan.mechanisms[b],
             )
             for c, b, lr0 in points
         ]
@@ -181,9 +182,10 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
 
     from dptune import search
     from dptune.data import load_workload
+    from dptune.plan.mechanism import mechanism
     from dptune.runners.fused import run_fused
     from dptune.search.cells import task_workload
-    from dptune.search.execution import TrialContext, trial_config
+    from dptune.search.execution import TrialContext, run_spec
     from dptune.search.subsample import (
         TuningPlan,
         draw_tuning_rows,
@@ -202,6 +204,9 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
     schedules = {b: tuning_schedule(num_train, b, args.epochs, fraction, rule) for b in tunable}
     nan = float("nan")
     tuning = TuningPlan(fraction, rule, args.epsilon, schedules, {}, {}, nan, nan, nan)
+    public = public_schedules(tuning, num_train, args.epochs)
+    delta = space.privacy.delta
+    tuning_mechanisms = {b: mechanism(args.epsilon, delta, num_train, b, args.epochs, s) for b, s in public.items()}
     clips = np.geomspace(0.01, 10.0, args.clip_values).tolist()
     lr_values = np.geomspace(1e-4, 1e-1, args.lr_values).tolist()
     points = list(itertools.product(clips, tunable, lr_values))
@@ -217,11 +222,12 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
                 cell_key=plan.cell_key,
                 coupling=space.coupling.rule,
                 reference_batch_size=space.coupling.reference_batch_size,
-                schedules=public_schedules(tuning, num_train, args.epochs),
+                mechanisms=tuning_mechanisms,
+                schedules=public,
             )
             configs = [
                 replace(
-                    trial_config(context, {"clip_bound": c, "batch_size": b, "base_learning_rate": lr0}),
+                    run_spec(context, {"clip_bound": c, "batch_size": b, "base_learning_rate": lr0}).config,
                     seed=run_seed("poisson", fraction, rule, c, b, lr0, replicate),
                 )
                 for c, b, lr0 in points

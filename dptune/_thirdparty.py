@@ -1,7 +1,8 @@
 """Every call dptune makes into a third-party library's private API, one small function each.
 
 Private names (Opacus' gradient bookkeeping and noise, dp_accounting's RDP internals, torchvision's
-SUN397 file listing, the printer of Ray's driver) may change in any release, so each is used only
+SUN397 file listing, the printer of Ray's driver, a restored Tuner's configs, Tune's interrupt signal)
+may change in any release, so each is used only
 here, and only after the installed version is checked once against the minor releases it was read
 and tested against
 (``TESTED_VERSIONS``): another version fails at first use with :class:`UnsupportedVersionError`
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -40,7 +43,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "opacus": "opacus.optimizers.optimizer._generate_noise, _mark_as_processed, _check_processed_flag",
     "dp-accounting": "RdpAccountant._rdp, rdp_privacy_accountant._compute_rdp_repeat_and_select",
     "torchvision": "SUN397._image_files, SUN397._labels",
-    "ray": "ray._private.worker.print_to_stdstream",
+    "ray": "ray._private.worker.print_to_stdstream, Tuner._local_tuner._tune_config, tune.run's SIGUSR1 handler",
 }
 
 Result = TypeVar("Result")
@@ -176,3 +179,25 @@ def without_raylet_messages() -> Iterator[None]:
         yield
     finally:
         worker.print_to_stdstream = printing
+
+
+@_checked("ray")
+def restored_configs(tuner: Any) -> tuple[Any, Any] | None:
+    """The ``TuneConfig`` and ``RunConfig`` of a ``tune.Tuner.restore`` answer, as it unpickled them from the
+    experiment (its searcher and its callbacks, as the search's first driver made them), so the driver can
+    bind them to its own state before ``fit``: ``Tuner.restore`` takes a new trainable and ``param_space`` but
+    neither configuration. None for a Ray Client Tuner (``ray://``), which runs on the cluster."""
+    internal = tuner._local_tuner
+    return None if internal is None else (internal._tune_config, internal.get_run_config())
+
+
+@_checked("ray")
+def interrupt_tune_run() -> None:
+    """Make the ``tune.run`` loop running in this process stop as Ctrl+C would: Tune checks an event its
+    SIGUSR1 handler sets (installed while ``Tuner.fit`` runs), then saves its experiment state with the
+    running trials still unfinished, so a ``Tuner.restore(..., resume_unfinished=True)`` runs them again.
+    Tune has no public call for this: a ``Stopper``'s ``stop_all`` (and ``TuneConfig.time_budget_s``) stop
+    every running trial as *terminated*, which a restore treats as finished. Nothing is sent when no
+    handler is installed (no Tune run)."""
+    if callable(signal.getsignal(signal.SIGUSR1)):
+        os.kill(os.getpid(), signal.SIGUSR1)

@@ -191,6 +191,50 @@ class PublicSchedule:
 
 
 @dataclass(frozen=True)
+class Mechanism:
+    """One run's DP-SGD mechanism, calibrated once by the planner (``dptune.plan.mechanism``) and read by
+    every consumer: the runners step with it, the privacy ledger charges it, an unfinished run's ε is
+    accounted at it. Plain data; nothing that holds one calibrates σ again.
+
+    The Poisson-subsampled Gaussian mechanism composed ``steps`` times: each step samples every row
+    with probability ``sample_rate`` (q, in (0, 1]), adds N(0, σ²C²I) to the clipped sum
+    (``noise_multiplier`` σ > 0, the noise std in units of the clip bound C) and divides it by
+    ``expected_batch_size`` (examples; q·N, or a subsample tuning run's public q·q₁·N). ``steps`` (T ≥ 1)
+    are cut into epochs by ``epoch_steps`` (E entries, each ≥ 0, summing to T). σ is the one the
+    accountant (PRV, add/remove adjacency) certifies for the per-run target (``epsilon``, ``delta``) at
+    (q, T): ε of all T steps at σ is ≤ ``epsilon``.
+
+    Invariants (checked on construction, ``ValueError``): σ > 0, 0 < q ≤ 1, T ≥ 1,
+    sum(``epoch_steps``) = T, ``expected_batch_size`` > 0, ``epsilon`` > 0, 0 < ``delta`` < 1.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    epoch_steps: tuple[int, ...]
+    expected_batch_size: float
+    epsilon: float
+    delta: float
+
+    def __post_init__(self) -> None:
+        if not (
+            self.noise_multiplier > 0
+            and 0 < self.sample_rate <= 1
+            and self.steps >= 1
+            and sum(self.epoch_steps) == self.steps
+            and self.expected_batch_size > 0
+            and self.epsilon > 0
+            and 0 < self.delta < 1
+        ):
+            raise ValueError(f"not a calibrated mechanism: {self}")
+
+    @property
+    def schedule(self) -> PublicSchedule:
+        """Its Poisson schedule: (q, T, the epoch split, the expected batch)."""
+        return PublicSchedule(self.sample_rate, self.steps, self.epoch_steps, self.expected_batch_size)
+
+
+@dataclass(frozen=True)
 class TrialConfig:
     """Everything that defines a trial: the ``workload`` it trains on (built once from the search's
     task, :func:`dptune.search.cells.task_workload`) and the trial's own privacy, hyperparameters
@@ -214,6 +258,8 @@ class TrialConfig:
     ``release_run`` marks the release of a private search tuned on a subsample: it trains all its
     steps and is published whatever its loss (its charge covers it), so nothing it computes on the
     private rows decides whether, or how long, it trains.
+    ``mechanism``: the run's σ, q and T, calibrated once by the planner for (``epsilon``, ``delta``) and
+    this B and schedule (:class:`Mechanism`); the runners step with it and never calibrate.
     """
 
     workload: WorkloadSpec
@@ -239,6 +285,9 @@ class TrialConfig:
     diagnostic_examples: int = 256
     # a tuning run on a secret subsample: q, T and the expected batch from public numbers (None: from N)
     schedule: PublicSchedule | None = None
+    # σ, q, T the planner calibrated for this run (``dptune.plan.mechanism``); a runner refuses a run
+    # without one. Not part of :meth:`row`: a result row carries σ, q and T in its own columns.
+    mechanism: Mechanism | None = None
 
     @property
     def stops_on_exact_loss(self) -> bool:
@@ -255,7 +304,7 @@ class TrialConfig:
             for f in fields(WorkloadSpec)
         }
         for f in fields(self):
-            if f.name != "workload":
+            if f.name not in ("workload", "mechanism"):
                 value = getattr(self, f.name)
                 flat[f.name] = _plain(value)
         return flat

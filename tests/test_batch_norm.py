@@ -24,6 +24,7 @@ from dptune.models import ModelError, build_model, check_dp_compatible
 from dptune.runners import trainer
 from dptune.runners.trial import TrialConfig, TrialConfigError, check_trial_can_run, run_trial
 from test_film import assert_relative, perturb_film_parameters, trainable
+from trial_configs import planned
 
 # Its module fixtures are costly: under pytest-xdist the whole module runs on one worker.
 pytestmark = pytest.mark.xdist_group("batch_norm")
@@ -148,7 +149,7 @@ def test_a_trial_never_updates_the_running_statistics(peft: str, engine: str, mo
         threads=1,
         diagnostic_examples=8,
     )
-    result = run_trial(config)
+    result = run_trial(planned(config))
     assert result.status == "ok" and 0 < result.epsilon_spent <= config.epsilon
     assert result.engine == {"auto": "film", "opacus": "opacus"}[engine]
     assert len(result.diagnostics) == 3  # the diagnostics' training-mode passes ran too

@@ -126,12 +126,11 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
     assert restored.study.trials[0].state.name == "FAIL"
 
 
-def test_the_tune_searcher_checkpoints_plain_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_tune_searcher_checkpoints_plain_data(tmp_path: Path) -> None:
     from dptune.search.searcher import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
     from test_tune_adapters import context
 
     contexts = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}
-    monkeypatch.setattr("dptune.search.searcher.DRIVER_CONTEXTS", contexts)
 
     searcher = CellMultiplexer(
         {"a": CellSampler(GRID), "b": CellSampler(GRID)},
@@ -148,6 +147,7 @@ def test_the_tune_searcher_checkpoints_plain_data(monkeypatch: pytest.MonkeyPatc
     blob = pickle.dumps(searcher)
     assert b"optuna" not in blob  # no study, sampler or generator: plain data only
     copy = pickle.loads(blob)
+    copy.bind(contexts)  # as tuners.restore_tuner binds a restored Tuner's searcher to its driver
     with tempfile.NamedTemporaryFile(suffix=".json") as file:
         searcher.save(file.name)
         copy.restore(file.name)

@@ -23,9 +23,11 @@ from dptune import __version__, search
 from dptune.analysis import CELL, load_results, select_best
 from dptune.contract import EpochMetrics, TrialResult
 from dptune.errors import SearchInterrupted, shown
+from dptune.plan.mechanism import wrapped
 from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.records.ids import configuration_id
 from dptune.search import CellPlan, base_trial_config, format_summary, preflight, summary_table
-from dptune.search.execution import TrialContext, configuration_id, trial_config
+from dptune.search.execution import TrialContext, run_spec
 from dptune.search.finished import STOPPED_COMPOSING
 from dptune.space import Cell, load_space
 from dptune.space.tracking import TrackingSpec
@@ -301,7 +303,7 @@ def test_a_job_that_ray_job_stop_would_kill_mid_stop_is_warned_about() -> None:
 def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     # A trial stopped early at a high intermediate validation accuracy must not beat a finished one.
     space = load_space(TINY).space
-    plan = CellPlan(Cell(1.0, 4), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 0)
+    plan = CellPlan(Cell(1.0, 4), "normalized", 1000, (32, 64), (), wrapped({32: 1.0, 64: 1.5}, 1.0, 1e-5, 1000, 4), 0)
     context = TrialContext(
         base=base_trial_config(space, plan, None, None),
         results_root=str(tmp_path),
@@ -314,7 +316,7 @@ def test_summary_and_report_rank_the_same_trial(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
     for status, val, batch_size in (("stopped_early", 0.90, 32), ("ok", 0.70, 64), ("ok", 0.65, 32)):
         params = {"clip_bound": 1.0, "batch_size": batch_size, "base_learning_rate": 0.01 if val > 0.66 else 0.001}
-        config = trial_config(context, params)
+        config = run_spec(context, params).config
         epochs = [
             EpochMetrics(
                 epoch=1, steps=10, train_loss=1.0, val_loss=1.0, val_accuracy=val, wall_time_s=1.0, examples_per_s=100.0

@@ -20,6 +20,7 @@ from dptune.runners.common import cached_workload
 from dptune.runners.fused_group import FusedGroup
 from dptune.runners.trainer import Trial
 from trial_configs import HEAD_TRIAL as BASE
+from trial_configs import planned
 
 CPU = torch.device("cpu")
 LOW32 = 0x1234_5678
@@ -89,7 +90,7 @@ def test_same_seed_same_draws_and_the_four_streams_differ() -> None:
 
 def _trial_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """run_trial's first Poisson mask (N,) and first step's noise (the gradient of an empty batch)."""
-    trial = Trial(config, CPU, cached_workload(config.workload))
+    trial = Trial(planned(config), CPU, cached_workload(config.workload))
     sampler = trial.loader.batch_sampler
     mask = torch.zeros(len(trial.workload.train), dtype=torch.bool)
     mask[next(iter(sampler))] = True

@@ -22,7 +22,7 @@ from dptune.dp.discrete_gaussian import UniformIntegers, discrete_gaussian_sampl
 from dptune.runners.common import Evaluation, noisy_count, noisy_score
 from dptune.runners.fused import run_fused
 from dptune.runners.trial import run_trial
-from trial_configs import HEAD_TRIAL
+from trial_configs import HEAD_TRIAL, planned
 
 DRAWS = 100_000
 #: The issue's setting: σ_s = 5 counts on N_val = 1000 validation rows, 700 of them correct.
@@ -134,7 +134,7 @@ SCORED = replace(HEAD_TRIAL, score_noise_multiplier=SCORE_SIGMA)
 
 
 def test_both_runners_release_an_integer_count_over_num_val(dptune_cache_dir: Path) -> None:
-    results = [*run_fused([SCORED, replace(SCORED, seed=2)]), run_trial(SCORED)]
+    results = [*run_fused([planned(SCORED), planned(replace(SCORED, seed=2))]), run_trial(planned(SCORED))]
     for result in results:
         assert result.status == "ok" and result.num_val > 0
         score = result.noisy_val_accuracy

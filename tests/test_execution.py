@@ -11,17 +11,18 @@ import pytest
 
 from conftest import REPO_ROOT
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.plan.mechanism import wrapped
 from dptune.privacy import calibrate_noise_multiplier
 from dptune.records import read_table, replicate_trial_id
+from dptune.records.ids import configuration_id
 from dptune.records.ledger import charged_runs
 from dptune.search.cells import CellPlan, base_trial_config
 from dptune.search.execution import (
     TrialContext,
-    configuration_id,
     record_pruned,
     run_configurations,
+    run_spec,
     selection_value,
-    trial_config,
 )
 from dptune.space import Cell, load_space
 
@@ -39,7 +40,7 @@ def _cache(dptune_cache_dir: Path) -> None:
 
 
 def context(root: Path, **changes: object) -> TrialContext:
-    """The context of a search's cell ε = 8, E = 2 (σ per B from the plan, as the driver gives it)."""
+    """The context of a search's cell ε = 8, E = 2 (the mechanism per B from the plan, as the driver gives it)."""
     space = load_space(
         REPO_ROOT / "tests/spaces/tiny.yaml",
         {"training.diagnostics": False, "epochs": [EPOCHS], "privacy.epsilons": [EPSILON]},
@@ -48,7 +49,8 @@ def context(root: Path, **changes: object) -> TrialContext:
         b: calibrate_noise_multiplier(EPSILON, space.privacy.delta, sample_rate(N, b), total_steps(N, b, EPOCHS))
         for b in BATCH_SIZES
     }
-    plan = CellPlan(Cell(EPSILON, EPOCHS), "normalized", N, BATCH_SIZES, (), sigmas, 2)
+    mechanisms = wrapped(sigmas, EPSILON, space.privacy.delta, N, EPOCHS)
+    plan = CellPlan(Cell(EPSILON, EPOCHS), "normalized", N, BATCH_SIZES, (), mechanisms, 2)
     made = TrialContext(
         base=base_trial_config(space, plan, N, 60),
         results_root=str(root),
@@ -59,7 +61,7 @@ def context(root: Path, **changes: object) -> TrialContext:
         reference_batch_size=64,
         replicates=2,
         num_train=N,
-        noise_multipliers=sigmas,
+        mechanisms=plan.mechanisms,
     )
     return replace(made, **changes)
 
@@ -68,21 +70,36 @@ FIRST = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
 SECOND = {"clip_bound": 1.0, "batch_size": 64, "base_learning_rate": 0.05}
 
 
-def test_trial_config_couples_the_learning_rate_and_keeps_the_coins_secret_unless_reproducible(tmp_path: Path) -> None:
+def test_run_spec_couples_the_learning_rate_and_keeps_the_coins_secret_unless_reproducible(tmp_path: Path) -> None:
     plain = context(tmp_path)
-    config = trial_config(plain, {"batch_size": 128, "base_learning_rate": 0.01}, replicate=1)
+    spec = run_spec(plain, {"batch_size": 128, "base_learning_rate": 0.01}, replicate=1)
+    config = spec.config
     assert config.batch_size == 128 and config.base_learning_rate == 0.01
     assert config.learning_rate == pytest.approx(0.01 * math.sqrt(128 / 64))
     assert config.learning_rate == coupled_learning_rate(0.01, 128, 64)
     assert config.clip_bound == plain.base.clip_bound  # not sampled (AUTO-S): the base's
     assert config.seed is None  # fresh OS entropy in the run
-    assert trial_config(replace(plain, coupling="none"), SECOND).learning_rate == 0.05
+    assert run_spec(replace(plain, coupling="none"), SECOND).config.learning_rate == 0.05
 
     seeded = replace(plain, reproducible_seed=7)
-    seeds = {replicate: trial_config(seeded, FIRST, replicate).seed for replicate in range(3)}
-    assert seeds == {replicate: trial_config(seeded, FIRST, replicate).seed for replicate in range(3)}  # repeats
+    seeds = {replicate: run_spec(seeded, FIRST, replicate).config.seed for replicate in range(3)}
+    assert seeds == {replicate: run_spec(seeded, FIRST, replicate).config.seed for replicate in range(3)}  # repeats
     assert len(set(seeds.values())) == 3 and all(0 <= seed < 2**53 for seed in seeds.values())
-    assert trial_config(replace(seeded, reproducible_seed=8), FIRST).seed != seeds[0]
+    assert run_spec(replace(seeded, reproducible_seed=8), FIRST).config.seed != seeds[0]
+
+
+def test_a_run_spec_names_its_run_once_and_carries_the_plans_mechanism(tmp_path: Path) -> None:
+    cell = context(tmp_path)
+    spec = run_spec(cell, SECOND, replicate=1, index=3)
+    assert spec.configuration_id == configuration_id(CELL_KEY, SECOND)
+    assert spec.trial_id == replicate_trial_id(spec.configuration_id, 1) == f"{spec.configuration_id}-r1"
+    assert (spec.cell_key, spec.params, spec.replicate, spec.index) == (CELL_KEY, SECOND, 1, 3)
+    assert cell.mechanisms is not None and spec.config.mechanism is cell.mechanisms[64]  # read, never calibrated
+    assert spec.config.mechanism.noise_multiplier == calibrate_noise_multiplier(
+        EPSILON, cell.base.delta, sample_rate(N, 64), total_steps(N, 64, EPOCHS)
+    )
+    assert "mechanism" not in spec.config.row()  # rows carry σ, q and T in their own columns
+    assert run_spec(cell, {**SECOND, "batch_size": 128}).config.mechanism is None  # not in the plan: no mechanism
 
 
 def test_every_run_is_charged_then_recorded_once_and_a_rerun_trains_nothing(tmp_path: Path) -> None:
@@ -103,7 +120,7 @@ def test_every_run_is_charged_then_recorded_once_and_a_rerun_trains_nothing(tmp_
         row = trials.loc[trial_id]
         assert row["batch_size"] == params["batch_size"] and row["clip_bound"] == params["clip_bound"]
         assert row["steps_taken"] == row["steps"] == total_steps(N, params["batch_size"], EPOCHS)
-        assert row["noise_multiplier"] == pytest.approx(cell.noise_multipliers[params["batch_size"]])
+        assert row["noise_multiplier"] == cell.mechanisms[params["batch_size"]].noise_multiplier
     for index, params in enumerate((FIRST, SECOND)):  # each score: the mean over the two replicates
         rows = trials.loc[[replicate_trial_id(configuration_id(CELL_KEY, params), r) for r in (0, 1)]]
         assert outcome.scores[index] == pytest.approx(rows["val_accuracy"].mean())
@@ -111,7 +128,7 @@ def test_every_run_is_charged_then_recorded_once_and_a_rerun_trains_nothing(tmp_
     charged = charged_runs(str(tmp_path), "s").set_index("trial_id")
     assert set(charged.index) == set(ids) and charged["ended"].all() and set(charged["status"]) == {"ok"}
     for trial_id, params in ids.items():  # the ledger charges what the rows say was spent
-        assert charged.loc[trial_id, "noise_multiplier"] == pytest.approx(cell.noise_multipliers[params["batch_size"]])
+        assert charged.loc[trial_id, "noise_multiplier"] == cell.mechanisms[params["batch_size"]].noise_multiplier
         assert charged.loc[trial_id, "sample_rate"] == sample_rate(N, params["batch_size"])
         assert charged.loc[trial_id, "steps_taken"] == trials.loc[trial_id, "steps_taken"]
         assert charged.loc[trial_id, "epsilon_spent"] == pytest.approx(trials.loc[trial_id, "epsilon_spent"])

@@ -116,20 +116,21 @@ def test_a_trial_worker_whose_search_is_gone_starts_and_writes_nothing(tmp_path:
     and released it), is refused before its start entry and before its end entry and rows."""
     from dataclasses import replace
 
+    from dptune.plan.mechanism import wrapped
     from dptune.search.cells import CellPlan, base_trial_config
     from dptune.search.execution import (
         FinishedRun,
-        PendingRun,
         TrialContext,
         charge_runs,
         failed_result,
-        trial_config,
+        run_spec,
         write_results,
     )
     from dptune.space import Cell, load_space
 
     space = load_space(TINY).space
-    plan = CellPlan(Cell(2.0, 3), "normalized", 1000, (32, 64), (), {32: 1.0, 64: 1.5}, 1)
+    mechanisms = wrapped({32: 1.0, 64: 1.5}, 2.0, space.privacy.delta, 1000, 3)
+    plan = CellPlan(Cell(2.0, 3), "normalized", 1000, (32, 64), (), mechanisms, 1)
     runs = str(tmp_path / "tiny")
     with lease.hold_lease(runs) as killed:  # the first search, and its workers' token
         pass
@@ -142,12 +143,12 @@ def test_a_trial_worker_whose_search_is_gone_starts_and_writes_nothing(tmp_path:
         coupling="sqrt",
         reference_batch_size=64,
         num_train=1000,
-        noise_multipliers=plan.noise_multipliers,
+        mechanisms=plan.mechanisms,
         lease_token=killed,
     )
     params = {"clip_bound": 1.0, "batch_size": 32, "base_learning_rate": 0.01}
-    pending = [PendingRun(0, params, 0, trial_config(context, params))]
-    ended = [FinishedRun(params, 0, failed_result(pending[0].config, "lost"), "r1")]
+    pending = [run_spec(context, params)]
+    ended = [FinishedRun(pending[0], failed_result(pending[0].config, "lost"), "r1")]
     with lease.hold_lease(runs) as token:  # the new search holds the folder
         for late in (lambda: charge_runs(context, pending), lambda: write_results(context, ended)):
             with pytest.raises(lease.SearchGone, match="no longer holds its results folder"):

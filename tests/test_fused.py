@@ -30,6 +30,7 @@ from dptune.runners.fused import FusedTrialsFailed, fused_refusal, max_fused_con
 from dptune.runners.fused_group import FusedGroup
 from dptune.runners.heads import StackedOptimizer, augment, head_noisy_gradients, stack_heads
 from dptune.runners.trial import TrialConfig, TrialConfigError, TrialResult, run_trial
+from trial_configs import planned
 
 BASE = TrialConfig(
     workload=WorkloadSpec(
@@ -264,7 +265,7 @@ CELL = [
 
 @pytest.fixture(scope="module")
 def fused_runs() -> list[TrialResult]:
-    configs = [replace(c, seed=s) for s in SEEDS for c in CELL]
+    configs = [planned(replace(c, seed=s)) for s in SEEDS for c in CELL]
     done: list[list[int]] = []
     results = run_fused(configs, on_done=lambda indices, group: done.append(indices))
     assert sorted(i for indices in done for i in indices) == list(range(len(configs)))  # each group reported once
@@ -274,7 +275,7 @@ def fused_runs() -> list[TrialResult]:
 
 @pytest.fixture(scope="module")
 def trial_runs() -> list[TrialResult]:
-    return [run_trial(replace(c, seed=s)) for s in SEEDS for c in CELL]
+    return [run_trial(planned(replace(c, seed=s))) for s in SEEDS for c in CELL]
 
 
 def test_fused_runs_plan_and_account_like_run_trial(
@@ -334,7 +335,7 @@ def test_fused_accuracies_match_run_trial_within_sampling_error(
 
 def test_a_diverging_configuration_stops_while_the_others_train_on() -> None:
     # plain DP-SGD with an enormous step: weights overflow float32 after the first step (as in test_trial)
-    wild = replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36)
+    wild = planned(replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36))
     tame = replace(wild, learning_rate=0.05)
     diverged, ok = run_fused([wild, tame])
     assert diverged.status == "diverged" and "non-finite training loss" in diverged.reason
@@ -362,7 +363,7 @@ def test_a_diverging_configuration_stops_while_the_others_train_on() -> None:
 
 
 def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:
-    config = replace(BASE, diagnostics=True, score_noise_multiplier=2.0, epochs=4)
+    config = planned(replace(BASE, diagnostics=True, score_noise_multiplier=2.0, epochs=4))
     result, trial = run_fused([config])[0], run_trial(config)
     assert [d.epoch for d in result.diagnostics] == [d.epoch for d in trial.diagnostics] == [0, 2, 4]
     assert [d.labels for d in result.diagnostics] == [d.labels for d in trial.diagnostics]  # the trial's probe
@@ -379,10 +380,10 @@ def test_diagnostics_and_the_dp_score_follow_the_trial() -> None:
 
 def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pytest.MonkeyPatch) -> None:
     configs = [
-        replace(BASE, batch_size=100),
-        replace(BASE, batch_size=20),
-        replace(BASE, batch_size=20, seed=2),
-        replace(BASE, batch_size=50),
+        planned(replace(BASE, batch_size=100)),
+        planned(replace(BASE, batch_size=20)),
+        planned(replace(BASE, batch_size=20, seed=2)),
+        planned(replace(BASE, batch_size=50)),
     ]
     real_step = StackedOptimizer.step
     calls = []
@@ -410,7 +411,7 @@ def test_a_failing_group_reports_what_every_configuration_spent(monkeypatch: pyt
 def test_a_configuration_that_diverged_before_its_group_failed_keeps_its_planned_charge(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    wild = replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36)
+    wild = planned(replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36))
     tame = replace(wild, learning_rate=0.05)
     real_step = StackedOptimizer.step
     calls = []
@@ -438,12 +439,12 @@ def test_a_configuration_that_diverged_before_its_group_failed_keeps_its_planned
 
 @pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make σ calibration and any fused step fail the test."""
+    """Make reading the runs' σ (their planned mechanisms) and any fused step fail the test."""
 
     def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("bad input reached σ calibration or training")
+        raise AssertionError("bad input reached the runs' mechanisms or training")
 
-    monkeypatch.setattr(fused, "calibrate_noise_multiplier", forbidden)
+    monkeypatch.setattr(fused, "planned_mechanism", forbidden)
     monkeypatch.setattr(fused_group, "head_noisy_gradients", forbidden)
 
 
@@ -483,8 +484,17 @@ def test_a_group_that_cannot_fit_is_refused_before_compute(no_training: None) ->
     assert fused_refusal(BASE) is None
 
 
+def test_a_fused_run_needs_the_mechanism_planned_for_it() -> None:
+    """σ is never calibrated in the runner: a config without the planner's mechanism, or with another
+    run's (another B: another q and T), is refused before compute."""
+    with pytest.raises(TrialConfigError, match="has no mechanism"):
+        run_fused([BASE])
+    with pytest.raises(TrialConfigError, match="planned for another run"):
+        run_fused([planned(BASE), replace(planned(BASE), batch_size=50)])
+
+
 def test_groups_are_chunked_to_the_configurations_that_fit() -> None:
-    configs = [replace(BASE, epochs=1, seed=s) for s in range(5)]
+    configs = [planned(replace(BASE, epochs=1, seed=s)) for s in range(5)]
     budget = 1 << 24
     fits = max_fused_configurations(BASE, 200, 384, 20, budget)
     assert 1 <= fits < 5
@@ -508,10 +518,11 @@ def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
         "from dataclasses import replace\n"
         "import dptune.search.execution, dptune.search.tune_adapters\n"
         "from dptune.contract import TrialConfig, WorkloadSpec\n"
+        "from dptune.plan.mechanism import with_mechanism\n"
         "from dptune.runners.fused import run_fused\n"
         f"BASE = {BASE!r}\n"
         "done = []\n"
-        "configs = [replace(BASE, diagnostics=True, epochs=1, clip_bound=c) for c in (1.0, 0.1)]\n"
+        "configs = [with_mechanism(replace(BASE, diagnostics=True, epochs=1, clip_bound=c), 200) for c in (1.0, 0.1)]\n"
         "run_fused(configs, on_done=lambda positions, results: done.extend(r.status for r in results))\n"
         "print(done, sorted(m for m in ('opacus', 'timm', 'torchvision', 'transformers') if m in sys.modules))\n"
     )

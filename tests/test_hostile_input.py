@@ -24,6 +24,7 @@ from conftest import REPO_ROOT, _free_ports, ray_processes_below, search_command
 from dptune import plan, report, search
 from dptune.errors import MAX_SHOWN_CHARS, DptuneError
 from dptune.paths import probe_writable
+from dptune.plan.mechanism import wrapped
 from dptune.records import SCHEMAS, ResultsStore, read_table
 from dptune.search import driver, lease, preflight
 from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
@@ -423,7 +424,7 @@ def test_only_cells_that_ran_get_a_search_row(tmp_path: Path) -> None:
         [{"search_id": "other", "trial_id": "t2", "cell_id": "eps=1|epochs=3", "clipping": "normalized"}],
     )
     plans = [
-        search.CellPlan(Cell(epsilon, 3), clipping, 300, (32,), (), {32: 1.0}, 1)
+        search.CellPlan(Cell(epsilon, 3), clipping, 300, (32,), (), wrapped({32: 1.0}, epsilon, 1e-5, 300, 3), 1)
         for epsilon in (1.0, 8.0)
         for clipping in ("normalized", "auto_s")
     ]

@@ -130,3 +130,30 @@ def test_no_module_is_over_the_line_limit() -> None:
 def test_at_most_eight_modules_sit_directly_in_the_package() -> None:
     root = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} .py files in dptune/ (at most {MAX_ROOT_MODULES}): {root}"
+
+
+#: The one module outside ``dptune.privacy`` that may name ``calibrate_noise_multiplier``: σ is calibrated
+#: once, by the planner, and every consumer (runners, ledger, records, the search) reads its Mechanism.
+CALIBRATING_MODULE = "dptune.plan.mechanism"
+
+
+def test_sigma_is_calibrated_in_the_planner_only() -> None:
+    """No module under dptune/runners, dp, records or search, and none outside dptune/privacy but
+    ``dptune.plan.mechanism``, names ``calibrate_noise_multiplier`` (an import, an attribute, a call or
+    a monkeypatch target alike): a runner or the ledger that calibrated σ again would agree with the plan
+    only as long as a cached calibrator got identical inputs."""
+    naming = {
+        name
+        for name, path in modules().items()
+        if any(
+            (isinstance(node, ast.Name) and node.id == "calibrate_noise_multiplier")
+            or (isinstance(node, ast.Attribute) and node.attr == "calibrate_noise_multiplier")
+            or (isinstance(node, ast.alias) and node.name.rpartition(".")[2] == "calibrate_noise_multiplier")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        )
+    }
+    consumers = ("dptune.runners", "dptune.dp", "dptune.records", "dptune.search")
+    calibrating_consumers = sorted(n for n in naming for c in consumers if n == c or n.startswith(c + "."))
+    assert not calibrating_consumers, f"σ calibrated where it is only read: {calibrating_consumers}"
+    outside = {name for name in naming if name != "dptune.privacy" and not name.startswith("dptune.privacy.")}
+    assert outside == {CALIBRATING_MODULE}, f"σ calibrated outside the planner: {sorted(outside)}"

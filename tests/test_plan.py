@@ -14,7 +14,6 @@ import pandas as pd
 import pytest
 
 from dptune import __version__, privacy
-from dptune import plan as plan_module
 from dptune.plan import (
     RECOMMENDED_MARK,
     PlanRow,
@@ -27,6 +26,7 @@ from dptune.plan import (
     sample_rate,
     total_steps,
 )
+from dptune.plan import mechanism as mechanism_module
 from dptune.privacy import calibration, prv
 
 pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
@@ -329,7 +329,7 @@ def test_bad_flags_exit_nonzero_before_any_accounting(
     def forbidden(*args: object) -> float:
         raise AssertionError(f"accounting ran for {args}")
 
-    monkeypatch.setattr(plan_module, "calibrate_noise_multiplier", forbidden)
+    monkeypatch.setattr(mechanism_module, "calibrate_noise_multiplier", forbidden)  # σ is calibrated there only
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
@@ -372,7 +372,7 @@ def test_cli_refuses_a_plan_in_which_no_batch_size_meets_the_min_step_rule(
     def forbidden(*args: object) -> float:
         raise AssertionError(f"accounting ran for {args}")
 
-    monkeypatch.setattr(plan_module, "calibrate_noise_multiplier", forbidden)
+    monkeypatch.setattr(mechanism_module, "calibrate_noise_multiplier", forbidden)  # σ is calibrated there only
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--eps", "2"])
     captured = capsys.readouterr()

@@ -236,3 +236,54 @@ def test_schema_2_trials_read_as_replicate_0_of_their_own_configuration(tmp_path
     assert trials.loc["old", "val_accuracy"] == 0.4
     only = read_table(str(tmp_path), "trials", columns=["configuration_id"])
     assert sorted(only["configuration_id"]) == ["new", "old"] and list(only.columns) == ["configuration_id"]
+
+
+def _old_part(root: Path, table: str, key: str, row: dict, dropped: tuple[str, ...]) -> None:
+    """A part of ``table`` as an older dptune wrote it: without the columns a later schema added."""
+    schema = pa.schema([f for f in SCHEMAS[table] if f.name not in dropped])
+    (root / table).mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([row], schema=schema), root / table / f"part-{key}.parquet")
+
+
+def test_older_search_and_release_rows_read_as_the_current_schema(tmp_path: Path) -> None:
+    from dptune.records.migrations import BEFORE_SCHEMA_2_GUARANTEE, GENERAL_WITHHELD_REASON
+
+    _old_part(tmp_path, "search", "s1", {"search_id": "s1", "schema_version": 1}, ("guarantee",))
+    _old_part(tmp_path, "search", "s2", {"search_id": "s2", "schema_version": 2}, ())  # recorded no guarantee
+    ResultsStore(str(tmp_path)).write_part("search", "s7", [{"search_id": "s7", "schema_version": 7, "guarantee": "g"}])
+    search = read_table(str(tmp_path), "search").set_index("search_id")["guarantee"]
+    assert search["s1"] == BEFORE_SCHEMA_2_GUARANTEE and pd.isna(search["s2"]) and search["s7"] == "g"
+    only = read_table(str(tmp_path), "search", columns=["guarantee"])  # schema_version is read for it
+    assert list(only.columns) == ["guarantee"] and sorted(only["guarantee"].fillna("")) == sorted(
+        ["", "g", search["s1"]]
+    )
+
+    release = {"search_id": "s", "cell_id": "c", "epsilon_total": 8.0}
+    _old_part(tmp_path, "release", "r3", {**release, "search_id": "r3"}, ("test_split_public", "test_withheld"))
+    _old_part(tmp_path, "release", "r6", {**release, "search_id": "r6", "test_split_public": False}, ("test_withheld",))
+    store = ResultsStore(str(tmp_path))
+    store.write_part(
+        "release", "r7", [{**release, "search_id": "r7", "test_split_public": False, "test_withheld": "w"}]
+    )
+    store.write_part("release", "p7", [{**release, "search_id": "p7", "test_split_public": True}])
+    rows = read_table(str(tmp_path), "release").set_index("search_id")
+    assert rows["test_split_public"].dtype == bool
+    assert rows["test_split_public"].to_dict() == {"p7": True, "r3": True, "r6": False, "r7": False}
+    withheld = rows["test_withheld"].to_dict()
+    assert withheld["r6"] == GENERAL_WITHHELD_REASON and withheld["r7"] == "w"
+    assert pd.isna(withheld["r3"]) and pd.isna(withheld["p7"])  # public: nothing withheld
+    only = read_table(str(tmp_path), "release", columns=["search_id", "test_withheld"]).set_index("search_id")
+    assert list(only.columns) == ["test_withheld"] and only.loc["r6", "test_withheld"] == GENERAL_WITHHELD_REASON
+
+
+def test_every_migration_fills_a_column_of_its_table_added_by_its_version() -> None:
+    from dptune.records.migrations import MIGRATIONS, columns_to_read
+
+    assert MIGRATIONS and max(MIGRATIONS) <= records.SCHEMA_VERSION and min(MIGRATIONS) >= 2
+    for migrations in MIGRATIONS.values():
+        for migration in migrations:
+            names = SCHEMAS[migration.table].names
+            assert migration.column in names and set(migration.needs) <= set(names)
+    assert columns_to_read("trials", ["replicate"]) == ["replicate"]
+    assert columns_to_read("trials", ["configuration_id"]) == ["configuration_id", "trial_id"]
+    assert columns_to_read("release", ["test_withheld"]) == ["test_withheld", "test_split_public"]

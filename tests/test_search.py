@@ -32,6 +32,7 @@ from conftest import (
 )
 from dptune import privacy, search
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.plan.mechanism import wrapped
 from dptune.records import SCHEMA_VERSION, TRUST_BOUNDARY, read_table
 from dptune.report import build_report
 from dptune.runners import fused
@@ -284,9 +285,11 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
     first = {"batch_size": 32, "base_learning_rate": 0.01, "clip_bound": 0.1}
     second = {**first, "clip_bound": 1.0}
     seeded = context(0)
-    assert execution.trial_config(seeded, first).seed == execution.trial_config(seeded, first).seed  # repeats
-    assert execution.trial_config(seeded, first).seed != execution.trial_config(seeded, second).seed  # never shared
-    assert execution.trial_config(context(None), first).seed is None  # the default: fresh OS entropy
+    assert execution.run_spec(seeded, first).config.seed == execution.run_spec(seeded, first).config.seed  # repeats
+    assert (
+        execution.run_spec(seeded, first).config.seed != execution.run_spec(seeded, second).config.seed
+    )  # never shared
+    assert execution.run_spec(context(None), first).config.seed is None  # the default: fresh OS entropy
     assert "REPRODUCIBLE from seed 0" in search.format_plan(loaded, [plan])
 
 
@@ -442,7 +445,7 @@ def _plan(configurations: int) -> search.CellPlan:
         TINY_TRAIN_EXAMPLES,
         (32, 64),
         (),
-        {32: 1.0, 64: 1.0},
+        wrapped({32: 1.0, 64: 1.0}, 3.5, 1e-5, TINY_TRAIN_EXAMPLES, 10),
         configurations,
     )
 

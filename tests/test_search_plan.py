@@ -10,10 +10,12 @@ import pytest
 
 from dptune.contract import TrialResult
 from dptune.plan import coupled_learning_rate
+from dptune.plan.mechanism import wrapped
 from dptune.records import ResultsStore, trial_rows
+from dptune.records.ids import configuration_id
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
 from dptune.search.cells import _trial_count
-from dptune.search.execution import TrialContext, configuration_id, trial_config
+from dptune.search.execution import TrialContext, run_spec
 from dptune.space import Cell, SpaceError, parse_space
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +23,7 @@ DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
 
 
 def plan_for(space, clipping: str = "normalized") -> CellPlan:  # noqa: ANN001
-    return CellPlan(Cell(1.0, 5), clipping, 1000, (32, 64), (512,), {32: 1.0, 64: 1.5}, 0)
+    return CellPlan(Cell(1.0, 5), clipping, 1000, (32, 64), (512,), wrapped({32: 1.0, 64: 1.5}, 1.0, 1e-5, 1000, 5), 0)
 
 
 def test_random_trial_count_is_geometric_with_the_planned_mean() -> None:
@@ -80,16 +82,20 @@ def context_for(space, plan: CellPlan, root: str = "/nowhere") -> TrialContext: 
     )
 
 
-def test_trial_config_applies_sqrt_b_coupling_or_none() -> None:
+def test_run_spec_applies_sqrt_b_coupling_or_none() -> None:
     space = parse_space(DEFAULT, "d.yaml").space
     plan = plan_for(space)
-    config = trial_config(context_for(space, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01})
+    config = run_spec(
+        context_for(space, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01}
+    ).config
     assert (config.clip_bound, config.batch_size, config.base_learning_rate) == (0.3, 64, 0.01)
     assert config.learning_rate == pytest.approx(coupled_learning_rate(0.01, 64, 256)) == pytest.approx(0.005)
     assert (config.epsilon, config.epochs, config.clipping) == (1.0, 5, "normalized")
     assert config.workload.dataset == "20newsgroups"
     off = parse_space(DEFAULT, "d.yaml", {"coupling.rule": "none"}).space
-    uncoupled = trial_config(context_for(off, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01})
+    uncoupled = run_spec(
+        context_for(off, plan), {"clip_bound": 0.3, "batch_size": 64, "base_learning_rate": 0.01}
+    ).config
     assert uncoupled.learning_rate == 0.01
 
 
@@ -100,7 +106,7 @@ def test_summary_selects_on_validation_not_test(tmp_path: Path) -> None:
     store = ResultsStore(str(tmp_path))
     for val, test, b in ((0.60, 0.90, 32), (0.70, 0.50, 64)):  # the best on test is not the best on val
         params = {"clip_bound": 1.0, "batch_size": b, "base_learning_rate": 1e-3}
-        result = TrialResult(config=trial_config(context, params), status="ok", val_accuracy=val, test_accuracy=test)
+        result = TrialResult(config=run_spec(context, params).config, status="ok", val_accuracy=val, test_accuracy=test)
         store.write_trial(
             trial_rows(
                 result,

@@ -9,9 +9,11 @@ import pytest
 
 from conftest import REPO_ROOT
 from dptune.errors import DptuneError
-from dptune.privacy.search import CompositionCost, composition_cost, guarantee, select_release
+from dptune.privacy.search import CompositionCost, composition_cost, select_release
+from dptune.search.statement import guarantee
 from dptune.space import load_space
 from expected import pld_epsilon
+from test_imports import import_graph
 
 DEFAULT = REPO_ROOT / "search_spaces/default.yaml"
 PRIVATE = REPO_ROOT / "search_spaces/private.yaml"
@@ -161,3 +163,16 @@ def test_more_recorded_runs_than_k_release_the_best_of_a_random_k() -> None:
     released = {select_release(runs, runs=1)["noisy_val_accuracy"] for _ in range(60)}
     assert len(released) > 3  # one run at random each time, not always the best of all six
     assert min(select_release(runs, runs=5)["noisy_val_accuracy"] for _ in range(60)) >= 0.5
+
+
+def test_privacy_is_numbers_only_and_imports_nothing_above_it() -> None:
+    """dptune.privacy computes; what a search's (ε, δ) covers, in words, is the search's (search.statement)."""
+    above = ("dptune.space", "dptune.search", "dptune.records", "dptune.runners", "dptune.contract")
+    reached = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if module == "dptune.privacy" or module.startswith("dptune.privacy.")
+        for target in targets
+        if any(target == name or target.startswith(name + ".") for name in above)
+    }
+    assert not reached, reached

@@ -52,6 +52,8 @@ def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_acco
         "_rdp",
         "_image_files",
         "_labels",
+        "_local_tuner",
+        "_tune_config",
     }
     users = set()
     for path in PACKAGE.rglob("*.py"):
@@ -138,3 +140,71 @@ def test_without_raylet_messages_the_driver_prints_no_cluster_error_and_everythi
     show("raylet", "after the block: shown again")
     printed = capsys.readouterr().out
     assert "A worker died" not in printed and "a worker's own output" in printed and "shown again" in printed
+
+
+def _unit(config: dict[str, object]) -> None:
+    """A Tune function trainable that does nothing (the Tuner below is only built and restored, never fit)."""
+
+
+def test_a_restored_tuner_hands_its_unpickled_searcher_and_callbacks_to_the_driver(tmp_path: Path) -> None:
+    """``Tuner.restore`` unpickles the searcher and callbacks the first driver gave (it takes neither anew);
+    ``restored_configs`` reaches the very objects its ``fit`` runs with, so the driver can bind them."""
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    class Marked(tune.Callback):
+        def __init__(self) -> None:
+            self.bound: str | None = None
+
+    tune.Tuner(
+        _unit,
+        tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator(), num_samples=1),
+        run_config=tune.RunConfig(name="search", storage_path=str(tmp_path), callbacks=[Marked()]),
+    )  # a fresh Tuner writes its state (tuner.pkl) at once
+    restored = tune.Tuner.restore(str(tmp_path / "search"), trainable=_unit)
+    configs = _thirdparty.restored_configs(restored)
+    assert configs is not None
+    tune_config, run_config = configs
+    assert isinstance(tune_config.search_alg, BasicVariantGenerator)
+    (callback,) = run_config.callbacks
+    assert type(callback).__name__ == "Marked" and callback.bound is None  # unpickled, as the first driver made it
+    callback.bound = "this driver"
+    assert restored._local_tuner.get_run_config().callbacks[0].bound == "this driver"  # what fit uses
+
+
+def test_interrupt_tune_run_signals_tunes_handler_once_and_nothing_without_one() -> None:
+    import signal
+
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
+    try:
+        _thirdparty.interrupt_tune_run()
+        assert received == [signal.SIGUSR1]
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # no Tune run: no handler, nothing sent (SIG_DFL would kill)
+        _thirdparty.interrupt_tune_run()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == [signal.SIGUSR1]
+
+
+def test_tune_run_stops_its_loop_on_sigusr1_and_a_stopper_ends_running_trials_as_terminated() -> None:
+    """Why ``interrupt_tune_run`` signals instead of a ``Stopper``: Tune's SIGUSR1 handler sets the event its
+    loop checks (running trials stay RUNNING in the saved state: a restore with ``resume_unfinished`` runs
+    them again), while a ``stop_all`` Stopper stops every live trial, which ends TERMINATED."""
+    import inspect
+    import signal
+
+    from ray.tune import tune as tune_module
+    from ray.tune.execution.tune_controller import TuneController
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        event = tune_module._setup_signal_catching()
+        assert callable(signal.getsignal(signal.SIGUSR1)) and not event.is_set()
+        _thirdparty.interrupt_tune_run()
+        assert event.is_set()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    stopping = inspect.getsource(TuneController._stop_experiment_if_needed)
+    assert "stop_all()" in stopping and "_schedule_trial_stop" in stopping
+    assert "Trial.TERMINATED" in inspect.getsource(TuneController._schedule_trial_stop)

@@ -25,6 +25,7 @@ from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import cached_workload
 from dptune.runners.trainer import Trial
 from dptune.runners.trial import EpochMetrics, TrialConfig, TrialConfigError, TrialFailed, TrialResult, run_trial
+from trial_configs import planned
 
 BASE = TrialConfig(
     workload=WorkloadSpec(
@@ -66,7 +67,7 @@ def reported() -> list[EpochMetrics]:
 
 @pytest.fixture(scope="module")
 def result(reported: list[EpochMetrics]) -> TrialResult:
-    return run_trial(BASE, reported.append)
+    return run_trial(planned(BASE), reported.append)
 
 
 def test_trial_runs_the_planned_poisson_steps_at_the_calibrated_noise(
@@ -135,7 +136,7 @@ def test_trial_diagnoses_a_fixed_probe_before_during_and_after_training(result: 
 
 def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
     """The reproducibility opt-in (BASE has seed=3): same seed, same result, bit for bit."""
-    again = run_trial(BASE)
+    again = run_trial(planned(BASE))
     timing = ("wall_time_s", "examples_per_s", "diagnostics_wall_time_s", "epochs", "diagnostics", "trained")
     strip = {k: v for k, v in asdict(again).items() if k not in timing}
     assert strip == {k: v for k, v in asdict(result).items() if k not in timing}
@@ -145,7 +146,7 @@ def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
     assert again.trained is not None and result.trained is not None
     assert again.trained.parameters.keys() == result.trained.parameters.keys()
     assert all(np.array_equal(again.trained.parameters[k], v) for k, v in result.trained.parameters.items())
-    undiagnosed = run_trial(replace(BASE, diagnostics=False))  # the probe leaves the training RNG alone
+    undiagnosed = run_trial(planned(replace(BASE, diagnostics=False)))  # the probe leaves the training RNG alone
     assert [m.val_loss for m in undiagnosed.epochs] == [m.val_loss for m in result.epochs]
     assert undiagnosed.diagnostics == []
 
@@ -153,7 +154,7 @@ def test_same_seed_same_result_on_cpu(result: TrialResult) -> None:
 def _first_coins(config: TrialConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """A trial's first draws: its first Poisson batch and one step's noise (the noisy gradient of an
     empty batch is the noise alone). (The head starts at zero: its initialisation draws nothing.)"""
-    trial = Trial(config, torch.device("cpu"), cached_workload(config.workload))
+    trial = Trial(planned(config), torch.device("cpu"), cached_workload(config.workload))
     trainable = [p for p in trial.model.parameters() if p.requires_grad]
     features = next(iter(trial.loader))[0]
     trial.engine.noisy_gradient(iter(()))
@@ -172,7 +173,7 @@ def test_fresh_coins_by_default_differ_between_trials_and_are_uncorrelated() -> 
     # independent N(0, s²) vectors of d = 385·k entries: sample correlation ~ N(0, 1/d), |r| < 5/√d
     correlation = float(torch.corrcoef(torch.stack([z1, z2]))[0, 1])
     assert abs(correlation) < 5 / math.sqrt(z1.numel())
-    first, second = run_trial(fresh), run_trial(fresh)
+    first, second = run_trial(planned(fresh)), run_trial(planned(fresh))
     assert [m.train_loss for m in first.epochs] != [m.train_loss for m in second.epochs]
 
 
@@ -189,7 +190,7 @@ def test_an_error_after_training_began_says_what_it_spent() -> None:
             raise RuntimeError("injected fault")
 
     with pytest.raises(TrialFailed, match="injected fault") as caught:
-        run_trial(COINS, fail_in_second_epoch)
+        run_trial(planned(COINS), fail_in_second_epoch)
     failure = caught.value
     n = 100
     assert failure.steps_taken == sum(epoch_steps(n, COINS.batch_size, COINS.epochs)[:2]) < failure.steps
@@ -205,7 +206,7 @@ def test_a_checkpointed_run_lost_mid_training_continues_to_the_same_result_bit_f
     result: TrialResult, tmp_path: Path, engine: str
 ) -> None:
     config = replace(BASE, engine=engine)
-    whole = result if engine == "opacus" else run_trial(config)
+    whole = result if engine == "opacus" else run_trial(planned(config))
     checkpoint = RunCheckpoint(str(tmp_path), "run.pt")
 
     def lost_in_third_epoch(metrics: EpochMetrics) -> None:
@@ -213,12 +214,12 @@ def test_a_checkpointed_run_lost_mid_training_continues_to_the_same_result_bit_f
             raise RuntimeError("process lost")
 
     with pytest.raises(TrialFailed, match="process lost"):
-        run_trial(config, lost_in_third_epoch, checkpoint)
+        run_trial(planned(config), lost_in_third_epoch, checkpoint)
     kept = checkpoint.load()
     assert kept is not None and kept["epochs_done"] == 2
     assert kept["steps_taken"] == sum(epoch_steps(100, BASE.batch_size, BASE.epochs)[:2])
     # the continuation draws nothing of its own: another seed's coins give way to the kept state
-    continued = run_trial(replace(config, seed=99), None, checkpoint)
+    continued = run_trial(planned(replace(config, seed=99)), None, checkpoint)
     assert (continued.status, continued.steps_taken, continued.test_accuracy) == (
         "ok",
         whole.steps_taken,
@@ -233,7 +234,7 @@ def test_a_checkpointed_run_lost_mid_training_continues_to_the_same_result_bit_f
     assert continued.trained is not None and whole.trained is not None
     assert all(np.array_equal(continued.trained.parameters[k], v) for k, v in whole.trained.parameters.items())
     with pytest.raises(TrialFailed, match="another run's state"):  # a checkpoint continues its own run only
-        run_trial(replace(config, clip_bound=0.25), None, checkpoint)
+        run_trial(planned(replace(config, clip_bound=0.25)), None, checkpoint)
     checkpoint.remove()
     assert checkpoint.load() is None and not list(tmp_path.iterdir())
 
@@ -241,21 +242,21 @@ def test_a_checkpointed_run_lost_mid_training_continues_to_the_same_result_bit_f
 def test_dp_selection_score_is_the_correct_count_plus_gaussian_noise() -> None:
     sigma = 4.0
     config = replace(COINS, score_noise_multiplier=sigma)
-    trial = Trial(config, torch.device("cpu"), cached_workload(config.workload))
+    trial = Trial(planned(config), torch.device("cpu"), cached_workload(config.workload))
     val = trial.evaluate(trial.workload.val)
     count, correct = val.examples_per_class.sum(), val.correct_per_class.sum()
     noise = torch.tensor([trial.noisy_score(val) for _ in range(4000)], dtype=torch.float64) * count - correct
     assert abs(float(noise.mean())) < 5 * sigma / math.sqrt(4000)
     assert float(noise.std()) == pytest.approx(sigma, rel=0.06)
-    result = run_trial(config)
+    result = run_trial(planned(config))
     assert result.status == "ok" and math.isfinite(result.noisy_val_accuracy)
     noisy_count = result.noisy_val_accuracy * result.num_val  # an integer count (the noise may be 0) over N_val
     assert round(noisy_count) / result.num_val == result.noisy_val_accuracy
-    assert math.isnan(run_trial(COINS).noisy_val_accuracy)  # no score noise asked: no noisy score
+    assert math.isnan(run_trial(planned(COINS)).noisy_val_accuracy)  # no score noise asked: no noisy score
 
 
 def test_film_engine_is_chosen_automatically_for_a_head(result: TrialResult) -> None:
-    film = run_trial(replace(BASE, engine="auto", diagnostics=False))
+    film = run_trial(planned(replace(BASE, engine="auto", diagnostics=False)))
     assert film.engine == "film"
     assert film.status == "ok"
     assert film.noise_multiplier == result.noise_multiplier  # same (ε, δ, q, T)
@@ -265,7 +266,7 @@ def test_film_engine_is_chosen_automatically_for_a_head(result: TrialResult) -> 
 def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
     # plain DP-SGD with an enormous step: weights overflow float32 after the first step, logits turn inf/nan
     config = replace(BASE, optimizer="sgd", clipping="standard", clip_bound=1e6, learning_rate=1e36, diagnostics=False)
-    diverged = run_trial(config)
+    diverged = run_trial(planned(config))
     assert diverged.status == "diverged"
     assert "non-finite" in diverged.reason
     assert len(diverged.epochs) < BASE.epochs
@@ -279,12 +280,14 @@ def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
     )
     assert "charged its 13 planned steps" in diverged.reason and "exact" in diverged.reason
     assert math.isnan(diverged.test_accuracy)
-    private = run_trial(replace(config, score_noise_multiplier=5.0))  # decided from the parameters: charged all too
+    private = run_trial(
+        planned(replace(config, score_noise_multiplier=5.0))
+    )  # decided from the parameters: charged all too
     assert private.status == "diverged" and private.reason.startswith("non-finite parameters after epoch 1")
     assert private.steps_taken < private.steps and "charged its 13 planned steps" in private.reason
     assert private.epsilon_spent == diverged.epsilon_spent
     # the release of a subsample tuning trains every step and is published whatever its loss
-    release = run_trial(replace(config, release_run=True))
+    release = run_trial(planned(replace(config, release_run=True)))
     assert release.status == "ok" and release.steps_taken == release.steps and len(release.epochs) == BASE.epochs
     assert math.isnan(release.epochs[-1].val_loss) and 0 <= release.test_accuracy <= 1
     assert release.epsilon_spent == diverged.epsilon_spent
@@ -292,12 +295,25 @@ def test_huge_learning_rate_is_recorded_as_diverged_without_raising() -> None:
 
 @pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any attempt to calibrate σ (the step before training) fail the test."""
+    """Make any attempt to read the run's σ (its planned mechanism, the step before training) fail the test."""
 
     def forbidden(*args: object) -> float:
-        raise AssertionError("bad input reached σ calibration / training")
+        raise AssertionError("bad input reached the run's mechanism / training")
 
-    monkeypatch.setattr(trainer, "calibrate_noise_multiplier", forbidden)
+    monkeypatch.setattr(trainer, "planned_mechanism", forbidden)
+
+
+def test_a_run_needs_the_mechanism_planned_for_it() -> None:
+    """The runner never calibrates σ: a config without the planner's mechanism, or with another run's
+    (another B, so another q and T, or another ε), is refused before any compute."""
+    with pytest.raises(TrialConfigError, match="has no mechanism.*dptune.plan.mechanism"):
+        run_trial(BASE)
+    with pytest.raises(TrialConfigError, match="planned for another run: q = 0.3, T = 13"):
+        run_trial(replace(planned(BASE), batch_size=50))
+    with pytest.raises(TrialConfigError, match="planned for another run"):
+        run_trial(replace(planned(BASE), epsilon=4.0))
+    with pytest.raises(TrialConfigError, match="planned for another run"):
+        run_trial(planned(BASE, num_train=90))  # planned for another N than the workload's 100 rows
 
 
 @pytest.mark.parametrize(
@@ -334,7 +350,7 @@ def test_threads_setting_applies_during_the_trial_only() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        run_trial(replace(BASE, threads=1, diagnostics=False), lambda m: seen.append(torch.get_num_threads()))
+        run_trial(planned(replace(BASE, threads=1, diagnostics=False)), lambda m: seen.append(torch.get_num_threads()))
         assert seen == [1] * BASE.epochs
         assert torch.get_num_threads() == 2
     finally:

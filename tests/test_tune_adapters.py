@@ -20,29 +20,29 @@ from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from conftest import REPO_ROOT
 from dptune.contract import EpochMetrics, TrialResult
 from dptune.plan import sample_rate, total_steps
+from dptune.plan.mechanism import wrapped
 from dptune.privacy import epsilon_spent
 from dptune.records import read_table, replicate_trial_id
+from dptune.records.ids import configuration_id
 from dptune.records.ledger import charged_runs
-from dptune.search import tune_adapters
 from dptune.search.cells import CellPlan, base_trial_config
 from dptune.search.execution import (
     FinishedRun,
-    PendingRun,
     TrialContext,
     charge_runs,
-    configuration_id,
-    trial_config,
+    run_spec,
     write_result,
 )
 from dptune.search.sampler import CellSampler, CellSpec
-from dptune.search.searcher import DRIVER_CONTEXTS, METRIC, SCORES_KEY, CellMultiplexer, Unit
+from dptune.search.searcher import METRIC, SCORES_KEY, CellMultiplexer, Unit
 from dptune.search.tune_adapters import (
     RUN_STATUSES_KEY,
     STORAGE_ERROR_KEY,
     CellRun,
     PerCellASHA,
     RecordAndReport,
-    stop_search,
+    StopOnStorageFailure,
+    TuneRunState,
 )
 from dptune.space import Cell, load_space
 
@@ -61,18 +61,16 @@ PARAMS = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
 
 @pytest.fixture(autouse=True)
 def _driver_state() -> Iterator[None]:
-    """``stop_search`` records into a module-level list and silences Tune's loggers: undone after each test."""
+    """``TuneRunState.stop_search`` silences Tune's loggers: undone after each test."""
     levels = {name: logging.getLogger(name).level for name in ("ray.tune", "ray.train", "ray.air")}
-    tune_adapters.DRIVER_FAILURES.clear()
     yield
-    tune_adapters.DRIVER_FAILURES.clear()
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
 
 
 def context(root: Path, replicates: int = 2) -> TrialContext:
     space = load_space(REPO_ROOT / "tests/spaces/tiny.yaml", {"epochs": [EPOCHS], "privacy.epsilons": [8]}).space
-    plan = CellPlan(Cell(8.0, EPOCHS), "normalized", N, (32, 64), (256,), SIGMA, 5)
+    plan = CellPlan(Cell(8.0, EPOCHS), "normalized", N, (32, 64), (256,), wrapped(SIGMA, 8.0, 1e-5, N, EPOCHS), 5)
     return TrialContext(
         base=base_trial_config(space, plan, N, 60),
         results_root=str(root),
@@ -83,7 +81,7 @@ def context(root: Path, replicates: int = 2) -> TrialContext:
         reference_batch_size=64,
         replicates=replicates,
         num_train=N,
-        noise_multipliers=SIGMA,
+        mechanisms=plan.mechanisms,
     )
 
 
@@ -161,7 +159,7 @@ def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path:
     assert searcher.suggested == {"a": 6}
 
 
-def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None:
     first = tmp_path / "first"
     searcher = CellMultiplexer(
         {"a": CellSampler(GRID)},
@@ -176,12 +174,21 @@ def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path, monkeyp
     assert b"optuna" not in blob and b"Unit" not in blob  # no study, no class of this module's state
     assert str(first).encode() not in blob  # nor the first driver's folder: a resume writes to its own
     resumed = context(tmp_path / "copy")
-    monkeypatch.setitem(DRIVER_CONTEXTS, "a", resumed)
     copy = pickle.loads(blob)
+    with pytest.raises(RuntimeError, match="not bound to this driver"):  # never the first driver's contexts
+        _ = copy.contexts
+    copy.bind({"a": resumed})  # as tuners.restore_tuner binds a restored Tuner's searcher
     assert copy.owner == {"t0": unit} and copy.contexts == {"a": resumed}
-    callback = pickle.dumps(RecordAndReport({"a": CellRun(context(first), "eps=8|epochs=4 normalized", 4)}))
+    state = TuneRunState()
+    callback = pickle.dumps(RecordAndReport({"a": CellRun(context(first), "eps=8|epochs=4 normalized", 4)}, state))
     assert str(first).encode() not in callback
-    assert pickle.loads(callback).cells == {"a": CellRun(resumed, "eps=8|epochs=4 normalized", 4)}
+    unpickled = pickle.loads(callback)
+    with pytest.raises(RuntimeError, match="not bound to this driver"):
+        _ = unpickled.cells
+    resumed_state = TuneRunState()
+    unpickled.bind({"a": resumed}, resumed_state)
+    assert unpickled.cells == {"a": CellRun(resumed, "eps=8|epochs=4 normalized", 4)}
+    assert unpickled.state is resumed_state  # it reports into this driver's run, not the pickled one
     checkpoint = tmp_path / "searcher.json"
     searcher.save(str(checkpoint))
     restored = CellMultiplexer(
@@ -215,7 +222,7 @@ def test_each_cell_has_its_own_asha() -> None:
 
 
 def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)})
+    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, TuneRunState())
     other = {**PARAMS, "batch_size": 64, "clip_bound": 2.0}
     unit = Unit("eps8-E4", [PARAMS, other])
     last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: '{"ok": 3, "error": 1}'}
@@ -230,7 +237,7 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     cell = context(tmp_path)
-    pending = [PendingRun(0, PARAMS, replicate, trial_config(cell, PARAMS, replicate)) for replicate in (0, 1)]
+    pending = [run_spec(cell, PARAMS, replicate) for replicate in (0, 1)]
     run_ids = charge_runs(cell, pending)  # as the unit did before its first step
     finished = TrialResult(
         config=pending[0].config,
@@ -241,12 +248,13 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
         num_train=N,
         val_accuracy=0.7,
     )
-    write_result(cell, FinishedRun(PARAMS, 0, finished, run_ids[0]), ledger=True)  # replicate 0 recorded itself
+    write_result(cell, FinishedRun(pending[0], finished, run_ids[0]), ledger=True)  # replicate 0 recorded itself
     report = EpochMetrics(
         epoch=1, steps=3, train_loss=1.5, val_loss=1.4, val_accuracy=0.4, wall_time_s=0.2, examples_per_s=500.0
     )
     last = {**asdict(report), "done_recording": False}  # what the trainable reported after epoch 1
-    callback = RecordAndReport({cell.cell_key: CellRun(cell, "eps=8|epochs=4 normalized", 5)})
+    state = TuneRunState()
+    callback = RecordAndReport({cell.cell_key: CellRun(cell, "eps=8|epochs=4 normalized", 5)}, state)
     callback.on_trial_complete(0, [], trial(Unit(cell.cell_key, [PARAMS]), last))
 
     trials = read_table(str(tmp_path), "trials").set_index("replicate")
@@ -261,14 +269,15 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
     charged = charged_runs(str(tmp_path), "s").set_index("trial_id")
     second = replicate_trial_id(configuration_id(cell.cell_key, PARAMS), 1)
     assert charged.loc[second, "ended"] and charged.loc[second, "steps_taken"] == 3  # its start entry is closed
-    assert tune_adapters.DRIVER_FAILURES == [] and callback.runs[cell.cell_key] == {"stopped_early": 2}
+    assert state.failures == [] and callback.runs[cell.cell_key] == {"stopped_early": 2}
     assert "(stopped early at epoch 1)" in capsys.readouterr().out
 
 
 def test_a_unit_stopped_with_the_search_stays_unrecorded_for_resume(tmp_path: Path) -> None:
-    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)})
+    state = TuneRunState()
+    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, state)
     callback.on_trial_result(0, [], trial(Unit("eps8-E4", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"})
-    assert tune_adapters.DRIVER_FAILURES == ["a trial process could not write its records: No space left on device"]
+    assert state.failures == ["a trial process could not write its records: No space left on device"]
     assert logging.getLogger("ray.tune").level == logging.CRITICAL
     callback.on_trial_complete(0, [], trial(Unit("eps8-E4", [PARAMS]), {"epoch": 2, "steps": 6}))
     assert read_table(str(tmp_path), "trials").empty
@@ -276,19 +285,38 @@ def test_a_unit_stopped_with_the_search_stays_unrecorded_for_resume(tmp_path: Pa
 
 def test_stop_search_interrupts_tune_once() -> None:
     received: list[int] = []
+    state = TuneRunState()
     previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
     try:
-        stop_search("first")
-        stop_search("second")
+        state.stop_search("first")
+        state.stop_search("second")
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert received == [signal.SIGUSR1] and tune_adapters.DRIVER_FAILURES == ["first", "second"]
+    assert received == [signal.SIGUSR1] and state.failures == ["first", "second"] and state.stopping
+
+
+def test_each_tune_run_records_into_its_own_state_and_a_restored_callback_into_its_drivers() -> None:
+    """Two runs (two drivers, or a run and its resume) never share what stopped them: the callbacks record into
+    the state they were given, and an unpickled one (a restored Tuner's) into the one it is bound to."""
+    first, second = TuneRunState(), TuneRunState()
+    callback = StopOnStorageFailure(first)
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: None)
+    try:
+        callback.on_trial_result(0, [], trial(Unit("a", [PARAMS])), {STORAGE_ERROR_KEY: "Read-only file system"})
+        restored = pickle.loads(pickle.dumps(callback))
+        restored.bind({}, second)
+        restored.on_trial_result(0, [], trial(Unit("a", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"})
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert first.failures == ["a trial process could not write its records: Read-only file system"]
+    assert second.failures == ["a trial process could not write its records: No space left on device"]
+    assert not TuneRunState().stopping
 
 
 def _charge(cell: TrialContext, params: dict[str, Any], accuracy: float | None = None) -> None:
     """Charge both replicates of ``params`` as a unit does before its first step; with ``accuracy``, also
     record them as finished."""
-    pending = [PendingRun(0, params, replicate, trial_config(cell, params, replicate)) for replicate in (0, 1)]
+    pending = [run_spec(cell, params, replicate) for replicate in (0, 1)]
     run_ids = charge_runs(cell, pending)
     if accuracy is not None:
         for run, run_id in zip(pending, run_ids, strict=True):
@@ -301,7 +329,7 @@ def _charge(cell: TrialContext, params: dict[str, Any], accuracy: float | None =
                 num_train=N,
                 val_accuracy=accuracy,
             )
-            write_result(cell, FinishedRun(params, run.replicate, result, run_id), ledger=True)
+            write_result(cell, FinishedRun(run, result, run_id), ledger=True)
 
 
 def test_a_resumed_searcher_runs_what_was_charged_after_tune_last_saved_and_asks_no_more_than_planned(

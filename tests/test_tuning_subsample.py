@@ -38,6 +38,7 @@ from dptune.search.subsample import (
 from dptune.space import SpaceError, load_space
 from expected import subsampled_tuning_epsilon
 from hidden_runs import assert_nothing_of_the_hidden_runs_outside, assert_owner_only, private_search
+from trial_configs import planned
 
 PRIVATE = Path(__file__).resolve().parent.parent / "search_spaces" / "private.yaml"
 SUBSAMPLE = "privacy.private_selection.tuning_subsample"
@@ -203,6 +204,8 @@ def test_the_fused_runner_trains_the_subsample_by_its_public_schedule(tmp_path: 
     (tmp_path / "x1.npz").write_bytes(tuning_rows_bytes(np.arange(0, 200, 4), np.arange(0, 120, 4), (200, 120)))
     schedule = PublicSchedule(40 / 200, 15, (5, 5, 5), 0.25 * 40)
     config = replace(TUNING, workload=replace(TUNING.workload, tuning_rows=str(tmp_path / "x1.npz")), schedule=schedule)
+    config = planned(config, num_train=50)  # its mechanism on its public schedule (q, T from N = 200, not |X₁|)
+    assert config.mechanism is not None and config.mechanism.schedule == schedule
     (result,) = run_fused([config])
     assert result.status == "ok" and (result.num_train, result.num_val) == (50, 30)
     assert (result.sample_rate, result.steps, result.steps_taken) == (0.2, 15, 15)

@@ -14,7 +14,7 @@ from dptune.runners.common import cached_workload
 from dptune.runners.fused import run_fused
 from dptune.runners.heads import augment
 from dptune.runners.trial import run_trial
-from trial_configs import HEAD_TRIAL
+from trial_configs import HEAD_TRIAL, planned
 
 
 def _test_accuracy(parameters: dict, logits_rule: str) -> float:
@@ -28,7 +28,7 @@ def _test_accuracy(parameters: dict, logits_rule: str) -> float:
 
 
 def test_a_trial_writes_the_head_it_trained_and_it_scores_the_recorded_test_accuracy(tmp_path: Path) -> None:
-    result = run_trial(HEAD_TRIAL)
+    result = run_trial(planned(HEAD_TRIAL))
     assert result.status == "ok" and result.trained is not None
     write_weights(str(tmp_path), "t-r0", result.trained)
     saved = read_weights(str(tmp_path), "t-r0")
@@ -41,7 +41,7 @@ def test_a_trial_writes_the_head_it_trained_and_it_scores_the_recorded_test_accu
 
 
 def test_fused_runs_write_their_heads_and_each_scores_its_recorded_test_accuracy() -> None:
-    configs = [replace(HEAD_TRIAL, seed=None, learning_rate=lr, base_learning_rate=lr) for lr in (0.01, 0.2)]
+    configs = [planned(replace(HEAD_TRIAL, seed=None, learning_rate=lr, base_learning_rate=lr)) for lr in (0.01, 0.2)]
     results = run_fused(configs)
     for result in results:
         assert result.status == "ok" and result.trained is not None and result.trained.logits == "augmented"
@@ -51,5 +51,5 @@ def test_fused_runs_write_their_heads_and_each_scores_its_recorded_test_accuracy
 
 
 def test_a_diverged_run_keeps_no_weights() -> None:
-    result = run_trial(replace(HEAD_TRIAL, learning_rate=1e36, base_learning_rate=1e36))
+    result = run_trial(planned(replace(HEAD_TRIAL, learning_rate=1e36, base_learning_rate=1e36)))
     assert result.status == "diverged" and result.trained is None

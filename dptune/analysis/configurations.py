@@ -134,8 +134,6 @@ def rank_configurations(
     _check_confidence(confidence)
     by = list(by)
     key = [*by, "configuration_id"]
-    if "configuration_id" not in trials:  # a frame built without the schema-3 keys: trials are configurations
-        trials = trials.assign(configuration_id=trials["trial_id"], replicate=0)
     params = [
         c
         for c in (

@@ -68,8 +68,8 @@ def missing_data(results: Results) -> list[str]:
 
 
 def privacy_statements(results: Results) -> list[str]:
-    """What each search's (ε, δ) covers, as recorded with it (``search.guarantee``), one per search;
-    for results written before the guarantee was recorded, a statement of what is known."""
+    """What each search's (ε, δ) covers, as recorded with it (``search.guarantee``; for results written
+    before it was recorded, what the reader fills in: ``records.migrations``), one per search."""
     search = results.search
     if search.empty:
         return []
@@ -77,11 +77,6 @@ def privacy_statements(results: Results) -> list[str]:
     for search_id, rows in search.groupby("search_id", sort=True):
         if rows["guarantee"].notna().any():
             text = rows["guarantee"].dropna().iloc[0]
-        elif (rows["schema_version"] < 2).any():
-            text = (
-                "written by dptune before schema 2, whose trials all drew their noise and batches from the "
-                "search's one seed: no DP guarantee and no composition bound holds for them."
-            )
         else:
             text = "no statement of what (ε, δ) covers was recorded with this search."
         statements.append(f"{search_id}: {text}")

@@ -17,8 +17,13 @@ The modules, each with its own invariants:
 - ``subsampled_tuning``: tuning on a Poisson subsample, then a release trained on the full data
   (Koskela & Kulkarni 2023, variant 1): Zhu & Wang's subsampled-RDP bound and the plan of one total ε
   (import it as ``dptune.privacy.subsampled_tuning``);
-- ``search``: a search's cost from its records and what its (ε, δ) covers, in words (reads pandas
-  tables; import it as ``dptune.privacy.search``, it is not re-exported here).
+- ``search``: a search's cost from its records (the composition of its runs, the steps each is
+  charged, the run a private search releases), numbers only: what its (ε, δ) covers, in words, is the
+  search's own (``dptune.search.statement``). It reads pandas tables; import it as
+  ``dptune.privacy.search``, it is not re-exported here.
+
+Nothing here imports above ``dptune.privacy`` but ``dptune.paths`` (the cache folder), ``dptune.errors``
+and ``dptune._thirdparty``: not the space, the search, the records or the runners.
 
 Torch-free and Ray-free. prv_accountant, dp_accounting and scipy are imported where σ or ε is
 computed, so that a process that only reads cached values (the planner's second run, a trial)

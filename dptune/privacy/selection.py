@@ -174,7 +174,9 @@ def plan_private_selection(
     A candidate is a batch size: (q, T) pairs from ``sample_rates`` and ``steps``; a trial picks one at
     random, so the bound uses the worst RDP curve over them (``selection_epsilon``). The search is a
     bisection on log ε_trial in [MIN_EPSILON, ε_total]; σ of each candidate comes from
-    ``calibrate_noise_multiplier`` (so a trial that recalibrates from ε_trial gets the same σ).
+    ``calibrate_noise_multiplier`` at ε_trial; the planner wraps each in the trials' mechanisms
+    (``dptune.plan.mechanism.wrapped``), which the runs step with and the ledger charges: no run
+    recalibrates.
     Guarantee: the returned plan's ``epsilon_selection`` ≤ ``epsilon_total``. Raises
     ``PrivacyParameterError`` when even ε_trial = MIN_EPSILON exceeds the total (lower the mean
     number of trials, raise the score noise or the total).

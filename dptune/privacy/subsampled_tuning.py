@@ -180,8 +180,9 @@ def plan_subsampled_tuning(
     """The largest per-run ε (within ``SELECTION_EPSILON_RTOL``) whose whole meets (``epsilon_total``, δ).
 
     ``tuning_runs`` and ``release_runs`` are the (sample rate, steps) of each candidate; σ of each
-    comes from ``calibrate_noise_multiplier`` at the per-run ε, so a run that recalibrates gets the
-    same σ. Bisection on log ε_run in [MIN_EPSILON, ε_total]. Guarantee: the returned plan's
+    comes from ``calibrate_noise_multiplier`` at the per-run ε; the planner wraps each in its runs'
+    mechanisms (``dptune.search.subsample.plan_tuning``), which the runs step with and the ledger
+    charges: no run recalibrates. Bisection on log ε_run in [MIN_EPSILON, ε_total]. Guarantee: the returned plan's
     ``cost.epsilon`` ≤ ``epsilon_total``. Raises ``PrivacyParameterError`` when even MIN_EPSILON per
     run exceeds the total.
     """

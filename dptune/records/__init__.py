@@ -15,14 +15,16 @@ such as ``s3://bucket/prefix``)::
 The dataset loads with pandas (``read_table``), polars (``pl.read_parquet(root/"trials")``)
 and duckdb (``read_parquet('root/trials/*.parquet')``).
 
-The modules: ``schemas`` (the tables, ``SCHEMA_VERSION``), ``rows`` (a trial's result as rows),
+The modules: ``schemas`` (the tables, ``SCHEMA_VERSION``), ``ids`` (configuration and trial ids),
+``rows`` (a trial's result as rows),
 ``store`` (atomic writes, consistent reads, quarantine), ``trust`` (the trust boundary of a
 private search, ``runs_root``) and ``ledger`` (every run charged before its first step).
 """
 
 from __future__ import annotations
 
-from dptune.records.rows import replicate_trial_id, trial_rows
+from dptune.records.ids import configuration_id, params_key, replicate_trial_id
+from dptune.records.rows import trial_rows
 from dptune.records.schemas import SCHEMA_VERSION, SCHEMAS, TABLES, RecordsError
 from dptune.records.store import (
     QUARANTINE,
@@ -50,9 +52,11 @@ __all__ = [
     "TRUST_BOUNDARY_README",
     "RecordsError",
     "ResultsStore",
+    "configuration_id",
+    "owner_only",
+    "params_key",
     "part_problem",
     "quarantine_part",
-    "owner_only",
     "read_table",
     "release_label",
     "replicate_trial_id",

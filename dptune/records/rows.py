@@ -13,11 +13,6 @@ from dptune.contract import TrialResult
 from dptune.records.schemas import QUANTILES, RecordsError
 
 
-def replicate_trial_id(configuration_id: str, replicate: int) -> str:
-    """The trial id of replicate ``replicate`` (0-based) of a configuration: ``<configuration_id>-r<replicate>``."""
-    return f"{configuration_id}-r{replicate}"
-
-
 def trial_rows(
     result: TrialResult,
     *,

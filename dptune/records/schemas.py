@@ -4,14 +4,15 @@ A search writes six tables (see ``dptune.records`` for the layout): ``trials`` (
 trial), ``epochs`` (per trial and epoch), ``classes`` (per trial and class), ``diagnostics`` (per
 trial and diagnostic epoch), ``search`` (per (ε, epochs) cell and clipping rule) and ``release``
 (end-to-end private searches only). Schema changes bump ``SCHEMA_VERSION``, stored in every
-``search`` row; a reader of the older schema comes with the change (``read_table``).
+``search`` row; what rows of an older schema mean in the current one comes with the change, as a
+migration (``dptune.records.migrations``) that ``read_table`` applies.
 
 Replicates (schema 3): a *configuration* is one sampled (C, B, η₀) of one cell; it may run R
 times with fresh coins. Every replicate is a trial with its own row: ``configuration_id`` (the
 cell key and a digest of (C, B, η₀), equal for every replicate of the configuration) and
 ``replicate`` (0-based); its ``trial_id`` is ``replicate_trial_id(configuration_id, replicate)``
 = ``f"{configuration_id}-r{replicate}"``. Older datasets (schema ≤ 2) have neither column:
-``read_table`` reads each of their trials as replicate 0 of its own configuration
+their migration reads each of their trials as replicate 0 of its own configuration
 (``configuration_id = trial_id``, ``replicate = 0``), so analyses rank them as before.
 """
 
@@ -30,6 +31,7 @@ from dptune.errors import DptuneError
 #: (``dptune.records.ledger``), every run that was charged before its first step, recorded or not.
 #: 6: release gains tuning_fraction and transfer (tuning on a private subsample; null otherwise).
 #: 7: release gains test_withheld (the test rows' source and how the owner scores the model themselves).
+#: What rows written before each version mean now: ``dptune.records.migrations.MIGRATIONS``.
 SCHEMA_VERSION = 7
 
 #: The quantiles of per-class gradient norms the ``classes`` table keeps, as column suffixes.

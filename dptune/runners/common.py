@@ -6,7 +6,7 @@ The one-trial runner (:mod:`dptune.runners.trainer`) and the fused runner
 
 - checks, in the order a runner makes them, before any compute: :func:`check_config` (names
   against the registries, values, the device), then after loading :func:`check_fits_workload`
-  (B ≤ N, δ suits N);
+  (B ≤ N, δ suits N) and :func:`planned_mechanism` (the planner's σ, q, T for this run and N);
 - the workload: :func:`cached_workload` of a config's ``workload`` spec (loaded once per process);
 - the diagnostics: :func:`probe_indices` (the probe rows, the same for every trial of a search)
   and :func:`diagnostic_epochs` (0, ⌈E/2⌉ and E);
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dptune.contract import NO_BACKBONE, TrialConfig, WorkloadSpec, is_own_backbone
+from dptune.contract import NO_BACKBONE, Mechanism, TrialConfig, WorkloadSpec, is_own_backbone
 from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.discrete_gaussian import sample_discrete_gaussian
@@ -38,6 +38,7 @@ from dptune.dp.engine import check_engine
 from dptune.dp.optimizers import check_optimizer
 from dptune.errors import TrialConfigError
 from dptune.models import BACKBONES, PEFTS
+from dptune.plan import run_schedule
 from dptune.privacy import check_delta
 
 #: Memory the diagnostics probe may hold as flattened per-example gradients (bytes, float32; the
@@ -133,6 +134,35 @@ def check_fits_workload(config: TrialConfig, num_train: int) -> None:
             f"{config.workload.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
         )
     check_delta(config.delta, num_train)
+
+
+def planned_mechanism(config: TrialConfig, num_train: int) -> Mechanism:
+    """The mechanism ``config`` steps with: the σ, q and T the planner calibrated for it
+    (``config.mechanism``, :mod:`dptune.plan.mechanism`); a runner never calibrates σ itself.
+
+    Raises :class:`TrialConfigError` when the run has none, or when it was planned for another run than
+    this one: its (q, T, epoch split, expected batch) are not the schedule ``config`` trains by on the
+    workload's ``num_train`` rows (``dptune.plan.run_schedule``), or its (ε, δ) are not the config's. So
+    a planner and a runner that disagree (another N, B, E or target) fail before any compute.
+    """
+    mechanism = config.mechanism
+    if mechanism is None:
+        raise TrialConfigError(
+            "the run has no mechanism: σ, q and T are calibrated once, by the planner, and every run needs "
+            "its mechanism from it (dptune.plan.mechanism.with_mechanism(config, N), or a search's cell plan)"
+        )
+    schedule = run_schedule(config, num_train)
+    if mechanism.schedule != schedule or (mechanism.epsilon, mechanism.delta) != (config.epsilon, config.delta):
+        raise TrialConfigError(
+            f"the run's mechanism was planned for another run: q = {mechanism.sample_rate:g}, T = {mechanism.steps} "
+            f"(epochs {list(mechanism.epoch_steps)}, expected batch {mechanism.expected_batch_size:g}) at "
+            f"(ε, δ) = ({mechanism.epsilon:g}, {mechanism.delta:g}), but B = {config.batch_size} over "
+            f"{config.epochs} epochs of N = {num_train} rows trains at q = {schedule.sample_rate:g}, "
+            f"T = {schedule.steps} (epochs {list(schedule.epoch_steps)}, expected batch "
+            f"{schedule.expected_batch_size:g}) at ({config.epsilon:g}, {config.delta:g}); plan it for this "
+            "workload (dptune.plan.mechanism)"
+        )
+    return mechanism
 
 
 @functools.lru_cache(maxsize=2)

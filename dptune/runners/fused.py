@@ -21,9 +21,10 @@ Per configuration k, exactly as a trial (:mod:`dptune.runners.trainer`):
   so each one is an independent (ε, δ)-DP mechanism and composition across them holds as across
   trials;
 - T = ``plan.total_steps(N, B, E)`` Poisson steps at q = B/N cut into epochs by
-  ``plan.epoch_steps``, σ from ``privacy.calibrate_noise_multiplier(ε, δ, q, T)`` (a tuning run on a
-  secret subsample takes q, T, the epochs and the expected batch from its public schedule instead:
-  ``plan.run_schedule``);
+  ``plan.epoch_steps``, σ from the config's mechanism, calibrated once by the planner for (ε, δ, q, T)
+  (``config.mechanism``, :mod:`dptune.plan.mechanism`; checked against N by
+  ``common.planned_mechanism``) (a tuning run on a secret subsample takes q, T, the epochs and the
+  expected batch from its public schedule instead: ``plan.run_schedule``);
 - each step: per-example gradients g_i of the summed cross-entropy of the head y = W x + b,
   factors f_i = ``clip_factors(‖g_i‖, C_k, rule)``, released gradient
   ``update_scale(C_k, rule, q·N) · (Σ_i f_i g_i + N(0, s_k² I))`` with s_k = ``noise_std(σ, C_k,
@@ -50,8 +51,8 @@ forward pass runs in float32 on every device (a trial on CUDA autocasts it to bf
 ``max_physical_batch_size`` is not used (:func:`max_fused_configurations` bounds memory);
 ``wall_time_s`` and ``examples_per_s`` are each configuration's share of its group's time.
 
-Where the parts live: this module checks the configurations, plans the groups (σ per batch
-size, chunks that fit memory) and runs them; :mod:`dptune.runners.fused_group` is one group
+Where the parts live: this module checks the configurations, plans the groups (the planner's
+mechanism per batch size, chunks that fit memory) and runs them; :mod:`dptune.runners.fused_group` is one group
 (its schedule, coins, lock-step heads and records); :mod:`dptune.runners.heads` the stacked
 heads' tensor math; :mod:`dptune.runners.common` what the one-trial runner shares.
 """
@@ -64,13 +65,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dptune.contract import PublicSchedule, TrialConfig, TrialResult
+from dptune.contract import Mechanism, PublicSchedule, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.errors import DptuneError, TrialConfigError
 from dptune.plan import run_schedule
-from dptune.privacy import calibrate_noise_multiplier
 from dptune.runners.batches import DeviceWorkload, chunk_steps
-from dptune.runners.common import cached_workload, check_config, check_fits_workload, torch_threads
+from dptune.runners.common import cached_workload, check_config, check_fits_workload, planned_mechanism, torch_threads
 from dptune.runners.fused_group import FUSED_ENGINE, FusedGroup
 from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
 
@@ -198,19 +198,27 @@ def max_fused_configurations(
 @dataclass(frozen=True)
 class GroupPlan:
     """One :class:`~dptune.runners.fused_group.FusedGroup` to run: the positions (in the list given
-    to :func:`run_fused`) of configurations sharing ``batch_size``, at most as many as fit the
-    memory budget, and σ calibrated for their (ε, δ, q, T)."""
+    to :func:`run_fused`) of configurations sharing ``batch_size`` and their ``mechanism`` (σ, q, T as
+    the planner calibrated them), at most as many as fit the memory budget."""
 
     members: list[int]
     batch_size: int
-    noise_multiplier: float
+    mechanism: Mechanism
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the group's mechanism."""
+        return self.mechanism.noise_multiplier
 
 
 def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes: int) -> list[GroupPlan]:
-    """Group ``configs`` by batch size, calibrate σ of each batch size and cut each group into
-    chunks of at most :func:`max_fused_configurations`, all before the first step.
+    """Group ``configs`` by batch size (and public schedule), read each group's mechanism
+    (:func:`~dptune.runners.common.planned_mechanism`: the planner's σ, q, T, checked against the
+    workload's N; one per group) and cut each group into chunks of at most
+    :func:`max_fused_configurations`, all before the first step.
 
-    Raises :class:`TrialConfigError` for a batch size of which not one configuration fits ``memory_bytes``.
+    Raises :class:`TrialConfigError` for a batch size of which not one configuration fits
+    ``memory_bytes``, and for a config without its planned mechanism (or with another run's).
     """
     num_train, feature_dim = len(workload.train), workload.feature_dim
     if feature_dim is None:
@@ -230,9 +238,13 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
                 f"bytes (N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                 f"smaller batch_size or a larger memory budget"
             )
-        schedule = run_schedule(first, num_train)
-        sigma = calibrate_noise_multiplier(first.epsilon, first.delta, schedule.sample_rate, schedule.steps)
-        plans += [GroupPlan(members[i : i + fits], batch_size, sigma) for i in range(0, len(members), fits)]
+        mechanism = planned_mechanism(first, num_train)
+        if any(planned_mechanism(configs[i], num_train) != mechanism for i in members):
+            raise TrialConfigError(
+                f"the configurations at batch_size {batch_size} carry different mechanisms (σ); a group steps in "
+                "lock-step with the one σ the planner calibrated for its (ε, δ, q, T)"
+            )
+        plans += [GroupPlan(members[i : i + fits], batch_size, mechanism) for i in range(0, len(members), fits)]
     return plans
 
 
@@ -265,7 +277,8 @@ def run_fused(
     The configs share everything except :data:`FUSABLE_FIELDS` (a :class:`TrialConfigError`
     before compute otherwise, as for a refused or bad config, an empty list, a batch size above N,
     or a batch size of which not one configuration fits ``memory_bytes``, default
-    :data:`FUSED_MEMORY_BYTES`). σ of every batch size is calibrated before the first step.
+    :data:`FUSED_MEMORY_BYTES`), or a config without the mechanism the planner calibrated for it
+    (``config.mechanism``, checked against N before the first step; σ is never calibrated here).
     Configs are grouped by batch size, each group runs fused in chunks of at most
     :func:`max_fused_configurations` (:func:`plan_groups`), and ``on_done(indices, results)`` is
     called after each chunk with the positions in ``configs`` and their results, so the caller can
@@ -297,12 +310,14 @@ def run_fused(
                 )
                 for i, result in zip(plan.members, failed, strict=True):
                     results[i] = result
-                sigma = {p.batch_size: p.noise_multiplier for p in plans}
                 final = [
                     r
                     if r is not None
                     else _unstarted(
-                        c, f"not run: an earlier fused group failed ({failure})", num_train, sigma[c.batch_size]
+                        c,
+                        f"not run: an earlier fused group failed ({failure})",
+                        num_train,
+                        planned_mechanism(c, num_train).noise_multiplier,
                     )
                     for r, c in zip(results, configs, strict=True)
                 ]

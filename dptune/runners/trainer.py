@@ -1,11 +1,13 @@
 """The one-trial runner: :func:`run`, the implementation of :func:`dptune.runners.trial.run_trial`.
 
 Order of work, so that bad input fails before compute: (1) the config's values and names are
-checked against the registries; (2) the workload is loaded and B ≤ N checked; (3) the model is
-built and checked for DP (BatchNorm only with frozen running statistics); (4) σ is calibrated for (ε, δ, q = B/N,
-T = ``plan.total_steps``); then (5) exactly T Poisson steps run in one pass of the sampler, cut
-into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnostics at epochs 0,
-⌈E/2⌉ and E, and the test set after the last.
+checked against the registries; (2) the workload is loaded, B ≤ N checked and the run's mechanism read
+from its config: σ, q = B/N and T = ``plan.total_steps`` as the planner calibrated them, once
+(``config.mechanism``, :mod:`dptune.plan.mechanism`), checked against this workload's N
+(``common.planned_mechanism``; the runner never calibrates σ); (3) the model is built and checked for
+DP (BatchNorm only with frozen running statistics); then (4) exactly T Poisson steps run in one pass of
+the sampler, cut into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnostics at
+epochs 0, ⌈E/2⌉ and E, and the test set after the last.
 
 A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
 exception). With a DP selection score (``score_noise_multiplier``) the trial decides divergence
@@ -72,8 +74,7 @@ from dptune.dp.precision import autocast
 from dptune.dp.sampling import physical_batches, poisson_loader
 from dptune.errors import TrialFailed
 from dptune.models import build_model, check_dp_compatible, new_head, trainable_parameter_count
-from dptune.plan import epoch_steps, sample_rate, total_steps
-from dptune.privacy import calibrate_noise_multiplier, epsilon_spent
+from dptune.privacy import epsilon_spent
 from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import (
     Evaluation,
@@ -84,6 +85,7 @@ from dptune.runners.common import (
     diverged_charge,
     model_provenance,
     noisy_score,
+    planned_mechanism,
     probe_indices,
     torch_threads,
 )
@@ -140,11 +142,12 @@ class Trial:
             else build_model(config.workload.backbone, config.workload.peft, workload.num_classes)
         ).to(device)
         check_dp_compatible(self.model)
-        engine_factory = select_engine(config.engine, self.model, config.workload.peft)  # refuses before σ is computed
-        self.sample_rate = sample_rate(num_train, config.batch_size)
-        self.steps = total_steps(num_train, config.batch_size, config.epochs)
-        self.epoch_steps = epoch_steps(num_train, config.batch_size, config.epochs)
-        self.noise_multiplier = calibrate_noise_multiplier(config.epsilon, config.delta, self.sample_rate, self.steps)
+        engine_factory = select_engine(config.engine, self.model, config.workload.peft)  # refuses before any step
+        mechanism = planned_mechanism(config, num_train)  # the planner's σ, q, T: never calibrated here
+        self.sample_rate = mechanism.sample_rate
+        self.steps = mechanism.steps
+        self.epoch_steps = list(mechanism.epoch_steps)
+        self.noise_multiplier = mechanism.noise_multiplier
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, self.trainable, config.learning_rate)
         self.spec = DPStepSpec(
@@ -399,6 +402,7 @@ def run(config: TrialConfig, report: Reporter | None = None, checkpoint: RunChec
     with torch_threads(config.threads):
         workload = cached_workload(config.workload)
         check_fits_workload(config, len(workload.train))
+        planned_mechanism(config, len(workload.train))  # before the model is built
         trial = Trial(config, device, workload)
         try:
             return trial.run(report, checkpoint)

@@ -22,61 +22,58 @@ The command line answers a mistake before anything heavy is imported: this packa
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from dptune.search.cli import main, parse_args
 from dptune.search.options import SearchOptions
 
 #: The public names of the heavier modules, loaded on first access.
-_LAZY: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "CellPlan",
-            "MAX_UNIT_CONFIGURATIONS",
-            "TRIAL_COUNT_FILE",
-            "base_trial_config",
-            "cell_spec",
-            "check_runner",
-            "format_plan",
-            "kept_trial_counts",
-            "plan_cells",
-            "record_pruned_grid",
-            "unit_size",
+_LAZY: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            (
+                "CellPlan",
+                "MAX_UNIT_CONFIGURATIONS",
+                "TRIAL_COUNT_FILE",
+                "base_trial_config",
+                "cell_spec",
+                "check_runner",
+                "format_plan",
+                "kept_trial_counts",
+                "plan_cells",
+                "record_pruned_grid",
+                "unit_size",
+            ),
+            "cells",
         ),
-        "cells",
-    ),
-    **dict.fromkeys(
-        (
-            "FAILED_STATUSES",
-            "RELEASE_COLUMNS",
-            "RUN_COUNT_COLUMNS",
-            "SUMMARY_HEADER",
-            "format_failed_cells",
-            "format_outcome",
-            "format_privacy",
-            "format_summary",
-            "release_choices",
-            "release_rows",
-            "search_rows",
-            "summary_table",
+        **dict.fromkeys(
+            (
+                "FAILED_STATUSES",
+                "RELEASE_COLUMNS",
+                "RUN_COUNT_COLUMNS",
+                "SUMMARY_HEADER",
+                "format_failed_cells",
+                "format_outcome",
+                "format_privacy",
+                "format_summary",
+                "release_choices",
+                "release_rows",
+                "search_rows",
+                "summary_table",
+            ),
+            "outcome",
         ),
-        "outcome",
-    ),
-    **dict.fromkeys(
-        (
-            "check_every_run_recorded",
-            "init_ray",
-            "plans_that_ran",
-            "run_cells",
-            "run_search",
-            "trial_slots",
-        ),
-        "driver",
-    ),
-    **dict.fromkeys(("build_report_at", "conclude", "report_location", "search_finished"), "finished"),
-}
+        **dict.fromkeys(("init_ray", "plans_that_ran", "run_search"), "driver"),
+        "check_every_run_recorded": "outcome",
+        "run_cells": "tune_run",
+        "trial_slots": "tuners",
+        **dict.fromkeys(("build_report_at", "conclude", "report_location", "search_finished"), "finished"),
+    }
+)
 
-__all__ = ["SearchOptions", "main", "parse_args", *_LAZY]
+__all__ = ("SearchOptions", "main", "parse_args", *_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""A search's cells and what each runs: feasible batch sizes (the min-step rule), σ per B, the
+"""A search's cells and what each runs: feasible batch sizes (the min-step rule), the mechanism per B
+(σ, q, T, calibrated once here, through :mod:`dptune.plan.mechanism`, and read by every run), the
 number of configurations (a secret random K under private selection), the sampler's plain-data
 space, the Tune unit size, the trial configuration every run of a cell shares and the runner
 that trains them. Ray-free.
@@ -10,25 +11,17 @@ import hashlib
 import itertools
 import json
 import math
-import os
-import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from dptune.contract import ClippingRule, TrialConfig, WorkloadSpec
+from dptune.contract import ClippingRule, Mechanism, TrialConfig, WorkloadSpec
 from dptune.errors import SearchError
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import sample_rate, total_steps
-from dptune.privacy import (
-    PrivacyParameterError,
-    calibrate_noise_multiplier,
-    draw_trial_count,
-    plan_private_selection,
-)
+from dptune.plan.mechanism import mechanisms, wrapped
+from dptune.privacy import PrivacyParameterError, draw_trial_count, plan_private_selection
 from dptune.privacy.checks import bound_text
 from dptune.search.execution import TrialContext, record_pruned
 from dptune.search.sampler import CellSpec
@@ -41,7 +34,8 @@ MAX_UNIT_CONFIGURATIONS = 256
 
 @dataclass(frozen=True)
 class CellPlan:
-    """What a cell will run under one clipping rule: the B values that pass the min-step rule and σ for each.
+    """What a cell will run under one clipping rule: the B values that pass the min-step rule and the
+    mechanism of each (σ calibrated once, for q = B/N and T = round(E·N/B) at the cell's ε and the δ).
 
     Two ids name it: ``cell.cell_id`` (``eps=1|epochs=5``) is the (ε, E) cell as the records name
     it, next to a ``clipping`` column; :attr:`cell_key` names the cell under its clipping rule for
@@ -53,9 +47,14 @@ class CellPlan:
     num_train: int
     feasible_batch_sizes: tuple[int, ...]
     pruned_batch_sizes: tuple[int, ...]
-    noise_multipliers: dict[int, float]  # σ per feasible B
+    mechanisms: dict[int, Mechanism]  # per feasible B: σ, q, T of its runs (a subsample tuning's release)
     configurations: int  # configurations the sampler will propose (each runs `replicates` times)
-    tuning: TuningPlan | None = None  # tuning on a private subsample: its runs' schedules and σ
+    tuning: TuningPlan | None = None  # tuning on a private subsample: its runs' schedules and mechanisms
+
+    @property
+    def noise_multipliers(self) -> dict[int, float]:
+        """σ per feasible B (of :attr:`mechanisms`)."""
+        return {b: m.noise_multiplier for b, m in self.mechanisms.items()}
 
     @property
     def cell_key(self) -> str:
@@ -82,7 +81,8 @@ def _feasible(
 
 
 def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
-    """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and σ per B.
+    """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and the mechanism per B
+    (:func:`dptune.plan.mechanism.mechanisms`, every σ of the search calibrated here, once).
 
     With ``privacy.private_selection`` the one cell's per-trial ε is the largest that meets the
     total budget by the private-selection bound (``privacy.plan_private_selection``).
@@ -95,48 +95,24 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
         return [_plan_private_cell(space, candidates, num_train)]
     variants: list[ClippingRule] = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
     cells = [(cell, *_feasible(space, candidates, num_train, cell.epochs, cell.cell_id)) for cell in space.cells()]
-    sigmas = _calibrate(
-        space, num_train, {(cell.epsilon, cell.epochs, b) for cell, feasible, _ in cells for b in feasible}, progress
+    found = mechanisms(
+        {(cell.epsilon, cell.epochs, b) for cell, feasible, _ in cells for b in feasible},
+        space.privacy.delta,
+        num_train,
+        progress,
     )
     plans = []
     for cell, feasible, pruned in cells:
-        cell_sigmas = {b: sigmas[cell.epsilon, cell.epochs, b] for b in feasible}
+        cell_mechanisms = {b: found[cell.epsilon, cell.epochs, b] for b in feasible}
         for clipping in variants:
-            plan = CellPlan(cell, clipping, num_train, feasible, pruned, cell_sigmas, 0)
+            plan = CellPlan(cell, clipping, num_train, feasible, pruned, cell_mechanisms, 0)
             plans.append(replace(plan, configurations=_trial_count(space, plan)))
     return plans
 
 
-def _calibrate(
-    space: SearchSpace, num_train: int, points: set[tuple[float, int, int]], progress: bool
-) -> dict[tuple[float, int, int], float]:
-    """σ of every (ε, epochs, B) point at the space's δ, q = B/N and T = round(E·N/B), in one thread per
-    core: the PRV accountant's numpy work releases the GIL, so on 2 cores the default space's 28 points
-    took 4.4–4.8 s instead of 8.6–8.7 s one after another (from an empty cache, hand-timed)."""
-    order = sorted(points)
-    with (
-        ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool,
-        tqdm(
-            total=len(order), desc="calibrating σ", unit="B", file=sys.stderr, disable=not progress, leave=False
-        ) as bar,
-    ):
-        futures = {
-            point: pool.submit(
-                calibrate_noise_multiplier,
-                point[0],
-                space.privacy.delta,
-                sample_rate(num_train, point[2]),
-                total_steps(num_train, point[2], point[1]),
-            )
-            for point in order
-        }
-        for _ in as_completed(futures.values()):
-            bar.update()
-        return {point: future.result() for point, future in futures.items()}
-
-
 def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int) -> CellPlan:
-    """The one cell of an end-to-end private search: per-trial ε and σ per B from the total budget."""
+    """The one cell of an end-to-end private search: per-trial ε and the mechanism per B from the total
+    budget (σ from :mod:`dptune.privacy`'s plan, wrapped: ``dptune.plan.mechanism.wrapped``)."""
     selection = space.privacy.private_selection
     assert selection is not None and space.sampler.trials_per_cell is not None
     epochs = space.epochs[0]
@@ -146,7 +122,7 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
     if selection.tuning_subsample is not None:
         tuning = plan_tuning(space, feasible, num_train, epochs)
         feasible, epsilon_per_trial = tuple(tuning.schedules), tuning.epsilon_per_run
-        sigmas = tuning.release_noise_multipliers
+        planned = tuning.release_mechanisms
     else:
         try:
             found = plan_private_selection(
@@ -160,14 +136,16 @@ def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int
             )
         except PrivacyParameterError as error:
             raise SearchError(f"privacy.private_selection: {error}") from None
-        epsilon_per_trial, sigmas = found.epsilon_per_trial, dict(zip(feasible, found.noise_multipliers, strict=True))
+        epsilon_per_trial = found.epsilon_per_trial
+        sigmas = dict(zip(feasible, found.noise_multipliers, strict=True))
+        planned = wrapped(sigmas, epsilon_per_trial, space.privacy.delta, num_train, epochs)
     plan = CellPlan(
         Cell(epsilon=epsilon_per_trial, epochs=epochs),
         space.training.clipping,
         num_train,
         feasible,
         pruned,
-        sigmas,
+        planned,
         0,
         tuning,
     )
@@ -254,8 +232,7 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
         lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}")
         lines.append("      B      T   σ        σ√T")
         for b in plan.feasible_batch_sizes:
-            steps = total_steps(plan.num_train, b, plan.cell.epochs)
-            sigma = plan.noise_multipliers[b]
+            steps, sigma = plan.mechanisms[b].steps, plan.mechanisms[b].noise_multiplier
             lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
         if plan.pruned_batch_sizes:
             lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
@@ -464,8 +441,9 @@ def cell_context(
 ) -> TrialContext:
     """What every run of cell ``plan`` shares (:class:`~dptune.search.execution.TrialContext`): its base
     configuration (on the secret tuning rows ``tuning_rows`` where it tunes on a subsample), ids, coupling,
-    coins, runner, N with σ per feasible B from the plan, a subsample tuning's public schedules, and the
-    search's lease token; its runs are recorded under ``runs``."""
+    coins, runner, N with the mechanism per feasible B from the plan (a subsample tuning's: its runs' on
+    their public schedules), a subsample tuning's public schedules, and the search's lease token; its runs
+    are recorded under ``runs``."""
     return TrialContext(
         base=on_tuning_rows(base_trial_config(space, plan, max_train_examples, max_eval_examples), tuning_rows),
         results_root=runs,
@@ -478,7 +456,7 @@ def cell_context(
         replicates=space.replicates,
         fused=fused,
         num_train=plan.num_train,
-        noise_multipliers=dict(plan.noise_multipliers if plan.tuning is None else plan.tuning.noise_multipliers),
+        mechanisms=dict(plan.mechanisms if plan.tuning is None else plan.tuning.mechanisms),
         schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
         lease_token=lease_token,
     )

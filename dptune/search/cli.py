@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +31,57 @@ from dptune.space import SpaceError, load_space, parse_override
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
+    """The command line's options: its flags parsed (:func:`_parser`), the space overrides they make
+    (:func:`_overrides`) and the names they give checked (:func:`_check_names`); a mistake exits with the
+    usage and one line."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    overrides = _overrides(parser, args)
+    _check_names(parser, args)
+    return SearchOptions(
+        space_path=Path(args.space),
+        storage=args.storage,
+        name=args.name,
+        address=args.address,
+        resume=args.resume,
+        dry_run=args.dry_run,
+        report=args.report,
+        overrides=overrides,
+        max_train_examples=args.max_train_examples,
+        max_eval_examples=args.max_eval_examples,
+        quarantine_corrupt=args.quarantine_corrupt,
+        charge_unreadable_ledger=args.charge_unreadable_ledger,
+        report_dir=args.report_dir,
+    )
+
+
+def _parser() -> ArgumentParser:
+    """The flags, in the order ``--help`` lists them."""
     parser = ArgumentParser(
         prog="python -m dptune.search",
         description="Joint DP hyperparameter search over clip bound C, batch size B and learning rate η₀ "
         "per (ε, epochs) cell, on Ray Tune.",
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
+    _add_where_flags(parser)
+    _add_run_flags(parser)
+    _add_override_flags(parser)
+    _add_recovery_flags(parser)
+    return parser
+
+
+def _add_where_flags(parser: ArgumentParser) -> None:
+    """What to search and where: the space file, the results, the search's name and the Ray cluster."""
     parser.add_argument(
         "--space", default="search_spaces/default.yaml", help="search-space YAML (default: %(default)s)"
     )
     parser.add_argument("--storage", default="results", help="results folder or URI (default: %(default)s)")
     parser.add_argument("--name", help="search name, a folder under --storage (default: the space's name)")
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+
+
+def _add_run_flags(parser: ArgumentParser) -> None:
+    """How the search runs: resumed, planned only, and its report."""
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
     parser.add_argument(
         "--dry-run", action="store_true", help="print the plan (cells, configurations, pruning, σ per B) and stop"
@@ -52,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         metavar="DIR",
         help="folder or URI for the HTML report (default: <storage>/<name>/report, beside the results)",
     )
+
+
+def _add_override_flags(parser: ArgumentParser) -> None:
+    """Changes to the space (``--set`` and its shortcuts) and caps on the data (quick runs and tests)."""
     parser.add_argument(
         "--set",
         action="append",
@@ -62,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
     parser.add_argument("--trials-per-cell", type=int, help="override sampler.trials_per_cell")
     parser.add_argument("--max-train-examples", type=int, help="cap the training set (quick runs and tests)")
     parser.add_argument("--max-eval-examples", type=int, help="cap the validation and test sets (quick runs and tests)")
+
+
+def _add_recovery_flags(parser: ArgumentParser) -> None:
+    """Resuming from damage: unreadable result parts and unreadable start files of the privacy ledger."""
     parser.add_argument(
         "--quarantine-corrupt",
         action="store_true",
@@ -74,8 +122,10 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         help="charge each unreadable start file of the privacy ledger conservatively (every run one start file "
         "can hold, at every mechanism the plan can start; a loose upper bound) instead of refusing to resume",
     )
-    args = parser.parse_args(argv)
 
+
+def _overrides(parser: ArgumentParser, args: Namespace) -> dict[str, Any]:
+    """The space overrides of ``--set`` and ``--trials-per-cell``, each value parsed; the data caps checked."""
     overrides: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -93,6 +143,11 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be ≥ 1 (got {value})")
+    return overrides
+
+
+def _check_names(parser: ArgumentParser, args: Namespace) -> None:
+    """``--name`` is one folder under ``--storage`` and ``--address`` a Ray address (its syntax only)."""
     try:
         if args.name is not None:
             check_name(args.name, "--name")
@@ -100,21 +155,6 @@ def parse_args(argv: list[str] | None = None) -> SearchOptions:
             preflight.check_address_syntax(args.address)
     except DptuneError as exc:
         parser.error(str(exc))
-    return SearchOptions(
-        space_path=Path(args.space),
-        storage=args.storage,
-        name=args.name,
-        address=args.address,
-        resume=args.resume,
-        dry_run=args.dry_run,
-        report=args.report,
-        overrides=overrides,
-        max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
-        quarantine_corrupt=args.quarantine_corrupt,
-        charge_unreadable_ledger=args.charge_unreadable_ledger,
-        report_dir=args.report_dir,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

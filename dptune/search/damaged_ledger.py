@@ -14,9 +14,6 @@ file from a backup instead, before passing the flag, keeps the tight ε.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from dptune.plan import run_schedule
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, RunStart, replace_unreadable_start, unreadable_starts
 from dptune.search.cells import CellPlan
 from dptune.search.execution import TrialContext
@@ -25,15 +22,13 @@ from dptune.search.subsample import release_context
 
 def conservative_starts(contexts: list[TrialContext], runs_per_start: dict[str, int], file_name: str) -> list[RunStart]:
     """The runs charged in place of the unreadable start file ``file_name``: for every context (its
-    ``cell_key`` keys ``runs_per_start``) and every B it has a σ for, ``runs_per_start`` runs at the
-    planned (σ_B, q_B, T_B), each at the cell's ε and δ, under trial ids no row records."""
+    ``cell_key`` keys ``runs_per_start``) and every B it has a mechanism for, ``runs_per_start`` runs at
+    the planned mechanism (σ_B, q_B, T_B at its ε and δ, as the plan calibrated it), under trial ids no
+    row records."""
     starts = []
     for context in contexts:
-        assert context.num_train is not None and context.noise_multipliers is not None
-        for batch_size, sigma in sorted(context.noise_multipliers.items()):
-            public = None if context.schedules is None else context.schedules.get(batch_size)
-            config = replace(context.base, batch_size=batch_size, schedule=public)
-            schedule = run_schedule(config, context.num_train)
+        assert context.num_train is not None and context.mechanisms is not None
+        for batch_size, mechanism in sorted(context.mechanisms.items()):
             for index in range(runs_per_start[context.cell_key]):
                 trial_id = f"{UNREADABLE_TRIAL_PREFIX}{file_name}:{context.cell_key}:B{batch_size}:{index}"
                 starts.append(
@@ -43,13 +38,13 @@ def conservative_starts(contexts: list[TrialContext], runs_per_start: dict[str, 
                         replicate=0,
                         search_id=context.search_id,
                         cell_id=context.cell_id,
-                        clipping=config.clipping,
+                        clipping=context.base.clipping,
                         params={"batch_size": float(batch_size)},
-                        noise_multiplier=float(sigma),
-                        sample_rate=schedule.sample_rate,
-                        steps=schedule.steps,
-                        delta=config.delta,
-                        epsilon=config.epsilon,
+                        noise_multiplier=float(mechanism.noise_multiplier),
+                        sample_rate=mechanism.sample_rate,
+                        steps=mechanism.steps,
+                        delta=mechanism.delta,
+                        epsilon=mechanism.epsilon,
                     )
                 )
     return starts

@@ -3,8 +3,10 @@
 A search hands a unit (a Ray Tune trial, or a test calling :func:`run_configurations` directly) a
 list of sampled configurations (C, B, η₀) of one cell. Each configuration runs ``replicates``
 times, every run with its own fresh coins; a run is a *trial* (one row in the ``trials`` table,
-id ``<configuration id>-r<replicate>``: ``records.replicate_trial_id``). Runs already recorded (a
-crash, a kill, a resume) are not run again: what finished is never lost and nothing runs twice.
+id ``<configuration id>-r<replicate>``: ``records.replicate_trial_id``), described once by a
+:class:`RunSpec` (:func:`run_spec`: its ids, its sampled parameters and its full config with the
+mechanism the cell's plan calibrated). Runs already recorded (a crash, a kill, a resume) are not run
+again: what finished is never lost and nothing runs twice.
 
 Two runners, one mechanism. ``fused`` (:mod:`dptune.runners.fused`) trains every pending run of the unit
 as one vectorised computation, each run keeping its own Poisson batches, noise, clipping and
@@ -13,14 +15,15 @@ report each epoch, which ASHA needs). Rows are written atomically as each fused 
 trial, ends. A run that fails records what it spent (steps taken, their ε) and the others go on.
 
 Privacy ledger (:mod:`dptune.records.ledger`): when the context knows N (``num_train``), every pending run
-is charged in the ledger (σ, q, planned steps) before the runner takes its first step, and its end
-entry is written before its rows; a run whose start entry cannot be written does not start.
+is charged in the ledger at its mechanism (σ, q, planned steps: the object the runner steps with, never
+recalibrated) before the runner takes its first step, and its end entry is written before its rows; a
+run whose start entry cannot be written does not start. A run a scheduler stopped is recorded and
+accounted here too (:func:`unfinished_result`), so the Ray layer does no accounting.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,10 +33,21 @@ from typing import Any
 
 import pandas as pd
 
-from dptune.contract import EpochMetrics, PublicSchedule, Reporter, TrialConfig, TrialResult
-from dptune.errors import TrialFailed
-from dptune.plan import coupled_learning_rate, run_schedule, sample_rate, total_steps
-from dptune.records import ResultsStore, read_table, replicate_trial_id, trial_rows
+from dptune.contract import (
+    EpochMetrics,
+    Mechanism,
+    PublicSchedule,
+    Reporter,
+    TrialConfig,
+    TrialResult,
+    TrialStatus,
+)
+from dptune.errors import TrialConfigError, TrialFailed
+from dptune.plan import coupled_learning_rate, sample_rate, total_steps
+from dptune.privacy import epsilon_spent
+from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.records.ids import configuration_id as configuration_id  # re-exported: the driver's modules import it here
+from dptune.records.ids import replicate_trial_id
 from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, record_starts
 from dptune.records.weights import write_weights
 from dptune.runners.checkpoint import RunCheckpoint
@@ -54,9 +68,10 @@ class TrialContext:
     cell under its clipping rule, file-name safe (``eps1-E5``, ``eps1-E5-auto_s``): it prefixes every
     configuration id (:func:`configuration_id`), so two clipping rules of one cell never share a run.
     ``reproducible_seed`` is the space's seed when it opts into reproducible coins, else ``None``.
-    ``num_train`` (N) and ``noise_multipliers`` (σ per feasible B, from the cell's plan) let every
-    run be charged in the privacy ledger before its first step; a search always gives N (without
-    it, as in unit tests that call the runners directly, no ledger is written). ``schedules`` (per
+    ``num_train`` (N) and ``mechanisms`` (per feasible B, the :class:`~dptune.contract.Mechanism` the
+    cell's plan calibrated: σ, q, T) let every run be charged in the privacy ledger before its first
+    step, at exactly the mechanism its runner steps with; a search always gives N (without it, as in
+    unit tests that call the runners directly, no ledger is written). ``schedules`` (per
     B): the public schedules of a cell that tunes on a secret subsample
     (``dptune.search.subsample.public_schedules``); each run then samples, steps, is charged and has
     its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)). ``checkpoints``: a folder inside the
@@ -78,28 +93,45 @@ class TrialContext:
     replicates: int = 1
     fused: bool = False
     num_train: int | None = None
-    noise_multipliers: Mapping[int, float] | None = None
+    mechanisms: Mapping[int, Mechanism] | None = None
     schedules: Mapping[int, PublicSchedule] | None = None
     checkpoints: str | None = None
     lease_token: str | None = None
 
 
-def configuration_id(cell_key: str, params: dict[str, Any]) -> str:
-    """A configuration's id: its cell and a digest of its sampled (C, B, η₀).
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, described once (:func:`run_spec`): replicate ``replicate`` (0-based) of the sampled
+    configuration ``params`` (C, B, η₀ as the sampler gave them), the ``index``-th configuration of its
+    unit, in cell ``cell_key``.
 
-    Content-based, so a configuration proposed again after a crash or a resume (Tune's own state
-    may lag the results by a few seconds) maps onto the same rows instead of new ones.
+    Its ids are computed here and nowhere else in a unit: ``configuration_id`` (:func:`configuration_id`)
+    and ``trial_id`` (``records.replicate_trial_id``), its rows', ledger entries' and checkpoint's name.
+    ``config`` is its full :class:`~dptune.contract.TrialConfig`: η coupled, its coins' seed, its public
+    schedule where it tunes on a subsample, and its ``mechanism`` (σ, q, T) as the cell's plan calibrated
+    it (None for a B the min-step rule pruned: such a configuration is recorded, never run or charged).
     """
-    canonical = {name: float(params[name]) for name in sorted(params)}
-    return f"{cell_key}-{hashlib.sha1(json.dumps(canonical).encode()).hexdigest()[:12]}"
+
+    cell_key: str
+    configuration_id: str
+    trial_id: str
+    params: dict[str, Any]
+    replicate: int
+    index: int
+    config: TrialConfig
 
 
-def trial_config(context: TrialContext, params: dict[str, Any], replicate: int = 0) -> TrialConfig:
-    """The full config of one run from the sampled (C, B, η₀), with √B coupling applied.
+def run_spec(context: TrialContext, params: dict[str, Any], replicate: int = 0, index: int = 0) -> RunSpec:
+    """The :class:`RunSpec` of replicate ``replicate`` of configuration ``params`` in cell ``context``.
 
-    Its coins: ``seed=None`` (fresh OS entropy in the run) unless the space is reproducible; then
-    a seed from the space's seed and the run's id, so that runs still never share coins.
+    Its config: the context's base with the sampled C, B and η₀, η = η₀·√(B/B_ref) under ``sqrt``
+    coupling (B: the expected batch of its public schedule where it has one), and the mechanism of its
+    B from the context (read, never calibrated). Its coins: ``seed=None`` (fresh OS entropy in the run)
+    unless the space is reproducible; then a seed from the space's seed and the run's trial id, so
+    that runs still never share coins.
     """
+    configuration = configuration_id(context.cell_key, params)
+    trial = replicate_trial_id(configuration, replicate)
     batch_size = int(params["batch_size"])
     base_lr = float(params["base_learning_rate"])
     schedule = None if context.schedules is None else context.schedules.get(batch_size)  # None: a pruned B
@@ -110,10 +142,9 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
     clip_bound = float(params.get("clip_bound", context.base.clip_bound))
     seed = None
     if context.reproducible_seed is not None:
-        trial = replicate_trial_id(configuration_id(context.cell_key, params), replicate)
         digest = hashlib.sha256(f"{context.reproducible_seed}:{trial}".encode()).digest()
         seed = int.from_bytes(digest[:8], "big") >> 11  # 53 bits: exact in the float64 a pandas null column uses
-    return replace(
+    config = replace(
         context.base,
         clip_bound=clip_bound,
         batch_size=batch_size,
@@ -121,7 +152,19 @@ def trial_config(context: TrialContext, params: dict[str, Any], replicate: int =
         learning_rate=lr,
         seed=seed,
         schedule=schedule,
+        mechanism=None if context.mechanisms is None else context.mechanisms.get(batch_size),  # None: a pruned B
     )
+    return RunSpec(context.cell_key, configuration, trial, params, replicate, index, config)
+
+
+def unit_runs(context: TrialContext, configurations: Sequence[dict[str, Any]]) -> list[RunSpec]:
+    """Every run of ``configurations`` in cell ``context``: R replicates each, in order (configuration,
+    replicate)."""
+    return [
+        run_spec(context, params, replicate, index)
+        for index, params in enumerate(configurations)
+        for replicate in range(context.replicates)
+    ]
 
 
 @cache
@@ -138,30 +181,13 @@ def package_versions() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class PendingRun:
-    """A run a unit has still to train: replicate ``replicate`` of configuration ``params`` (the
-    ``index``-th configuration of the unit), with its full ``config`` (:func:`trial_config`)."""
-
-    index: int
-    params: dict[str, Any]
-    replicate: int
-    config: TrialConfig
-
-    def trial_id(self, context: TrialContext) -> str:
-        """The run's trial id in cell ``context``."""
-        return replicate_trial_id(configuration_id(context.cell_key, self.params), self.replicate)
-
-
-@dataclass(frozen=True)
 class FinishedRun:
-    """A run that ended, to be recorded: replicate ``replicate`` of configuration ``params`` and its
-    ``result``. ``run_id`` is the id of its start entry in the privacy ledger (:func:`charge_runs`),
-    ``None`` where the writer does not know it (the driver recording a run ASHA stopped: its end
-    entry then names its trial, and closes that trial's open start) or it has none (a pruned
-    configuration, never charged)."""
+    """A run that ended, to be recorded: the run ``spec`` and its ``result``. ``run_id`` is the id of
+    its start entry in the privacy ledger (:func:`charge_runs`), ``None`` where the writer does not
+    know it (the driver recording a run ASHA stopped: its end entry then names its trial, and closes
+    that trial's open start) or it has none (a pruned configuration, never charged)."""
 
-    params: dict[str, Any]
-    replicate: int
+    spec: RunSpec
     result: TrialResult
     run_id: str | None = None
 
@@ -182,7 +208,7 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
             [
                 RunEnd(
                     run=run.run_id,
-                    trial_id=replicate_trial_id(configuration_id(context.cell_key, run.params), run.replicate),
+                    trial_id=run.spec.trial_id,
                     status=run.result.status,
                     steps_taken=int(run.result.steps_taken),
                     epsilon_spent=float(run.result.epsilon_spent),
@@ -192,8 +218,7 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
         )
     store = ResultsStore(context.results_root)
     for run in finished:
-        configuration = configuration_id(context.cell_key, run.params)
-        trial = replicate_trial_id(configuration, run.replicate)
+        trial = run.spec.trial_id
         if run.result.trained is not None:  # before its rows: a recorded ok run has its weights
             write_weights(context.results_root, trial, run.result.trained)
         rows = trial_rows(
@@ -201,8 +226,8 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
             search_id=context.search_id,
             trial_id=trial,
             cell_id=context.cell_id,
-            configuration_id=configuration,
-            replicate=run.replicate,
+            configuration_id=run.spec.configuration_id,
+            replicate=run.spec.replicate,
             reference_batch_size=context.reference_batch_size,
             versions=package_versions(),
             finished_at=pd.Timestamp.now(tz="UTC"),
@@ -210,16 +235,15 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
         store.write_trial(rows, trial)
 
 
-def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str | None]:
-    """Charge ``runs`` in the privacy ledger before any takes a step (σ from the cell's plan, or
-    calibrated as the runner does); their run ids, in order (None each when the context has no N,
-    so no ledger). A checkpointed run (``context.checkpoints``) whose start entry has no end yet
-    keeps that entry's run id: it continues the same run."""
+def charge_runs(context: TrialContext, runs: Sequence[RunSpec]) -> list[str | None]:
+    """Charge ``runs`` in the privacy ledger before any takes a step, each at exactly the mechanism it
+    will step with (``spec.config.mechanism``: σ, q, T, ε, δ as the cell's plan calibrated them; nothing
+    is calibrated here); their run ids, in order (None each when the context has no N, so no ledger).
+    A checkpointed run (``context.checkpoints``) whose start entry has no end yet keeps that entry's run
+    id: it continues the same run. Raises ``TrialConfigError`` for a run without a mechanism."""
     check_holder(context.results_root, context.lease_token)  # a worker whose search is gone starts nothing
     if context.num_train is None or not runs:
         return [None] * len(runs)
-    from dptune.privacy import calibrate_noise_multiplier
-
     continued: dict[str, str] = {}
     if context.checkpoints is not None:
         charged = charged_runs(context.results_root, context.search_id)
@@ -227,38 +251,39 @@ def charge_runs(context: TrialContext, runs: Sequence[PendingRun]) -> list[str |
         continued = dict(zip(unended["trial_id"], unended["run"], strict=True))
     starts = []
     for run in runs:
-        if run.trial_id(context) in continued:
+        if run.trial_id in continued:
             continue
-        config = run.config
-        schedule = run_schedule(config, context.num_train)
-        rate, steps = schedule.sample_rate, schedule.steps
-        sigma = (context.noise_multipliers or {}).get(config.batch_size)
-        if sigma is None:
-            sigma = calibrate_noise_multiplier(config.epsilon, config.delta, rate, steps)
-        configuration = configuration_id(context.cell_key, run.params)
+        mechanism = run.config.mechanism
+        if mechanism is None:
+            raise TrialConfigError(
+                f"run {run.trial_id} (B = {run.config.batch_size}) has no mechanism in its cell's plan: "
+                "nothing can charge it, so it does not start"
+            )
         starts.append(
             RunStart(
-                trial_id=run.trial_id(context),
-                configuration_id=configuration,
+                trial_id=run.trial_id,
+                configuration_id=run.configuration_id,
                 replicate=run.replicate,
                 search_id=context.search_id,
                 cell_id=context.cell_id,
-                clipping=config.clipping,
+                clipping=run.config.clipping,
                 params={name: float(value) for name, value in run.params.items()},
-                noise_multiplier=float(sigma),
-                sample_rate=rate,
-                steps=steps,
-                delta=config.delta,
-                epsilon=config.epsilon,
+                noise_multiplier=float(mechanism.noise_multiplier),
+                sample_rate=mechanism.sample_rate,
+                steps=mechanism.steps,
+                delta=mechanism.delta,
+                epsilon=mechanism.epsilon,
             )
         )
     charged_ids = iter(record_starts(context.results_root, starts))
-    return [continued.get(run.trial_id(context)) or next(charged_ids) for run in runs]
+    return [continued.get(run.trial_id) or next(charged_ids) for run in runs]
 
 
 def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int, min_steps: int) -> None:
-    """Record a configuration the min-step rule removed: one row, status ``pruned_min_steps``, no compute."""
-    config = trial_config(context, params)
+    """Record a configuration the min-step rule removed: one row, status ``pruned_min_steps``, no compute
+    (and no mechanism: its B has none in the plan)."""
+    spec = run_spec(context, params)
+    config = spec.config
     steps = total_steps(num_train, config.batch_size, config.epochs)
     result = TrialResult(
         config=config,
@@ -270,7 +295,38 @@ def record_pruned(context: TrialContext, params: dict[str, Any], num_train: int,
         num_train=num_train,
         epsilon_spent=0.0,
     )
-    write_result(context, FinishedRun(params, 0, result))
+    write_result(context, FinishedRun(spec, result))
+
+
+def unfinished_result(
+    context: TrialContext, spec: RunSpec, status: TrialStatus, reason: str, last: Mapping[str, Any], metric: str
+) -> TrialResult:
+    """The record of run ``spec`` stopped from outside (ASHA: status ``status``) before it recorded
+    itself: Tune's function trainables block in ``report()``, so it took the steps of its last report
+    (``last``: :class:`~dptune.contract.EpochMetrics` fields, its validation accuracy under ``metric``)
+    and no more. Its ε spent is accounted at its mechanism (σ, q, δ; T planned), the one it was charged at."""
+    mechanism = spec.config.mechanism
+    assert context.num_train is not None and mechanism is not None, "a search's run carries N and its mechanism"
+    epochs = [EpochMetrics(**{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
+    steps_taken = int(last.get("steps", 0))
+    spent = (
+        epsilon_spent(mechanism.noise_multiplier, mechanism.sample_rate, steps_taken, mechanism.delta)
+        if steps_taken
+        else 0.0
+    )
+    return TrialResult(
+        config=spec.config,
+        status=status,
+        reason=reason,
+        noise_multiplier=mechanism.noise_multiplier,
+        sample_rate=mechanism.sample_rate,
+        steps=mechanism.steps,
+        steps_taken=steps_taken,
+        epsilon_spent=spent,
+        num_train=context.num_train,
+        epochs=epochs,
+        val_accuracy=last.get(metric, float("nan")),
+    )
 
 
 def failed_result(
@@ -320,11 +376,11 @@ def run_checkpoint(context: TrialContext, trial_id: str) -> RunCheckpoint | None
     return None if context.checkpoints is None else RunCheckpoint(context.checkpoints, f"{trial_id}.pt")
 
 
-def _run_one(context: TrialContext, pending: PendingRun, report: Reporter | None, run_id: str | None) -> TrialResult:
+def _run_one(context: TrialContext, run: RunSpec, report: Reporter | None, run_id: str | None) -> TrialResult:
     """One ``run_trial`` call, recorded whatever happens (errors with the steps they spent)."""
-    config = pending.config
+    config = run.config
     try:
-        result = run_trial(config, report, run_checkpoint(context, pending.trial_id(context)))
+        result = run_trial(config, report, run_checkpoint(context, run.trial_id))
     except TrialFailed as failure:  # training had begun: record what it spent
         result = failed_result(
             config,
@@ -337,7 +393,7 @@ def _run_one(context: TrialContext, pending: PendingRun, report: Reporter | None
         )
     except Exception as error:  # raised before the first step: nothing spent
         result = failed_result(config, f"{type(error).__name__}: {error}")
-    write_result(context, FinishedRun(pending.params, pending.replicate, result, run_id), ledger=run_id is not None)
+    write_result(context, FinishedRun(run, result, run_id), ledger=run_id is not None)
     return result
 
 
@@ -354,13 +410,9 @@ def run_configurations(
     """
     store = ResultsStore(context.results_root)
     recorded = store.completed_trial_ids()
-    pending = [
-        PendingRun(index, params, replicate, trial_config(context, params, replicate))
-        for index, params in enumerate(configurations)
-        for replicate in range(context.replicates)
-        if replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded
-    ]
-    results: dict[tuple[int, int], TrialResult] = {}  # by (index, replicate)
+    runs = unit_runs(context, configurations)
+    pending = [run for run in runs if run.trial_id not in recorded]
+    results: dict[str, TrialResult] = {}  # by trial id
     run_ids = charge_runs(context, pending)
     if context.fused and pending:
         from dptune.runners.fused import FusedTrialsFailed, run_fused
@@ -368,45 +420,37 @@ def run_configurations(
         def record(positions: list[int], finished: list[TrialResult]) -> None:
             write_results(
                 context,
-                [
-                    FinishedRun(pending[p].params, pending[p].replicate, result, run_ids[p])
-                    for p, result in zip(positions, finished, strict=True)
-                ],
+                [FinishedRun(pending[p], result, run_ids[p]) for p, result in zip(positions, finished, strict=True)],
                 ledger=context.num_train is not None,
             )
             for position, result in zip(positions, finished, strict=True):
-                results[pending[position].index, pending[position].replicate] = result
+                results[pending[position].trial_id] = result
 
         try:
             run_fused([run.config for run in pending], on_done=record)
         except FusedTrialsFailed as failure:  # the failed group's runs record what they spent
-            unrecorded = [p for p, run in enumerate(pending) if (run.index, run.replicate) not in results]
+            unrecorded = [p for p, run in enumerate(pending) if run.trial_id not in results]
             record(unrecorded, [failure.results[p] for p in unrecorded])
     else:
         per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
         for run, run_id in zip(pending, run_ids, strict=True):
-            results[run.index, run.replicate] = _run_one(context, run, per_epoch, run_id)
-    return _outcome(context, configurations, results, len(pending))
+            results[run.trial_id] = _run_one(context, run, per_epoch, run_id)
+    return _outcome(context, runs, results, len(pending))
 
 
-def _outcome(
-    context: TrialContext,
-    configurations: Sequence[dict[str, Any]],
-    results: dict[tuple[int, int], TrialResult],
-    ran: int,
-) -> UnitOutcome:
-    """Mean selection value and joint status per configuration, from this call's results and the
-    records of runs that finished before it."""
+def _outcome(context: TrialContext, runs: Sequence[RunSpec], results: dict[str, TrialResult], ran: int) -> UnitOutcome:
+    """Mean selection value and joint status per configuration (``runs``: every run of the unit, in
+    order), from this call's results (by trial id) and the records of runs that finished before it."""
     rows = None
     scores, statuses, run_statuses = [], [], []
-    for index, params in enumerate(configurations):
+    for start in range(0, len(runs), context.replicates):
         values, states = [], []
-        for replicate in range(context.replicates):
-            result = results.get((index, replicate))
+        for run in runs[start : start + context.replicates]:
+            result = results.get(run.trial_id)
             if result is None:
                 if rows is None:
                     rows = read_table(context.results_root, "trials").set_index("trial_id")
-                row = rows.loc[replicate_trial_id(configuration_id(context.cell_key, params), replicate)]
+                row = rows.loc[run.trial_id]
                 status, val, noisy = str(row["status"]), float(row["val_accuracy"]), float(row["noisy_val_accuracy"])
             else:
                 status, val, noisy = result.status, result.val_accuracy, result.noisy_val_accuracy

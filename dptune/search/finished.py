@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from dptune.errors import SearchInterrupted, stop_named
 from dptune.paths import LocationError, probe_writable
-from dptune.records import read_table, runs_root
+from dptune.records import read_table
 from dptune.search import preflight
 from dptune.search.outcome import summary_text
 from dptune.search.tracking import log_search
@@ -109,15 +109,17 @@ def build_report_at(results_root: str, location: str) -> str:
     return f"{location}/index.html"
 
 
-def show_if_finished(options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str) -> bool:
+def show_if_finished(
+    options: SearchOptions, loaded: LoadedSpace, name: str, results_root: str, *, runs: str, private: bool
+) -> bool:
     """On ``--resume`` (not ``--dry-run``) of a finished search: say so, print its summary and rebuild its
     report where the report location takes a file (else say why not); return whether it was finished.
-    Reads only: the space must be the one the search ran (``preflight.check_same_space``), and an
-    unreadable part is refused as a search would refuse it (``preflight.check_results_folder``)."""
+    ``runs``: where its per-run records are (``records.runs_root``; ``private``: an end-to-end private
+    search's, inside its trust boundary). Reads only: the space must be the one the search ran
+    (``preflight.check_same_space``), and an unreadable part is refused as a search would refuse it
+    (``preflight.check_results_folder``)."""
     if not options.resume or options.dry_run:
         return False
-    private = loaded.space.privacy.private_selection is not None
-    runs = runs_root(results_root, private)
     for root in dict.fromkeys((results_root, runs)):
         preflight.check_results_folder(root, quarantine=False, move=False)
     search_id = preflight.folder_search_id(runs, loaded, name, resume=True, dry_run=True, unreadable=[])

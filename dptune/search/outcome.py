@@ -19,9 +19,10 @@ from dptune.errors import SearchIncomplete, SearchInterrupted
 from dptune.plan import sample_rate, total_steps
 from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.checks import bound_text
-from dptune.privacy.search import composition_cost, guarantee, select_release, test_withheld
+from dptune.privacy.search import CompositionCost, composition_cost, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, release_label, runs_root, withheld_reason
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
+from dptune.search.statement import guarantee, test_withheld
 from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.space import LoadedSpace, SearchSpace
 
@@ -67,89 +68,121 @@ def search_rows(
     (``DatasetInfo.official_test_split``), which the guarantee's text states.
     """
     space = loaded.space
-    delta = space.privacy.delta
     trials = trials[trials["search_id"] == search_id]
     charged = trials if charged is None else charged[charged["search_id"] == search_id]
-    selection = space.privacy.private_selection
-    whole = composition_cost(charged, delta) if selection is None else None
-    unrecorded = max(
-        0, len(charged[charged["steps_taken"].fillna(0) > 0]) - len(trials[trials["steps_taken"].fillna(0) > 0])
-    )
-    rows = []
-    for plan in plans:
-        row: dict[str, Any] = {
-            "search_id": search_id,
-            "name": space.name,
-            "cell_id": plan.cell.cell_id,
-            "clipping": plan.clipping,
-            "epsilon": plan.cell.epsilon,
-            "epochs": plan.cell.epochs,
-            "delta": delta,
-            "dataset": space.task.dataset_name,
-            "backbone": space.task.backbone,
-            "peft": space.task.peft,
-            "num_train": plan.num_train,
-            "configurations_pruned": len(plan.pruned_batch_sizes),
-            "epsilon_per_trial": plan.cell.epsilon,
-            "selection_bound_holds": selection is not None and not space.reproducible,
-            "reproducible": space.reproducible,
-            "spec_yaml": loaded.text,
-            "spec_hash": loaded.spec_hash,
-            "schema_version": SCHEMA_VERSION,
-            "dptune_version": __version__,
+    if space.privacy.private_selection is not None:
+        return [
+            {**_plan_columns(loaded, plan, search_id), **_selection_columns(space, plan, official_test_split)}
+            for plan in plans
+        ]
+    whole = composition_cost(charged, space.privacy.delta)
+    statement = guarantee(space, official_test_split, whole)
+    unrecorded = max(0, _took_steps(charged) - _took_steps(trials))
+    return [
+        {
+            **_plan_columns(loaded, plan, search_id),
+            **_composition_columns(space, plan, charged, whole, unrecorded, statement),
         }
-        if selection is None:
-            assert whole is not None
-            cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
-            cell = composition_cost(cell_runs, delta)
-            row.update(
-                {
-                    "trials_planned": plan.configurations * space.replicates,
-                    "trials_with_steps": cell.trials_with_steps,
-                    "epsilon_cell": cell.epsilon,
-                    "epsilon_composition": cell.epsilon_basic,
-                    "delta_composition": cell.delta_basic,
-                    "epsilon_search": whole.epsilon,
-                    "epsilon_search_basic": whole.epsilon_basic,
-                    "delta_search_basic": whole.delta_basic,
-                    "runs_charged": whole.trials_with_steps,
-                    "runs_unrecorded": unrecorded,
-                    "epsilon_selection": math.nan,
-                    "delta_selection": math.nan,
-                    "guarantee": guarantee(space, official_test_split, whole),
-                    "created_at": pd.Timestamp.now(tz="UTC"),
-                }
-            )
-        else:
-            candidates = [
-                TrialMechanism(
-                    plan.noise_multipliers[b],
-                    sample_rate(plan.num_train, b),
-                    total_steps(plan.num_train, b, plan.cell.epochs),
-                )
-                for b in plan.feasible_batch_sizes
-            ]
-            epsilon_selection = (
-                plan.tuning.epsilon_total  # tuning on a subsample: the plan's RDP total of tuning and release
-                if plan.tuning is not None
-                else selection_epsilon(
-                    candidates,
-                    space.sampler.trials_per_cell or 0,
-                    delta,
-                    shape=selection.trial_count_shape,
-                    score_noise_multiplier=selection.score_noise_multiplier,
-                )
-            )
-            row.update({name: None for name in RUN_COUNT_COLUMNS})
-            row.update(
-                {
-                    "epsilon_selection": epsilon_selection,
-                    "delta_selection": delta,
-                    "guarantee": guarantee(space, official_test_split, None, epsilon_selection),
-                }
-            )
-        rows.append(row)
-    return rows
+        for plan in plans
+    ]
+
+
+def _took_steps(runs: pd.DataFrame) -> int:
+    """How many of ``runs`` took a step."""
+    return len(runs[runs["steps_taken"].fillna(0) > 0])
+
+
+def _plan_columns(loaded: LoadedSpace, plan: CellPlan, search_id: str) -> dict[str, Any]:
+    """The ``search`` columns every search shape has: the cell run's plan, the space and the versions."""
+    space = loaded.space
+    return {
+        "search_id": search_id,
+        "name": space.name,
+        "cell_id": plan.cell.cell_id,
+        "clipping": plan.clipping,
+        "epsilon": plan.cell.epsilon,
+        "epochs": plan.cell.epochs,
+        "delta": space.privacy.delta,
+        "dataset": space.task.dataset_name,
+        "backbone": space.task.backbone,
+        "peft": space.task.peft,
+        "num_train": plan.num_train,
+        "configurations_pruned": len(plan.pruned_batch_sizes),
+        "epsilon_per_trial": plan.cell.epsilon,
+        "selection_bound_holds": space.privacy.private_selection is not None and not space.reproducible,
+        "reproducible": space.reproducible,
+        "spec_yaml": loaded.text,
+        "spec_hash": loaded.spec_hash,
+        "schema_version": SCHEMA_VERSION,
+        "dptune_version": __version__,
+    }
+
+
+def _composition_columns(
+    space: SearchSpace,
+    plan: CellPlan,
+    charged: pd.DataFrame,
+    whole: CompositionCost,
+    unrecorded: int,
+    statement: str,
+) -> dict[str, Any]:
+    """A per-cell search's cost columns: the composition of the cell run's ``charged`` runs, the
+    ``whole`` search's (every row alike), the runs charged but ``unrecorded``, and its ``statement``."""
+    cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
+    cell = composition_cost(cell_runs, space.privacy.delta)
+    return {
+        "trials_planned": plan.configurations * space.replicates,
+        "trials_with_steps": cell.trials_with_steps,
+        "epsilon_cell": cell.epsilon,
+        "epsilon_composition": cell.epsilon_basic,
+        "delta_composition": cell.delta_basic,
+        "epsilon_search": whole.epsilon,
+        "epsilon_search_basic": whole.epsilon_basic,
+        "delta_search_basic": whole.delta_basic,
+        "runs_charged": whole.trials_with_steps,
+        "runs_unrecorded": unrecorded,
+        "epsilon_selection": math.nan,
+        "delta_selection": math.nan,
+        "guarantee": statement,
+        "created_at": pd.Timestamp.now(tz="UTC"),
+    }
+
+
+def _selection_columns(space: SearchSpace, plan: CellPlan, official_test_split: bool) -> dict[str, Any]:
+    """An end-to-end private search's columns: the bound its plan meets and its statement, and none of
+    ``RUN_COUNT_COLUMNS`` (they would count its secret number of runs)."""
+    epsilon_selection = selection_bound(space, plan)
+    return {
+        **{name: None for name in RUN_COUNT_COLUMNS},
+        "epsilon_selection": epsilon_selection,
+        "delta_selection": space.privacy.delta,
+        "guarantee": guarantee(space, official_test_split, None, epsilon_selection),
+    }
+
+
+def selection_bound(space: SearchSpace, plan: CellPlan) -> float:
+    """The total ε that an end-to-end private cell run meets at the space's δ: tuning on a subsample, the
+    plan's RDP total of tuning and release; else Papernot & Steinke's bound over the cell's feasible
+    batch sizes (``privacy.selection_epsilon``)."""
+    selection = space.privacy.private_selection
+    assert selection is not None
+    if plan.tuning is not None:
+        return plan.tuning.epsilon_total
+    candidates = [
+        TrialMechanism(
+            plan.noise_multipliers[b],
+            sample_rate(plan.num_train, b),
+            total_steps(plan.num_train, b, plan.cell.epochs),
+        )
+        for b in plan.feasible_batch_sizes
+    ]
+    return selection_epsilon(
+        candidates,
+        space.sampler.trials_per_cell or 0,
+        space.privacy.delta,
+        shape=selection.trial_count_shape,
+        score_noise_multiplier=selection.score_noise_multiplier,
+    )
 
 
 def release_choices(
@@ -240,14 +273,15 @@ def _subsample_release(trials: pd.DataFrame, cell_id: str, fraction: float) -> p
     return chosen
 
 
-def summary_table(results_root: str) -> pd.DataFrame:
+def summary_table(results_root: str, *, trials: pd.DataFrame | None = None) -> pd.DataFrame:
     """Best configuration per cell (and clipping variant), by the report's rule
     (``analysis.best_configurations`` over ``analysis.finished_trials``): configurations ranked by
     mean validation accuracy over their replicates, with intervals and the set within noise of the
-    best; only runs that trained to the end are ranked."""
+    best; only runs that trained to the end are ranked. ``trials``: the ``trials`` table of
+    ``results_root`` when the caller has read it (:func:`_trials_of`)."""
     from dptune.analysis import best_configurations, finished_trials
 
-    trials = read_table(results_root, "trials")
+    trials = _trials_of(results_root, trials)
     best = best_configurations(finished_trials(trials), by=["cell_id", "clipping"])
     if best.empty:
         return best
@@ -311,11 +345,17 @@ def format_failed_cells(trials: pd.DataFrame) -> list[str]:
     return lines
 
 
-def format_outcome(results_root: str) -> str:
+def _trials_of(results_root: str, trials: pd.DataFrame | None) -> pd.DataFrame:
+    """``trials`` when given (the whole ``trials`` table of ``results_root``, as ``read_table`` reads it
+    once every run the caller waits for is recorded), else that table read now."""
+    return read_table(results_root, "trials") if trials is None else trials
+
+
+def format_outcome(results_root: str, *, trials: pd.DataFrame | None = None) -> str:
     """The search's printed summary: the best trial of each cell that has one, then a line for
-    each cell whose trials all failed, saying why."""
-    best = summary_table(results_root)
-    trials = read_table(results_root, "trials")
+    each cell whose trials all failed, saying why. ``trials``: as for :func:`summary_table`."""
+    trials = _trials_of(results_root, trials)
+    best = summary_table(results_root, trials=trials)
     failed = format_failed_cells(trials) if not trials.empty else []
     return "\n".join(([] if best.empty and failed else [format_summary(best)]) + failed)
 
@@ -342,31 +382,42 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
     if search.empty:
         return ""
     first = search.iloc[0]
-    if runs is not None:
-        lines = ["", "the release of this end-to-end private search (all that may leave the trust boundary):"]
-        if release.empty:
-            lines.append("none: no run finished")
-        else:
-            table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
-            table.insert(0, "release", [release_label(row) for _, row in release.iterrows()])
-            table["tuned on (q₁)"] = table["tuned on (q₁)"].where(release["tuning_fraction"].notna(), "all rows")
-            public = release["test_split_public"].fillna(True).astype(bool)
-            table["test acc"] = table["test acc"].where(public, "withheld")
-            lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-            lines += [
-                f"test accuracy of {release_label(row)} withheld: {withheld_reason(row)}"
-                for _, row in release[~public].iterrows()
-            ]
-            lines.append(
-                "the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
-                "not an estimate of the model's accuracy"
-            )
+    lines = _release_lines(release, runs) if runs is not None else _cost_lines(search, first)
+    lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
+    return "\n".join(lines)
+
+
+def _release_lines(release: pd.DataFrame, runs: str) -> list[str]:
+    """An end-to-end private search's privacy section: its release (a table, why a test accuracy is
+    withheld, what its noisy score is) and where its per-run records stay (``runs``)."""
+    lines = ["", "the release of this end-to-end private search (all that may leave the trust boundary):"]
+    if release.empty:
+        lines.append("none: no run finished")
+    else:
+        table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
+        table.insert(0, "release", [release_label(row) for _, row in release.iterrows()])
+        table["tuned on (q₁)"] = table["tuned on (q₁)"].where(release["tuning_fraction"].notna(), "all rows")
+        public = release["test_split_public"].astype(bool)
+        table["test acc"] = table["test acc"].where(public, "withheld")
+        lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        lines += [
+            f"test accuracy of {release_label(row)} withheld: {withheld_reason(row)}"
+            for _, row in release[~public].iterrows()
+        ]
         lines.append(
-            f"per-run records, inside the data owner's trust boundary (NOT covered; publishing them "
-            f"voids the guarantee): {runs}"
+            "the noisy validation score is the maximum over the runs' noisy scores: biased upward, "
+            "not an estimate of the model's accuracy"
         )
-        lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
-        return "\n".join(lines)
+    lines.append(
+        f"per-run records, inside the data owner's trust boundary (NOT covered; publishing them "
+        f"voids the guarantee): {runs}"
+    )
+    return lines
+
+
+def _cost_lines(search: pd.DataFrame, first: pd.Series) -> list[str]:
+    """A per-cell search's privacy section: the cost of each cell run, of the whole search (``first``:
+    its first ``search`` row; every row holds it) and the runs charged that left no record."""
     lines = ["", "privacy cost of the search (trials took steps on the same data; ε at the space's δ):"]
     table = search[
         ["cell_id", "clipping", "trials_with_steps", "epsilon_per_trial", "epsilon_cell", "epsilon_composition"]
@@ -395,27 +446,37 @@ def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None
             "again, or a run charged in place of an unreadable ledger entry: --charge-unreadable-ledger); the "
             "privacy ledger charges each its planned steps unless it reported fewer"
         )
-    lines.append("what (ε, δ) covers: " + str(first["guarantee"]))
-    return "\n".join(lines)
+    return lines
 
 
-def summary_text(results_root: str, *, private: bool) -> str:
+def summary_text(results_root: str, *, private: bool, trials: pd.DataFrame | None = None) -> str:
     """The summary of the finished search at ``results_root``: the best trial per cell and the search's
-    privacy cost, or for an end-to-end private search only its release."""
+    privacy cost, or for an end-to-end private search only its release (``trials`` is not read: its
+    runs are inside the trust boundary). ``trials``: as for :func:`summary_table`."""
     privacy = format_privacy(
         read_table(results_root, "search"),
         read_table(results_root, "release"),
         runs=runs_root(results_root, True) if private else None,
     )
-    return "\n".join([privacy] if private else [SUMMARY_HEADER, format_outcome(results_root), privacy])
+    if private:
+        return privacy
+    return "\n".join([SUMMARY_HEADER, format_outcome(results_root, trials=trials), privacy])
 
 
 def stopped_by_signal(
-    signals: list[str], runs: str, search_id: str, space: SearchSpace, plans: list[CellPlan], private: bool
+    signals: list[str],
+    runs: str,
+    search_id: str,
+    space: SearchSpace,
+    plans: list[CellPlan],
+    private: bool,
+    *,
+    trials: pd.DataFrame | None = None,
 ) -> None:
     """Raise :class:`SearchInterrupted` when stop ``signals`` (their names) ended the Tune run: one line
     saying how many runs are recorded (a private search's count stays inside its boundary: it would
-    reveal how far the secret number of runs got) and that ``--resume`` runs the rest."""
+    reveal how far the secret number of runs got) and that ``--resume`` runs the rest. ``trials``: the
+    ``trials`` table of ``runs`` when the caller has read it after the Tune run (:func:`_trials_of`)."""
     if not signals:
         return
     name = signals[0]
@@ -423,7 +484,7 @@ def stopped_by_signal(
     if private:
         done = "nothing is released"
     else:
-        trials = read_table(runs, "trials")
+        trials = _trials_of(runs, trials)
         trained = (trials["search_id"] == search_id) & (trials["status"] != "pruned_min_steps")  # as planned counts
         recorded = int(trained.sum()) if len(trials) else 0
         planned = sum(plan.configurations for plan in plans) * space.replicates
@@ -446,7 +507,13 @@ class FailedUnits:
 
 
 def check_every_run_recorded(
-    runs: str, search_id: str, max_retries: int, private: bool, failed_units: Mapping[str, FailedUnits] | None = None
+    runs: str,
+    search_id: str,
+    max_retries: int,
+    private: bool,
+    failed_units: Mapping[str, FailedUnits] | None = None,
+    *,
+    trials: pd.DataFrame | None = None,
 ) -> None:
     """Raise ``SearchIncomplete`` unless every run the search planned has its row: each run the privacy ledger
     charged (a process lost ``max_retries`` + 1 times, a write that failed) and each run of a unit that
@@ -454,14 +521,16 @@ def check_every_run_recorded(
     entry). ``--resume`` runs them again. The message names the cells and, for a search that is not
     end-to-end private, counts the runs (a private one's count would reveal K). A subsample tuning's release
     is not among them: it trains after this check, and a resume continues it from its checkpoint; nor are
-    the stand-ins of unreadable start files (:mod:`dptune.search.damaged_ledger`)."""
+    the stand-ins of unreadable start files (:mod:`dptune.search.damaged_ledger`). ``trials``: the
+    ``trials`` table of ``runs`` when the caller has read it after the Tune run (:func:`_trials_of`)."""
     charged = charged_runs(runs, search_id)
     stand_in = charged["trial_id"].astype(str).str.startswith(UNREADABLE_TRIAL_PREFIX)  # no row records them
     tuned = charged[~charged["cell_id"].astype(str).str.endswith(RELEASE_SUFFIX) & ~stand_in]
     planned = set(tuned["trial_id"])
     for failed in (failed_units or {}).values():
         planned |= set(failed.trial_ids)
-    missing = planned - ResultsStore(runs).completed_trial_ids()
+    recorded = ResultsStore(runs).completed_trial_ids() if trials is None else set(trials["trial_id"])
+    missing = planned - recorded
     if not missing:
         return
     cells = sorted({key for key in (failed_units or {})} | {trial.rsplit("-", 2)[0] for trial in missing})

@@ -26,11 +26,12 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from dptune.paths import read_file, write_file_atomic
-from dptune.records import ResultsStore, owner_only, replicate_trial_id
-from dptune.search.execution import TrialContext, configuration_id, run_checkpoint, run_configurations
+from dptune.records import ResultsStore, owner_only
+from dptune.search.execution import TrialContext, run_checkpoint, run_configurations, run_spec, unit_runs
 
 #: The file inside a private search's trust boundary that keeps every cell's proposals.
 PROPOSALS_FILE = "proposals.json"
@@ -39,7 +40,7 @@ PROPOSAL_KEY = "proposal"
 #: Keys of a private unit's Tune config: its cell's ``cell_key``, its index and the cell's unit count.
 CELL_KEY, UNIT_KEY, UNITS_KEY = "cell", "unit", "units"
 #: The one report of a private unit, the same whatever its runs did (Tune needs a metric).
-UNIT_DONE: dict[str, float | bool] = {"val_accuracy": 0.0, "done_recording": True}
+UNIT_DONE: Mapping[str, float | bool] = MappingProxyType({"val_accuracy": 0.0, "done_recording": True})
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def run_release(context: TrialContext, params: dict[str, Any]) -> None:
     :func:`hidden_work`."""
     with hidden_work(context):
         run_configurations(context, [params])
-        checkpoint = run_checkpoint(context, replicate_trial_id(configuration_id(context.cell_key, params), 0))
+        checkpoint = run_checkpoint(context, run_spec(context, params).trial_id)
         assert checkpoint is not None, "a release context keeps checkpoints"
         checkpoint.remove()
 
@@ -136,8 +137,4 @@ def unrecorded_runs(context: TrialContext, proposals: Sequence[dict[str, Any]]) 
     """How many (proposal, replicate) runs of ``proposals`` have no record yet (inside the boundary;
     the driver only tests it against zero, so the count is never shown)."""
     recorded = ResultsStore(context.results_root).completed_trial_ids()
-    return sum(
-        replicate_trial_id(configuration_id(context.cell_key, params), replicate) not in recorded
-        for params in proposals
-        for replicate in range(context.replicates)
-    )
+    return sum(run.trial_id not in recorded for run in unit_runs(context, proposals))

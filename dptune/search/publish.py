@@ -74,16 +74,23 @@ def publish_models(
     runs: str,
     search_rows: list[dict[str, Any]],
     releases: list[tuple[dict[str, Any], pd.Series]],
+    *,
+    trials: pd.DataFrame | None = None,
 ) -> list[str]:
     """Publish a finished search's models under ``<results>/models/`` and say where: ``releases`` (the
     ``release`` rows with the runs they release) for an end-to-end private search, each model named by
     its release's own total (ε, δ) (``records.release_label``), else the best model of each cell and
-    clipping rule. Returns the models' folders."""
+    clipping rule. Returns the models' folders. ``trials``: the ``trials`` table of ``runs`` when the
+    caller has read it (:func:`publish_search_models`)."""
     folders = (
         publish_release_models(results_root, runs, releases)
         if space.privacy.private_selection is not None
         else publish_search_models(
-            results_root, runs, search_rows, adaptive=space.sampler.name == "tpe" or space.scheduler is not None
+            results_root,
+            runs,
+            search_rows,
+            adaptive=space.sampler.name == "tpe" or space.scheduler is not None,
+            trials=trials,
         )
     )
     if folders:
@@ -94,16 +101,22 @@ def publish_models(
 
 
 def publish_search_models(
-    results_root: str, runs: str, search_rows: list[dict[str, Any]], *, adaptive: bool
+    results_root: str,
+    runs: str,
+    search_rows: list[dict[str, Any]],
+    *,
+    adaptive: bool,
+    trials: pd.DataFrame | None = None,
 ) -> list[str]:
     """Publish the best model of each cell and clipping rule of a search without private selection;
     ``adaptive``: TPE proposed or ASHA stopped runs on exact validation accuracies. Returns the
     models' folders. A cell whose best run left no weights (results from before weights were kept)
-    is skipped."""
+    is skipped. ``trials``: the ``trials`` table of ``runs`` (every search's rows) when the caller has
+    read it once every run was recorded; None: read here."""
     from dptune.analysis import best_configurations, finished_trials
 
     search_id = search_rows[0]["search_id"]
-    trials = read_table(runs, "trials")
+    trials = read_table(runs, "trials") if trials is None else trials
     trials = trials[trials["search_id"] == search_id]
     best = best_configurations(finished_trials(trials), by=["cell_id", "clipping"])
     guarantees = {(row["cell_id"], row["clipping"]): row for row in search_rows}

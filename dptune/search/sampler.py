@@ -17,8 +17,7 @@ told or pruned before): every configuration is asked once, across any number of 
 from __future__ import annotations
 
 import itertools
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -29,6 +28,7 @@ from optuna.trial import TrialState
 
 from dptune.contract import SamplerName
 from dptune.errors import DptuneError
+from dptune.records.ids import params_key as params_key  # re-exported: search.reconcile imports it here
 
 #: Proposals in a row that may all be pruned before the sampler gives up (a space whose feasible
 #: batch sizes the sampler never proposes).
@@ -77,11 +77,6 @@ class CellSpec:
         """The grid of a ``grid`` sampler (every hyperparameter categorical)."""
         listed = {name: list(spec["values"]) for name, spec in self.ranges.items()}
         return {"batch_size": list(self.batch_sizes), **listed}
-
-
-def params_key(params: Mapping[str, Any]) -> str:
-    """A configuration's identity for a sampler: its values as floats, by name (B = 64 and 64.0 are one)."""
-    return json.dumps({name: float(value) for name, value in sorted(params.items())})
 
 
 #: How a told configuration ended, as stored in the sampler's state.

@@ -36,12 +36,6 @@ CELL_KEY = "cell"
 CONFIGURATIONS_KEY = "configurations"
 #: Key of a unit's last report: per configuration, the mean selection value over its replicates.
 SCORES_KEY = "scores"
-#: This driver's context of each cell (its results folder, its lease token), set by
-#: :func:`dptune.search.driver.run_cells` before Tune builds or restores its run. A restored Tuner
-#: unpickles its searcher and callbacks from the experiment state the search's first driver wrote
-#: (another process, another lease, perhaps another folder: a copy); they take their contexts from
-#: here, never from that pickle, so a resume writes only to its own folder under its own lease.
-DRIVER_CONTEXTS: dict[str, TrialContext] = {}
 
 
 @dataclass(frozen=True)
@@ -74,6 +68,11 @@ class CellMultiplexer(Searcher):
     missed (:mod:`dptune.search.reconcile`): recorded configurations are told and counted, charged ones
     without their rows are handed out again, as they were charged, before anything new is asked. So a
     cell asks at most its budget across any number of kills and resumes, and no charged run is dropped.
+
+    It pickles without its contexts. A restored Tuner unpickles its searcher from the experiment state the
+    search's first driver wrote (another process, another lease, perhaps another folder: a copy); the
+    driver gives it its own contexts (:meth:`bind`, ``tuners.restore_tuner``), never those of that pickle,
+    so a resume writes only to its own folder under its own lease.
     """
 
     def __init__(
@@ -90,7 +89,7 @@ class CellMultiplexer(Searcher):
         self.samplers = samplers
         self.budgets = dict(budgets)
         self.unit_sizes = dict(unit_sizes)
-        self._contexts: dict[str, TrialContext] | None = contexts  # None once unpickled: DRIVER_CONTEXTS
+        self._contexts: Mapping[str, TrialContext] | None = contexts  # None once unpickled, until bound
         self.num_train = num_train
         self.min_steps = min_steps
         self.suggested = dict.fromkeys(samplers, 0)
@@ -100,10 +99,14 @@ class CellMultiplexer(Searcher):
 
     @property
     def contexts(self) -> dict[str, TrialContext]:
-        """Each cell's context: the one given, or once unpickled (a restored Tuner's) this driver's."""
-        if self._contexts is not None:
-            return self._contexts
-        return {cell_key: DRIVER_CONTEXTS[cell_key] for cell_key in self.unit_sizes}
+        """Each cell's context: the one given, or once unpickled (a restored Tuner's) the one :meth:`bind` gave."""
+        if self._contexts is None:
+            raise RuntimeError("a restored Tuner's searcher was not bound to this driver (tuners.restore_tuner)")
+        return {cell_key: self._contexts[cell_key] for cell_key in self.unit_sizes}
+
+    def bind(self, contexts: Mapping[str, TrialContext]) -> None:
+        """Give a restored (unpickled) searcher this driver's context of each cell."""
+        self._contexts = contexts
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any) -> bool:
         return True

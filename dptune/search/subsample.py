@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dptune.contract import PublicSchedule, TrialConfig
+from dptune.contract import Mechanism, PublicSchedule, TrialConfig
 from dptune.errors import SearchError
 from dptune.paths import read_file, write_file_atomic
 from dptune.plan import epoch_steps, sample_rate, total_steps
+from dptune.plan.mechanism import mechanism_of, wrapped
 from dptune.privacy import PrivacyParameterError
 from dptune.privacy.subsampled_tuning import plan_subsampled_tuning
 from dptune.runners.checkpoint import CHECKPOINTS
@@ -71,22 +72,35 @@ def tuning_schedule(num_train: int, batch_size: int, epochs: int, fraction: floa
 class TuningPlan:
     """What tuning on a subsample runs, and what the whole costs.
 
-    ``schedules[B]`` is a tuning run's (q, T) and ``noise_multipliers[B]`` its σ, for each tunable B;
-    every tuning run and the release are calibrated to ``epsilon_per_run`` at δ. ``epsilon_tuning``
-    (the amplified tuning alone) and ``epsilon_release`` (the release's training alone) are at δ;
-    their RDP composition ``epsilon_total`` ≤ the space's ``private_selection.epsilon``.
+    ``schedules[B]`` is a tuning run's (q, T) and ``mechanisms[B]`` its mechanism (σ on its public
+    schedule, :func:`public_schedules`), ``release_mechanisms[B]`` the release's (σ on the full data's
+    q = B/N, T = round(E·N/B)), for each tunable B; every tuning run and the release are calibrated to
+    ``epsilon_per_run`` at δ (by ``privacy.plan_subsampled_tuning``, wrapped here, never calibrated
+    again). ``epsilon_tuning`` (the amplified tuning alone) and ``epsilon_release`` (the release's
+    training alone) are at δ; their RDP composition ``epsilon_total`` ≤ the space's
+    ``private_selection.epsilon``.
     """
 
     fraction: float
     transfer: str
     epsilon_per_run: float
     schedules: dict[int, tuple[float, int]]
-    noise_multipliers: dict[int, float]
-    release_noise_multipliers: dict[int, float]
+    mechanisms: dict[int, Mechanism]
+    release_mechanisms: dict[int, Mechanism]
     epsilon_tuning: float
     epsilon_release: float
     epsilon_total: float
     untunable: tuple[int, ...] = ()  # B the min-step rule keeps but no tuning run can stand for
+
+    @property
+    def noise_multipliers(self) -> dict[int, float]:
+        """σ of each tunable B's tuning runs."""
+        return {b: m.noise_multiplier for b, m in self.mechanisms.items()}
+
+    @property
+    def release_noise_multipliers(self) -> dict[int, float]:
+        """σ of the release of each tunable B."""
+        return {b: m.noise_multiplier for b, m in self.release_mechanisms.items()}
 
 
 def tunable_batch_sizes(space: SearchSpace, feasible: tuple[int, ...], num_train: int) -> tuple[int, ...]:
@@ -128,13 +142,20 @@ def plan_tuning(space: SearchSpace, feasible: tuple[int, ...], num_train: int, e
         )
     except PrivacyParameterError as error:
         raise SearchError(f"privacy.private_selection.tuning_subsample: {error}") from None
+    delta, per_run = space.privacy.delta, found.epsilon_per_run
+    public = tuning_schedules(schedules, subsample.fraction, subsample.transfer, num_train, epochs)
     return TuningPlan(
         fraction=subsample.fraction,
         transfer=subsample.transfer,
-        epsilon_per_run=found.epsilon_per_run,
+        epsilon_per_run=per_run,
         schedules=schedules,
-        noise_multipliers=dict(zip(batch_sizes, found.tuning_noise_multipliers, strict=True)),
-        release_noise_multipliers=dict(zip(batch_sizes, found.release_noise_multipliers, strict=True)),
+        mechanisms={
+            b: mechanism_of(public[b], sigma, per_run, delta)
+            for b, sigma in zip(batch_sizes, found.tuning_noise_multipliers, strict=True)
+        },
+        release_mechanisms=wrapped(
+            dict(zip(batch_sizes, found.release_noise_multipliers, strict=True)), per_run, delta, num_train, epochs
+        ),
         epsilon_tuning=found.cost.epsilon_tuning,
         epsilon_release=found.cost.epsilon_release,
         epsilon_total=found.cost.epsilon,
@@ -153,10 +174,17 @@ def public_schedules(plan: TuningPlan, num_train: int, epochs: int) -> dict[int,
     """Per tunable B, the :class:`~dptune.contract.PublicSchedule` of its tuning runs: the plan's (q, T),
     cut into ``epochs`` epochs (``sample_rate``: the release's own split ``epoch_steps(N, B, E)``;
     ``batch_size``: epoch e ends at step round(e·T/E)), with the expected batch q·q₁·N."""
-    nominal = plan.fraction * num_train
+    return tuning_schedules(plan.schedules, plan.fraction, plan.transfer, num_train, epochs)
+
+
+def tuning_schedules(
+    runs: dict[int, tuple[float, int]], fraction: float, transfer: str, num_train: int, epochs: int
+) -> dict[int, PublicSchedule]:
+    """:func:`public_schedules` of the tuning runs' (q, T) per B, ``runs``, at q₁ = ``fraction``."""
+    nominal = fraction * num_train
     schedules = {}
-    for batch_size, (rate, steps) in plan.schedules.items():
-        if plan.transfer == "sample_rate":
+    for batch_size, (rate, steps) in runs.items():
+        if transfer == "sample_rate":
             split = tuple(epoch_steps(num_train, batch_size, epochs))
         else:
             ends = [round(Fraction(e * steps, epochs)) for e in range(epochs + 1)]
@@ -231,7 +259,7 @@ def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
         cell_key=tuning.cell_key + "-release",
         replicates=1,
         fused=False,
-        noise_multipliers=dict(plan.release_noise_multipliers),
+        mechanisms=dict(plan.release_mechanisms),
         schedules=None,
         checkpoints=f"{tuning.results_root.rstrip('/')}/{CHECKPOINTS}",
     )

@@ -262,8 +262,8 @@ class _SearchLogger:
         self.doing = "logging the search run"
         parent = self.runs.get("search")  # an unfinished one is kept: it holds the runs logged before
         parent_id = self._create("search", {}) if parent is None else parent.info.run_id
-        trials = read_table(self.results_root, "trials")
-        trials = trials[trials["search_id"] == self.search_id]
+        every_trial = read_table(self.results_root, "trials")  # read once: the summary shows every search's
+        trials = every_trial[every_trial["search_id"] == self.search_id]
         epochs = read_table(self.results_root, "epochs")
         curves = {trial: frame for trial, frame in epochs[epochs["search_id"] == self.search_id].groupby("trial_id")}
         by_trial = {card["model"]["trial_id"]: (folder, card) for folder, card in cards.items()}
@@ -279,7 +279,9 @@ class _SearchLogger:
             metrics = [_metric(name, row[name], now) for name in SEARCH_METRICS if not _missing(row[name])]
             self._values(parent_id, {name: row[name] for name in ("name", "dataset", "backbone", "peft")}, metrics)
             with tempfile.TemporaryDirectory(prefix="dptune-mlflow-") as folder:
-                Path(folder, "summary.txt").write_text(summary_text(self.results_root, private=False) + "\n")
+                Path(folder, "summary.txt").write_text(
+                    summary_text(self.results_root, private=False, trials=every_trial) + "\n"
+                )
                 Path(folder, "space.yaml").write_text(str(row["spec_yaml"]))
                 self.client.log_artifacts(parent_id, folder)
             self._log_report(parent_id)

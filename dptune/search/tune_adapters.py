@@ -10,7 +10,8 @@ applies, R replicates each). A cell here is a cell under one clipping rule, name
 :class:`~dptune.search.sampler.CellSampler`.
 
 Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``); the
-callbacks pickle without their contexts, which a restored Tuner takes from ``DRIVER_CONTEXTS``.
+callbacks pickle without their contexts and their :class:`TuneRunState`, which the driver binds anew
+on a restored Tuner's (:func:`dptune.search.tuners.restore_tuner`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import signal
 import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,37 +32,56 @@ from ray import tune
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from dptune.contract import EpochMetrics, TrialResult, TrialStatus
+from dptune._thirdparty import interrupt_tune_run
+from dptune.contract import EpochMetrics, TrialStatus
 from dptune.errors import DptuneError, storage_error
 from dptune.paths import write_file_atomic
-from dptune.plan import sample_rate, total_steps
-from dptune.privacy import epsilon_spent
-from dptune.records import ResultsStore, replicate_trial_id
+from dptune.records import ResultsStore
 from dptune.search.execution import (
     FinishedRun,
     TrialContext,
-    configuration_id,
     run_configurations,
-    trial_config,
+    unfinished_result,
+    unit_runs,
     write_result,
 )
 from dptune.search.private_units import UNIT_DONE, PrivateUnit, run_private_unit
-from dptune.search.searcher import DRIVER_CONTEXTS, METRIC, SCORES_KEY, Unit
+from dptune.search.searcher import METRIC, SCORES_KEY, Unit
 
 #: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
 RUN_STATUSES_KEY = "run_statuses"
 #: Key of the report of a unit that could not write to the results folder (a full or read-only disk):
-#: the error, in one line. The driver then ends the search (:func:`stop_search`).
+#: the error, in one line. The driver then ends the search (:meth:`TuneRunState.stop_search`).
 STORAGE_ERROR_KEY = "storage_error"
 
-#: What went wrong in this driver process that must end the search: one line each (a results write
-#: that failed in a callback, or a unit's ``STORAGE_ERROR_KEY``). Read by the driver
-#: (:func:`dptune.search.driver.run_cells`) after Tune returns; module-level because a resumed
-#: Tuner unpickles its own callback objects.
-DRIVER_FAILURES: list[str] = []
-#: The stop signals (``SIGINT``: Ctrl+C; ``SIGTERM``: ``ray job stop``, ``kill``) this driver received
-#: while its Tune run ran (:func:`stop_on_signals`): the search then ends unfinished.
-STOP_SIGNALS: list[str] = []
+
+@dataclass
+class TuneRunState:
+    """What ended one Tune run early, owned by the driver (:func:`dptune.search.tune_run.run_cells` makes one
+    per run and reads it after Tune returns) and given to the driver's callbacks and signal handler.
+
+    ``failures``: what went wrong in this driver process that must end the search, one line each (a
+    results write that failed in a callback, or a unit's ``STORAGE_ERROR_KEY``). ``signals``: the stop
+    signals (``SIGINT``: Ctrl+C; ``SIGTERM``: ``ray job stop``, ``kill``) received while the run ran
+    (:func:`stop_on_signals`): the search then ends unfinished. Both empty: it ran to its end."""
+
+    failures: list[str] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the run is being ended early (a failure, or a stop signal)."""
+        return bool(self.failures or self.signals)
+
+    def stop_search(self, reason: str) -> None:
+        """End the Tune run as Ctrl+C would (from the driver, e.g. a callback): Tune stops its loop and
+        saves its state with the running units still unfinished, so ``--resume`` runs them again.
+        ``reason`` goes to ``failures``; Tune's own logging is silenced from here on (its last state
+        save may fail on the same full disk, which is no news to the user)."""
+        first = not self.failures
+        self.failures.append(reason)
+        if first:
+            _end_tune_run()
 
 
 @dataclass(frozen=True)
@@ -147,14 +167,32 @@ def private_unit_trainable(params: dict[str, Any], contexts: dict[str, TrialCont
 
 
 class StopOnStorageFailure(Callback):
-    """Driver-side: ends the search (:func:`stop_search`) when a unit reports that it could not write
-    its records (``STORAGE_ERROR_KEY``: a full or read-only results folder)."""
+    """Driver-side: ends the search (:meth:`TuneRunState.stop_search` of ``state``, the driver's) when a
+    unit reports that it could not write its records (``STORAGE_ERROR_KEY``: a full or read-only results
+    folder). It pickles without ``state``; a restored Tuner's is given this driver's (:meth:`bind`)."""
+
+    def __init__(self, state: TuneRunState) -> None:
+        self._state: TuneRunState | None = state
+
+    @property
+    def state(self) -> TuneRunState:
+        """This driver's run state: the one given, or once unpickled the one :meth:`bind` gave."""
+        if self._state is None:
+            raise RuntimeError("a restored Tuner's callback was not bound to this driver (tuners.restore_tuner)")
+        return self._state
+
+    def bind(self, contexts: Mapping[str, TrialContext], state: TuneRunState) -> None:
+        """Give a restored (unpickled) callback this driver's run state (``contexts``: each cell's, unused here)."""
+        self._state = state
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_state": None}
 
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
         if result.get(STORAGE_ERROR_KEY):
-            stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
+            self.state.stop_search(f"a trial process could not write its records: {result[STORAGE_ERROR_KEY]}")
 
 
 class UnitFailureNotice(Callback):
@@ -209,45 +247,32 @@ class PerCellASHA(FIFOScheduler):
         self._of(trial).on_trial_remove(tune_controller, trial)
 
 
-def stop_search(reason: str) -> None:
-    """End the Tune run as Ctrl+C would (from the driver, e.g. a callback): Tune stops its loop and
-    saves its state with the running units still unfinished, so ``--resume`` runs them again.
-    ``reason`` goes to ``DRIVER_FAILURES``; Tune's own logging is silenced from here on (its last
-    state save may fail on the same full disk, which is no news to the user)."""
-    first = not DRIVER_FAILURES
-    DRIVER_FAILURES.append(reason)
-    if first:
-        _end_tune_run()
-
-
 def _end_tune_run() -> None:
-    """Ask Tune to stop its loop (its SIGUSR1 handler, installed while it runs), its logging silenced."""
+    """Ask Tune to stop its loop with the running units left unfinished (``_thirdparty.interrupt_tune_run``:
+    a ``Stopper`` would end them as finished instead), its logging silenced."""
     for name in ("ray.tune", "ray.train", "ray.air"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    if callable(signal.getsignal(signal.SIGUSR1)):  # Tune's interrupt handler is installed
-        os.kill(os.getpid(), signal.SIGUSR1)
+    interrupt_tune_run()
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
+def stop_on_signals(state: TuneRunState) -> Iterator[None]:
     """While the Tune run inside runs, the first SIGINT (Ctrl+C) or SIGTERM (``ray job stop``) ends it as
-    a full disk does (:func:`stop_search`: Tune saves its state, the running units stay unrecorded and
-    ``--resume`` runs them again) and is kept in :data:`STOP_SIGNALS`; a second one raises
-    ``KeyboardInterrupt`` at once (what finished is on disk already). Tune's own SIGINT handler, which
-    would end the run as if it had finished, is kept out (``TUNE_DISABLE_SIGINT_HANDLER``); the
-    previous handlers come back afterwards. Only the main thread can take signals: elsewhere this
-    does nothing."""
+    a full disk does (Tune saves its state, the running units stay unrecorded and ``--resume`` runs them
+    again) and is kept in ``state.signals``; a second one raises ``KeyboardInterrupt`` at once (what
+    finished is on disk already). Tune's own SIGINT handler, which would end the run as if it had
+    finished, is kept out (``TUNE_DISABLE_SIGINT_HANDLER``); the previous handlers come back afterwards.
+    Only the main thread can take signals: elsewhere this does nothing."""
     import threading
 
-    STOP_SIGNALS.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_signal(signum: int, frame: Any) -> None:
-        if STOP_SIGNALS:
+        if state.signals:
             raise KeyboardInterrupt
-        STOP_SIGNALS.append(signal.Signals(signum).name)
+        state.signals.append(signal.Signals(signum).name)
         _end_tune_run()
 
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
@@ -266,12 +291,15 @@ class RecordAndReport(StopOnStorageFailure):
     of its last report (rows and a ledger end entry). A unit whose process was lost is retried by
     Tune (``FailureConfig``); its unrecorded runs stay charged their planned steps in the ledger, get
     no row, and run again on a retry or on ``--resume``. No hook raises: a failure (a full disk) ends
-    the search through :func:`stop_search`. (An end-to-end private search has none of this: its units
-    report nothing of their runs, :func:`private_unit_trainable`.)
+    the search through :meth:`TuneRunState.stop_search`. (An end-to-end private search has none of this:
+    its units report nothing of their runs, :func:`private_unit_trainable`.) It pickles without its
+    contexts and run state; a restored Tuner's gets this driver's (:meth:`bind`).
     """
 
-    def __init__(self, cells: dict[str, CellRun]) -> None:
-        self._cells: dict[str, CellRun] | None = cells  # None once unpickled: DRIVER_CONTEXTS
+    def __init__(self, cells: dict[str, CellRun], state: TuneRunState) -> None:
+        super().__init__(state)
+        self._cells: dict[str, CellRun] | None = cells  # None once unpickled, until bound
+        self._contexts: Mapping[str, TrialContext] | None = None
         self._cell_labels = {cell_key: (cell.label, cell.budget) for cell_key, cell in cells.items()}
         self.finished = dict.fromkeys(cells, 0)
         self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
@@ -282,10 +310,17 @@ class RecordAndReport(StopOnStorageFailure):
         """Each cell's run: the one given, or once unpickled (a restored Tuner's) with this driver's context."""
         if self._cells is not None:
             return self._cells
-        return {key: CellRun(DRIVER_CONTEXTS[key], label, budget) for key, (label, budget) in self._cell_labels.items()}
+        if self._contexts is None:
+            raise RuntimeError("a restored Tuner's callback was not bound to this driver (tuners.restore_tuner)")
+        return {key: CellRun(self._contexts[key], label, budget) for key, (label, budget) in self._cell_labels.items()}
+
+    def bind(self, contexts: Mapping[str, TrialContext], state: TuneRunState) -> None:
+        """Give a restored (unpickled) callback this driver's context of each cell and its run state."""
+        super().bind(contexts, state)
+        self._contexts = contexts
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cells": None}
+        return {**super().__getstate__(), "_cells": None, "_contexts": None}
 
     def _progress(self, trial: Any, what: str = "", runs: Mapping[str, int] | None = None) -> None:
         """One line for a cell: configurations done of its budget, its runs so far by status (the
@@ -317,13 +352,13 @@ class RecordAndReport(StopOnStorageFailure):
         try:
             self._complete(trial)
         except Exception as error:  # never raise inside Tune's loop
-            stop_search(_failure_line(error, "recording a finished unit"))
+            self.state.stop_search(_failure_line(error, "recording a finished unit"))
 
     def _complete(self, trial: Any) -> None:
         last = trial.last_result or {}
         unit = Unit.of(trial.config)
         if not last.get("done_recording"):
-            if DRIVER_FAILURES or STOP_SIGNALS or "epoch" not in last:  # stopped with the search: run on --resume
+            if self.state.stopping or "epoch" not in last:  # stopped with the search: run on --resume
                 return
             self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
             context = self.cells[unit.cell_key].context
@@ -360,12 +395,11 @@ class RecordAndReport(StopOnStorageFailure):
         context = self.cells[unit.cell_key].context
         store = ResultsStore(context.results_root)
         last = trial.last_result or {}
-        for params in unit.configurations:
-            for replicate in range(context.replicates):
-                if store.has_trial(replicate_trial_id(configuration_id(context.cell_key, params), replicate)):
-                    continue  # the run wrote its full record before the unit ended
-                result = _unfinished_result(context, params, replicate, status, reason, last)
-                write_result(context, FinishedRun(params, replicate, result), ledger=True)
+        for run in unit_runs(context, unit.configurations):
+            if store.has_trial(run.trial_id):
+                continue  # the run wrote its full record before the unit ended
+            result = unfinished_result(context, run, status, reason, last, METRIC)
+            write_result(context, FinishedRun(run, result), ledger=True)
 
 
 def _error_line(trial: Any) -> str:
@@ -378,37 +412,3 @@ def _error_line(trial: Any) -> str:
 
 def _failure_line(error: BaseException, doing: str) -> str:
     return f"{doing}: {storage_error(error) or f'{type(error).__name__}: {error}'}"
-
-
-def _unfinished_result(
-    context: TrialContext,
-    params: dict[str, Any],
-    replicate: int,
-    status: TrialStatus,
-    reason: str,
-    last: dict[str, Any],
-) -> TrialResult:
-    """The record of a run ASHA stopped (status ``status``) before it recorded itself: Tune's function
-    trainables block in ``report()``, so it took the steps of its last report (``last``) and no more."""
-    num_train, sigmas = context.num_train, context.noise_multipliers
-    assert num_train is not None and sigmas is not None, "a search's context carries N and σ per B"
-    config = trial_config(context, params, replicate)
-    epochs = [EpochMetrics(**{f: last[f] for f in EpochMetrics.__dataclass_fields__ if f in last})]
-    sigma = sigmas[config.batch_size]
-    rate = sample_rate(num_train, config.batch_size)
-    steps = total_steps(num_train, config.batch_size, config.epochs)
-    steps_taken = int(last.get("steps", 0))
-    spent = epsilon_spent(sigma, rate, steps_taken, config.delta) if steps_taken else 0.0
-    return TrialResult(
-        config=config,
-        status=status,
-        reason=reason,
-        noise_multiplier=sigma,
-        sample_rate=rate,
-        steps=steps,
-        steps_taken=steps_taken,
-        epsilon_spent=spent,
-        num_train=num_train,
-        epochs=epochs,
-        val_accuracy=last.get(METRIC, float("nan")),
-    )

@@ -1,15 +1,20 @@
 """The two Ray Tune ``Tuner`` shapes of a search (Ray appears here, in :mod:`dptune.search.driver` and
 in :mod:`dptune.search.tune_adapters`): a search's units carry sampled configurations; an end-to-end
-private search's carry public unit numbers only (:mod:`dptune.search.private_units`)."""
+private search's carry public unit numbers only (:mod:`dptune.search.private_units`); and a restored
+Tuner of either, bound to this driver (:func:`restore_tuner`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from dptune.search.cells import CellPlan, cell_spec, record_pruned_grid, unit_size
 from dptune.search.execution import TrialContext
 from dptune.search.sampler import CellSampler
 from dptune.space import SearchSpace
+
+if TYPE_CHECKING:
+    from dptune.search.tune_adapters import TuneRunState
 
 
 def trial_slots(space: SearchSpace) -> int:
@@ -23,16 +28,20 @@ def trial_slots(space: SearchSpace) -> int:
 
 
 def search_tuner(
-    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+    space: SearchSpace,
+    plans: list[CellPlan],
+    contexts: dict[str, TrialContext],
+    trainable: Any,
+    run_config: Any,
+    state: TuneRunState,
 ) -> Any:
     """The Tuner of a search: each cell keeps its own sampler and budget and, with ASHA, its own
     scheduler; a Tune trial carries a unit of configurations of one cell (:func:`unit_size`), and the
-    driver's callback prints each cell's progress."""
+    driver's callback prints each cell's progress (and records into ``state``, the driver's)."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
     from dptune.search.searcher import METRIC, CellMultiplexer
-    from dptune.search.tune_adapters import CellRun, PerCellASHA, RecordAndReport
+    from dptune.search.tune_adapters import CellRun, RecordAndReport
 
     slots = trial_slots(space)
     units = {plan.cell_key: unit_size(space, plan, slots, contexts[plan.cell_key].fused) for plan in plans}
@@ -47,32 +56,19 @@ def search_tuner(
         num_train=plans[0].num_train,
         min_steps=space.min_steps,
     )
-    scheduler = None
-    if space.scheduler is not None:
-        spec = space.scheduler
-        scheduler = PerCellASHA(
-            {
-                plan.cell_key: ASHAScheduler(
-                    time_attr="epoch",
-                    max_t=plan.cell.epochs,
-                    grace_period=min(spec.grace_period, plan.cell.epochs),
-                    reduction_factor=spec.reduction_factor,
-                )
-                for plan in plans
-            }
-        )
     callback = RecordAndReport(
         {
             plan.cell_key: CellRun(contexts[plan.cell_key], f"{plan.cell.cell_id} {plan.clipping}", plan.configurations)
             for plan in plans
-        }
+        },
+        state,
     )
     run_config.callbacks = [callback]
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=searcher,
-            scheduler=scheduler,
+            scheduler=_per_cell_asha(space, plans),
             metric=METRIC,
             mode="max",
             num_samples=-1,  # until the searcher says it is finished: a resume may add units (search.reconcile)
@@ -83,8 +79,35 @@ def search_tuner(
     )
 
 
+def _per_cell_asha(space: SearchSpace, plans: list[CellPlan]) -> Any:
+    """With ``scheduler`` set in the space, each cell's own ASHA (``tune_adapters.PerCellASHA``); else None."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    from dptune.search.tune_adapters import PerCellASHA
+
+    spec = space.scheduler
+    if spec is None:
+        return None
+    return PerCellASHA(
+        {
+            plan.cell_key: ASHAScheduler(
+                time_attr="epoch",
+                max_t=plan.cell.epochs,
+                grace_period=min(spec.grace_period, plan.cell.epochs),
+                reduction_factor=spec.reduction_factor,
+            )
+            for plan in plans
+        }
+    )
+
+
 def private_tuner(
-    space: SearchSpace, plans: list[CellPlan], contexts: dict[str, TrialContext], trainable: Any, run_config: Any
+    space: SearchSpace,
+    plans: list[CellPlan],
+    contexts: dict[str, TrialContext],
+    trainable: Any,
+    run_config: Any,
+    state: TuneRunState,
 ) -> Any:
     """The Tuner of an end-to-end private search: per cell a public number of units
     (``private_units.unit_count`` of the trial slots), each running its share of the cell's proposals
@@ -99,7 +122,7 @@ def private_tuner(
 
     units = unit_count(trial_slots(space))
     runs = next(iter(contexts.values())).results_root
-    run_config.callbacks = [StopOnStorageFailure(), UnitFailureNotice(runs, space.resources.max_retries)]
+    run_config.callbacks = [StopOnStorageFailure(state), UnitFailureNotice(runs, space.resources.max_retries)]
     return tune.Tuner(
         trainable,
         param_space={
@@ -117,3 +140,30 @@ def private_tuner(
         ),
         run_config=run_config,
     )
+
+
+def restore_tuner(experiment: str, trainable: Any, contexts: Mapping[str, TrialContext], state: TuneRunState) -> Any:
+    """The Tuner of the search whose Tune state is at ``experiment``, restored to run its unfinished units and
+    restart its errored ones, with ``trainable`` (this driver's contexts). Its searcher and callbacks come
+    unpickled from the state the search's first driver wrote (another process, another lease, perhaps
+    another folder: a copy), without contexts or run state; they are given this driver's ``contexts`` and
+    ``state`` here (``_thirdparty.restored_configs``: ``Tuner.restore`` takes neither), so a resume
+    writes only to its own folder under its own lease and reports into its own driver."""
+    from ray import tune
+
+    from dptune._thirdparty import restored_configs
+    from dptune.search.searcher import CellMultiplexer
+    from dptune.search.tune_adapters import StopOnStorageFailure
+
+    tuner = tune.Tuner.restore(
+        experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
+    )
+    configs = restored_configs(tuner)
+    if configs is not None:
+        tune_config, run_config = configs
+        if isinstance(tune_config.search_alg, CellMultiplexer):
+            tune_config.search_alg.bind(contexts)
+        for callback in run_config.callbacks or []:
+            if isinstance(callback, StopOnStorageFailure):  # RecordAndReport is one too
+                callback.bind(contexts, state)
+    return tuner

@@ -1,0 +1,273 @@
+"""What a search's (ε, δ) covers and what it does not, in words: one statement per search shape.
+
+The search owns its statements; the numbers they quote come from :mod:`dptune.privacy.search` (a
+per-cell search's composition, ``CompositionCost``) and the private-selection planners. Each shape
+has its function, which the search mode of that shape calls:
+
+- :func:`statement_of_cells`: the per-cell search (random, grid or TPE proposals, with or without
+  ASHA), whose trials compose; with ``reproducible: true``, :func:`statement_of_public_coins`;
+- :func:`statement_of_private_selection`: end-to-end private selection (Papernot & Steinke);
+- :func:`statement_of_subsample_tuning`: tuning on a secret subsample, then a release trained on every
+  row (Koskela & Kulkarni, variant 1).
+
+:func:`guarantee` picks the shape from the space. Every statement ends with what the test split is
+(:func:`statement_of_test_split`); :func:`test_withheld` says why a private release withholds its test
+accuracy. Never more than the code does. Torch-free and Ray-free.
+"""
+
+from __future__ import annotations
+
+from dptune.contract import DatasetFile
+from dptune.privacy.checks import bound_text
+from dptune.privacy.search import CompositionCost
+from dptune.records import TRUST_BOUNDARY
+from dptune.space import SearchSpace
+
+#: What no mode of dptune covers unless it is made DP itself.
+OUTSIDE = (
+    "validation accuracies and losses and the choice of the best trial (computed exactly on "
+    "validation rows carved from the private training set), training losses, diagnostics (exact "
+    "gradient norms and labels of training examples), per-epoch metrics, and wall times and "
+    "throughput (which reveal realised batch sizes)"
+)
+
+#: How a data owner scores the released model on labelled rows of their own, inside their boundary.
+OWNER_EVALUATION = "python -m dptune.predict --model <model folder> --input FILE --column COL --label-column LABEL"
+
+#: The statement of a search whose coins are public (``reproducible: true``), whatever its shape.
+PUBLIC_COINS = (
+    "NO DP GUARANTEE for released results: reproducible: true derives every trial's noise and "
+    "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
+    "the noise. The ε figures describe the mechanism as if its coins were secret (research use only)."
+)
+
+
+def guarantee(
+    space: SearchSpace,
+    official_test_split: bool,
+    cost: CompositionCost | None = None,
+    epsilon_selection: float | None = None,
+) -> str:
+    """What the search's (ε, δ) covers and what it does not, in words: the statement of the space's shape.
+
+    The statement follows the search's shape: coins (secret or ``reproducible``), proposals
+    (random and grid are drawn independently of the data; TPE adapts to exact validation
+    accuracies), stopping (ASHA stops runs on exact validation accuracies), end-to-end private
+    selection, and the dataset's test split (``official_test_split``: shipped with the dataset,
+    else carved from the private pool). ``cost`` is the whole search's composition (per-trial
+    budgets); ``epsilon_selection`` the private-selection bound (end-to-end private searches).
+    """
+    if space.reproducible:
+        return statement_of_public_coins()
+    selection = space.privacy.private_selection
+    if selection is not None and selection.tuning_subsample is not None:
+        return statement_of_subsample_tuning(space, official_test_split, epsilon_selection)
+    if selection is not None:
+        return statement_of_private_selection(space, official_test_split, epsilon_selection)
+    return statement_of_cells(space, official_test_split, cost)
+
+
+def statement_of_public_coins() -> str:
+    """A search with public coins (``reproducible: true``): nothing is claimed (:data:`PUBLIC_COINS`)."""
+    return PUBLIC_COINS
+
+
+def statement_of_cells(space: SearchSpace, official_test_split: bool, cost: CompositionCost | None = None) -> str:
+    """A per-cell search: what each trial's DP-SGD bounds, whether its trials compose (random or grid
+    proposals without a scheduler) or what adaptivity voids (TPE, ASHA), what no mode covers and the
+    test split. ``cost``: the whole search's composition, quoted where it took steps."""
+    if space.reproducible:
+        return statement_of_public_coins()
+    whole = _composition_text(cost)
+    adaptive = space.sampler.name == "tpe" or space.scheduler is not None
+    parts = _adaptive_parts(space, whole) if adaptive else [_composing_part(space, whole)]
+    parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
+    parts.append(f"NOT covered by (ε, δ): {OUTSIDE}.")
+    parts.append(_dataset_test_split(space, official_test_split, private_selection=False))
+    parts.append(
+        "Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
+        "privacy.private_selection for an end-to-end guarantee."
+    )
+    return " ".join(parts)
+
+
+def _composition_text(cost: CompositionCost | None) -> str:
+    """The whole search's composition in words, or "" when there is none (or no trial took a step)."""
+    if cost is None or not cost.trials_with_steps:
+        return ""
+    return (
+        f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {bound_text(cost.epsilon)} "
+        f"at δ = {cost.delta:g} (basic composition: ({bound_text(cost.epsilon_basic)}, "
+        f"{bound_text(cost.delta_basic, 2)}))"
+    )
+
+
+def _composing_part(space: SearchSpace, whole: str) -> str:
+    """Proposals drawn independently of the data and no stopping rule: each trial's model is DP and the
+    trials compose (at ``whole``, the composition's text, when known)."""
+    return (
+        f"Each trial's trained model is (ε, δ = {space.privacy.delta:g})-DP at its cell's ε (PRV accountant, Poisson "
+        f"sampling, fresh secret coins per trial). Configurations are drawn independently of the data "
+        f"({space.sampler.name} search from the public seed), so the trials compose: "
+        + (
+            f"releasing every trial's model costs the {whole}."
+            if whole
+            else "releasing every trial's model costs their composition."
+        )
+    )
+
+
+def _adaptive_parts(space: SearchSpace, whole: str) -> list[str]:
+    """TPE proposals or ASHA stopping: what each trial's DP-SGD still bounds, what the adaptivity voids,
+    what the composition ``whole`` (its text, when known) counts, and the shapes that do compose."""
+    parts = [
+        f"Each trial's noisy training steps are DP-SGD at its cell's ε (δ = {space.privacy.delta:g}; PRV accountant, "
+        "Poisson sampling, fresh secret coins per trial), which bounds a trial's model only when its "
+        "configuration and length are fixed independently of the data."
+    ]
+    if space.sampler.name == "tpe":
+        parts.append(
+            "Here TPE proposes each configuration from earlier trials' exact validation accuracies "
+            "(not DP), so which configurations ran depends on private rows: no trial's model, and no "
+            "set of them, is (ε, δ)-DP as released."
+        )
+    if space.scheduler is not None:
+        parts.append(
+            "ASHA stops runs on exact validation accuracies of private rows (not DP): which runs "
+            "stopped, when, and all that reveals it (steps taken, statuses, which models exist) is "
+            "outside (ε, δ); a stopped run is charged the steps it took, and releasing the surviving "
+            "models is not (ε, δ)-DP."
+        )
+    if whole:
+        parts.append(
+            f"The {whole} counts the noisy steps of every trial; it is not a bound on releasing them, "
+            "because of the adaptivity above."
+        )
+    parts.append(
+        "Use sampler random or grid without a scheduler for a composition bound over released trials, "
+        "or privacy.private_selection for an end-to-end one."
+    )
+    return parts
+
+
+def statement_of_private_selection(
+    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None
+) -> str:
+    """An end-to-end private search (Papernot & Steinke): only the release is covered, at the space's
+    total (ε, δ) (``epsilon_selection``: the bound the plan met, quoted when known); what stays inside
+    the trust boundary."""
+    selection = space.privacy.private_selection
+    assert selection is not None, "a private-selection statement needs privacy.private_selection"
+    bound = "" if epsilon_selection is None else f" (bound {epsilon_selection:.3g})"
+    return (
+        f"Only the release is covered: the selected configuration, its model and its noisy validation "
+        f"score are ({selection.epsilon:g}, {space.privacy.delta:g})-DP{bound} by Papernot & Steinke (ICLR 2022, "
+        f"Thm 2) — a secret random number K of random-search runs (truncated negative binomial, "
+        f"η = {selection.trial_count_shape:g}, mean {space.sampler.trials_per_cell}) whose configurations "
+        f"are drawn from fresh OS entropy, each run DP-SGD (PRV-calibrated σ, Poisson sampling, fresh "
+        f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
+        f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
+        f"an estimate of the model's accuracy. "
+        + _dataset_test_split(space, official_test_split, private_selection=True)
+        + _kept_inside("K, the per-run records (trials, epochs, classes tables; Ray Tune's state)")
+    )
+
+
+def statement_of_subsample_tuning(
+    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None
+) -> str:
+    """Tuning on a secret subsample, then a release trained on every row (Koskela & Kulkarni, variant 1):
+    only the release is covered, at the space's total (ε, δ) (``epsilon_selection``: the plan's RDP
+    total, quoted when known); what stays inside the trust boundary."""
+    selection = space.privacy.private_selection
+    assert selection is not None and selection.tuning_subsample is not None, "needs privacy.private_selection"
+    subsample = selection.tuning_subsample
+    bound = "" if epsilon_selection is None else f" (RDP total {epsilon_selection:.3g})"
+    return (
+        f"Only the release is covered: the model trained once on every training row with the configuration "
+        f"tuned on a secret subsample and transferred by the public rule '{subsample.transfer}' (C and η₀ "
+        f"kept, η = η₀·√(B/B_ref)), that configuration, and the tuning's best noisy validation score are "
+        f"({selection.epsilon:g}, {space.privacy.delta:g})-DP{bound} by Koskela & Kulkarni (NeurIPS 2023, "
+        f"variant 1): the subsample X₁ keeps each training and validation row with probability "
+        f"q₁ = {subsample.fraction:g} (fresh OS entropy, drawn once per search); on it, a secret random number "
+        f"K of random-search runs (truncated negative binomial, η = {selection.trial_count_shape:g}, mean "
+        f"{space.sampler.trials_per_cell}), each DP-SGD with q and T fixed from public numbers (never from "
+        f"|X₁|) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), only the "
+        f"best kept (Papernot & Steinke, ICLR 2022); that tuning amplified by the subsampling (Zhu & Wang, "
+        f"ICML 2019, Thm 6) and composed in RDP with the release's DP-SGD at the worst of the candidate batch "
+        f"sizes. The released score is the maximum of K noisy scores on X₁: biased upward, not an estimate "
+        f"of the model's accuracy. "
+        + _dataset_test_split(space, official_test_split, private_selection=True)
+        + _kept_inside(
+            "X₁, K, the per-run records of the tuning runs and of the release's training (trials, epochs, "
+            "classes tables; Ray Tune's state)"
+        )
+        + " Training the release on the rows left out of X₁ (the paper's variant 2) is not what runs, and not "
+        "covered."
+    )
+
+
+def _kept_inside(hidden: str) -> str:
+    """What an end-to-end private search keeps inside the trust boundary (``hidden``: its secrets and
+    records) and why: their contents are not covered."""
+    return (
+        f" NOT covered, and kept inside the data owner's trust boundary ({TRUST_BOUNDARY}/ in the results): "
+        f"{hidden}, which hold {OUTSIDE}; and the search's wall time, which grows with K. Publishing any of "
+        "them voids the guarantee."
+    )
+
+
+def test_withheld(space: SearchSpace, official_test_split: bool) -> str | None:
+    """Why an end-to-end private search's release withholds its test accuracy, naming the source of the
+    test rows and how the owner scores the model themselves (``OWNER_EVALUATION``); None where the test
+    split is public (shipped with the dataset, or a test file declared ``test_public``)."""
+    if official_test_split:
+        return None
+    own = space.task.dataset_file
+    if own is not None and own.test_path is not None:
+        return (
+            "your test file (task.dataset.test_path) is not declared test_public, so its accuracy would be a "
+            f"release about private rows; score it yourself, inside your trust boundary: {OWNER_EVALUATION}"
+        )
+    return (
+        "the test split is carved from the private pool, so its accuracy would be a release about private rows; "
+        f"score a labelled file of your own, inside your trust boundary: {OWNER_EVALUATION}"
+    )
+
+
+def _dataset_test_split(space: SearchSpace, official_test_split: bool, *, private_selection: bool) -> str:
+    """:func:`statement_of_test_split` of the space's dataset."""
+    return statement_of_test_split(
+        space.task.dataset_name, official_test_split, space.task.dataset_file, private_selection=private_selection
+    )
+
+
+def statement_of_test_split(
+    dataset: str, official_test_split: bool, own: DatasetFile | None, *, private_selection: bool
+) -> str:
+    """What the guarantee says of test accuracy (public when the dataset ships its own test split, or a
+    data owner's test file is declared ``test_public``) and, for a data owner's file (``own``), of its rows."""
+    if official_test_split:
+        text = (
+            f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
+            "used for selection."
+        )
+    else:
+        where = (
+            "its test rows are the test file's, not declared test_public, so private rows"
+            if own is not None and own.test_path is not None
+            else "its test rows are carved from the same private pool as the training rows"
+        )
+        text = (
+            f"{dataset} has no official test split: {where}, so the release withholds test accuracy (it would "
+            "not be covered)."
+            if private_selection
+            else f"{dataset} has no official test split: {where}, so every trial's test accuracy (overall and "
+            "per class) is a release about private rows that (ε, δ) does NOT cover."
+        )
+    if own is None:
+        return text
+    return text + (
+        f" One row of {dataset} is one record: (ε, δ) protects each row; a person who contributes several rows "
+        "is protected per row, not as a person."
+    )

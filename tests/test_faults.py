@@ -560,7 +560,7 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
 
 _UNFETCHED = """
 import gc, time, ray
-from dptune.search.driver import init_ray
+from dptune.search.ray_session import init_ray
 print(init_ray(None, 1), flush=True)
 lost = ray.remote(num_cpus=0)(lambda: open("/proc/dptune-full", "w"))
 ref = lost.remote()
@@ -583,7 +583,7 @@ def test_an_error_no_one_fetched_prints_no_ray_traceback(search_env: dict[str, s
 
 _NEXT_START = """
 import ray
-from dptune.search.driver import init_ray
+from dptune.search.ray_session import init_ray
 print(init_ray(None, 1), flush=True)
 ray.shutdown()
 """

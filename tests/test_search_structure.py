@@ -21,11 +21,6 @@ MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "Counter", "OrderedDict",
 ALLOWED: dict[str, str] = {
     "dptune.search.lease._SEEN_HELD": "a trial worker's memory of the leases it saw held, across check_holder "
     "calls; it moves into what the worker's runs share once execution.TrialContext can carry it",
-    # constant lookup tables, never written, in modules of other changes: each to become a MappingProxyType
-    "dptune.search.outcome.RELEASE_COLUMNS": "a constant table (column → its heading)",
-    "dptune.search.sampler._STATES": "a constant table (a told state → Optuna's TrialState)",
-    "dptune.search.tracking.CHECK_SETTINGS": "constant MLflow settings",
-    "dptune.search.tracking.LOGGING_SETTINGS": "constant MLflow settings",
 }
 #: The longest a function of dptune.search may be, in lines (its decorators not counted).
 MAX_FUNCTION_LINES = 59

@@ -3,7 +3,7 @@
 The accounting of Koskela & Kulkarni, "Practical differentially private hyperparameter tuning with
 subsampling" (NeurIPS 2023), their variant 1. The bound holds for this procedure, and only under these
 assumptions, each checked against the search mode that runs it (``privacy.private_selection.
-tuning_subsample``: ``dptune.search.subsample`` and ``dptune.search.driver.train_releases``) and used
+tuning_subsample``: ``dptune.search.subsample`` and ``dptune.search.modes.SubsampleTuning``) and used
 by ``bench/bench_subsampled_tuning.py``:
 
 1. **Subsample.** Every row of the private pool (training and validation rows alike) is kept

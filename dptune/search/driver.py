@@ -6,22 +6,20 @@ A search runs as named phases over one :class:`SearchSession`: :func:`load` → 
 of a search (a per-cell search, end-to-end private selection, tuning on a secret subsample) is its
 mode's (:mod:`dptune.search.modes`): the driver asks it and never branches on the shape.
 
-Ray appears only here, in the Tune run (:mod:`dptune.search.tune_run`, :mod:`dptune.search.tuners`, the
-modes' trainables) and in :mod:`dptune.search.tune_adapters`: a trial (``dptune.runners.trial.run_trial``)
-is a plain function.
+The driver does not import Ray: starting or joining it (:mod:`dptune.search.ray_session`), the Tune run
+(:mod:`dptune.search.tune_run`, :mod:`dptune.search.tuners`, :mod:`dptune.search.tune_adapters`) are the
+scheduling modules'; a trial (``dptune.runners.trial.run_trial``) is a plain function.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from dptune import __version__
 from dptune.errors import SearchError, SearchIncomplete
@@ -40,10 +38,8 @@ from dptune.search.cells import (
     task_workload,
 )
 from dptune.search.damaged_ledger import charge_unreadable_starts
-from dptune.search.embedded_ray import end_orphans, private_session_folder, record_session
 from dptune.search.execution import TrialContext
 from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
-from dptune.search.modes import CLUSTER_TIMING_NOTE as CLUSTER_TIMING_NOTE
 from dptune.search.modes import SearchMode, mode_of
 from dptune.search.outcome import (
     check_every_run_recorded,
@@ -53,6 +49,7 @@ from dptune.search.outcome import (
     stopped_by_signal,
 )
 from dptune.search.publish import publish_models
+from dptune.search.ray_session import check_cluster_resources, init_ray, shutdown_embedded
 from dptune.search.stopping import sigterm_raises, sigterm_stops_the_search
 from dptune.search.tracking import check_server
 from dptune.search.tune_run import run_cells, tune_storage
@@ -63,15 +60,6 @@ if TYPE_CHECKING:
 
     from dptune.data.spec import Workload
     from dptune.search.options import SearchOptions
-
-
-#: Tries of an embedded Ray start whose processes time out registering (an overloaded machine: Ray
-#: waits a fixed 30 s), and the seconds between them.
-RAY_START_ATTEMPTS = 3
-RAY_START_RETRY_PAUSE_S = 15.0
-
-#: How :func:`init_ray`'s answer begins when it started an embedded Ray.
-EMBEDDED_STARTED = "started embedded local Ray"
 
 
 @dataclass
@@ -108,107 +96,6 @@ class SearchSession:
         """Print ``notes`` as warnings and keep them for the ``search`` rows."""
         _warn(notes)
         self.notes += notes
-
-
-def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool = False) -> str:
-    """Join a cluster (``--address`` or RAY_ADDRESS) or start an embedded local Ray.
-
-    ``private`` (an end-to-end private search): Ray logs critical errors only, so the console (and ``ray
-    job logs``) carries none of Ray's or Tune's timestamped lines, also when a unit's process dies; an
-    embedded Ray keeps its session folder in the owner-only temporary folder ``private_ray_folder``
-    made, removed at the end.
-
-    A plain ``ray.init()`` would silently join whatever cluster a leftover file points to, so
-    the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
-    raises ``PreflightError`` naming the address and, when no token is set, token authentication
-    (``preflight.cluster_join_error``). An embedded start first ends what a killed embedded driver
-    left running and records its own session (:mod:`dptune.search.embedded_ray`). An embedded start
-    that times out (Ray waits 30 s for its processes to register: an overloaded machine) is tried up
-    to ``RAY_START_ATTEMPTS`` times, ``RAY_START_RETRY_PAUSE_S`` apart, then raises
-    ``SearchIncomplete`` saying the machine is overloaded and what to do.
-    """
-    import ray
-
-    target = address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        return "already initialised"
-    quiet: dict[str, Any] = {"logging_level": logging.CRITICAL} if private else {}
-    if private:  # Tune's own lines (its end line, a dead unit's ERROR lines, with a time) go through the same logger
-        logging.getLogger("ray").setLevel(logging.CRITICAL)
-    # Every worker process first leaves a deleted working directory (inherited from the
-    # `ray start` of its node), which would otherwise kill trials at `import torch`.
-    runtime_env = {"worker_process_setup_hook": "dptune.runners.trial.leave_deleted_working_directory"}
-    # dptune says what failed in one line; an error object no one fetched would print Ray's traceback above it
-    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-    if target:
-        try:
-            ray.init(address=target, log_to_driver=False, runtime_env=runtime_env, **quiet)
-        except (ConnectionError, RuntimeError) as error:
-            raise preflight.cluster_join_error(target, "--address" if address else "RAY_ADDRESS", error) from None
-        return f"joined Ray cluster at {target}"
-    cpus = num_cpus or os.cpu_count()
-    end_orphans()  # what an earlier embedded driver, killed, left running
-    _start_embedded_ray(cpus, runtime_env, quiet, private)
-    return f"{EMBEDDED_STARTED} ({cpus} CPUs)"
-
-
-def _start_embedded_ray(cpus: int | None, runtime_env: dict[str, str], quiet: dict[str, Any], private: bool) -> None:
-    """Start an embedded Ray and record its session; a start that times out is tried again (:func:`init_ray`)."""
-    import ray
-
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        try:
-            started = ray.init(
-                address="local",
-                num_cpus=cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env=runtime_env,
-                _temp_dir=private_session_folder() if private else None,
-                **quiet,
-            )
-            session = cast(Any, started).address_info["session_dir"]  # a RayContext, typed as its base
-            record_session(session, private_session_folder(parent=True))
-            return
-        except Exception as error:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(error):
-                raise
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            _startup_timed_out(attempt)
-
-
-def _startup_timed_out(attempt: int) -> None:
-    """After start ``attempt`` of an embedded Ray timed out: raise ``SearchIncomplete`` if it was the last,
-    else say so and wait ``RAY_START_RETRY_PAUSE_S``."""
-    load = os.getloadavg()[0]
-    if attempt == RAY_START_ATTEMPTS:
-        raise SearchIncomplete(
-            f"the embedded Ray did not start: its processes did not register within Ray's startup wait, "
-            f"{RAY_START_ATTEMPTS} times (load average {load:.1f} on {os.cpu_count()} cores: this machine is "
-            "overloaded). Run again when the load is lower (with --resume), or start Ray once yourself "
-            "(`ray start --head --num-cpus N`) and pass its address with --address; nothing was trained"
-        ) from None
-    print(
-        f"warning: the embedded Ray timed out during startup (load average {load:.1f} on "
-        f"{os.cpu_count()} cores); attempt {attempt + 1} of {RAY_START_ATTEMPTS} "
-        f"in {RAY_START_RETRY_PAUSE_S:g} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    time.sleep(RAY_START_RETRY_PAUSE_S)
-
-
-def check_cluster_resources(space: SearchSpace) -> None:
-    """Refuse per-trial resources no node of the joined Ray cluster has (``preflight.PreflightError``),
-    disconnecting from it (``ray.shutdown``) first."""
-    import ray
-
-    try:
-        preflight.check_cluster_resources(space.resources, ray.nodes())
-    except preflight.PreflightError:
-        ray.shutdown()
-        raise
 
 
 def _results_root(storage: str, name: str) -> str:
@@ -451,10 +338,8 @@ def run_units(session: SearchSession) -> None:
     check_every_run_recorded(session.runs, session.search_id, space.resources.max_retries, mode.private, failed)
     mode.check_complete(contexts, proposals)
     mode.after_units(space, plans, contexts)
-    if mode.shuts_down_ray and session.embedded is not None and session.embedded.startswith(EMBEDDED_STARTED):
-        import ray
-
-        ray.shutdown()  # nothing of the search needs Ray now; in this thread: no Ray object outlives it
+    if mode.shuts_down_ray and session.embedded is not None:
+        shutdown_embedded(session.embedded)  # nothing of the search needs Ray now
     print(mode.finished_line(time.monotonic() - session.started), flush=True)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from dptune.paths import cache_dir, write_file_atomic
 
 #: Where :func:`private_ray_folder` puts the session folder of a private search's embedded Ray (set
-#: while the search runs; read by ``driver.init_ray``).
+#: while the search runs; read by ``ray_session.init_ray``).
 PRIVATE_RAY_FOLDER_ENV = "DPTUNE_PRIVATE_RAY_FOLDER"
 
 #: The subfolder of :func:`private_ray_folder` that an embedded Ray keeps its session folder in.

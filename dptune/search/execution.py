@@ -46,8 +46,7 @@ from dptune.errors import TrialConfigError, TrialFailed
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import ResultsStore, read_table, trial_rows
-from dptune.records.ids import configuration_id as configuration_id  # re-exported: the driver's modules import it here
-from dptune.records.ids import replicate_trial_id
+from dptune.records.ids import configuration_id, replicate_trial_id
 from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, record_starts
 from dptune.records.weights import write_weights
 from dptune.runners.checkpoint import RunCheckpoint

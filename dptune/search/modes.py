@@ -33,7 +33,7 @@ from dptune.search.lease import hold_lease
 from dptune.search.private_units import kept_proposals, unrecorded_runs
 from dptune.search.sampler import CellSampler
 from dptune.search.subsample import RELEASE_PARAMETERS, draw_tuning_rows, kept_release_choice, release_context
-from dptune.search.tuners import private_tuner, search_tuner
+from dptune.search.tuners import cell_trainable, private_trainable, private_tuner, search_tuner
 
 if TYPE_CHECKING:
     from dptune.search.tune_adapters import TuneRunState
@@ -55,7 +55,7 @@ class SearchMode(Protocol):
     """What differs between the shapes of a search, asked by the driver at each phase.
 
     ``private``: the per-run records, K and the runs' progress stay inside the trust boundary (and Ray
-    logs critical errors only: ``driver.init_ray(private=...)``); ``shuts_down_ray``: an embedded Ray is
+    logs critical errors only: ``ray_session.init_ray(private=...)``); ``shuts_down_ray``: an embedded Ray is
     shut down before composing; ``tune_log_level``: the level of Tune's logger during the run;
     ``composing_message``: the line before the search's outcome is composed.
 
@@ -169,11 +169,7 @@ class CellSearch:
         return None
 
     def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
-        from ray import tune
-
-        from dptune.search.tune_adapters import tune_trainable
-
-        return tune.with_parameters(tune_trainable, contexts=contexts)
+        return cell_trainable(contexts)
 
     def tuner(
         self,
@@ -247,11 +243,7 @@ class PrivateSelection:
         return kept_proposals(runs, [plan.cell_key for plan in plans], partial(_propose, space, by_key, contexts))
 
     def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
-        from ray import tune
-
-        from dptune.search.tune_adapters import private_unit_trainable
-
-        return tune.with_parameters(private_unit_trainable, contexts=contexts, chunk=private_chunk_size(space, fused))
+        return private_trainable(contexts, private_chunk_size(space, fused))
 
     def tuner(
         self,
@@ -328,18 +320,16 @@ def train_releases(space: SearchSpace, plans: list[CellPlan], contexts: list[Tri
     ``private_units.run_release`` (charged in the privacy ledger before its first step, recorded,
     skipped when a resume finds it recorded; it returns nothing). Nothing is trained for a cell none of
     whose runs finished."""
-    import ray
-
     from dptune.search.private_units import run_release
+    from dptune.search.ray_session import run_as_task
 
-    train = ray.remote(num_cpus=space.resources.cpus, num_gpus=space.resources.gpu)(run_release)
     for plan, context in zip(plans, contexts, strict=True):
         assert plan.tuning is not None
         params = kept_release_choice(context.results_root, plan.cell_key, partial(_chosen, context, plan))
         if params is None:
             continue
         print("training the release on every training row with the tuned configuration...", flush=True)
-        ray.get(train.remote(release_context(context, plan.tuning), params))
+        run_as_task(space, run_release, release_context(context, plan.tuning), params)
 
 
 def _chosen(context: TrialContext, plan: CellPlan) -> dict[str, float] | None:

@@ -10,6 +10,7 @@ import math
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -361,17 +362,19 @@ def format_outcome(results_root: str, *, trials: pd.DataFrame | None = None) -> 
 
 
 #: The release table's columns as the summary shows them (after its name, ``records.release_label``).
-RELEASE_COLUMNS = {
-    "clip_bound": "C",
-    "batch_size": "B",
-    "base_learning_rate": "η₀",
-    "learning_rate": "η",
-    "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
-    "test_accuracy": "test acc",
-    "tuning_fraction": "tuned on (q₁)",
-    "epsilon_total": "ε total",
-    "delta_total": "δ",
-}
+RELEASE_COLUMNS = MappingProxyType(
+    {
+        "clip_bound": "C",
+        "batch_size": "B",
+        "base_learning_rate": "η₀",
+        "learning_rate": "η",
+        "noisy_val_accuracy": "noisy val acc (max of noisy scores)",
+        "test_accuracy": "test acc",
+        "tuning_fraction": "tuned on (q₁)",
+        "epsilon_total": "ε total",
+        "delta_total": "δ",
+    }
+)
 
 
 def format_privacy(search: pd.DataFrame, release: pd.DataFrame, runs: str | None = None) -> str:
@@ -394,7 +397,7 @@ def _release_lines(release: pd.DataFrame, runs: str) -> list[str]:
     if release.empty:
         lines.append("none: no run finished")
     else:
-        table = release[list(RELEASE_COLUMNS)].rename(columns=RELEASE_COLUMNS).astype(object)
+        table = release[list(RELEASE_COLUMNS)].rename(columns=dict(RELEASE_COLUMNS)).astype(object)
         table.insert(0, "release", [release_label(row) for _, row in release.iterrows()])
         table["tuned on (q₁)"] = table["tuned on (q₁)"].where(release["tuning_fraction"].notna(), "all rows")
         public = release["test_split_public"].astype(bool)

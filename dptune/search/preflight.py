@@ -148,7 +148,7 @@ def local_gpus() -> int:
 def check_local_resources(resources: ResourcesSpec, cpus: int | None = None, gpus: int | None = None) -> None:
     """Refuse per-trial resources this machine cannot give (an embedded Ray would wait forever).
 
-    ``cpus``/``gpus`` default to what ``dptune.search.init_ray`` gives the embedded Ray:
+    ``cpus``/``gpus`` default to what ``dptune.search.ray_session.init_ray`` gives the embedded Ray:
     ``os.cpu_count()`` CPUs and ``local_gpus()`` GPUs.
     """
     cpus = (os.cpu_count() or 1) if cpus is None else cpus

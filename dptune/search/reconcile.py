@@ -23,10 +23,10 @@ from typing import Any
 
 import pandas as pd
 
-from dptune.records import replicate_trial_id
+from dptune.records.ids import configuration_id, params_key, replicate_trial_id
 from dptune.records.ledger import RunStart
-from dptune.search.execution import TrialContext, configuration_id, selection_value
-from dptune.search.sampler import CellSampler, Told, params_key
+from dptune.search.execution import TrialContext, selection_value
+from dptune.search.sampler import CellSampler, Told
 
 #: The status of a configuration the min-step rule removed (recorded, never charged).
 PRUNED = "pruned_min_steps"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,7 +29,7 @@ from optuna.trial import TrialState
 
 from dptune.contract import SamplerName
 from dptune.errors import DptuneError
-from dptune.records.ids import params_key as params_key  # re-exported: search.reconcile imports it here
+from dptune.records.ids import params_key
 
 #: Proposals in a row that may all be pruned before the sampler gives up (a space whose feasible
 #: batch sizes the sampler never proposes).
@@ -80,7 +81,7 @@ class CellSpec:
 
 
 #: How a told configuration ended, as stored in the sampler's state.
-_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL}
+_STATES = MappingProxyType({"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "fail": TrialState.FAIL})
 
 
 class Told(NamedTuple):

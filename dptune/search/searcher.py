@@ -21,9 +21,9 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
-from dptune.records import read_table, replicate_trial_id
+from dptune.records import read_table
 from dptune.records.ledger import started_runs
-from dptune.search.execution import TrialContext, configuration_id, record_pruned
+from dptune.search.execution import TrialContext, record_pruned, unit_runs
 from dptune.search.outcome import FailedUnits
 from dptune.search.reconcile import unknown_configurations
 from dptune.search.sampler import CellSampler
@@ -225,13 +225,8 @@ def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str
         if result.error is None or CONFIGURATIONS_KEY not in (result.config or {}):  # not a private unit
             continue
         unit = Unit.of(result.config)
-        replicates = contexts[unit.cell_key].replicates
         trials, _ = failed.setdefault(unit.cell_key, ([], ""))
-        trials += [
-            replicate_trial_id(configuration_id(unit.cell_key, params), replicate)
-            for params in unit.configurations
-            for replicate in range(replicates)
-        ]
+        trials += [spec.trial_id for spec in unit_runs(contexts[unit.cell_key], unit.configurations)]
         lines = str(result.error).strip().splitlines()
         failed[unit.cell_key] = (trials, lines[-1] if lines else type(result.error).__name__)
     return {key: FailedUnits(tuple(trials), error) for key, (trials, error) in failed.items()}

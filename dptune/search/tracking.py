@@ -40,8 +40,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -63,15 +64,19 @@ if TYPE_CHECKING:
 #: Seconds the check before compute waits for the server (one try, no retry).
 CHECK_TIMEOUT_S = 5
 #: MLflow's HTTP settings for the check: forced, so a server that is down is told in seconds.
-CHECK_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+CHECK_SETTINGS = MappingProxyType(
+    {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT_S), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+)
 #: MLflow's HTTP settings for logging, unless the environment sets them (MLflow's own defaults retry
 #: a request 7 times over minutes); and no "View run at" line per run on the console.
-LOGGING_SETTINGS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
+LOGGING_SETTINGS = MappingProxyType(
+    {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+    }
+)
 #: The tag that names what a run holds: a trial id, ``search`` or ``release <release label>``.
 DPTUNE_RUN_TAG = "dptune.run"
 #: The tag that tells two searches of one id apart (the same space run again in another folder, or
@@ -412,7 +417,7 @@ def _local_copy(location: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _mlflow_settings(values: dict[str, str], *, force: bool) -> Iterator[None]:
+def _mlflow_settings(values: Mapping[str, str], *, force: bool) -> Iterator[None]:
     """MLflow's environment settings ``values`` (``force``: over the environment's own) and its and
     urllib3's loggers at ERROR (dptune says what failed in one line), restored on the way out."""
     saved = {name: os.environ.get(name) for name in values}

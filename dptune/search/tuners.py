@@ -167,3 +167,22 @@ def restore_tuner(experiment: str, trainable: Any, contexts: Mapping[str, TrialC
             if isinstance(callback, StopOnStorageFailure):  # RecordAndReport is one too
                 callback.bind(contexts, state)
     return tuner
+
+
+def cell_trainable(contexts: dict[str, TrialContext]) -> Any:
+    """The Tune function trainable of a search (``tune_adapters.tune_trainable``) with the cells' contexts."""
+    from ray import tune
+
+    from dptune.search.tune_adapters import tune_trainable
+
+    return tune.with_parameters(tune_trainable, contexts=contexts)
+
+
+def private_trainable(contexts: dict[str, TrialContext], chunk: int) -> Any:
+    """The Tune function trainable of an end-to-end private search (``tune_adapters.private_unit_trainable``):
+    the cells' contexts and ``chunk``, the configurations a unit runs at once."""
+    from ray import tune
+
+    from dptune.search.tune_adapters import private_unit_trainable
+
+    return tune.with_parameters(private_unit_trainable, contexts=contexts, chunk=chunk)

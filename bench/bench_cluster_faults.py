@@ -88,7 +88,7 @@ FAULT_MESSAGE = "injected: the object store did not answer"
 SITECUSTOMIZE = f"""
 import os, sys
 if sys.argv and sys.argv[0].endswith("default_worker.py") and os.environ.get("DPTUNE_BENCH_FAIL_CELL"):
-    import dptune.search.execution as execution
+    import dptune.search.runs.execution as execution
     _real = execution.charge_runs
     def charge_runs(context, runs):
         if context.cell_key.startswith(os.environ["DPTUNE_BENCH_FAIL_CELL"]):

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="a JSON file for the results")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from dptune.search.cells import TRIAL_COUNT_FILE, plan_cells
+    from dptune.search.planning.cells import TRIAL_COUNT_FILE, plan_cells
     from dptune.space import load_space
 
     space = load_space(SPACE, {"epochs": [args.epochs]}).space

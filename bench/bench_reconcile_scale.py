@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from dptune.records import replicate_trial_id  # noqa: E402
 from dptune.records.ids import configuration_id  # noqa: E402
 from dptune.records.ledger import RunStart  # noqa: E402
-from dptune.search.reconcile import unknown_configurations  # noqa: E402
-from dptune.search.sampler import CellSampler  # noqa: E402
+from dptune.search.planning.sampler import CellSampler  # noqa: E402
+from dptune.search.scheduling.reconcile import unknown_configurations  # noqa: E402
 from test_tune_adapters import GRID, context  # noqa: E402  (the tests' real cell context and spec)
 
 

@@ -48,7 +48,8 @@ def main() -> None:
     from dptune import search
     from dptune.data import WorkloadSpec, load_workload
     from dptune.runners.trial import run_trial
-    from dptune.search.execution import TrialContext, run_spec
+    from dptune.search.modes import mode_of
+    from dptune.search.runs.execution import TrialContext, run_spec
     from dptune.space import load_space
 
     def cell_run(points: int, storage: str) -> tuple[float, list]:
@@ -78,7 +79,7 @@ def main() -> None:
             mechanisms=plan.mechanisms,
         )
         started = time.perf_counter()
-        search.run_cells(space, [plan], [context], resume=False)
+        search.run_cells(space, [plan], [context], resume=False, mode=mode_of(space))
         elapsed = time.perf_counter() - started
         from dptune.records import read_table
 

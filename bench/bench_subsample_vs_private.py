@@ -47,10 +47,10 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
     from dptune.data import load_workload
     from dptune.errors import SearchError
     from dptune.runners.fused import run_fused
-    from dptune.search.cells import base_trial_config, cell_spec, plan_cells, task_workload
-    from dptune.search.execution import TrialContext, run_spec
-    from dptune.search.sampler import CellSampler
-    from dptune.search.subsample import draw_tuning_rows, on_tuning_rows, public_schedules, release_context
+    from dptune.search.planning.cells import base_trial_config, cell_spec, plan_cells, task_workload
+    from dptune.search.planning.sampler import CellSampler
+    from dptune.search.planning.subsample import draw_tuning_rows, on_tuning_rows, public_schedules, release_context
+    from dptune.search.runs.execution import TrialContext, run_spec
     from dptune.space import load_space
 
     overrides: dict[str, Any] = {"privacy.private_selection.epsilon": epsilon_total}

@@ -69,7 +69,7 @@ def grid(fraction: float, batch_sizes: list[int], args: argparse.Namespace) -> p
     from dptune import search
     from dptune.data import load_workload
     from dptune.runners.fused import run_fused
-    from dptune.search.cells import task_workload
+    from dptune.search.planning.cells import task_workload
     from dptune.space import load_space
 
     space = load_space(
@@ -184,15 +184,15 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
     from dptune.data import load_workload
     from dptune.plan.mechanism import mechanism
     from dptune.runners.fused import run_fused
-    from dptune.search.cells import task_workload
-    from dptune.search.execution import TrialContext, run_spec
-    from dptune.search.subsample import (
+    from dptune.search.planning.cells import task_workload
+    from dptune.search.planning.subsample import (
         TuningPlan,
         draw_tuning_rows,
         on_tuning_rows,
         public_schedules,
         tuning_schedule,
     )
+    from dptune.search.runs.execution import TrialContext, run_spec
     from dptune.space import load_space
 
     overrides = {"privacy.epsilons": [args.epsilon], "epochs": [args.epochs], "training.diagnostics": False}

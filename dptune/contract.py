@@ -33,11 +33,11 @@ OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 #: Per-example gradient engines (``auto`` picks one; see ``dptune.dp.engine_registry.select_engine``).
 EngineName = Literal["auto", "opacus", "film"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
-#: How a search trains its runs (``dptune.search.execution``): ``fused`` (many configurations as one
+#: How a search trains its runs (``dptune.search.runs.execution``): ``fused`` (many configurations as one
 #: vectorised computation, ``dptune.runners.fused``) where it applies under ``auto``, else ``trial``.
 RunnerName = Literal["auto", "fused", "trial"]
 RUNNER_NAMES: tuple[str, ...] = get_args(RunnerName)
-#: A cell's Optuna sampler (``dptune.search.sampler``).
+#: A cell's Optuna sampler (``dptune.search.planning.sampler``).
 SamplerName = Literal["tpe", "random", "grid"]
 SAMPLER_NAMES: tuple[str, ...] = get_args(SamplerName)
 #: Clipping rules (the rule table: ``dptune.dp.clipping``).
@@ -181,7 +181,7 @@ class PublicSchedule:
     every row of X₁ with probability ``sample_rate`` (q) at each of ``steps`` (T) steps, cut into
     epochs by ``epoch_steps`` (E entries summing to T), and divides its clipped sum by
     ``expected_batch_size`` = q·q₁·N (examples; q₁·N, X₁'s public nominal size), which also sets
-    its √B-coupled learning rate. ``dptune.search.subsample.public_schedule`` builds it.
+    its √B-coupled learning rate. ``dptune.search.planning.subsample.public_schedule`` builds it.
     """
 
     sample_rate: float
@@ -237,7 +237,7 @@ class Mechanism:
 @dataclass(frozen=True)
 class TrialConfig:
     """Everything that defines a trial: the ``workload`` it trains on (built once from the search's
-    task, :func:`dptune.search.cells.task_workload`) and the trial's own privacy, hyperparameters
+    task, :func:`dptune.search.planning.cells.task_workload`) and the trial's own privacy, hyperparameters
     and execution. Plain data; :meth:`row` is its flat form in a result row.
 
     Units: ``epsilon`` and ``delta`` of (ε, δ)-DP under add/remove adjacency; ``epochs`` is the

@@ -1,5 +1,5 @@
 """``python -m dptune.predict``: label new rows with a model a search published (``<results>/models/<model>/``,
-:mod:`dptune.search.publish`).
+:mod:`dptune.search.finish.publish`).
 
 The input (a csv, tsv, jsonl or parquet file or a ``save_to_disk`` folder, by suffix or ``--format``)
 has a column of texts, or of embeddings for a model trained with backbone ``none``; for an image
@@ -369,7 +369,7 @@ class Evaluation:
     those rows).
 
     ``rows`` (≥ 1) scored, ``correct`` of them predicted right; ``accuracy`` = correct / rows in
-    [0, 1] and its 95% Wilson score ``interval`` (:func:`dptune.search.publish.accuracy_interval`).
+    [0, 1] and its 95% Wilson score ``interval`` (:func:`dptune.search.finish.publish.accuracy_interval`).
     ``per_class``, indexed by class name in the card's order: ``support`` (rows of that true class),
     ``correct``, ``recall`` = correct / support and its Wilson interval ``low``, ``high`` (all three NaN
     for a class with no rows). ``confusion``: row counts, index the true class, columns the predicted
@@ -430,7 +430,7 @@ def evaluate(class_names: Sequence[str], *, labels: np.ndarray, predictions: np.
     row, ints in [0, len(class_names)), ``class_names`` naming them."""
     import pandas as pd
 
-    from dptune.search.publish import accuracy_interval
+    from dptune.search.finish.publish import accuracy_interval
 
     names = [str(name) for name in class_names]
     truth, chosen = np.asarray(labels, dtype=np.int64), np.asarray(predictions, dtype=np.int64)

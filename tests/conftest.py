@@ -461,13 +461,13 @@ def fault_injection_env(env: dict[str, str], folder: Path, condition: str, messa
     ``RuntimeError(message)`` inside ``run_trial``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
-        "import dptune.search.execution, dptune.runners.trial\n"
+        "import dptune.search.runs.execution, dptune.runners.trial\n"
         "_real = dptune.runners.trial.run_trial\n"
         "def run_trial(config, report=None, checkpoint=None):\n"
         f"    if {condition}:\n"
         f"        raise RuntimeError({message!r})\n"
         "    return _real(config, report, checkpoint)\n"
-        "dptune.runners.trial.run_trial = dptune.search.execution.run_trial = run_trial\n"
+        "dptune.runners.trial.run_trial = dptune.search.runs.execution.run_trial = run_trial\n"
     )
     return {**env, "PYTHONPATH": f"{folder}{os.pathsep}{env.get('PYTHONPATH', '')}"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dptune.search.sampler import MAX_PRUNED_PROPOSALS, CellSampler, CellSpec, SamplerExhausted
+from dptune.search.planning.sampler import MAX_PRUNED_PROPOSALS, CellSampler, CellSpec, SamplerExhausted
 
 GRID = CellSpec(
     sampler="grid",
@@ -127,7 +127,7 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
 
 
 def test_the_tune_searcher_checkpoints_plain_data(tmp_path: Path) -> None:
-    from dptune.search.searcher import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+    from dptune.search.scheduling.searcher import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
     from test_tune_adapters import context
 
     contexts = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}

@@ -27,8 +27,8 @@ from dptune.plan.mechanism import wrapped
 from dptune.records import ResultsStore, read_table, trial_rows
 from dptune.records.ids import configuration_id
 from dptune.search import CellPlan, base_trial_config, format_summary, preflight, summary_table
-from dptune.search.execution import TrialContext, run_spec
 from dptune.search.finished import STOPPED_COMPOSING
+from dptune.search.runs.execution import TrialContext, run_spec
 from dptune.space import Cell, load_space
 from dptune.space.tracking import TrackingSpec
 
@@ -150,7 +150,7 @@ def test_a_finished_search_shows_its_summary_from_a_read_only_folder(tiny_search
 #: ``compose`` the search rows (every run is recorded), ``report`` the report (the summary is printed).
 _WAITS_IN = """
 import sys, time
-import dptune.search.finished as finished, dptune.search.outcome as outcome
+import dptune.search.finished as finished, dptune.search.finish.outcome as outcome
 from dptune.search import main
 def wait(*args, **kwargs):
     print("waiting for Ctrl+C", flush=True)

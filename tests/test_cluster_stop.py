@@ -49,7 +49,7 @@ _SLOW_STOP = f"""
 import os
 if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
     import time
-    import dptune.search.outcome as outcome
+    import dptune.search.finish.outcome as outcome
     _stopped_by_signal = outcome.stopped_by_signal
     def stopped_by_signal(signals, *args, **kwargs):
         if signals:

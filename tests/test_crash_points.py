@@ -42,7 +42,7 @@ from dptune.privacy.checks import bound_text
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.ledger import charged_runs
 from dptune.runners.checkpoint import CHECKPOINTS, RunCheckpoint
-from dptune.search.subsample import RELEASE_SUFFIX
+from dptune.search.planning.subsample import RELEASE_SUFFIX
 from test_faults import TINY, expected_search_epsilon, ledger_entries, recorded
 
 # Installed as sitecustomize in every process of the search: the write functions are wrapped when

@@ -16,8 +16,8 @@ from dptune.privacy import calibrate_noise_multiplier
 from dptune.records import read_table, replicate_trial_id
 from dptune.records.ids import configuration_id
 from dptune.records.ledger import charged_runs
-from dptune.search.cells import CellPlan, base_trial_config
-from dptune.search.execution import (
+from dptune.search.planning.cells import CellPlan, base_trial_config
+from dptune.search.runs.execution import (
     TrialContext,
     record_pruned,
     run_configurations,

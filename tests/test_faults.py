@@ -20,8 +20,7 @@ import pytest
 
 from conftest import REPO_ROOT, run_search, search_command
 from dptune import search
-from dptune.records import read_table
-from dptune.search import lease
+from dptune.records import lease, read_table
 from expected import pld_epsilon
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"
@@ -62,7 +61,7 @@ def recorded(root: Path):
 
 _HOLDER = """
 import sys, time
-from dptune.search.lease import hold_lease
+from dptune.records.lease import hold_lease
 with hold_lease(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -117,8 +116,8 @@ def test_a_trial_worker_whose_search_is_gone_starts_and_writes_nothing(tmp_path:
     from dataclasses import replace
 
     from dptune.plan.mechanism import wrapped
-    from dptune.search.cells import CellPlan, base_trial_config
-    from dptune.search.execution import (
+    from dptune.search.planning.cells import CellPlan, base_trial_config
+    from dptune.search.runs.execution import (
         FinishedRun,
         TrialContext,
         charge_runs,
@@ -346,7 +345,7 @@ def test_lost_trial_processes_are_retried_charged_and_fail_the_command_until_res
 _FAIL_BEFORE_CHARGE = """
 import os, sys
 if sys.argv and sys.argv[0].endswith("default_worker.py"):
-    import dptune.search.execution as execution
+    import dptune.search.runs.execution as execution
     _real = execution.charge_runs
     def charge_runs(context, runs):
         if context.cell_key.startswith(os.environ["DPTUNE_TEST_FAIL_CELL"]):
@@ -560,7 +559,7 @@ def test_a_full_disk_stops_the_search_cleanly_and_resume_charges_every_training(
 
 _UNFETCHED = """
 import gc, time, ray
-from dptune.search.ray_session import init_ray
+from dptune.search.scheduling.ray_session import init_ray
 print(init_ray(None, 1), flush=True)
 lost = ray.remote(num_cpus=0)(lambda: open("/proc/dptune-full", "w"))
 ref = lost.remote()
@@ -583,7 +582,7 @@ def test_an_error_no_one_fetched_prints_no_ray_traceback(search_env: dict[str, s
 
 _NEXT_START = """
 import ray
-from dptune.search.ray_session import init_ray
+from dptune.search.scheduling.ray_session import init_ray
 print(init_ray(None, 1), flush=True)
 ray.shutdown()
 """

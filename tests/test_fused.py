@@ -516,7 +516,7 @@ def test_a_fused_unit_on_cached_features_imports_no_opacus_timm_or_transformers(
     script = (
         "import sys\n"
         "from dataclasses import replace\n"
-        "import dptune.search.execution, dptune.search.tune_adapters\n"
+        "import dptune.search.runs.execution, dptune.search.scheduling.tune_adapters\n"
         "from dptune.contract import TrialConfig, WorkloadSpec\n"
         "from dptune.plan.mechanism import with_mechanism\n"
         "from dptune.runners.fused import run_fused\n"

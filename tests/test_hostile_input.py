@@ -25,8 +25,8 @@ from dptune import plan, report, search
 from dptune.errors import MAX_SHOWN_CHARS, DptuneError
 from dptune.paths import probe_writable
 from dptune.plan.mechanism import wrapped
-from dptune.records import SCHEMAS, ResultsStore, read_table
-from dptune.search import driver, lease, preflight
+from dptune.records import SCHEMAS, ResultsStore, lease, read_table
+from dptune.search import driver, preflight
 from dptune.space import MAX_TRIALS_PER_CELL, Cell, SpaceError, load_space, parse_space
 
 TINY = REPO_ROOT / "tests/spaces/tiny.yaml"

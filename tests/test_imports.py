@@ -157,3 +157,103 @@ def test_sigma_is_calibrated_in_the_planner_only() -> None:
     assert not calibrating_consumers, f"σ calibrated where it is only read: {calibrating_consumers}"
     outside = {name for name in naming if name != "dptune.privacy" and not name.startswith("dptune.privacy.")}
     assert outside == {CALIBRATING_MODULE}, f"σ calibrated outside the planner: {sorted(outside)}"
+
+
+#: What each part of dptune may import (besides itself and the base: ``errors``, ``contract``, ``paths``,
+#: ``_thirdparty`` and the package root): the map of docs/ARCHITECTURE.md, read top to bottom. A part
+#: not named here (a new package) must be added, with its place in the map.
+BASE = frozenset({"dptune", "errors", "contract", "paths", "_thirdparty"})
+ALLOWED: dict[str, frozenset[str]] = {
+    "privacy": frozenset(),
+    "plan": frozenset({"privacy"}),
+    "space": frozenset({"plan", "privacy"}),
+    "models": frozenset(),
+    "data": frozenset({"models"}),
+    "dp": frozenset({"models", "privacy"}),
+    "records": frozenset(),
+    "runners": frozenset({"dp", "data", "models", "plan", "privacy", "records"}),
+    "analysis": frozenset({"plan", "records"}),
+    "report": frozenset({"analysis", "records"}),
+    "search.preflight": frozenset({"space", "plan", "privacy", "records"}),
+    "search.planning": frozenset({"space", "plan", "privacy", "data", "runners", "records", "search.runs"}),
+    "search.runs": frozenset({"runners", "records", "plan", "privacy"}),
+    "search.scheduling": frozenset(
+        {"search.preflight", "search.runs", "search.planning", "space", "records", "plan", "privacy"}
+    ),
+    "search.finish": frozenset(
+        {
+            "search.preflight",
+            "search.planning",
+            "search.runs",
+            "space",
+            "records",
+            "analysis",
+            "report",
+            "plan",
+            "privacy",
+        }
+    ),
+    "search": frozenset(
+        {
+            "search.preflight",
+            "search.planning",
+            "search.runs",
+            "search.scheduling",
+            "search.finish",
+            "space",
+            "plan",
+            "privacy",
+            "data",
+            "models",
+            "runners",
+            "records",
+            "analysis",
+            "report",
+        }
+    ),
+    "predict": frozenset({"data", "models", "records", "runners", "search.finish"}),
+    "__main__": frozenset(),
+}
+#: The parts of ``dptune.search`` with a place of their own in the map: its subpackages, and the checks
+#: before data (``preflight``), which every part of the search may use.
+SEARCH_PARTS = ("preflight", "planning", "runs", "scheduling", "finish")
+
+
+def part(module: str) -> str:
+    """The part of the map module ``module`` belongs to: ``dptune.search.runs.execution`` → ``search.runs``,
+    ``dptune.search.driver`` → ``search``, ``dptune.privacy.prv`` → ``privacy``, ``dptune.errors`` → ``errors``."""
+    names = module.split(".")[1:]
+    if not names:
+        return "dptune"
+    if names[0] == "search" and len(names) > 1 and names[1] in SEARCH_PARTS:
+        return f"search.{names[1]}"
+    return names[0]
+
+
+def test_every_import_follows_the_map() -> None:
+    """Data flows one way (docs/ARCHITECTURE.md): every import between parts of dptune is one the map allows."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if part(target) != part(module)
+        and part(target) not in BASE
+        and part(target) not in ALLOWED.get(part(module), frozenset())
+    )
+    unmapped = sorted({part(module) for module in import_graph()} - set(ALLOWED) - BASE)
+    assert not unmapped, f"parts of dptune missing from the map (ALLOWED): {unmapped}"
+    assert not wrong, "imports against the map (docs/ARCHITECTURE.md): " + "; ".join(wrong)
+
+
+def test_ray_is_imported_only_where_scheduling_happens() -> None:
+    """``import ray`` (anywhere in a module) only in ``dptune.search.scheduling`` and ``dptune._thirdparty``."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module]
+            if any(t == "ray" or t.startswith("ray.") for t in targets):
+                found.append(name)
+    outside = sorted({n for n in found if part(n) != "search.scheduling" and n != "dptune._thirdparty"})
+    assert not outside, f"Ray imported outside dptune.search.scheduling: {outside}"

@@ -1,4 +1,4 @@
-"""Tracking in MLflow (``tracking.mlflow``, :mod:`dptune.search.tracking`): real searches logged to a
+"""Tracking in MLflow (``tracking.mlflow``, :mod:`dptune.search.finish.tracking`): real searches logged to a
 real ``mlflow server`` (SQLite store, artifacts served by it) on loopback, checked value by value
 against their Parquet records; a private search's release alone, its server's whole store scanned
 for traces of the hidden runs; a server that is down or refuses told before compute; one that dies
@@ -33,8 +33,8 @@ from conftest import ONE_CELL, REPO_ROOT, SHORT_PRIVATE, _free_ports, run_search
 from dptune import search
 from dptune.records import TRUST_BOUNDARY, read_table, release_label
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE
+from dptune.search.finish.tracking import CHECK_TIMEOUT_S, DPTUNE_RUN_TAG, check_server
 from dptune.search.preflight import PreflightError
-from dptune.search.tracking import CHECK_TIMEOUT_S, DPTUNE_RUN_TAG, check_server
 from dptune.space import load_space
 from dptune.space.tracking import TrackingSpec
 from hidden_runs import (
@@ -299,7 +299,7 @@ def test_a_search_logs_each_run_its_models_and_report_and_a_resume_adds_nothing(
 
 #: Kills the process whose id ``DPTUNE_TEST_KILL_PID`` holds when a search starts its logging.
 _KILL_BEFORE_LOGGING = """import os, signal, time
-import dptune.search.tracking as tracking
+import dptune.search.finish.tracking as tracking
 _log = tracking._SearchLogger.log
 def log(self):
     os.kill(int(os.environ["DPTUNE_TEST_KILL_PID"]), signal.SIGKILL)

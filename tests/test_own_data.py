@@ -199,7 +199,7 @@ import importlib.abc, importlib.util, os, pathlib, signal, sys
 
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "dptune.search.private_units":
+        if name != "dptune.search.runs.private_units":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -22,7 +22,7 @@ from dptune.contract import TrainedModel
 from dptune.paths import write_file_atomic
 from dptune.predict import PredictError, evaluate, evaluate_file, main
 from dptune.records.weights import CARD_JSON, MODEL_FILE, weights_bytes
-from dptune.search.publish import accuracy_interval
+from dptune.search.finish.publish import accuracy_interval
 
 #: The model's classes; ``spam`` has no row in the file, so its recall is undefined.
 CLASSES = ["billing", "outage", "refund", "spam"]

@@ -17,12 +17,17 @@ from dptune.privacy import cache
 from dptune.privacy.prv import epsilon_spent
 from dptune.records import owner_only
 from dptune.runners.common import cached_workload
-from dptune.search.embedded_ray import PRIVATE_RAY_FOLDER_ENV, RAY_SESSION_SUBFOLDER, RECORDS, private_ray_folder
-from dptune.search.execution import TrialContext
-from dptune.search.outcome import _subsample_release
-from dptune.search.private_units import PrivateUnit, kept_proposals, run_private_unit
-from dptune.search.ray_session import init_ray
-from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
+from dptune.search.finish.outcome import _subsample_release
+from dptune.search.planning.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
+from dptune.search.runs.execution import TrialContext
+from dptune.search.runs.private_units import PrivateUnit, kept_proposals, run_private_unit
+from dptune.search.scheduling.embedded_ray import (
+    PRIVATE_RAY_FOLDER_ENV,
+    RAY_SESSION_SUBFOLDER,
+    RECORDS,
+    private_ray_folder,
+)
+from dptune.search.scheduling.ray_session import init_ray
 from trial_configs import HEAD_TRIAL
 
 

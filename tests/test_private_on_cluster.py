@@ -17,8 +17,8 @@ import pandas as pd
 from conftest import REPO_ROOT, TINY_TRAIN_EXAMPLES, RayHead, ray_job_submit, search_command
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.search import TRIAL_COUNT_FILE
-from dptune.search.cells import plan_cells
 from dptune.search.modes import CLUSTER_TIMING_NOTE
+from dptune.search.planning.cells import plan_cells
 from dptune.space import load_space
 from hidden_runs import (
     assert_none_in,

@@ -19,7 +19,7 @@ from dptune.analysis import best_configurations, finished_trials
 from dptune.data.sources import load_20newsgroups
 from dptune.records import read_table
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, WEIGHTS_FOLDER
-from dptune.search.publish import model_name
+from dptune.search.finish.publish import model_name
 
 GROUPS = ("rec.autos", "sci.space", "talk.politics.guns")
 

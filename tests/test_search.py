@@ -36,8 +36,8 @@ from dptune.plan.mechanism import wrapped
 from dptune.records import SCHEMA_VERSION, TRUST_BOUNDARY, read_table
 from dptune.report import build_report
 from dptune.runners import fused
-from dptune.search import execution
-from dptune.search.sampler import CellSampler
+from dptune.search.planning.sampler import CellSampler
+from dptune.search.runs import execution
 from dptune.space import Cell, load_space
 from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
 from hidden_runs import assert_nothing_of_the_hidden_runs_outside, assert_owner_only, private_search

@@ -14,8 +14,8 @@ from dptune.plan.mechanism import wrapped
 from dptune.records import ResultsStore, trial_rows
 from dptune.records.ids import configuration_id
 from dptune.search import CellPlan, base_trial_config, format_summary, summary_table
-from dptune.search.cells import _trial_count
-from dptune.search.execution import TrialContext, run_spec
+from dptune.search.planning.cells import _trial_count
+from dptune.search.runs.execution import TrialContext, run_spec
 from dptune.space import Cell, SpaceError, parse_space
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 from dptune.errors import DptuneError
 from dptune.privacy.search import CompositionCost, composition_cost, select_release
-from dptune.search.statement import guarantee
+from dptune.search.finish.statement import guarantee
 from dptune.space import load_space
 from expected import pld_epsilon
 from test_imports import import_graph

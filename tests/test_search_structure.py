@@ -19,7 +19,7 @@ MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "Counter", "OrderedDict",
 #: Module-level names allowed to hold a mutable value, each with its reason: lookup tables that are never
 #: written (prefer a tuple or a ``MappingProxyType``), and the state left to move.
 ALLOWED: dict[str, str] = {
-    "dptune.search.lease._SEEN_HELD": "a trial worker's memory of the leases it saw held, across check_holder "
+    "dptune.records.lease._SEEN_HELD": "a trial worker's memory of the leases it saw held, across check_holder "
     "calls; it moves into what the worker's runs share once execution.TrialContext can carry it",
 }
 #: The longest a function of dptune.search may be, in lines (its decorators not counted).

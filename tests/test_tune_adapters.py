@@ -25,17 +25,17 @@ from dptune.privacy import epsilon_spent
 from dptune.records import read_table, replicate_trial_id
 from dptune.records.ids import configuration_id
 from dptune.records.ledger import charged_runs
-from dptune.search.cells import CellPlan, base_trial_config
-from dptune.search.execution import (
+from dptune.search.planning.cells import CellPlan, base_trial_config
+from dptune.search.planning.sampler import CellSampler, CellSpec
+from dptune.search.runs.execution import (
     FinishedRun,
     TrialContext,
     charge_runs,
     run_spec,
     write_result,
 )
-from dptune.search.sampler import CellSampler, CellSpec
-from dptune.search.searcher import METRIC, SCORES_KEY, CellMultiplexer, Unit
-from dptune.search.tune_adapters import (
+from dptune.search.scheduling.searcher import METRIC, SCORES_KEY, CellMultiplexer, Unit
+from dptune.search.scheduling.tune_adapters import (
     RUN_STATUSES_KEY,
     STORAGE_ERROR_KEY,
     CellRun,

@@ -26,8 +26,8 @@ from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.ledger import charged_runs
 from dptune.runners.fused import run_fused
 from dptune.runners.trial import run_trial
-from dptune.search.cells import format_plan, plan_cells
-from dptune.search.subsample import (
+from dptune.search.planning.cells import format_plan, plan_cells
+from dptune.search.planning.subsample import (
     RELEASE_SUFFIX,
     TUNING_ROWS_FILE,
     draw_tuning_rows,

@@ -1,6 +1,6 @@
 """σ, calibrated once: the one module outside :mod:`dptune.privacy` that calls ``calibrate_noise_multiplier``.
 
-The planner (``dptune.search.cells.plan_cells``, the ``python -m dptune.plan`` table) calibrates the σ of
+The planner (``dptune.search.planning.cells.plan_cells``, the ``python -m dptune.plan`` table) calibrates the σ of
 every run here and hands it on as a :class:`~dptune.contract.Mechanism` (σ, q, T, the epoch split, the
 expected batch, the (ε, δ) target); every consumer reads that object: the runners step with it, the
 privacy ledger charges it, an unfinished run's ε is accounted at it. Nothing downstream calibrates again,

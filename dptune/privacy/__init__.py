@@ -19,7 +19,7 @@ The modules, each with its own invariants:
   (import it as ``dptune.privacy.subsampled_tuning``);
 - ``search``: a search's cost from its records (the composition of its runs, the steps each is
   charged, the run a private search releases), numbers only: what its (ε, δ) covers, in words, is the
-  search's own (``dptune.search.statement``). It reads pandas tables; import it as
+  search's own (``dptune.search.finish.statement``). It reads pandas tables; import it as
   ``dptune.privacy.search``, it is not re-exported here.
 
 Nothing here imports above ``dptune.privacy`` but ``dptune.paths`` (the cache folder), ``dptune.errors``

@@ -1,5 +1,5 @@
 """The privacy cost of a search, from its records: numbers only (what it covers, in words, is the
-search's: ``dptune.search.statement``).
+search's: ``dptune.search.finish.statement``).
 
 Every trial records the ε it spent for the steps it actually took (``steps_taken``: a trial stopped
 early or failed counts what it ran; a pruned one, nothing). Trials of every cell and clipping
@@ -74,8 +74,10 @@ def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
     One trial: its own ε spent (the PRV accountant's) when that is the tighter of the two upper bounds.
     """
     took = trials[trials["steps_taken"].fillna(0) > 0]
-    mechanisms = trial_mechanisms(took)
-    spent = float(took["epsilon_spent"].sum())
+    # in a fixed order and summed exactly (math.fsum): the same trials give the same bits, whatever order
+    # their part files were read in
+    mechanisms = sorted(trial_mechanisms(took), key=lambda m: (m.noise_multiplier, m.sample_rate, m.steps))
+    spent = math.fsum(float(value) for value in took["epsilon_spent"])
     if not mechanisms:
         return CompositionCost(0, delta, 0.0, 0.0, 0.0)
     epsilon = composed_epsilon(mechanisms, delta)

@@ -3,7 +3,7 @@
 The accounting of Koskela & Kulkarni, "Practical differentially private hyperparameter tuning with
 subsampling" (NeurIPS 2023), their variant 1. The bound holds for this procedure, and only under these
 assumptions, each checked against the search mode that runs it (``privacy.private_selection.
-tuning_subsample``: ``dptune.search.subsample`` and ``dptune.search.modes.SubsampleTuning``) and used
+tuning_subsample``: ``dptune.search.planning.subsample`` and ``dptune.search.modes.SubsampleTuning``) and used
 by ``bench/bench_subsampled_tuning.py``:
 
 1. **Subsample.** Every row of the private pool (training and validation rows alike) is kept
@@ -181,7 +181,7 @@ def plan_subsampled_tuning(
 
     ``tuning_runs`` and ``release_runs`` are the (sample rate, steps) of each candidate; σ of each
     comes from ``calibrate_noise_multiplier`` at the per-run ε; the planner wraps each in its runs'
-    mechanisms (``dptune.search.subsample.plan_tuning``), which the runs step with and the ledger
+    mechanisms (``dptune.search.planning.subsample.plan_tuning``), which the runs step with and the ledger
     charges: no run recalibrates. Bisection on log ε_run in [MIN_EPSILON, ε_total]. Guarantee: the returned plan's
     ``cost.epsilon`` ≤ ``epsilon_total``. Raises ``PrivacyParameterError`` when even MIN_EPSILON per
     run exceeds the total.

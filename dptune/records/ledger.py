@@ -54,7 +54,7 @@ READABLE_VERSIONS = (1, 2)
 #: Where :func:`replace_unreadable_start` moves an unreadable start file (``ledger/unreadable/``).
 UNREADABLE = "unreadable"
 #: How the trial ids of the runs charged in place of an unreadable start file begin: no row records
-#: them (``dptune.search.outcome.check_every_run_recorded`` expects none).
+#: them (``dptune.search.finish.outcome.check_every_run_recorded`` expects none).
 UNREADABLE_TRIAL_PREFIX = "unreadable-ledger-entry:"
 #: The flag of ``python -m dptune.search`` that charges unreadable start files conservatively.
 CHARGE_UNREADABLE_FLAG = "--charge-unreadable-ledger"

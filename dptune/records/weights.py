@@ -7,7 +7,7 @@ boundary with the records. The file holds the float32 arrays by parameter name a
 safetensors header's ``__metadata__`` (str → str), ``provenance`` (JSON) and ``logits``
 (``contract.LogitsRule``). Only what the runs trained is stored: a linear head is
 classes·(dim + 1) floats (30 KB for 20 classes on 384-d features), a PEFT model its PEFT
-parameters; ``peft: full`` stores the whole model per run. :mod:`dptune.search.publish` copies the
+parameters; ``peft: full`` stores the whole model per run. :mod:`dptune.search.finish.publish` copies the
 ones a search may publish to ``<results>/models/``.
 """
 
@@ -42,7 +42,7 @@ def trained_model(data: bytes) -> TrainedModel:
     """The :class:`TrainedModel` of safetensors bytes written by :func:`weights_bytes`."""
     metadata = safetensors_metadata(data)
     return TrainedModel(
-        parameters=load(data),
+        parameters=dict(sorted(load(data).items())),  # by name: the header's order varies from write to write
         provenance=json.loads(metadata.get("provenance", "{}")),
         logits="augmented" if metadata.get("logits") == "augmented" else "module",
     )

@@ -1,6 +1,6 @@
 """The runners: what turns :class:`~dptune.contract.TrialConfig` s into
 :class:`~dptune.contract.TrialResult` s, one DP fine-tune each. Ray-free; the search calls them
-from its Ray actors (``dptune.search.execution``) and tests call them directly.
+from its Ray actors (``dptune.search.runs.execution``) and tests call them directly.
 
 - :mod:`~dptune.runners.trial`: ``run_trial(config, report)``, one trial of any backbone × PEFT,
   and ``check_trial_can_run`` (torch-free to import); its implementation is

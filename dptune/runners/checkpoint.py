@@ -1,6 +1,6 @@
 """A run's training state kept between epochs, so that a lost process continues the same run.
 
-Used by the release of a private search tuned on a subsample (``dptune.search.subsample.
+Used by the release of a private search tuned on a subsample (``dptune.search.planning.subsample.
 release_context``): the release is charged once in the privacy ledger, and a kill during its
 training must neither leave the search stuck nor make a resume train a second, uncharged model.
 So after every epoch but the last (and before its first step) the trainer writes the run's whole

@@ -6,14 +6,14 @@
 Flow: validate the space and the flags (no compute; :mod:`~dptune.search.cli`, into
 :class:`~dptune.search.options.SearchOptions`) → every check
 that needs no data (:mod:`~dptune.search.preflight`), then the results folder's lease
-(:mod:`~dptune.search.lease`) → load the workload once in the driver (fills the feature cache) →
-plan each cell (steps, σ, min-step pruning; :mod:`~dptune.search.cells`) → one Ray Tune run for
-all cells (:mod:`~dptune.search.driver`, :mod:`~dptune.search.tune_adapters`), each cell with its
-own Optuna sampler (:mod:`~dptune.search.sampler`), budget and (optionally) ASHA scheduler, cells
+(:mod:`~dptune.records.lease`) → load the workload once in the driver (fills the feature cache) →
+plan each cell (steps, σ, min-step pruning; :mod:`~dptune.search.planning.cells`) → one Ray Tune run for
+all cells (:mod:`~dptune.search.driver`, :mod:`~dptune.search.scheduling.tune_adapters`), each cell with its
+own Optuna sampler (:mod:`~dptune.search.planning.sampler`), budget and (optionally) ASHA scheduler, cells
 side by side → each unit's runs train once and write their own Parquet rows and ledger entries as
-they end (:mod:`~dptune.search.execution`) → the search table (with the privacy cost of tuning)
-and the summary (:mod:`~dptune.search.outcome`) → report → with ``tracking.mlflow``, the finished search
-in MLflow (:mod:`~dptune.search.tracking`). Ray appears only in the driver and the Tune adapters.
+they end (:mod:`~dptune.search.runs.execution`) → the search table (with the privacy cost of tuning)
+and the summary (:mod:`~dptune.search.finish.outcome`) → report → with ``tracking.mlflow``, the finished search
+in MLflow (:mod:`~dptune.search.finish.tracking`). Ray appears only in the driver and the Tune adapters.
 
 The command line answers a mistake before anything heavy is imported: this package imports only
 :mod:`~dptune.search.cli` and its options; every other name below loads its module on first use (PEP 562).
@@ -46,7 +46,7 @@ _LAZY: Mapping[str, str] = MappingProxyType(
                 "record_pruned_grid",
                 "unit_size",
             ),
-            "cells",
+            "planning.cells",
         ),
         **dict.fromkeys(
             (
@@ -63,13 +63,13 @@ _LAZY: Mapping[str, str] = MappingProxyType(
                 "search_rows",
                 "summary_table",
             ),
-            "outcome",
+            "finish.outcome",
         ),
         **dict.fromkeys(("plans_that_ran", "run_search"), "driver"),
-        "init_ray": "ray_session",
-        "check_every_run_recorded": "outcome",
-        "run_cells": "tune_run",
-        "trial_slots": "tuners",
+        "init_ray": "scheduling.ray_session",
+        "check_every_run_recorded": "finish.outcome",
+        "run_cells": "scheduling.tune_run",
+        "trial_slots": "scheduling.tuners",
         **dict.fromkeys(("build_report_at", "conclude", "report_location", "search_finished"), "finished"),
     }
 )

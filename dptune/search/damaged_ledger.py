@@ -15,9 +15,9 @@ file from a backup instead, before passing the flag, keeps the tight ε.
 from __future__ import annotations
 
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, RunStart, replace_unreadable_start, unreadable_starts
-from dptune.search.cells import CellPlan
-from dptune.search.execution import TrialContext
-from dptune.search.subsample import release_context
+from dptune.search.planning.cells import CellPlan
+from dptune.search.planning.subsample import release_context
+from dptune.search.runs.execution import TrialContext
 
 
 def conservative_starts(contexts: list[TrialContext], runs_per_start: dict[str, int], file_name: str) -> list[RunStart]:

@@ -6,9 +6,8 @@ A search runs as named phases over one :class:`SearchSession`: :func:`load` → 
 of a search (a per-cell search, end-to-end private selection, tuning on a secret subsample) is its
 mode's (:mod:`dptune.search.modes`): the driver asks it and never branches on the shape.
 
-The driver does not import Ray: starting or joining it (:mod:`dptune.search.ray_session`), the Tune run
-(:mod:`dptune.search.tune_run`, :mod:`dptune.search.tuners`, :mod:`dptune.search.tune_adapters`) are the
-scheduling modules'; a trial (``dptune.runners.trial.run_trial``) is a plain function.
+The driver does not import Ray: starting or joining it and the Tune run are :mod:`dptune.search.scheduling`'s
+(the only place Ray is imported); a trial (``dptune.runners.trial.run_trial``) is a plain function.
 """
 
 from __future__ import annotations
@@ -28,7 +27,19 @@ from dptune.records import ResultsStore, read_table
 from dptune.records.ledger import charged_runs, unreadable_ends
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
-from dptune.search.cells import (
+from dptune.search.damaged_ledger import charge_unreadable_starts
+from dptune.search.finish.outcome import (
+    check_every_run_recorded,
+    release_choices,
+    release_rows,
+    search_rows,
+    stopped_by_signal,
+)
+from dptune.search.finish.publish import publish_models
+from dptune.search.finish.tracking import check_server
+from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
+from dptune.search.modes import SearchMode, mode_of
+from dptune.search.planning.cells import (
     CellPlan,
     base_trial_config,
     cell_context,
@@ -37,22 +48,10 @@ from dptune.search.cells import (
     plan_cells,
     task_workload,
 )
-from dptune.search.damaged_ledger import charge_unreadable_starts
-from dptune.search.execution import TrialContext
-from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
-from dptune.search.modes import SearchMode, mode_of
-from dptune.search.outcome import (
-    check_every_run_recorded,
-    release_choices,
-    release_rows,
-    search_rows,
-    stopped_by_signal,
-)
-from dptune.search.publish import publish_models
-from dptune.search.ray_session import check_cluster_resources, init_ray, shutdown_embedded
+from dptune.search.runs.execution import TrialContext
+from dptune.search.scheduling.ray_session import check_cluster_resources, init_ray, shutdown_embedded
+from dptune.search.scheduling.tune_run import run_cells, tune_storage
 from dptune.search.stopping import sigterm_raises, sigterm_stops_the_search
-from dptune.search.tracking import check_server
-from dptune.search.tune_run import run_cells, tune_storage
 from dptune.space import LoadedSpace, SearchSpace, load_space
 
 if TYPE_CHECKING:
@@ -169,7 +168,7 @@ def run_search(options: SearchOptions) -> str:
     """Validate, plan and run a whole search; return the results dataset's location.
 
     Except for ``--dry-run``, the search holds the exclusive lease on its results folder
-    (``dptune.search.lease``) from before it loads data until it returns or raises: a second search on
+    (``dptune.records.lease``) from before it loads data until it returns or raises: a second search on
     the same folder is refused at once. The mode's guards come with it (``SearchMode.guards``: a private
     search creates everything owner-only, and keeps its lease, Ray's session folder and Tune's lock files
     inside).

@@ -19,8 +19,8 @@ from dptune.errors import SearchInterrupted, stop_named
 from dptune.paths import LocationError, probe_writable
 from dptune.records import read_table
 from dptune.search import preflight
-from dptune.search.outcome import summary_text
-from dptune.search.tracking import log_search
+from dptune.search.finish.outcome import summary_text
+from dptune.search.finish.tracking import log_search
 
 if TYPE_CHECKING:
     from dptune.search.options import SearchOptions

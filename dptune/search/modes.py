@@ -5,7 +5,7 @@
   progress and timings are the user's to see.
 - :class:`PrivateSelection`: end-to-end private selection (Papernot–Steinke, ``privacy.private_selection``):
   a secret random number of runs K per cell, every per-run record inside ``<results>/inside_trust_boundary/``,
-  Tune's units carrying public numbers only (:mod:`dptune.search.private_units`).
+  Tune's units carrying public numbers only (:mod:`dptune.search.runs.private_units`).
 - :class:`SubsampleTuning`: private selection tuned on a secret subsample (Koskela–Kulkarni,
   ``private_selection.tuning_subsample``), then a release trained on every row with the tuned configuration.
 
@@ -26,17 +26,18 @@ from dptune._thirdparty import without_raylet_messages
 from dptune.errors import SearchError, SearchIncomplete
 from dptune.paths import write_file_atomic
 from dptune.records import TRUST_BOUNDARY_README, owner_only, read_table, runs_root
-from dptune.search.cells import CellPlan, cell_spec, kept_trial_counts, private_chunk_size
-from dptune.search.embedded_ray import private_ray_folder
-from dptune.search.execution import TrialContext, record_pruned
-from dptune.search.lease import hold_lease
-from dptune.search.private_units import kept_proposals, unrecorded_runs
-from dptune.search.sampler import CellSampler
-from dptune.search.subsample import RELEASE_PARAMETERS, draw_tuning_rows, kept_release_choice, release_context
-from dptune.search.tuners import cell_trainable, private_trainable, private_tuner, search_tuner
+from dptune.records.lease import hold_lease
+from dptune.search.planning.cells import CellPlan, cell_spec, kept_trial_counts, private_chunk_size
+from dptune.search.planning.sampler import CellSampler
+from dptune.search.planning.subsample import RELEASE_PARAMETERS, draw_tuning_rows, kept_release_choice, release_context
+from dptune.search.runs.execution import TrialContext, record_pruned
+from dptune.search.runs.private_units import kept_proposals, unrecorded_runs
+from dptune.search.scheduling.embedded_ray import private_ray_folder
+from dptune.search.scheduling.tune_run import TunedShape
+from dptune.search.scheduling.tuners import cell_trainable, private_trainable, private_tuner, search_tuner
 
 if TYPE_CHECKING:
-    from dptune.search.tune_adapters import TuneRunState
+    from dptune.search.scheduling.tune_adapters import TuneRunState
     from dptune.space import SearchSpace
 
 #: Each cell's proposals, drawn once before any run (a private search's; a search draws as it goes: None).
@@ -51,13 +52,12 @@ CLUSTER_TIMING_NOTE = (
 )
 
 
-class SearchMode(Protocol):
+class SearchMode(TunedShape, Protocol):
     """What differs between the shapes of a search, asked by the driver at each phase.
 
     ``private``: the per-run records, K and the runs' progress stay inside the trust boundary (and Ray
     logs critical errors only: ``ray_session.init_ray(private=...)``); ``shuts_down_ray``: an embedded Ray is
-    shut down before composing; ``tune_log_level``: the level of Tune's logger during the run;
-    ``composing_message``: the line before the search's outcome is composed.
+    shut down before composing; ``composing_message``: the line before the search's outcome is composed.
 
     User-level privacy (issue 52) is an axis across these modes, not a fourth mode: the privacy unit (an
     example, or a user's examples) is a property of the plan's mechanism (``cells.CellPlan``), which every
@@ -66,7 +66,6 @@ class SearchMode(Protocol):
 
     private: bool
     shuts_down_ray: bool
-    tune_log_level: int
     composing_message: str
 
     def runs_root(self, results_root: str) -> str:
@@ -100,22 +99,6 @@ class SearchMode(Protocol):
 
     def propose(self, space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext]) -> Proposals:
         """Each cell's proposals drawn before any run, or None (the searcher asks as the search goes)."""
-        ...
-
-    def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
-        """The Tune function trainable, with its parameters (``tune.with_parameters``)."""
-        ...
-
-    def tuner(
-        self,
-        space: SearchSpace,
-        plans: list[CellPlan],
-        contexts: dict[str, TrialContext],
-        trainable: Any,
-        run_config: Any,
-        state: TuneRunState,
-    ) -> Any:
-        """A fresh Tuner of the search (``tuners``)."""
         ...
 
     def check_complete(self, contexts: list[TrialContext], proposals: Proposals) -> None:
@@ -320,8 +303,8 @@ def train_releases(space: SearchSpace, plans: list[CellPlan], contexts: list[Tri
     ``private_units.run_release`` (charged in the privacy ledger before its first step, recorded,
     skipped when a resume finds it recorded; it returns nothing). Nothing is trained for a cell none of
     whose runs finished."""
-    from dptune.search.private_units import run_release
-    from dptune.search.ray_session import run_as_task
+    from dptune.search.runs.private_units import run_release
+    from dptune.search.scheduling.ray_session import run_as_task
 
     for plan, context in zip(plans, contexts, strict=True):
         assert plan.tuning is not None

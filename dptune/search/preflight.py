@@ -148,7 +148,7 @@ def local_gpus() -> int:
 def check_local_resources(resources: ResourcesSpec, cpus: int | None = None, gpus: int | None = None) -> None:
     """Refuse per-trial resources this machine cannot give (an embedded Ray would wait forever).
 
-    ``cpus``/``gpus`` default to what ``dptune.search.ray_session.init_ray`` gives the embedded Ray:
+    ``cpus``/``gpus`` default to what ``dptune.search.scheduling.ray_session.init_ray`` gives the embedded Ray:
     ``os.cpu_count()`` CPUs and ``local_gpus()`` GPUs.
     """
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
@@ -386,7 +386,7 @@ def set_aside_moved_tune_state(results_root: str, location: str, move: bool = Tr
     """On ``--resume`` of a folder copied or moved since Tune last saved its state (:data:`TUNE_LOCATION` names
     another place than ``location``): Tune's state leads back to the original folder (its new trials would
     write there), so it moves to ``<TUNE_EXPERIMENT>.moved-<time>`` and the search starts Tune afresh; what
-    to run comes from the folder itself (``dptune.search.reconcile``: every configuration recorded or charged
+    to run comes from the folder itself (``dptune.search.scheduling.reconcile``: every configuration recorded or charged
     is kept, every charged one without its rows runs again). ``move`` False (``--dry-run``) only says so.
     Returns one note."""
     import pyarrow.fs as pafs

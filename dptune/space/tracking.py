@@ -19,7 +19,7 @@ TRACKING_SCHEMES = ("http", "https")
 
 
 class TrackingSpec(BaseModel):
-    """Where a finished search is also logged (:mod:`dptune.search.tracking`); nothing by default."""
+    """Where a finished search is also logged (:mod:`dptune.search.finish.tracking`); nothing by default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

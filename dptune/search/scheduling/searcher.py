@@ -1,12 +1,12 @@
 """The searcher of a search's Ray Tune run: one Tune ``Searcher`` over every cell (:class:`CellMultiplexer`),
-and the unit it hands out (:class:`Unit`). Ray appears here, in :mod:`dptune.search.tune_adapters` and in
+and the unit it hands out (:class:`Unit`). Ray appears here, in :mod:`dptune.search.scheduling.tune_adapters` and in
 :mod:`dptune.search.driver` only.
 
 A Tune trial is a *unit*: one cell's batch of sampled configurations (C, B, η₀). Each cell keeps its own
-:class:`~dptune.search.sampler.CellSampler` and budget; the searcher's checkpoint is plain JSON
+:class:`~dptune.search.planning.sampler.CellSampler` and budget; the searcher's checkpoint is plain JSON
 (``save``/``restore``) and it pickles as plain data (``__getstate__``), so a resumed search never unpickles
 code. What Tune's saved state lags behind the results folder is learnt from the folder when a driver first
-asks for a unit (:mod:`dptune.search.reconcile`).
+asks for a unit (:mod:`dptune.search.scheduling.reconcile`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from ray.tune.search import Searcher
 
 from dptune.records import read_table
 from dptune.records.ledger import started_runs
-from dptune.search.execution import TrialContext, record_pruned, unit_runs
-from dptune.search.outcome import FailedUnits
-from dptune.search.reconcile import unknown_configurations
-from dptune.search.sampler import CellSampler
+from dptune.search.planning.sampler import CellSampler
+from dptune.search.runs.execution import FailedUnits, TrialContext, record_pruned, unit_runs
+from dptune.search.scheduling.reconcile import unknown_configurations
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
@@ -61,11 +60,11 @@ class CellMultiplexer(Searcher):
 
     Cells take turns (round-robin over those with budget left), so they run side by side. A
     unit asks its cell's sampler for up to ``unit_sizes[cell]`` configurations; a proposal with
-    T < T_min is recorded by :func:`~dptune.search.execution.record_pruned` (no compute) and does not
+    T < T_min is recorded by :func:`~dptune.search.runs.execution.record_pruned` (no compute) and does not
     count against the cell's ``budgets`` (configurations per cell).
 
     The first time a driver asks it for a unit, it learns from the results folder what Tune's saved state
-    missed (:mod:`dptune.search.reconcile`): recorded configurations are told and counted, charged ones
+    missed (:mod:`dptune.search.scheduling.reconcile`): recorded configurations are told and counted, charged ones
     without their rows are handed out again, as they were charged, before anything new is asked. So a
     cell asks at most its budget across any number of kills and resumes, and no charged run is dropped.
 
@@ -143,7 +142,7 @@ class CellMultiplexer(Searcher):
 
     def _reconcile(self) -> dict[str, list[dict[str, Any]]]:
         """Teach each cell's sampler what the results folder holds and it does not know (Tune's saved state
-        lags the folder: :mod:`dptune.search.reconcile`); returns, per cell, the charged configurations
+        lags the folder: :mod:`dptune.search.scheduling.reconcile`); returns, per cell, the charged configurations
         with a replicate unrecorded, which this searcher hands out before asking for anything new."""
         context = next(iter(self.contexts.values()))
         started = started_runs(context.results_root, context.search_id)
@@ -218,7 +217,7 @@ _DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn")
 
 def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str, FailedUnits]:
     """The runs of the units of a finished Tune run (its ``ResultGrid``) that ended in error, by cell key,
-    with the last line of one of their errors: :func:`dptune.search.outcome.check_every_run_recorded`
+    with the last line of one of their errors: :func:`dptune.search.finish.outcome.check_every_run_recorded`
     requires their rows."""
     failed: dict[str, tuple[list[str], str]] = {}
     for result in results:

@@ -1,25 +1,47 @@
-"""One Ray Tune run for every cell of a search (:func:`run_cells`): its trainable and Tuner are its mode's
-(:mod:`dptune.search.modes`), fresh or restored from Tune's state (``tuners.restore_tuner``), and what ends
-it early is recorded in a :class:`~dptune.search.tune_adapters.TuneRunState` this run owns."""
+"""One Ray Tune run for every cell of a search (:func:`run_cells`): its trainable and Tuner are its
+shape's (a :class:`TunedShape`: each mode of :mod:`dptune.search.modes` is one), fresh or restored
+from Tune's state (``tuners.restore_tuner``), and what ends
+it early is recorded in a :class:`~dptune.search.scheduling.tune_adapters.TuneRunState` this run owns."""
 
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dptune.records.ledger import started_runs
 from dptune.search import preflight
-from dptune.search.cells import CellPlan
-from dptune.search.execution import TrialContext
-from dptune.search.modes import SearchMode, mode_of
-from dptune.search.outcome import FailedUnits
-from dptune.search.tuners import restore_tuner
+from dptune.search.planning.cells import CellPlan
+from dptune.search.runs.execution import FailedUnits, TrialContext
+from dptune.search.scheduling.tuners import restore_tuner
 from dptune.space import SearchSpace
 
 if TYPE_CHECKING:
-    from dptune.search.tune_adapters import TuneRunState
+    from dptune.search.scheduling.tune_adapters import TuneRunState
+
+
+class TunedShape(Protocol):
+    """What a Tune run asks of a search's shape (:class:`dptune.search.modes.SearchMode` extends it): the
+    level of Tune's logger during the run, the trainable, and a fresh Tuner."""
+
+    tune_log_level: int
+
+    def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
+        """The Tune function trainable, with its parameters (``tune.with_parameters``)."""
+        ...
+
+    def tuner(
+        self,
+        space: SearchSpace,
+        plans: list[CellPlan],
+        contexts: dict[str, TrialContext],
+        trainable: Any,
+        run_config: Any,
+        state: TuneRunState,
+    ) -> Any:
+        """A fresh Tuner of the search (``tuners``)."""
+        ...
 
 
 def tune_storage(results_root: str) -> str:
@@ -32,25 +54,24 @@ def run_cells(
     plans: list[CellPlan],
     contexts: list[TrialContext],
     resume: bool,
-    mode: SearchMode | None = None,
+    mode: TunedShape,
 ) -> tuple[list[str], list[str], dict[str, FailedUnits]]:
     """One Ray Tune run for every cell of the search (resumed from its experiment state when asked);
-    returns what ended it early, from the run's :class:`~dptune.search.tune_adapters.TuneRunState`: the
+    returns what ended it early, from the run's :class:`~dptune.search.scheduling.tune_adapters.TuneRunState`: the
     results writes that failed and the stop signals received (Ctrl+C, SIGTERM), both empty when it ran
     to its end; and the runs of the units that failed for good, by cell (``searcher.failed_units``).
 
     The cells share the trial processes (one set-up, not one per cell) and run side by side. A unit
     whose process is lost runs again up to ``resources.max_retries`` times (Tune's ``FailureConfig``);
     ``resume`` restarts units that still errored, and those a stopped search left unfinished. The
-    trainable and the Tuner are the ``mode``'s (default: the space's, ``modes.mode_of``): a search's
+    trainable and the Tuner are the ``mode``'s (``modes.mode_of``): a search's
     units carry sampled configurations; an end-to-end private search's carry public unit numbers only.
     """
     from ray import tune
 
-    from dptune.search.searcher import failed_units
-    from dptune.search.tune_adapters import TuneRunState, stop_on_signals
+    from dptune.search.scheduling.searcher import failed_units
+    from dptune.search.scheduling.tune_adapters import TuneRunState, stop_on_signals
 
-    mode = mode or mode_of(space)
     # The longest units first (most epochs), so the last ones to finish are short: cells take turns
     # in this order (dicts keep it).
     cells = sorted(zip(plans, contexts, strict=True), key=lambda pair: -pair[0].cell.epochs)
@@ -68,7 +89,7 @@ def run_cells(
     return list(state.failures), list(state.signals), failed_units(results, by_key)
 
 
-def _quiet_tune(mode: SearchMode) -> None:
+def _quiet_tune(mode: TunedShape) -> None:
     """What Tune saves and prints while it runs."""
     # Save Tune's experiment state (searcher included) at most every 5 s instead of Tune's
     # adaptive period, so a resume repeats little; repeats are caught by configuration_id.
@@ -84,7 +105,7 @@ def _quiet_tune(mode: SearchMode) -> None:
 
 def _tuner(
     space: SearchSpace,
-    mode: SearchMode,
+    mode: TunedShape,
     plans: list[CellPlan],
     by_key: dict[str, TrialContext],
     where: tuple[Any, str],

@@ -53,9 +53,9 @@ from dptune.errors import shown
 from dptune.paths import filesystem
 from dptune.records import read_table, release_label
 from dptune.records.weights import CARD_JSON, MODELS_FOLDER
-from dptune.search.outcome import summary_text
+from dptune.search.finish.outcome import summary_text
+from dptune.search.finish.publish import CONFIG_COLUMNS
 from dptune.search.preflight import PreflightError
-from dptune.search.publish import CONFIG_COLUMNS
 from dptune.space.tracking import TrackingSpec
 
 if TYPE_CHECKING:

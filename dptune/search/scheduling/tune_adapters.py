@@ -1,17 +1,17 @@
 """The Ray Tune layer of a search: per-cell ASHA, the trainables, and the driver's callbacks. Ray appears
-here, in :mod:`dptune.search.searcher` (the searcher over every cell and its :class:`Unit`) and in
+here, in :mod:`dptune.search.scheduling.searcher` (the searcher over every cell and its :class:`Unit`) and in
 :mod:`dptune.search.driver` only.
 
-A Tune trial is a *unit* (:class:`~dptune.search.searcher.Unit`): one cell's batch of sampled
-configurations (C, B, η₀), run by :func:`dptune.search.execution.run_configurations` (fused where it
+A Tune trial is a *unit* (:class:`~dptune.search.scheduling.searcher.Unit`): one cell's batch of sampled
+configurations (C, B, η₀), run by :func:`dptune.search.runs.execution.run_configurations` (fused where it
 applies, R replicates each). A cell here is a cell under one clipping rule, named by its ``cell_key``
-(:attr:`dptune.search.cells.CellPlan.cell_key`). Its last report carries one score per configuration
+(:attr:`dptune.search.planning.cells.CellPlan.cell_key`). Its last report carries one score per configuration
 (``SCORES_KEY``, the mean selection value over replicates), which the searcher tells that cell's
-:class:`~dptune.search.sampler.CellSampler`.
+:class:`~dptune.search.planning.sampler.CellSampler`.
 
 Every class here is top-level and receives what it wraps (like Ray's ``ConcurrencyLimiter``); the
 callbacks pickle without their contexts and their :class:`TuneRunState`, which the driver binds anew
-on a restored Tuner's (:func:`dptune.search.tuners.restore_tuner`).
+on a restored Tuner's (:func:`dptune.search.scheduling.tuners.restore_tuner`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dptune.contract import EpochMetrics, TrialStatus
 from dptune.errors import DptuneError, storage_error
 from dptune.paths import write_file_atomic
 from dptune.records import ResultsStore
-from dptune.search.execution import (
+from dptune.search.runs.execution import (
     FinishedRun,
     TrialContext,
     run_configurations,
@@ -45,8 +45,8 @@ from dptune.search.execution import (
     unit_runs,
     write_result,
 )
-from dptune.search.private_units import UNIT_DONE, PrivateUnit, run_private_unit
-from dptune.search.searcher import METRIC, SCORES_KEY, Unit
+from dptune.search.runs.private_units import UNIT_DONE, PrivateUnit, run_private_unit
+from dptune.search.scheduling.searcher import METRIC, SCORES_KEY, Unit
 
 #: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
 RUN_STATUSES_KEY = "run_statuses"
@@ -57,7 +57,7 @@ STORAGE_ERROR_KEY = "storage_error"
 
 @dataclass
 class TuneRunState:
-    """What ended one Tune run early, owned by the driver (:func:`dptune.search.tune_run.run_cells` makes one
+    """What ended one Tune run early, owned by the driver (:func:`dptune.search.scheduling.tune_run.run_cells` makes one
     per run and reads it after Tune returns) and given to the driver's callbacks and signal handler.
 
     ``failures``: what went wrong in this driver process that must end the search, one line each (a
@@ -139,7 +139,7 @@ class PrivateUnitFailed(DptuneError, RuntimeError):
 
 def private_unit_trainable(params: dict[str, Any], contexts: dict[str, TrialContext], chunk: int) -> None:
     """Ray Tune function trainable of an end-to-end private search: one :class:`PrivateUnit`
-    (``dptune.search.private_units``), whose runs are read and recorded inside the trust boundary.
+    (``dptune.search.runs.private_units``), whose runs are read and recorded inside the trust boundary.
 
     What reaches Tune, and so Ray's state, logs and session folders, is the same whatever the runs
     did: one constant report (``UNIT_DONE``) and, on a failure, a storage error's one line

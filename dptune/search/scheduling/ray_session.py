@@ -1,7 +1,7 @@
 """Starting or joining Ray for a search, and what runs on it outside the Tune run.
 
 :func:`init_ray` joins a cluster (``--address`` or RAY_ADDRESS) or starts an embedded local Ray (its
-session recorded and a killed driver's leftovers ended first: :mod:`dptune.search.embedded_ray`);
+session recorded and a killed driver's leftovers ended first: :mod:`dptune.search.scheduling.embedded_ray`);
 :func:`shutdown_embedded` shuts an embedded one down; :func:`run_as_task` runs one function as a Ray
 task with a unit's resources (a subsample tuning's release).
 """
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from dptune.errors import SearchIncomplete
 from dptune.search import preflight
-from dptune.search.embedded_ray import end_orphans, private_session_folder, record_session
+from dptune.search.scheduling.embedded_ray import end_orphans, private_session_folder, record_session
 from dptune.space import SearchSpace
 
 #: Tries of an embedded Ray start whose processes time out registering (an overloaded machine: Ray
@@ -42,7 +42,7 @@ def init_ray(address: str | None, num_cpus: int | None = None, *, private: bool 
     the embedded case asks for ``address="local"`` explicitly. A cluster that cannot be joined
     raises ``PreflightError`` naming the address and, when no token is set, token authentication
     (``preflight.cluster_join_error``). An embedded start first ends what a killed embedded driver
-    left running and records its own session (:mod:`dptune.search.embedded_ray`). An embedded start
+    left running and records its own session (:mod:`dptune.search.scheduling.embedded_ray`). An embedded start
     that times out (Ray waits 30 s for its processes to register: an overloaded machine) is tried up
     to ``RAY_START_ATTEMPTS`` times, ``RAY_START_RETRY_PAUSE_S`` apart, then raises
     ``SearchIncomplete`` saying the machine is overloaded and what to do.

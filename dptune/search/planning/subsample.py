@@ -38,7 +38,7 @@ from dptune.space import SearchSpace
 from dptune.space.spec import TuningSubsampleSpec
 
 if TYPE_CHECKING:
-    from dptune.search.execution import TrialContext
+    from dptune.search.runs.execution import TrialContext
 
 #: The files inside a private search's trust boundary that keep X₁ (the tuning subsample, drawn once)
 #: and, per cell, the configuration the tuning chose for the release (fixed before the release trains).
@@ -239,7 +239,7 @@ def kept_release_choice(
 
 
 def release_context(tuning: TrialContext, plan: TuningPlan) -> TrialContext:
-    """The :class:`~dptune.search.execution.TrialContext` of the release of the cell whose tuning runs
+    """The :class:`~dptune.search.runs.execution.TrialContext` of the release of the cell whose tuning runs
     under ``tuning`` by ``plan``: every training row (no X₁), the full data's own schedule, the
     release's σ at the plan's per-run ε, no DP score (the release's validation accuracy is never
     released), one run, trained by the one-trial runner with its state checkpointed between epochs

@@ -23,9 +23,9 @@ from dptune.plan import sample_rate, total_steps
 from dptune.plan.mechanism import mechanisms, wrapped
 from dptune.privacy import PrivacyParameterError, draw_trial_count, plan_private_selection
 from dptune.privacy.checks import bound_text
-from dptune.search.execution import TrialContext, record_pruned
-from dptune.search.sampler import CellSpec
-from dptune.search.subsample import TuningPlan, on_tuning_rows, plan_tuning, public_schedules
+from dptune.search.planning.sampler import CellSpec
+from dptune.search.planning.subsample import TuningPlan, on_tuning_rows, plan_tuning, public_schedules
+from dptune.search.runs.execution import TrialContext, record_pruned
 from dptune.space import Cell, LoadedSpace, SearchSpace
 
 #: Most configurations one Tune trial carries under ``configurations_per_trial: auto``.
@@ -267,7 +267,7 @@ def _format_tuning(tuning: TuningPlan) -> list[str]:
 
 
 def cell_spec(space: SearchSpace, plan: CellPlan) -> CellSpec:
-    """The plain-data search space of one cell's sampler (:mod:`dptune.search.sampler`).
+    """The plain-data search space of one cell's sampler (:mod:`dptune.search.planning.sampler`).
 
     A grid is known in advance: its pruned B are never offered (:func:`record_pruned_grid` records
     them). Model-based and random samplers are offered the pruned B too, so they learn to avoid
@@ -329,7 +329,7 @@ def unit_size(space: SearchSpace, plan: CellPlan, slots: int, fused: bool) -> in
 
 
 def private_chunk_size(space: SearchSpace, fused: bool) -> int:
-    """Configurations a private unit runs at once (``dptune.search.private_units``): a public number,
+    """Configurations a private unit runs at once (``dptune.search.runs.private_units``): a public number,
     ``resources.configurations_per_trial``, or under ``auto`` ``MAX_UNIT_CONFIGURATIONS`` with the
     fused runner (which splits them to fit memory itself), else one."""
     asked = space.resources.configurations_per_trial
@@ -439,7 +439,7 @@ def cell_context(
     tuning_rows: str | None,
     lease_token: str | None,
 ) -> TrialContext:
-    """What every run of cell ``plan`` shares (:class:`~dptune.search.execution.TrialContext`): its base
+    """What every run of cell ``plan`` shares (:class:`~dptune.search.runs.execution.TrialContext`): its base
     configuration (on the secret tuning rows ``tuning_rows`` where it tunes on a subsample), ids, coupling,
     coins, runner, N with the mechanism per feasible B from the plan (a subsample tuning's: its runs' on
     their public schedules), a subsample tuning's public schedules, and the search's lease token; its runs

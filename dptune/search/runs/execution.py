@@ -47,11 +47,11 @@ from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import epsilon_spent
 from dptune.records import ResultsStore, read_table, trial_rows
 from dptune.records.ids import configuration_id, replicate_trial_id
+from dptune.records.lease import check_holder
 from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, record_starts
 from dptune.records.weights import write_weights
 from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.trial import run_trial
-from dptune.search.lease import check_holder
 
 _VERSIONED_PACKAGES = ("dptune", "torch", "opacus", "prv-accountant", "ray", "optuna", "timm", "transformers")
 
@@ -72,12 +72,12 @@ class TrialContext:
     step, at exactly the mechanism its runner steps with; a search always gives N (without it, as in
     unit tests that call the runners directly, no ledger is written). ``schedules`` (per
     B): the public schedules of a cell that tunes on a secret subsample
-    (``dptune.search.subsample.public_schedules``); each run then samples, steps, is charged and has
+    (``dptune.search.planning.subsample.public_schedules``); each run then samples, steps, is charged and has
     its η coupled by its schedule (η = η₀·√(q·q₁N / B_ref)). ``checkpoints``: a folder inside the
     trust boundary where each run keeps its training state between epochs
     (:mod:`dptune.runners.checkpoint`; the release of a subsample tuning): a run lost mid-training
     continues from it under its own start entry, so it is one run, charged once. ``lease_token``: the
-    token of the search's lease on ``results_root`` (``dptune.search.lease``); a run starts and a
+    token of the search's lease on ``results_root`` (``dptune.records.lease``); a run starts and a
     result is written only while that search holds it (None: unchecked, as in unit tests).
     """
 
@@ -356,6 +356,15 @@ def selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy
     DP score), 0 for a run that diverged or failed."""
     value = noisy_val_accuracy if config.score_noise_multiplier is not None else val_accuracy
     return value if status == "ok" and math.isfinite(value) else 0.0
+
+
+@dataclass(frozen=True)
+class FailedUnits:
+    """The runs of a cell's units that failed for good in a Tune run: their ``trial_ids`` and the last
+    line of the last error (empty when a unit's process was lost without one)."""
+
+    trial_ids: tuple[str, ...]
+    error: str
 
 
 @dataclass(frozen=True)

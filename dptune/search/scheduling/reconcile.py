@@ -25,8 +25,8 @@ import pandas as pd
 
 from dptune.records.ids import configuration_id, params_key, replicate_trial_id
 from dptune.records.ledger import RunStart
-from dptune.search.execution import TrialContext, selection_value
-from dptune.search.sampler import CellSampler, Told
+from dptune.search.planning.sampler import CellSampler, Told
+from dptune.search.runs.execution import TrialContext, selection_value
 
 #: The status of a configuration the min-step rule removed (recorded, never charged).
 PRUNED = "pruned_min_steps"

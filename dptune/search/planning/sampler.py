@@ -1,6 +1,6 @@
 """One cell's sampler: an Optuna study driven through its public ask/tell, with min-step pruning.
 
-Ray-free (Optuna only): :mod:`dptune.search.tune_adapters` wraps one :class:`CellSampler` per cell for
+Ray-free (Optuna only): :mod:`dptune.search.scheduling.tune_adapters` wraps one :class:`CellSampler` per cell for
 Ray Tune, and benchmarks drive it directly. A proposal whose batch size B gives fewer than T_min
 steps is never returned: it is handed to ``on_pruned`` (the search records it, no compute) and
 told to Optuna as pruned, which TPE ranks below every completed trial, so it stops proposing it.

@@ -10,7 +10,7 @@ or trial names, not Ray's GCS, dashboard, state API or session folders, not the 
 - Ray Tune schedules a *public* number of units per cell (:func:`unit_count`: the trial slots, as
   the cluster's resources give them), named only by (cell, unit index, unit count);
 - unit u of U runs the proposals n ≡ u (mod U) (:func:`unit_proposals`), in chunks of a public
-  size, each through :func:`dptune.search.execution.run_configurations` (charged in the privacy
+  size, each through :func:`dptune.search.runs.execution.run_configurations` (charged in the privacy
   ledger before its first step, recorded inside the boundary, skipped when recorded), and reports a
   constant to Tune (:data:`UNIT_DONE`).
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from dptune.paths import read_file, write_file_atomic
 from dptune.records import ResultsStore, owner_only
-from dptune.search.execution import TrialContext, run_checkpoint, run_configurations, run_spec, unit_runs
+from dptune.search.runs.execution import TrialContext, run_checkpoint, run_configurations, run_spec, unit_runs
 
 #: The file inside a private search's trust boundary that keeps every cell's proposals.
 PROPOSALS_FILE = "proposals.json"

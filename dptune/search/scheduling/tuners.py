@@ -1,6 +1,6 @@
 """The two Ray Tune ``Tuner`` shapes of a search (Ray appears here, in :mod:`dptune.search.driver` and
-in :mod:`dptune.search.tune_adapters`): a search's units carry sampled configurations; an end-to-end
-private search's carry public unit numbers only (:mod:`dptune.search.private_units`); and a restored
+in :mod:`dptune.search.scheduling.tune_adapters`): a search's units carry sampled configurations; an end-to-end
+private search's carry public unit numbers only (:mod:`dptune.search.runs.private_units`); and a restored
 Tuner of either, bound to this driver (:func:`restore_tuner`)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dptune.search.cells import CellPlan, cell_spec, record_pruned_grid, unit_size
-from dptune.search.execution import TrialContext
-from dptune.search.sampler import CellSampler
+from dptune.search.planning.cells import CellPlan, cell_spec, record_pruned_grid, unit_size
+from dptune.search.planning.sampler import CellSampler
+from dptune.search.runs.execution import TrialContext
 from dptune.space import SearchSpace
 
 if TYPE_CHECKING:
-    from dptune.search.tune_adapters import TuneRunState
+    from dptune.search.scheduling.tune_adapters import TuneRunState
 
 
 def trial_slots(space: SearchSpace) -> int:
@@ -40,8 +40,8 @@ def search_tuner(
     driver's callback prints each cell's progress (and records into ``state``, the driver's)."""
     from ray import tune
 
-    from dptune.search.searcher import METRIC, CellMultiplexer
-    from dptune.search.tune_adapters import CellRun, RecordAndReport
+    from dptune.search.scheduling.searcher import METRIC, CellMultiplexer
+    from dptune.search.scheduling.tune_adapters import CellRun, RecordAndReport
 
     slots = trial_slots(space)
     units = {plan.cell_key: unit_size(space, plan, slots, contexts[plan.cell_key].fused) for plan in plans}
@@ -83,7 +83,7 @@ def _per_cell_asha(space: SearchSpace, plans: list[CellPlan]) -> Any:
     """With ``scheduler`` set in the space, each cell's own ASHA (``tune_adapters.PerCellASHA``); else None."""
     from ray.tune.schedulers import ASHAScheduler
 
-    from dptune.search.tune_adapters import PerCellASHA
+    from dptune.search.scheduling.tune_adapters import PerCellASHA
 
     spec = space.scheduler
     if spec is None:
@@ -116,9 +116,9 @@ def private_tuner(
     line that a unit failed)."""
     from ray import tune
 
-    from dptune.search.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
-    from dptune.search.searcher import METRIC
-    from dptune.search.tune_adapters import StopOnStorageFailure, UnitFailureNotice
+    from dptune.search.runs.private_units import CELL_KEY, UNIT_KEY, UNITS_KEY, unit_count
+    from dptune.search.scheduling.searcher import METRIC
+    from dptune.search.scheduling.tune_adapters import StopOnStorageFailure, UnitFailureNotice
 
     units = unit_count(trial_slots(space))
     runs = next(iter(contexts.values())).results_root
@@ -152,8 +152,8 @@ def restore_tuner(experiment: str, trainable: Any, contexts: Mapping[str, TrialC
     from ray import tune
 
     from dptune._thirdparty import restored_configs
-    from dptune.search.searcher import CellMultiplexer
-    from dptune.search.tune_adapters import StopOnStorageFailure
+    from dptune.search.scheduling.searcher import CellMultiplexer
+    from dptune.search.scheduling.tune_adapters import StopOnStorageFailure
 
     tuner = tune.Tuner.restore(
         experiment, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=True
@@ -173,7 +173,7 @@ def cell_trainable(contexts: dict[str, TrialContext]) -> Any:
     """The Tune function trainable of a search (``tune_adapters.tune_trainable``) with the cells' contexts."""
     from ray import tune
 
-    from dptune.search.tune_adapters import tune_trainable
+    from dptune.search.scheduling.tune_adapters import tune_trainable
 
     return tune.with_parameters(tune_trainable, contexts=contexts)
 
@@ -183,6 +183,6 @@ def private_trainable(contexts: dict[str, TrialContext], chunk: int) -> Any:
     the cells' contexts and ``chunk``, the configurations a unit runs at once."""
     from ray import tune
 
-    from dptune.search.tune_adapters import private_unit_trainable
+    from dptune.search.scheduling.tune_adapters import private_unit_trainable
 
     return tune.with_parameters(private_unit_trainable, contexts=contexts, chunk=chunk)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +22,13 @@ from dptune.privacy.checks import bound_text
 from dptune.privacy.search import CompositionCost, composition_cost, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, release_label, runs_root, withheld_reason
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
-from dptune.search.statement import guarantee, test_withheld
-from dptune.search.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
+from dptune.search.finish.statement import guarantee, test_withheld
+from dptune.search.planning.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
+from dptune.search.runs.execution import FailedUnits
 from dptune.space import LoadedSpace, SearchSpace
 
 if TYPE_CHECKING:
-    from dptune.search.cells import CellPlan
+    from dptune.search.planning.cells import CellPlan
 
 
 #: ``search`` columns that count or compose the runs of a search: null for an end-to-end private
@@ -498,15 +498,6 @@ def stopped_by_signal(
         "the privacy ledger)",
         int(signal.Signals[name]),
     )
-
-
-@dataclass(frozen=True)
-class FailedUnits:
-    """The runs of a cell's units that failed for good in a Tune run: their ``trial_ids`` and the last
-    line of the last error (empty when a unit's process was lost without one)."""
-
-    trial_ids: tuple[str, ...]
-    error: str
 
 
 def check_every_run_recorded(

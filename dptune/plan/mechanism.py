@@ -75,7 +75,7 @@ def mechanisms(points: Iterable[Point], delta: float, num_train: int, progress: 
     with (
         ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool,
         tqdm(
-            total=len(order), desc="calibrating σ", unit="σ", file=sys.stderr, disable=not progress, leave=False
+            total=len(order), desc="calibrating σ", unit="B", file=sys.stderr, disable=not progress, leave=False
         ) as bar,
     ):
         futures = {point: pool.submit(mechanism, point[0], delta, num_train, point[2], point[1]) for point in order}

@@ -37,7 +37,6 @@ from dptune.search.scheduling.tune_run import TunedShape
 from dptune.search.scheduling.tuners import cell_trainable, private_trainable, private_tuner, search_tuner
 
 if TYPE_CHECKING:
-    from dptune.search.scheduling.tune_adapters import TuneRunState
     from dptune.space import SearchSpace
 
 #: Each cell's proposals, drawn once before any run (a private search's; a search draws as it goes: None).
@@ -154,16 +153,7 @@ class CellSearch:
     def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
         return cell_trainable(contexts)
 
-    def tuner(
-        self,
-        space: SearchSpace,
-        plans: list[CellPlan],
-        contexts: dict[str, TrialContext],
-        trainable: Any,
-        run_config: Any,
-        state: TuneRunState,
-    ) -> Any:
-        return search_tuner(space, plans, contexts, trainable, run_config, state)
+    tuner = staticmethod(search_tuner)
 
     def check_complete(self, contexts: list[TrialContext], proposals: Proposals) -> None:
         return None
@@ -228,16 +218,7 @@ class PrivateSelection:
     def trainable(self, space: SearchSpace, contexts: dict[str, TrialContext], fused: bool) -> Any:
         return private_trainable(contexts, private_chunk_size(space, fused))
 
-    def tuner(
-        self,
-        space: SearchSpace,
-        plans: list[CellPlan],
-        contexts: dict[str, TrialContext],
-        trainable: Any,
-        run_config: Any,
-        state: TuneRunState,
-    ) -> Any:
-        return private_tuner(space, plans, contexts, trainable, run_config, state)
+    tuner = staticmethod(private_tuner)
 
     def check_complete(self, contexts: list[TrialContext], proposals: Proposals) -> None:
         assert proposals is not None

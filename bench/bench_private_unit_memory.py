@@ -55,11 +55,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="a JSON file for the results")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from dptune.search.planning.cells import TRIAL_COUNT_FILE, plan_cells
+    from dptune.search.modes import mode_of
+    from dptune.search.planning.cells import TRIAL_COUNT_FILE
     from dptune.space import load_space
 
     space = load_space(SPACE, {"epochs": [args.epochs]}).space
-    (plan,) = plan_cells(space, args.max_train_examples, progress=False)
+    (plan,) = mode_of(space).plan(space, args.max_train_examples, progress=False)
     storage = Path(tempfile.mkdtemp(prefix="unit-memory-"))
     results = {}
     for k in args.k:

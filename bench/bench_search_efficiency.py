@@ -108,7 +108,7 @@ def build_grid(args: argparse.Namespace) -> pd.DataFrame:
             )
         ).train
     )
-    plan = search.plan_cells(space, num_train, progress=False)[0]
+    plan = search.mode_of(space).plan(space, num_train, progress=False)[0]
     base = search.base_trial_config(space, plan, None, None)
     if args.threads is not None:
         base = replace(base, threads=args.threads)

@@ -66,7 +66,7 @@ def main() -> None:
             "training.compare_auto_s": False,
         }
         space = load_space(ROOT / "search_spaces/default.yaml", overrides).space
-        plan = search.plan_cells(space, num_train, progress=False)[0]
+        plan = mode_of(space).plan(space, num_train, progress=False)[0]
         plan = replace(plan, configurations=points)
         context = TrialContext(
             base=search.base_trial_config(space, plan, args.max_train_examples, None),

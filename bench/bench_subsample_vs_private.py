@@ -47,7 +47,8 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
     from dptune.data import load_workload
     from dptune.errors import SearchError
     from dptune.runners.fused import run_fused
-    from dptune.search.planning.cells import base_trial_config, cell_spec, plan_cells, task_workload
+    from dptune.search.modes import mode_of
+    from dptune.search.planning.cells import base_trial_config, cell_spec, task_workload
     from dptune.search.planning.sampler import CellSampler
     from dptune.search.planning.subsample import draw_tuning_rows, on_tuning_rows, public_schedules, release_context
     from dptune.search.runs.execution import TrialContext, run_spec
@@ -60,7 +61,7 @@ def procedure(mode: str, epsilon_total: float, args: argparse.Namespace, scratch
     started = time.perf_counter()
     workload = load_workload(task_workload(space, None, None))
     try:
-        (plan,) = plan_cells(space, len(workload.train), progress=False)  # K from fresh OS entropy
+        (plan,) = mode_of(space).plan(space, len(workload.train), progress=False)  # K from fresh OS entropy
     except SearchError as error:  # the total cannot pay for the mode's mean number of runs
         return {"mode": mode, "epsilon_total": epsilon_total, "unreachable": str(error)}
     base = base_trial_config(space, plan, None, None)

@@ -85,7 +85,7 @@ def grid(fraction: float, batch_sizes: list[int], args: argparse.Namespace) -> p
         },
     ).space
     num_train = len(load_workload(task_workload(space, None, None)).train)
-    plan = search.plan_cells(space, num_train, progress=False)[0]
+    plan = search.mode_of(space).plan(space, num_train, progress=False)[0]
     base = search.base_trial_config(space, plan, None, None)
     clips = np.geomspace(0.01, 10.0, args.clip_values).tolist()
     lr_values = np.geomspace(1e-4, 1e-1, args.lr_values).tolist()
@@ -199,7 +199,7 @@ def poisson_choices(fraction: float, rule: str, args: argparse.Namespace) -> lis
     space = load_space(DEFAULT_SPACE, overrides).space  # the default space's B = 32…2048
     workload = load_workload(task_workload(space, None, None))
     num_train = len(workload.train)
-    plan = search.plan_cells(space, num_train, progress=False)[0]
+    plan = search.mode_of(space).plan(space, num_train, progress=False)[0]
     tunable = [b for b in plan.feasible_batch_sizes if rule == "sample_rate" or b <= fraction * num_train]
     schedules = {b: tuning_schedule(num_train, b, args.epochs, fraction, rule) for b in tunable}
     nan = float("nan")

@@ -156,7 +156,7 @@ def wait(*args, **kwargs):
     print("waiting for Ctrl+C", flush=True)
     time.sleep(600)
 if sys.argv[1] == "compose":
-    outcome.search_rows = wait
+    outcome.cell_search_rows = wait
 else:
     finished.build_report_at = wait
 main(sys.argv[2:])

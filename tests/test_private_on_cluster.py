@@ -17,8 +17,7 @@ import pandas as pd
 from conftest import REPO_ROOT, TINY_TRAIN_EXAMPLES, RayHead, ray_job_submit, search_command
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.search import TRIAL_COUNT_FILE
-from dptune.search.modes import CLUSTER_TIMING_NOTE
-from dptune.search.planning.cells import plan_cells
+from dptune.search.modes import CLUSTER_TIMING_NOTE, mode_of
 from dptune.space import load_space
 from hidden_runs import (
     assert_none_in,
@@ -120,7 +119,8 @@ def _released_to_ray(ray_head: RayHead, submissions: list[str]) -> dict[str, byt
 
 def _seed_trial_count(space: Path, storage: Path, name: str, overrides: dict, trials: int) -> None:
     """Fix the cell's K before the search starts, as a resume finds it kept inside the trust boundary."""
-    (plan,) = plan_cells(load_space(space, overrides).space, TINY_TRAIN_EXAMPLES, progress=False)
+    search_space = load_space(space, overrides).space
+    (plan,) = mode_of(search_space).plan(search_space, TINY_TRAIN_EXAMPLES, progress=False)
     inside = storage / name / TRUST_BOUNDARY
     inside.mkdir(parents=True)
     (inside / TRIAL_COUNT_FILE).write_text(json.dumps({plan.cell_key: trials}))

@@ -268,7 +268,7 @@ def test_trials_draw_secret_coins_that_the_results_cannot_regenerate(tiny_search
 
 def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> None:
     loaded = load_space(TINY, {"reproducible": True})
-    plan = search.plan_cells(loaded.space, TINY_TRAIN_EXAMPLES, progress=False)[0]
+    plan = search.mode_of(loaded.space).plan(loaded.space, TINY_TRAIN_EXAMPLES, progress=False)[0]
 
     def context(reproducible_seed: int | None) -> execution.TrialContext:
         return execution.TrialContext(
@@ -290,7 +290,7 @@ def test_reproducible_opt_in_gives_each_trial_its_own_seed_and_repeats_it() -> N
         execution.run_spec(seeded, first).config.seed != execution.run_spec(seeded, second).config.seed
     )  # never shared
     assert execution.run_spec(context(None), first).config.seed is None  # the default: fresh OS entropy
-    assert "REPRODUCIBLE from seed 0" in search.format_plan(loaded, [plan])
+    assert "REPRODUCIBLE from seed 0" in search.format_cell_plans(loaded, [plan])
 
 
 def test_existing_results_need_resume(

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 from dptune.errors import DptuneError
 from dptune.privacy.search import CompositionCost, composition_cost, select_release
-from dptune.search.finish.statement import guarantee
+from dptune.search.modes import mode_of
 from dptune.space import load_space
 from expected import pld_epsilon
 from test_imports import import_graph
@@ -48,6 +48,11 @@ def _space(sampler: str, asha: bool, private: bool, reproducible: bool):
     return load_space(PRIVATE if private else DEFAULT, overrides).space
 
 
+def _guarantee(space, official_test: bool, cost: CompositionCost | None, bound: float | None = None) -> str:
+    """The statement the space's search mode gives (``SearchMode.guarantee``)."""
+    return mode_of(space).guarantee(space, official_test, cost, bound)
+
+
 SHAPES = [(sampler, asha, False) for sampler, asha in itertools.product(("random", "grid", "tpe"), (False, True))]
 SHAPES.append(("random", False, True))
 
@@ -67,7 +72,7 @@ def test_guarantee_text_says_what_each_search_shape_covers(
             _space(sampler, asha, private, reproducible)
         return
     space = _space(sampler, asha, private, reproducible)
-    text = guarantee(space, official_test, None if private else COST, 7.9 if private else None)
+    text = _guarantee(space, official_test, None if private else COST, 7.9 if private else None)
     if reproducible:  # public coins: nothing is claimed, whatever the shape
         assert text.startswith(NO_GUARANTEE) and "-DP" not in text
         return
@@ -104,7 +109,7 @@ def test_guarantee_text_says_what_each_search_shape_covers(
 
 def test_tpe_asha_and_random_search_state_different_guarantees() -> None:
     texts = {
-        shape: guarantee(_space(*shape, private=False, reproducible=False), True, COST)
+        shape: _guarantee(_space(*shape, private=False, reproducible=False), True, COST)
         for shape in (("random", False), ("tpe", False), ("random", True))
     }
     assert len(set(texts.values())) == 3

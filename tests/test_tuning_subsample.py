@@ -26,7 +26,7 @@ from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.ledger import charged_runs
 from dptune.runners.fused import run_fused
 from dptune.runners.trial import run_trial
-from dptune.search.planning.cells import format_plan, plan_cells
+from dptune.search.planning.cells import format_subsample_plan, plan_subsample_cell
 from dptune.search.planning.subsample import (
     RELEASE_SUFFIX,
     TUNING_ROWS_FILE,
@@ -85,7 +85,7 @@ def test_batch_sizes_above_the_subsample_are_not_tuned_and_none_left_is_refused(
 @pytest.mark.usefixtures("dptune_cache_dir")
 def test_the_planned_total_is_met_and_recomputes_from_the_plans_sigmas() -> None:
     loaded = subsample_space(0.2, "batch_size", [64, 256, 512])
-    (plan,) = plan_cells(loaded.space, 2000, progress=False)
+    plan = plan_subsample_cell(loaded.space, 2000)
     tuning = plan.tuning
     assert tuning is not None and plan.feasible_batch_sizes == (64, 256) and tuning.untunable == (512,)
     assert tuning.schedules == {b: tuning_schedule(2000, b, 10, 0.2, "batch_size") for b in (64, 256)}
@@ -106,7 +106,7 @@ def test_the_planned_total_is_met_and_recomputes_from_the_plans_sigmas() -> None
     assert recomputed.epsilon == pytest.approx(tuning.epsilon_total, rel=1e-9)
     assert 8.0 * (1 - 2 * SELECTION_EPSILON_RTOL) < tuning.epsilon_total <= 8.0  # the largest per-run ε that fits
     assert tuning.epsilon_tuning < tuning.epsilon_total and tuning.epsilon_release < tuning.epsilon_total
-    text = format_plan(loaded, [plan])
+    text = format_subsample_plan(loaded, [plan])
     assert "tuning on a secret subsample: q₁ = 0.2 of the training and validation rows, transfer 'batch_size'" in text
     assert f"the RDP bound of the whole: ε = {bound_text(tuning.epsilon_total, 4)}" in text
     assert f"     64   0.16         62   {tuning.noise_multipliers[64]:.4f}" in text
@@ -117,7 +117,7 @@ def test_the_planned_total_is_met_and_recomputes_from_the_plans_sigmas() -> None
 @pytest.mark.parametrize(("fraction", "transfer"), [(0.1, "sample_rate"), (0.5, "batch_size")])
 def test_the_planned_total_matches_an_independent_computation(fraction: float, transfer: str) -> None:
     space = subsample_space(fraction, transfer, [64, 256, 1024]).space
-    (plan,) = plan_cells(space, 10_000, progress=False)
+    plan = plan_subsample_cell(space, 10_000)
     tuning = plan.tuning
     assert tuning is not None
     selection = space.privacy.private_selection
@@ -133,18 +133,18 @@ def test_the_planned_total_matches_an_independent_computation(fraction: float, t
 
 
 def test_keeping_the_sample_rate_gives_tuning_runs_the_releases_noise() -> None:
-    (plan,) = plan_cells(subsample_space(0.1, "sample_rate", [128]).space, 2000, progress=False)
+    plan = plan_subsample_cell(subsample_space(0.1, "sample_rate", [128]).space, 2000)
     assert plan.tuning is not None and plan.tuning.noise_multipliers == plan.noise_multipliers
     assert plan.tuning.schedules == {128: (128 / 2000, round(10 * 2000 / 128))}
 
 
 def test_public_schedules_cut_the_tuning_steps_into_epochs_and_scale_the_expected_batch() -> None:
-    (plan,) = plan_cells(subsample_space(0.25, "sample_rate", [64, 128]).space, 2000, progress=False)
+    plan = plan_subsample_cell(subsample_space(0.25, "sample_rate", [64, 128]).space, 2000)
     assert plan.tuning is not None
     kept = public_schedules(plan.tuning, 2000, 10)
     for b in (64, 128):  # the release's own q, T and epochs; an expected batch of q₁·B on X₁
         assert kept[b] == PublicSchedule(b / 2000, total_steps(2000, b, 10), tuple(epoch_steps(2000, b, 10)), 0.25 * b)
-    (plan,) = plan_cells(subsample_space(0.3, "batch_size", [64, 128]).space, 2000, progress=False)
+    plan = plan_subsample_cell(subsample_space(0.3, "batch_size", [64, 128]).space, 2000)
     assert plan.tuning is not None
     for b, schedule in public_schedules(plan.tuning, 2000, 10).items():  # B on X₁'s nominal 600 rows
         assert (schedule.sample_rate, schedule.steps) == (b / 600, round(10 * 600 / b))
@@ -227,7 +227,7 @@ def test_a_private_subsample_search_trains_one_release_on_every_row_and_shows_no
     trials, release = read_table(str(inside), "trials"), read_table(str(root), "release")
     (row,) = read_table(str(root), "search").itertuples()
     space = load_space(space_file, overrides).space
-    (plan,) = plan_cells(space, TINY_TRAIN_EXAMPLES, progress=False)
+    plan = plan_subsample_cell(space, TINY_TRAIN_EXAMPLES)
     assert plan.tuning is not None and row.epsilon_selection == pytest.approx(plan.tuning.epsilon_total)
     assert row.epsilon_selection <= 8 and row.epsilon_per_trial == pytest.approx(plan.tuning.epsilon_per_run)
     # the tuning runs trained on X₁'s rows, with q and T of the public N

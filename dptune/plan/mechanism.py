@@ -1,10 +1,11 @@
 """σ, calibrated once: the one module outside :mod:`dptune.privacy` that calls ``calibrate_noise_multiplier``.
 
-The planner (``dptune.search.planning.cells.plan_cells``, the ``python -m dptune.plan`` table) calibrates the σ of
-every run here and hands it on as a :class:`~dptune.contract.Mechanism` (σ, q, T, the epoch split, the
-expected batch, the (ε, δ) target); every consumer reads that object: the runners step with it, the
-privacy ledger charges it, an unfinished run's ε is accounted at it. Nothing downstream calibrates again,
-so a planner/runner disagreement cannot hide behind a cached calibrator that happens to get the same inputs.
+The planner (``dptune.search.planning.cells``: ``plan_cells_per_cell``, ``plan_private_cell``,
+``plan_subsample_cell``; the ``python -m dptune.plan`` table) calibrates the σ of every run here and hands it
+on as a :class:`~dptune.contract.Mechanism` (σ, q, T, the epoch split, the expected batch, the (ε, δ) target);
+every consumer reads that object: the runners step with it, the privacy ledger charges it, an unfinished run's
+ε is accounted at it. Nothing downstream calibrates again, so a planner/runner disagreement cannot hide behind
+a cached calibrator that happens to get the same inputs.
 
 σ that :mod:`dptune.privacy` computes as part of a larger plan (private selection's per-trial ε, a
 subsample tuning's per-run ε) is wrapped, not recomputed (:func:`mechanism_of`, :func:`wrapped`).

@@ -4,7 +4,8 @@ Tune run for every cell, the search's privacy cost from its ledger, the summary 
 A search runs as named phases over one :class:`SearchSession`: :func:`load` → :func:`check` →
 :func:`plan` → :func:`start_ray` → :func:`run_units` → :func:`finish`. What differs between the shapes
 of a search (a per-cell search, end-to-end private selection, tuning on a secret subsample) is its
-mode's (:mod:`dptune.search.modes`): the driver asks it and never branches on the shape.
+mode's (:mod:`dptune.search.modes`: its plan, its Tune units, its records, its release and its privacy
+statement): the driver asks it and never branches on the shape.
 
 The driver does not import Ray: starting or joining it and the Tune run are :mod:`dptune.search.scheduling`'s
 (the only place Ray is imported); a trial (``dptune.runners.trial.run_trial``) is a plain function.
@@ -28,26 +29,11 @@ from dptune.records.ledger import charged_runs, unreadable_ends
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.damaged_ledger import charge_unreadable_starts
-from dptune.search.finish.outcome import (
-    check_every_run_recorded,
-    release_choices,
-    release_rows,
-    search_rows,
-    stopped_by_signal,
-)
-from dptune.search.finish.publish import publish_models
+from dptune.search.finish.outcome import check_every_run_recorded, stopped_by_signal
 from dptune.search.finish.tracking import check_server
 from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
 from dptune.search.modes import SearchMode, mode_of
-from dptune.search.planning.cells import (
-    CellPlan,
-    base_trial_config,
-    cell_context,
-    check_runner,
-    format_plan,
-    plan_cells,
-    task_workload,
-)
+from dptune.search.planning.cells import CellPlan, base_trial_config, check_runner, task_workload
 from dptune.search.runs.execution import TrialContext
 from dptune.search.scheduling.ray_session import check_cluster_resources, init_ray, shutdown_embedded
 from dptune.search.scheduling.tune_run import run_cells, tune_storage
@@ -273,7 +259,7 @@ def plan(session: SearchSession) -> None:
         task_workload(space, options.max_train_examples, options.max_eval_examples)
     )
     preflight.check_steps(space, len(workload.train))
-    session.plans = plan_cells(space, len(workload.train))
+    session.plans = mode.plan(space, len(workload.train))
     if not options.dry_run:
         session.plans = mode.prepare(session.runs, session.plans)
     session.warn(preflight.data_warnings(space, len(workload.train)))
@@ -284,7 +270,7 @@ def plan(session: SearchSession) -> None:
         not session.fused
     ):  # the model and its engine (Opacus or FiLM): what run_trial trains; the fused runner uses neither
         check_trial_can_run(base)
-    print(format_plan(session.loaded, session.plans), flush=True)
+    print(mode.format_plan(session.loaded, session.plans), flush=True)
 
 
 def start_ray(session: SearchSession) -> None:
@@ -300,7 +286,7 @@ def start_ray(session: SearchSession) -> None:
         sigterm_raises()
     session.started = time.monotonic()
     session.contexts = [
-        cell_context(
+        mode.cell_context(
             space,
             plan,
             options.max_train_examples,
@@ -372,12 +358,12 @@ def _publish(session: SearchSession, ran: list[CellPlan], trials: pd.DataFrame, 
     models first, then the release, then the search rows (a search row marks a finished search)."""
     from dptune.data.workload import dataset_info
 
-    space, runs, search_id = session.space, session.runs, session.search_id
+    space, mode, runs, search_id = session.space, session.mode, session.runs, session.search_id
     assert session.workload is not None
     public_test = dataset_info(session.workload.spec).official_test_split
     rows = [
         {**row, "warnings": json.dumps(session.notes + idle, ensure_ascii=False)}
-        for row in search_rows(
+        for row in mode.search_rows(
             session.loaded,
             ran,
             search_id,
@@ -386,9 +372,9 @@ def _publish(session: SearchSession, ran: list[CellPlan], trials: pd.DataFrame, 
             charged=charged_runs(runs, search_id, trials),
         )
     ]
-    choices = release_choices(space, ran, rows, trials)
-    released = release_rows(space, choices, official_test_split=public_test)
-    publish_models(
+    choices = mode.release_choices(ran, rows, trials)
+    released = mode.release_rows(space, choices, official_test_split=public_test)
+    mode.publish(
         space, session.results_root, runs, rows, [(r, c) for r, (_, _, c) in zip(released, choices, strict=True)]
     )
     store = ResultsStore(session.results_root)

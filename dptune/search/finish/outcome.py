@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from dptune.privacy.checks import bound_text
 from dptune.privacy.search import CompositionCost, composition_cost, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, release_label, runs_root, withheld_reason
 from dptune.records.ledger import UNREADABLE_TRIAL_PREFIX, charged_runs
-from dptune.search.finish.statement import guarantee, test_withheld
+from dptune.search.finish.statement import statement_of_cells, test_withheld
 from dptune.search.planning.subsample import RELEASE_PARAMETERS, RELEASE_SUFFIX
 from dptune.search.runs.execution import FailedUnits
 from dptune.space import LoadedSpace, SearchSpace
@@ -48,7 +48,7 @@ RUN_COUNT_COLUMNS = (
 )
 
 
-def search_rows(
+def cell_search_rows(
     loaded: LoadedSpace,
     plans: list[CellPlan],
     search_id: str,
@@ -57,35 +57,46 @@ def search_rows(
     official_test_split: bool,
     charged: pd.DataFrame | None = None,
 ) -> list[dict[str, Any]]:
-    """One ``search`` row per cell run, with the privacy cost of the tuning itself.
+    """A per-cell search's ``search`` rows: one per cell run, with the privacy cost of the tuning itself.
 
     ``trials`` is the search's ``trials`` table; ``charged`` what the privacy ledger charges
     (``ledger.charged_runs``: every run started, recorded or not; None: the ``trials`` rows, as
     for results from before the ledger). Per cell: the composition of its charged runs; for the
     whole search (every row alike): the composition of every charged run of every cell and
     variant, which all train on the same data, and how many of them left no row
-    (``runs_unrecorded``); with private selection, the bound it meets and none of
-    ``RUN_COUNT_COLUMNS``. ``official_test_split``: whether the dataset ships its test split
-    (``DatasetInfo.official_test_split``), which the guarantee's text states.
+    (``runs_unrecorded``). ``official_test_split``: whether the dataset ships its test split
+    (``DatasetInfo.official_test_split``), which the guarantee's text (``statement_of_cells``) states.
+    An end-to-end private search's rows: :func:`selection_search_row`.
     """
     space = loaded.space
     trials = trials[trials["search_id"] == search_id]
     charged = trials if charged is None else charged[charged["search_id"] == search_id]
-    if space.privacy.private_selection is not None:
-        return [
-            {**_plan_columns(loaded, plan, search_id), **_selection_columns(space, plan, official_test_split)}
-            for plan in plans
-        ]
     whole = composition_cost(charged, space.privacy.delta)
-    statement = guarantee(space, official_test_split, whole)
+    statement = statement_of_cells(space, official_test_split, whole)
     unrecorded = max(0, _took_steps(charged) - _took_steps(trials))
     return [
         {
-            **_plan_columns(loaded, plan, search_id),
+            **_plan_columns(loaded, plan, search_id, selection_bound_holds=False),
             **_composition_columns(space, plan, charged, whole, unrecorded, statement),
         }
         for plan in plans
     ]
+
+
+def selection_search_row(
+    loaded: LoadedSpace, plan: CellPlan, search_id: str, epsilon_selection: float, statement: str
+) -> dict[str, Any]:
+    """An end-to-end private search's ``search`` row of cell run ``plan``: the bound its plan meets
+    (``epsilon_selection``, at the space's δ), the guarantee's ``statement``, and none of
+    ``RUN_COUNT_COLUMNS`` (they would count its secret number of runs)."""
+    space = loaded.space
+    return {
+        **_plan_columns(loaded, plan, search_id, selection_bound_holds=not space.reproducible),
+        **{name: None for name in RUN_COUNT_COLUMNS},
+        "epsilon_selection": epsilon_selection,
+        "delta_selection": space.privacy.delta,
+        "guarantee": statement,
+    }
 
 
 def _took_steps(runs: pd.DataFrame) -> int:
@@ -93,8 +104,11 @@ def _took_steps(runs: pd.DataFrame) -> int:
     return len(runs[runs["steps_taken"].fillna(0) > 0])
 
 
-def _plan_columns(loaded: LoadedSpace, plan: CellPlan, search_id: str) -> dict[str, Any]:
-    """The ``search`` columns every search shape has: the cell run's plan, the space and the versions."""
+def _plan_columns(
+    loaded: LoadedSpace, plan: CellPlan, search_id: str, *, selection_bound_holds: bool
+) -> dict[str, Any]:
+    """The ``search`` columns every search shape has: the cell run's plan, the space and the versions
+    (``selection_bound_holds``: an end-to-end private search's bound, with secret coins)."""
     space = loaded.space
     return {
         "search_id": search_id,
@@ -110,7 +124,7 @@ def _plan_columns(loaded: LoadedSpace, plan: CellPlan, search_id: str) -> dict[s
         "num_train": plan.num_train,
         "configurations_pruned": len(plan.pruned_batch_sizes),
         "epsilon_per_trial": plan.cell.epsilon,
-        "selection_bound_holds": space.privacy.private_selection is not None and not space.reproducible,
+        "selection_bound_holds": selection_bound_holds,
         "reproducible": space.reproducible,
         "spec_yaml": loaded.text,
         "spec_hash": loaded.spec_hash,
@@ -149,26 +163,12 @@ def _composition_columns(
     }
 
 
-def _selection_columns(space: SearchSpace, plan: CellPlan, official_test_split: bool) -> dict[str, Any]:
-    """An end-to-end private search's columns: the bound its plan meets and its statement, and none of
-    ``RUN_COUNT_COLUMNS`` (they would count its secret number of runs)."""
-    epsilon_selection = selection_bound(space, plan)
-    return {
-        **{name: None for name in RUN_COUNT_COLUMNS},
-        "epsilon_selection": epsilon_selection,
-        "delta_selection": space.privacy.delta,
-        "guarantee": guarantee(space, official_test_split, None, epsilon_selection),
-    }
-
-
 def selection_bound(space: SearchSpace, plan: CellPlan) -> float:
-    """The total ε that an end-to-end private cell run meets at the space's δ: tuning on a subsample, the
-    plan's RDP total of tuning and release; else Papernot & Steinke's bound over the cell's feasible
-    batch sizes (``privacy.selection_epsilon``)."""
+    """The total ε that an end-to-end private cell run meets at the space's δ: Papernot & Steinke's bound
+    over the cell's feasible batch sizes (``privacy.selection_epsilon``). (Tuning on a subsample: the
+    plan's RDP total of tuning and release, ``plan.tuning.epsilon_total``.)"""
     selection = space.privacy.private_selection
     assert selection is not None
-    if plan.tuning is not None:
-        return plan.tuning.epsilon_total
     candidates = [
         TrialMechanism(
             plan.noise_multipliers[b],
@@ -186,27 +186,34 @@ def selection_bound(space: SearchSpace, plan: CellPlan) -> float:
     )
 
 
+#: How an end-to-end private search picks the run a cell releases from the search's ``trials`` rows
+#: (``search_id``'s): (those rows, the cell's plan) → the released run, or None (no run finished).
+Choose = Callable[[pd.DataFrame, "CellPlan"], "pd.Series | None"]
+
+
 def release_choices(
-    space: SearchSpace, plans: list[CellPlan], search_rows_: list[dict[str, Any]], trials: pd.DataFrame
+    plans: list[CellPlan], search_rows_: list[dict[str, Any]], trials: pd.DataFrame, choose: Choose
 ) -> list[tuple[CellPlan, dict[str, Any], pd.Series]]:
-    """An end-to-end private search's choice per cell: (plan, its ``search`` row, the run it releases):
-    the run with the best noisy validation score (``privacy.search.select_release``, randomized when
-    more than K runs finished: call it once and publish from what it chose), or, tuning on a
-    subsample, the release run (:func:`_subsample_release`). Empty for other searches; a cell none
-    of whose runs finished has none."""
-    if space.privacy.private_selection is None:
-        return []
+    """An end-to-end private search's choice per cell: (plan, its ``search`` row, the run it releases),
+    as ``choose`` picks it (:func:`selected_run`, :func:`subsample_release`; called once per cell:
+    publish from what it chose). A cell none of whose runs finished has none."""
     choices = []
     for plan, row in zip(plans, search_rows_, strict=True):
-        mine = trials[trials["search_id"] == row["search_id"]]
-        chosen = (
-            select_release(mine[mine["cell_id"] == plan.cell.cell_id], runs=plan.configurations)
-            if plan.tuning is None
-            else _subsample_release(mine, plan.cell.cell_id, plan.tuning.fraction)
-        )
+        chosen = choose(trials[trials["search_id"] == row["search_id"]], plan)
         if chosen is not None:
             choices.append((plan, row, chosen))
     return choices
+
+
+def selected_run(trials: pd.DataFrame, plan: CellPlan) -> pd.Series | None:
+    """Private selection's release of cell ``plan``: the run with the best noisy validation score
+    (``privacy.search.select_release``, randomized when more than K runs finished)."""
+    return select_release(trials[trials["cell_id"] == plan.cell.cell_id], runs=plan.configurations)
+
+
+def subsample_release(trials: pd.DataFrame, plan: CellPlan) -> pd.Series | None:
+    """Tuning on a subsample: the release run of cell ``plan`` (:func:`_subsample_release`)."""
+    return _subsample_release(trials, plan.cell.cell_id, plan.tuning_plan.fraction)
 
 
 def release_rows(
@@ -215,7 +222,7 @@ def release_rows(
     """The ``release`` rows of :func:`release_choices`: per cell, the released run's configuration, its
     noisy validation score (the maximum of the K noisy scores: biased upward), its test accuracy
     where the test split is public, and the budget; nothing that orders it among the runs (no trial
-    id, no time). Tuning on a subsample: the release run's configuration and test accuracy."""
+    id, no time). Tuning on a subsample: :func:`subsample_release_rows`."""
     selection = space.privacy.private_selection
     rows = []
     for plan, row, chosen in choices:
@@ -244,12 +251,23 @@ def release_rows(
                 "score_noise_multiplier": selection.score_noise_multiplier,
                 "mean_trials": float(space.sampler.trials_per_cell or 0),
                 "trial_count_shape": selection.trial_count_shape,
-                "tuning_fraction": plan.tuning.fraction if plan.tuning is not None else None,
-                "transfer": plan.tuning.transfer if plan.tuning is not None else None,
+                "tuning_fraction": None,
+                "transfer": None,
                 "guarantee": row["guarantee"],
             }
         )
     return rows
+
+
+def subsample_release_rows(
+    space: SearchSpace, choices: list[tuple[CellPlan, dict[str, Any], pd.Series]], *, official_test_split: bool
+) -> list[dict[str, Any]]:
+    """:func:`release_rows` of a search tuned on a subsample: with its q₁ and transfer rule."""
+    rows = release_rows(space, choices, official_test_split=official_test_split)
+    return [
+        {**row, "tuning_fraction": plan.tuning_plan.fraction, "transfer": plan.tuning_plan.transfer}
+        for row, (plan, _, _) in zip(rows, choices, strict=True)
+    ]
 
 
 def _subsample_release(trials: pd.DataFrame, cell_id: str, fraction: float) -> pd.Series | None:

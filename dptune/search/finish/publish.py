@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
@@ -32,7 +32,6 @@ from dptune.contract import TrainedModel
 from dptune.paths import write_file_atomic
 from dptune.records import read_table, release_label, withheld_reason
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, MODELS_FOLDER, read_weights, weights_bytes
-from dptune.space import SearchSpace
 
 #: Confidence of the accuracy intervals on a card (Wilson score interval of one run's k of n).
 CARD_CONFIDENCE = 0.95
@@ -54,6 +53,31 @@ CONFIG_COLUMNS = (
 )
 
 
+@dataclass(frozen=True)
+class Disclosure:
+    """What a published model's files say of its run and its data: ``names_run``: the card holds the
+    trial id (it orders the run among the runs); ``withheld``: the provenance keys left out of the
+    model file and the card; ``data_note``: what the card says of the data's sha256."""
+
+    names_run: bool
+    withheld: frozenset[str]
+    data_note: str
+
+
+#: A per-cell search's model: its run and data fingerprint are the user's to see.
+SEARCH_DISCLOSURE = Disclosure(
+    names_run=True,
+    withheld=frozenset(),
+    data_note="data_sha256 hashes the training rows: it identifies them and is not covered by (ε, δ)",
+)
+#: An end-to-end private release: neither the trial id nor the data's sha256 (``PRIVATE_PROVENANCE``).
+RELEASE_DISCLOSURE = Disclosure(
+    names_run=False,
+    withheld=PRIVATE_PROVENANCE,
+    data_note="the data's sha256 is withheld (a hash of the private rows is not covered by (ε, δ))",
+)
+
+
 def model_name(cell_id: str, clipping: str) -> str:
     """The folder name of a cell's model: its cell id and clipping rule, in file-name-safe characters."""
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{cell_id}-{clipping}")
@@ -68,31 +92,9 @@ def accuracy_interval(accuracy: float, rows: int) -> list[float] | None:
     return [float(interval.low), float(interval.high)]
 
 
-def publish_models(
-    space: SearchSpace,
-    results_root: str,
-    runs: str,
-    search_rows: list[dict[str, Any]],
-    releases: list[tuple[dict[str, Any], pd.Series]],
-    *,
-    trials: pd.DataFrame | None = None,
-) -> list[str]:
-    """Publish a finished search's models under ``<results>/models/`` and say where: ``releases`` (the
-    ``release`` rows with the runs they release) for an end-to-end private search, each model named by
-    its release's own total (ε, δ) (``records.release_label``), else the best model of each cell and
-    clipping rule. Returns the models' folders. ``trials``: the ``trials`` table of ``runs`` when the
-    caller has read it (:func:`publish_search_models`)."""
-    folders = (
-        publish_release_models(results_root, runs, releases)
-        if space.privacy.private_selection is not None
-        else publish_search_models(
-            results_root,
-            runs,
-            search_rows,
-            adaptive=space.sampler.name == "tpe" or space.scheduler is not None,
-            trials=trials,
-        )
-    )
+def show_models(results_root: str, folders: list[str]) -> list[str]:
+    """Say where a finished search published its models (``folders``, as :func:`publish_search_models` or
+    :func:`publish_release_models` return them, whichever the search's mode publishes); returns them."""
     if folders:
         print(f"models: {len(folders)} in {results_root.rstrip('/')}/{MODELS_FOLDER} (a model card in each)")
         for folder in folders:
@@ -152,7 +154,7 @@ def publish_search_models(
             "configuration_val_mean": float(configuration["val_accuracy"]),
             "configuration_replicates": int(configuration["replicates"]),
         }
-        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, private=False)
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, SEARCH_DISCLOSURE)
         if folder is not None:
             folders.append(folder)
     return folders
@@ -179,7 +181,7 @@ def publish_release_models(results_root: str, runs: str, choices: list[tuple[dic
             "test_withheld": None if public else withheld_reason(release),
         }
         key = (release_label(release), str(run["clipping"]))
-        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, private=True)
+        folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, RELEASE_DISCLOSURE)
         if folder is not None:
             folders.append(folder)
     return folders
@@ -198,30 +200,26 @@ def _publish(
     run: pd.Series,
     privacy: dict[str, Any],
     accuracy: dict[str, Any],
-    *,
-    private: bool,
+    disclosure: Disclosure,
 ) -> str | None:
     """Write run ``trial_id``'s model and cards under ``models/<model_name(*key)>``; None: it left no weights.
 
-    The model file and the card are written from one :func:`released_model`, redacted once for the
-    search's shape. ``private`` (an end-to-end private release): neither holds the trial id (it orders
-    the run among the runs) nor the data's sha256 (``PRIVATE_PROVENANCE``). The class names are on
-    every card: they name the model's outputs, so the label set is taken as public (the card says so)."""
+    The model file and the card are written from one :func:`released_model`, redacted once by the
+    search's ``disclosure`` (an end-to-end private release's, ``RELEASE_DISCLOSURE``: neither holds the
+    trial id, which orders the run among the runs, nor the data's sha256, ``PRIVATE_PROVENANCE``). The
+    class names are on every card: they name the model's outputs, so the label set is taken as public
+    (the card says so)."""
     trained = read_weights(runs, trial_id)
     if trained is None:
         return None
-    released = released_model(trained, private=private)
+    released = released_model(trained, disclosure)
     provenance = dict(released.provenance)
     class_names = json.loads(provenance.pop("class_names", "[]"))
     fingerprint = provenance.pop("data_sha256", None)
-    data_note = (
-        "the data's sha256 is withheld (a hash of the private rows is not covered by (ε, δ))"
-        if private
-        else "data_sha256 hashes the training rows: it identifies them and is not covered by (ε, δ)"
-    )
+    data_note = disclosure.data_note
     card: dict[str, Any] = {
         "dptune_version": __version__,
-        "model": {"cell_id": key[0], "clipping": key[1], "trial_id": None if private else trial_id},
+        "model": {"cell_id": key[0], "clipping": key[1], "trial_id": trial_id if disclosure.names_run else None},
         "data": {
             "dataset": str(run["dataset"]),
             "class_names": class_names,
@@ -243,15 +241,15 @@ def _publish(
     return folder
 
 
-def released_model(trained: TrainedModel, *, private: bool) -> TrainedModel:
+def released_model(trained: TrainedModel, disclosure: Disclosure) -> TrainedModel:
     """What leaves of a run's saved model: its parameters, logits rule and provenance, the provenance
-    redacted once for the search's shape. ``private`` (an end-to-end private release): without
+    redacted once by the search's ``disclosure``: an end-to-end private release's withholds
     ``PRIVATE_PROVENANCE`` (the data's sha256: a hash of the private rows is no DP release, whoever
     knows all rows but one can test guesses of it). The model file's header and the cards are both
     written from the one object this returns."""
-    if not private:
+    if not disclosure.withheld:
         return trained
-    provenance = {name: value for name, value in trained.provenance.items() if name not in PRIVATE_PROVENANCE}
+    provenance = {name: value for name, value in trained.provenance.items() if name not in disclosure.withheld}
     return replace(trained, provenance=provenance)
 
 

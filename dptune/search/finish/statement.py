@@ -10,7 +10,9 @@ has its function, which the search mode of that shape calls:
 - :func:`statement_of_subsample_tuning`: tuning on a secret subsample, then a release trained on every
   row (Koskela & Kulkarni, variant 1).
 
-:func:`guarantee` picks the shape from the space. Every statement ends with what the test split is
+The search's mode picks the statement of its shape (``dptune.search.modes``, ``SearchMode.guarantee``);
+a statement of a space with public coins (``reproducible: true``) is :func:`statement_of_public_coins`,
+whatever its shape. Every statement ends with what the test split is
 (:func:`statement_of_test_split`); :func:`test_withheld` says why a private release withholds its test
 accuracy. Never more than the code does. Torch-free and Ray-free.
 """
@@ -40,31 +42,6 @@ PUBLIC_COINS = (
     "Poisson batches from the public seed and the trial's id, so anyone holding them can regenerate "
     "the noise. The ε figures describe the mechanism as if its coins were secret (research use only)."
 )
-
-
-def guarantee(
-    space: SearchSpace,
-    official_test_split: bool,
-    cost: CompositionCost | None = None,
-    epsilon_selection: float | None = None,
-) -> str:
-    """What the search's (ε, δ) covers and what it does not, in words: the statement of the space's shape.
-
-    The statement follows the search's shape: coins (secret or ``reproducible``), proposals
-    (random and grid are drawn independently of the data; TPE adapts to exact validation
-    accuracies), stopping (ASHA stops runs on exact validation accuracies), end-to-end private
-    selection, and the dataset's test split (``official_test_split``: shipped with the dataset,
-    else carved from the private pool). ``cost`` is the whole search's composition (per-trial
-    budgets); ``epsilon_selection`` the private-selection bound (end-to-end private searches).
-    """
-    if space.reproducible:
-        return statement_of_public_coins()
-    selection = space.privacy.private_selection
-    if selection is not None and selection.tuning_subsample is not None:
-        return statement_of_subsample_tuning(space, official_test_split, epsilon_selection)
-    if selection is not None:
-        return statement_of_private_selection(space, official_test_split, epsilon_selection)
-    return statement_of_cells(space, official_test_split, cost)
 
 
 def statement_of_public_coins() -> str:
@@ -156,6 +133,8 @@ def statement_of_private_selection(
     """An end-to-end private search (Papernot & Steinke): only the release is covered, at the space's
     total (ε, δ) (``epsilon_selection``: the bound the plan met, quoted when known); what stays inside
     the trust boundary."""
+    if space.reproducible:
+        return statement_of_public_coins()
     selection = space.privacy.private_selection
     assert selection is not None, "a private-selection statement needs privacy.private_selection"
     bound = "" if epsilon_selection is None else f" (bound {epsilon_selection:.3g})"
@@ -179,6 +158,8 @@ def statement_of_subsample_tuning(
     """Tuning on a secret subsample, then a release trained on every row (Koskela & Kulkarni, variant 1):
     only the release is covered, at the space's total (ε, δ) (``epsilon_selection``: the plan's RDP
     total, quoted when known); what stays inside the trust boundary."""
+    if space.reproducible:
+        return statement_of_public_coins()
     selection = space.privacy.private_selection
     assert selection is not None and selection.tuning_subsample is not None, "needs privacy.private_selection"
     subsample = selection.tuning_subsample

@@ -57,6 +57,12 @@ class CellPlan:
         return {b: m.noise_multiplier for b, m in self.mechanisms.items()}
 
     @property
+    def tuning_plan(self) -> TuningPlan:
+        """:attr:`tuning` of a cell that tunes on a secret subsample (only such a cell has one)."""
+        assert self.tuning is not None, "only a cell that tunes on a subsample has a tuning plan"
+        return self.tuning
+
+    @property
     def cell_key(self) -> str:
         """The file-name-safe id of the cell under its clipping rule, e.g. ``eps1-E5`` or
         ``eps1-E5-auto_s``: it keys the cell's sampler, budget and Tune units, prefixes its
@@ -80,19 +86,19 @@ def _feasible(
     return feasible, tuple(b for b in candidates if b not in feasible)
 
 
-def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
-    """Plan every (ε, E) cell (and its AUTO-S variant when asked): pruning and the mechanism per B
-    (:func:`dptune.plan.mechanism.mechanisms`, every σ of the search calibrated here, once).
-
-    With ``privacy.private_selection`` the one cell's per-trial ε is the largest that meets the
-    total budget by the private-selection bound (``privacy.plan_private_selection``).
-    Raises ``SearchError`` when a cell has no batch size with T ≥ T_min.
-    """
+def _candidates(space: SearchSpace, num_train: int) -> list[int]:
+    """The space's batch sizes that fit the training set; raises ``SearchError`` when none does."""
     candidates = space.batch_size.candidates(num_train)
     if not candidates:
         raise SearchError(f"every batch size in the space exceeds the training set (N = {num_train})")
-    if space.privacy.private_selection is not None:
-        return [_plan_private_cell(space, candidates, num_train)]
+    return candidates
+
+
+def plan_cells_per_cell(space: SearchSpace, num_train: int, progress: bool = True) -> list[CellPlan]:
+    """Plan every (ε, E) cell of a per-cell search (and its AUTO-S variant when asked): pruning and the
+    mechanism per B (:func:`dptune.plan.mechanism.mechanisms`, every σ of the search calibrated here, once).
+    Raises ``SearchError`` when a cell has no batch size with T ≥ T_min."""
+    candidates = _candidates(space, num_train)
     variants: list[ClippingRule] = [space.training.clipping] + (["auto_s"] if space.training.compare_auto_s else [])
     cells = [(cell, *_feasible(space, candidates, num_train, cell.epochs, cell.cell_id)) for cell in space.cells()]
     found = mechanisms(
@@ -110,45 +116,58 @@ def plan_cells(space: SearchSpace, num_train: int, progress: bool = True) -> lis
     return plans
 
 
-def _plan_private_cell(space: SearchSpace, candidates: list[int], num_train: int) -> CellPlan:
-    """The one cell of an end-to-end private search: per-trial ε and the mechanism per B from the total
-    budget (σ from :mod:`dptune.privacy`'s plan, wrapped: ``dptune.plan.mechanism.wrapped``)."""
+def _private_batch_sizes(space: SearchSpace, num_train: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """The epochs E of an end-to-end private search's one cell and its (feasible, pruned) batch sizes."""
     selection = space.privacy.private_selection
     assert selection is not None and space.sampler.trials_per_cell is not None
     epochs = space.epochs[0]
-    feasible, pruned = _feasible(space, candidates, num_train, epochs, f"epochs={epochs}")
+    feasible, pruned = _feasible(space, _candidates(space, num_train), num_train, epochs, f"epochs={epochs}")
     print(f"finding the per-trial ε for a total of ε = {selection.epsilon:g} (private selection)...", flush=True)
-    tuning = None
-    if selection.tuning_subsample is not None:
-        tuning = plan_tuning(space, feasible, num_train, epochs)
-        feasible, epsilon_per_trial = tuple(tuning.schedules), tuning.epsilon_per_run
-        planned = tuning.release_mechanisms
-    else:
-        try:
-            found = plan_private_selection(
-                selection.epsilon,
-                space.privacy.delta,
-                space.sampler.trials_per_cell,
-                [sample_rate(num_train, b) for b in feasible],
-                [total_steps(num_train, b, epochs) for b in feasible],
-                shape=selection.trial_count_shape,
-                score_noise_multiplier=selection.score_noise_multiplier,
-            )
-        except PrivacyParameterError as error:
-            raise SearchError(f"privacy.private_selection: {error}") from None
-        epsilon_per_trial = found.epsilon_per_trial
-        sigmas = dict(zip(feasible, found.noise_multipliers, strict=True))
-        planned = wrapped(sigmas, epsilon_per_trial, space.privacy.delta, num_train, epochs)
-    plan = CellPlan(
-        Cell(epsilon=epsilon_per_trial, epochs=epochs),
-        space.training.clipping,
-        num_train,
-        feasible,
-        pruned,
-        planned,
-        0,
-        tuning,
+    return epochs, feasible, pruned
+
+
+def plan_private_cell(space: SearchSpace, num_train: int) -> CellPlan:
+    """The one cell of an end-to-end private search (``privacy.private_selection``): the per-trial ε, the
+    largest that meets the total budget by the private-selection bound (``privacy.plan_private_selection``),
+    and the mechanism per B (σ from that plan, wrapped: ``dptune.plan.mechanism.wrapped``). Raises
+    ``SearchError`` when no batch size has T ≥ T_min or the budget is unreachable."""
+    selection = space.privacy.private_selection
+    epochs, feasible, pruned = _private_batch_sizes(space, num_train)
+    assert selection is not None and space.sampler.trials_per_cell is not None
+    try:
+        found = plan_private_selection(
+            selection.epsilon,
+            space.privacy.delta,
+            space.sampler.trials_per_cell,
+            [sample_rate(num_train, b) for b in feasible],
+            [total_steps(num_train, b, epochs) for b in feasible],
+            shape=selection.trial_count_shape,
+            score_noise_multiplier=selection.score_noise_multiplier,
+        )
+    except PrivacyParameterError as error:
+        raise SearchError(f"privacy.private_selection: {error}") from None
+    sigmas = dict(zip(feasible, found.noise_multipliers, strict=True))
+    planned = wrapped(sigmas, found.epsilon_per_trial, space.privacy.delta, num_train, epochs)
+    cell = Cell(epsilon=found.epsilon_per_trial, epochs=epochs)
+    return _private_plan(space, CellPlan(cell, space.training.clipping, num_train, feasible, pruned, planned, 0))
+
+
+def plan_subsample_cell(space: SearchSpace, num_train: int) -> CellPlan:
+    """The one cell of a private search tuned on a secret subsample (``private_selection.tuning_subsample``):
+    its tuning plan (``subsample.plan_tuning``: the per-run ε, the tuning runs' schedules and mechanisms)
+    and, per tunable B, the release's mechanism on every training row."""
+    epochs, feasible, pruned = _private_batch_sizes(space, num_train)
+    tuning = plan_tuning(space, feasible, num_train, epochs)
+    cell = Cell(epsilon=tuning.epsilon_per_run, epochs=epochs)
+    clipping = space.training.clipping
+    planned = tuning.release_mechanisms
+    return _private_plan(
+        space, CellPlan(cell, clipping, num_train, tuple(tuning.schedules), pruned, planned, 0, tuning)
     )
+
+
+def _private_plan(space: SearchSpace, plan: CellPlan) -> CellPlan:
+    """A private search's one cell ``plan`` with its secret trial count K drawn (:func:`_trial_count`)."""
     return replace(plan, configurations=_trial_count(space, plan))
 
 
@@ -196,10 +215,10 @@ def _grid_size(space: SearchSpace, feasible: tuple[int, ...], clipping: str) -> 
     return clip_values * len(feasible) * len(space.base_learning_rate.grid() or [])
 
 
-def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
-    """A readable description of what the search will run (``--dry-run`` prints it)."""
+def _plan_header(loaded: LoadedSpace, plans: list[CellPlan]) -> list[str]:
+    """The first lines of a plan's description: the space, the task and the coins."""
     space = loaded.space
-    lines = [
+    return [
         f"search '{space.name}' from {loaded.path} (spec {loaded.spec_hash})",
         f"task: {space.task.dataset_name} / {space.task.backbone} / {space.task.peft}, "
         f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
@@ -212,39 +231,64 @@ def format_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
             else "fresh OS entropy per trial (noise, Poisson batches, initialisation), never stored"
         ),
     ]
-    selection = space.privacy.private_selection
-    if selection is not None:
-        lines.append(
-            f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
-            f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
-            f"{space.sampler.trials_per_cell}), noisy validation score "
-            f"σ_s = {selection.score_noise_multiplier:g}"
-        )
-    if (tuning := plans[0].tuning) is not None:
-        lines += _format_tuning(tuning)
+
+
+def _cell_lines(space: SearchSpace, plan: CellPlan, count: str) -> list[str]:
+    """A cell's lines in a plan's description: its ``count`` of configurations and its mechanism per B."""
+    lines = [f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}", "      B      T   σ        σ√T"]
+    for b in plan.feasible_batch_sizes:
+        steps, sigma = plan.mechanisms[b].steps, plan.mechanisms[b].noise_multiplier
+        lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
+    if plan.pruned_batch_sizes:
+        lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
+    if oversized := space.batch_size.oversized(plan.num_train):
+        lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
+    return lines
+
+
+def format_cell_plans(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
+    """A readable description of what a per-cell search will run (``--dry-run`` prints it): each cell's
+    configurations and mechanism per B, and the total."""
+    space = loaded.space
     runs = f" × {space.replicates} replicates" if space.replicates > 1 else ""
+    lines = _plan_header(loaded, plans)
     for plan in plans:
-        count = (
-            f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
-            if selection is not None
-            else f"{plan.configurations} configurations{runs}"
-        )
-        lines.append(f"cell {plan.cell.cell_id} [{plan.clipping}]: {count}")
-        lines.append("      B      T   σ        σ√T")
-        for b in plan.feasible_batch_sizes:
-            steps, sigma = plan.mechanisms[b].steps, plan.mechanisms[b].noise_multiplier
-            lines.append(f"  {b:>5} {steps:>6}   {sigma:<8.4f} {sigma * math.sqrt(steps):.2f}")
-        if plan.pruned_batch_sizes:
-            lines.append(f"  pruned by min-step rule (T < {space.min_steps}): B = {list(plan.pruned_batch_sizes)}")
-        if oversized := space.batch_size.oversized(plan.num_train):
-            lines.append(f"  dropped, larger than N = {plan.num_train}: B = {oversized}")
-    if selection is None:
-        configurations = sum(p.configurations for p in plans)
-        lines.append(
-            f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
-            f"{len(plans)} cell runs"
-        )
+        lines += _cell_lines(space, plan, f"{plan.configurations} configurations{runs}")
+    configurations = sum(p.configurations for p in plans)
+    lines.append(
+        f"total: {configurations} configurations{runs} = {configurations * space.replicates} trials in "
+        f"{len(plans)} cell runs"
+    )
     return "\n".join(lines)
+
+
+def format_private_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
+    """:func:`format_cell_plans` of an end-to-end private search: its budget's split, and no count of its runs."""
+    return "\n".join(_selection_plan_lines(loaded, plans, []))
+
+
+def format_subsample_plan(loaded: LoadedSpace, plans: list[CellPlan]) -> str:
+    """:func:`format_private_plan` of a search tuned on a secret subsample, with its tuning runs' schedules."""
+    return "\n".join(_selection_plan_lines(loaded, plans, _format_tuning(plans[0].tuning_plan)))
+
+
+def _selection_plan_lines(loaded: LoadedSpace, plans: list[CellPlan], tuning: list[str]) -> list[str]:
+    """A private search's plan: the split of its total budget, the ``tuning`` lines, each cell's mechanism."""
+    space = loaded.space
+    selection = space.privacy.private_selection
+    assert selection is not None
+    lines = _plan_header(loaded, plans)
+    lines.append(
+        f"private selection: total ε = {selection.epsilon:g} at δ = {space.privacy.delta:g} → "
+        f"ε per trial = {plans[0].cell.epsilon:.4g}; a random number of trials (mean "
+        f"{space.sampler.trials_per_cell}), noisy validation score "
+        f"σ_s = {selection.score_noise_multiplier:g}"
+    )
+    lines += tuning
+    count = f"a secret random number of configurations (mean {space.sampler.trials_per_cell})"
+    for plan in plans:
+        lines += _cell_lines(space, plan, count)
+    return lines
 
 
 def _format_tuning(tuning: TuningPlan) -> list[str]:
@@ -440,10 +484,9 @@ def cell_context(
     lease_token: str | None,
 ) -> TrialContext:
     """What every run of cell ``plan`` shares (:class:`~dptune.search.runs.execution.TrialContext`): its base
-    configuration (on the secret tuning rows ``tuning_rows`` where it tunes on a subsample), ids, coupling,
-    coins, runner, N with the mechanism per feasible B from the plan (a subsample tuning's: its runs' on
-    their public schedules), a subsample tuning's public schedules, and the search's lease token; its runs
-    are recorded under ``runs``."""
+    configuration (on the secret tuning rows ``tuning_rows``, where the search drew them), ids, coupling,
+    coins, runner, N with the mechanism per feasible B from the plan, and the search's lease token; its runs
+    are recorded under ``runs``. A cell that tunes on a subsample: :func:`tuning_cell_context`."""
     return TrialContext(
         base=on_tuning_rows(base_trial_config(space, plan, max_train_examples, max_eval_examples), tuning_rows),
         results_root=runs,
@@ -456,7 +499,27 @@ def cell_context(
         replicates=space.replicates,
         fused=fused,
         num_train=plan.num_train,
-        mechanisms=dict(plan.mechanisms if plan.tuning is None else plan.tuning.mechanisms),
-        schedules=None if plan.tuning is None else public_schedules(plan.tuning, plan.num_train, plan.cell.epochs),
+        mechanisms=dict(plan.mechanisms),
         lease_token=lease_token,
     )
+
+
+def tuning_cell_context(
+    space: SearchSpace,
+    plan: CellPlan,
+    max_train_examples: int | None,
+    max_eval_examples: int | None,
+    runs: str,
+    search_id: str,
+    fused: bool,
+    tuning_rows: str | None,
+    lease_token: str | None,
+) -> TrialContext:
+    """:func:`cell_context` of a cell that tunes on a secret subsample (``plan.tuning``): its runs train on
+    ``tuning_rows`` with the tuning runs' mechanisms per B, on their public schedules."""
+    tuning = plan.tuning_plan
+    context = cell_context(
+        space, plan, max_train_examples, max_eval_examples, runs, search_id, fused, tuning_rows, lease_token
+    )
+    schedules = public_schedules(tuning, plan.num_train, plan.cell.epochs)
+    return replace(context, mechanisms=dict(tuning.mechanisms), schedules=schedules)

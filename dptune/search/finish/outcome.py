@@ -16,8 +16,6 @@ import pandas as pd
 
 from dptune import __version__
 from dptune.errors import SearchIncomplete, SearchInterrupted
-from dptune.plan import sample_rate, total_steps
-from dptune.privacy import TrialMechanism, selection_epsilon
 from dptune.privacy.checks import bound_text
 from dptune.privacy.search import CompositionCost, composition_cost, select_release
 from dptune.records import SCHEMA_VERSION, ResultsStore, read_table, release_label, runs_root, withheld_reason
@@ -161,29 +159,6 @@ def _composition_columns(
         "guarantee": statement,
         "created_at": pd.Timestamp.now(tz="UTC"),
     }
-
-
-def selection_bound(space: SearchSpace, plan: CellPlan) -> float:
-    """The total ε that an end-to-end private cell run meets at the space's δ: Papernot & Steinke's bound
-    over the cell's feasible batch sizes (``privacy.selection_epsilon``). (Tuning on a subsample: the
-    plan's RDP total of tuning and release, ``plan.tuning.epsilon_total``.)"""
-    selection = space.privacy.private_selection
-    assert selection is not None
-    candidates = [
-        TrialMechanism(
-            plan.noise_multipliers[b],
-            sample_rate(plan.num_train, b),
-            total_steps(plan.num_train, b, plan.cell.epochs),
-        )
-        for b in plan.feasible_batch_sizes
-    ]
-    return selection_epsilon(
-        candidates,
-        space.sampler.trials_per_cell or 0,
-        space.privacy.delta,
-        shape=selection.trial_count_shape,
-        score_noise_multiplier=selection.score_noise_multiplier,
-    )
 
 
 #: How an end-to-end private search picks the run a cell releases from the search's ``trials`` rows

@@ -21,7 +21,6 @@ from dptune.search.finish.outcome import (
     release_choices,
     release_rows,
     selected_run,
-    selection_bound,
     selection_search_row,
 )
 from dptune.search.finish.publish import publish_release_models, show_models
@@ -136,10 +135,6 @@ class PrivateSelection:
     def finished_line(self, seconds: float) -> str:
         return "\nsearch finished"
 
-    def bound(self, space: SearchSpace, plan: CellPlan) -> float:
-        """The total ε cell run ``plan`` meets at the space's δ (``outcome.selection_bound``)."""
-        return selection_bound(space, plan)
-
     def search_rows(
         self,
         loaded: LoadedSpace,
@@ -153,7 +148,8 @@ class PrivateSelection:
         """Per cell run, the bound it meets and the guarantee; nothing that counts its runs."""
         rows = []
         for plan in plans:
-            epsilon_selection = self.bound(loaded.space, plan)
+            epsilon_selection = plan.epsilon_selection
+            assert epsilon_selection is not None, "a private cell's plan carries its total ε"
             statement = self.guarantee(loaded.space, official_test_split, None, epsilon_selection)
             rows.append(selection_search_row(loaded, plan, search_id, epsilon_selection, statement))
         return rows

@@ -49,10 +49,6 @@ class SubsampleTuning(PrivateSelection):
     def after_units(self, space: SearchSpace, plans: list[CellPlan], contexts: list[TrialContext]) -> None:
         train_releases(space, plans, contexts)
 
-    def bound(self, space: SearchSpace, plan: CellPlan) -> float:
-        """The plan's RDP total of the tuning and the release."""
-        return plan.tuning_plan.epsilon_total
-
     def guarantee(
         self,
         space: SearchSpace,

@@ -50,6 +50,10 @@ class CellPlan:
     mechanisms: dict[int, Mechanism]  # per feasible B: σ, q, T of its runs (a subsample tuning's release)
     configurations: int  # configurations the sampler will propose (each runs `replicates` times)
     tuning: TuningPlan | None = None  # tuning on a private subsample: its runs' schedules and mechanisms
+    #: An end-to-end private cell's total ε at the space's δ, as its planner found it (None otherwise):
+    #: private selection's bound of the planned σ (``PrivateSelectionPlan.epsilon_selection``), or a subsample
+    #: tuning's RDP total of tuning and release (``TuningPlan.epsilon_total``). Every statement reads it.
+    epsilon_selection: float | None = None
 
     @property
     def noise_multipliers(self) -> dict[int, float]:
@@ -149,7 +153,8 @@ def plan_private_cell(space: SearchSpace, num_train: int) -> CellPlan:
     sigmas = dict(zip(feasible, found.noise_multipliers, strict=True))
     planned = wrapped(sigmas, found.epsilon_per_trial, space.privacy.delta, num_train, epochs)
     cell = Cell(epsilon=found.epsilon_per_trial, epochs=epochs)
-    return _private_plan(space, CellPlan(cell, space.training.clipping, num_train, feasible, pruned, planned, 0))
+    plan = CellPlan(cell, space.training.clipping, num_train, feasible, pruned, planned, 0)
+    return _private_plan(space, replace(plan, epsilon_selection=found.epsilon_selection))
 
 
 def plan_subsample_cell(space: SearchSpace, num_train: int) -> CellPlan:
@@ -161,9 +166,8 @@ def plan_subsample_cell(space: SearchSpace, num_train: int) -> CellPlan:
     cell = Cell(epsilon=tuning.epsilon_per_run, epochs=epochs)
     clipping = space.training.clipping
     planned = tuning.release_mechanisms
-    return _private_plan(
-        space, CellPlan(cell, clipping, num_train, tuple(tuning.schedules), pruned, planned, 0, tuning)
-    )
+    plan = CellPlan(cell, clipping, num_train, tuple(tuning.schedules), pruned, planned, 0, tuning)
+    return _private_plan(space, replace(plan, epsilon_selection=tuning.epsilon_total))
 
 
 def _private_plan(space: SearchSpace, plan: CellPlan) -> CellPlan:

@@ -41,7 +41,10 @@ TESTED_VERSIONS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 #: What dptune uses of each, for the error message.
 PRIVATE_NAMES: dict[str, str] = {
     "opacus": "opacus.optimizers.optimizer._generate_noise, _mark_as_processed, _check_processed_flag",
-    "dp-accounting": "RdpAccountant._rdp, rdp_privacy_accountant._compute_rdp_repeat_and_select",
+    "dp-accounting": (
+        "RdpAccountant._rdp, rdp_privacy_accountant._compute_rdp_repeat_and_select, "
+        "PrivacyLossDistribution._pmf_remove/_pmf_add/_symmetric, DensePLDPmf's fields"
+    ),
     "torchvision": "SUN397._image_files, SUN397._labels",
     "ray": "ray._private.worker.print_to_stdstream, Tuner._local_tuner._tune_config, tune.run's SIGUSR1 handler",
 }
@@ -144,6 +147,17 @@ def rdp_repeat_and_select(orders: np.ndarray, rdp: np.ndarray, mean_trials: floa
     from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_repeat_and_select
 
     return _compute_rdp_repeat_and_select(orders, rdp, mean_trials, shape)
+
+
+@_checked("dp-accounting")
+def pld_pmfs(pld: Any) -> list[tuple[float, int, np.ndarray, float]]:
+    """The probability mass functions of a dp_accounting ``PrivacyLossDistribution`` (the remove
+    direction, then the add direction unless the PLD is symmetric), each as (grid interval, index of its
+    lowest loss, probabilities from the lowest loss up, mass at an infinite loss): the PLD's public
+    ``get_epsilon_for_delta`` reads them in float64 ratios that overflow past ε ≈ 700."""
+    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
+    dense = [pmf.to_dense_pmf() for pmf in pmfs]
+    return [(pmf._discretization, pmf._lower_loss, pmf._probs, pmf._infinity_mass) for pmf in dense]
 
 
 # --------------------------------------------------------------------------- torchvision

@@ -3,6 +3,7 @@ Papernot–Steinke by hand), its cache (speed, persistence, concurrent writers) 
 
 from __future__ import annotations
 
+import collections
 import decimal
 import itertools
 import json
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from decimal import Decimal
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -731,6 +733,112 @@ def test_one_trial_composed_is_that_trial_and_equal_trials_merge() -> None:
     assert epsilon_spent(sigma, q, steps, DELTA) - 0.02 <= alone <= epsilon_spent(sigma, q, steps, DELTA) + 0.1
     twice = privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, steps)] * 2, DELTA)
     assert twice == privacy.composed_epsilon([privacy.TrialMechanism(sigma, q, 2 * steps)], DELTA)
+
+
+# The one-epoch cells of an 8,000-run search of 20 Newsgroups (N = 10,164, δ = 1e-5): σ calibrated for
+# ε = 1 and ε = 8 at B = 32 … 512 (q = B/N, T = ⌈N/B⌉), 800 runs each. Their PLD composition passes
+# ε = 700, where dp_accounting's own reading overflowed to ε = ∞.
+ONE_EPOCH_CELLS = {
+    1: [(0.74545327, 0.00314837, 318), (0.83134470, 0.00629673, 159), (0.94950564, 0.01259347, 80),
+        (1.12052525, 0.02518693, 40), (1.37778963, 0.05037387, 20)],
+    8: [(0.41940822, 0.00314837, 318), (0.44516479, 0.00629673, 159), (0.47616829, 0.01259347, 80),
+        (0.51339310, 0.02518693, 40), (0.55888364, 0.05037387, 20)],
+}  # fmt: skip
+
+
+def _pld_root_epsilon(trials: list[tuple[float, float, int]]) -> float:
+    """ε at DELTA of composing ``trials`` (σ, q, total steps) with dp_accounting's pessimistic PLD on a 1e-3
+    grid, read by this test independently of dptune's reader: the root of δ(ε) = m_∞ + Σ_{ℓ>ε} p_ℓ(1 − e^{ε−ℓ})
+    = DELTA by Brent's method, the sum taken in log space (the larger direction of add/remove)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    composed = None
+    for sigma, q, steps in trials:
+        pld = privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, value_discretization_interval=1e-3, sampling_prob=q
+        ).self_compose(steps)
+        composed = pld if composed is None else composed.compose(pld)
+    epsilons = []
+    for pmf in (composed._pmf_remove.to_dense_pmf(), composed._pmf_add.to_dense_pmf()):
+        losses = (pmf._lower_loss + np.arange(len(pmf._probs))) * pmf._discretization
+        probs = np.maximum(pmf._probs, 0.0)
+
+        def excess(epsilon: float, losses: np.ndarray = losses, probs: np.ndarray = probs, pmf: Any = pmf) -> float:
+            above = losses > epsilon
+            with np.errstate(divide="ignore"):
+                log_terms = np.log(probs[above]) + np.log(-np.expm1(epsilon - losses[above]))
+            return pmf._infinity_mass + float(np.exp(np.logaddexp.reduce(log_terms))) - DELTA
+
+        epsilons.append(brentq(excess, 0.0, float(losses[-1]), xtol=1e-9))
+    return max(epsilons)
+
+
+def test_composition_of_a_search_past_epsilon_700_is_finite_and_bracketed() -> None:
+    """At 8,000 runs the whole search's ε (≈ 1,094) is finite and equal to an independent reading of the same
+    PLD; it is above its costlier cell's own (1,041: a subset costs no more than the whole) and below the sum
+    of its two cells' (92 + 1,041: composing never costs more than adding the cells) and RDP's bound."""
+    runs = [privacy.TrialMechanism(*trial) for cell in ONE_EPOCH_CELLS.values() for trial in cell for _ in range(800)]
+    whole = privacy.compose(runs, DELTA)
+    assert whole.accountant == "PLD" and math.isfinite(whole.epsilon)
+    totals = [(s, q, 800 * t) for cell in ONE_EPOCH_CELLS.values() for s, q, t in cell]
+    assert whole.epsilon == pytest.approx(_pld_root_epsilon(totals), rel=1e-6)
+    cells = [privacy.composed_epsilon([m for m in runs if m.noise_multiplier in {s for s, _, _ in cell}], DELTA)
+             for cell in ONE_EPOCH_CELLS.values()]  # fmt: skip
+    assert cells[0] == pytest.approx(92.1, abs=0.1) and cells[1] == pytest.approx(1040.7, abs=0.1)
+    assert max(cells) < whole.epsilon < sum(cells)
+    orders = np.linspace(1.01, 3.0, 200)
+    rdp = sum(opacus_rdp(orders, sigma, q, steps) for sigma, q, steps in totals)
+    assert whole.epsilon < float(np.min(rdp + np.log(1 / DELTA) / (orders - 1)))
+
+
+def test_composition_of_100000_heterogeneous_runs_is_dp_accountings() -> None:
+    """10⁵ runs over 30 step mechanisms, each stopped after its own number of steps, compose to exactly what
+    dp_accounting's public PLDAccountant gives for the same steps (grouped here with a Counter), and to less
+    than the sum of any split into two cells."""
+    rng = np.random.default_rng(7)
+    mechanisms = [(float(s), float(q)) for s in (2.0, 3.0, 4.5, 6.0, 9.0) for q in (1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05)]
+    picks, steps = rng.integers(len(mechanisms), size=100_000), rng.integers(1, 6, size=100_000)
+    runs = [privacy.TrialMechanism(*mechanisms[pick], int(t)) for pick, t in zip(picks, steps, strict=True)]
+    totals: collections.Counter[tuple[float, float]] = collections.Counter()
+    for pick, t in zip(picks, steps, strict=True):
+        totals[mechanisms[pick]] += int(t)
+    whole = privacy.compose(runs, DELTA)
+    assert whole.accountant == "PLD"
+    assert whole.epsilon == pytest.approx(pld_epsilon([(s, q, t) for (s, q), t in totals.items()], DELTA), rel=1e-9)
+    halves = [privacy.composed_epsilon(runs[:50_000], DELTA), privacy.composed_epsilon(runs[50_000:], DELTA)]
+    assert max(halves) < whole.epsilon < sum(halves)
+
+
+def test_many_distinct_mechanisms_are_rounded_to_a_pessimistic_grid() -> None:
+    """More than MAX_DISTINCT_MECHANISMS distinct (σ, q) (here 8 budgets × 10 batch sizes, σ differing by cell)
+    are rounded σ down onto the finest grid that leaves at most that many groups (here 4 points per octave): every
+    step kept, an ε no smaller than the exact composition's and within 10 % of it (7 % here). Continuous q as
+    well: rounded too, still above."""
+    rng = np.random.default_rng(3)
+    rates = np.geomspace(0.005, 0.05, 10)
+    trials = [(float(s), float(rates[i % 10]), 40) for i, s in enumerate(rng.uniform(1.0, 3.0, 80))]
+    grouped = composition.grouped([privacy.TrialMechanism(*trial) for trial in trials])
+    assert len(grouped) <= composition.MAX_DISTINCT_MECHANISMS < len(trials)
+    assert sum(m.steps for m in grouped) == 40 * len(trials)
+    assert {m.sample_rate for m in grouped} <= {q for _, q, _ in trials}
+    exact = pld_epsilon(trials, DELTA)
+    assert exact <= privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in trials], DELTA) <= 1.1 * exact
+    continuous = [(s, float(q), t) for (s, _, t), q in zip(trials, rng.uniform(0.005, 0.05, 80), strict=True)]
+    rounded = privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in continuous], DELTA)
+    assert pld_epsilon(continuous, DELTA) <= rounded
+
+
+def test_below_the_pld_min_delta_the_composition_is_rdps() -> None:
+    """At δ below PLD_MIN_DELTA the bound is dp_accounting's RDP accountant's: finite, labelled RDP, and no
+    larger than Opacus' independent RDP with the classic conversion."""
+    delta = composition.PLD_MIN_DELTA / 1000
+    trials = SEARCH_TRIALS
+    cost = privacy.compose([privacy.TrialMechanism(*trial) for trial in trials], delta)
+    assert cost.accountant == "RDP" and 0 < cost.epsilon < math.inf
+    orders = np.linspace(1.1, 200, 400)
+    rdp = sum(opacus_rdp(orders, sigma, q, steps) for sigma, q, steps in trials)
+    assert cost.epsilon <= float(np.min(rdp + np.log(1 / delta) / (orders - 1)))
+    assert cost.epsilon > privacy.composed_epsilon([privacy.TrialMechanism(*trial) for trial in trials], DELTA)
 
 
 @pytest.mark.parametrize("score_noise", [None, 3.0])

@@ -54,6 +54,12 @@ def test_only_the_thirdparty_module_reaches_into_private_names_of_opacus_dp_acco
         "_labels",
         "_local_tuner",
         "_tune_config",
+        "_pmf_remove",
+        "_pmf_add",
+        "_symmetric",
+        "_probs",
+        "_lower_loss",
+        "_infinity_mass",
     }
     users = set()
     for path in PACKAGE.rglob("*.py"):
@@ -107,6 +113,25 @@ def test_repeat_and_select_of_one_trial_costs_at_least_the_trial_and_grows_with_
     few, many = (_thirdparty.rdp_repeat_and_select(orders, rdp, mean, 1.0) for mean in (2.0, 20.0))
     assert few.shape == orders.shape
     assert np.all(few >= rdp) and np.all(many >= few) and np.any(many > few)
+
+
+def test_pld_pmfs_are_the_two_directions_of_a_subsampled_gaussian_and_one_of_a_plain_one() -> None:
+    """A Poisson-subsampled Gaussian's PLD has a remove and an add direction; a full-batch one is symmetric. Each
+    pmf is (grid interval, lowest loss index, masses, mass at ∞): its masses sum to 1 less the mass at ∞, and
+    its mean loss is the PLD's (the KL divergence σ⁻²/2 of the Gaussian: 0.125 at σ = 2)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    subsampled = privacy_loss_distribution.from_gaussian_mechanism(
+        1.0, value_discretization_interval=1e-3, sampling_prob=0.1
+    )
+    assert len(_thirdparty.pld_pmfs(subsampled)) == 2
+    (interval, lowest, probs, infinity), *_ = _thirdparty.pld_pmfs(
+        privacy_loss_distribution.from_gaussian_mechanism(2.0, value_discretization_interval=1e-3)
+    )
+    assert interval == 1e-3 and infinity < 1e-12
+    assert float(np.sum(probs)) == pytest.approx(1.0 - infinity, abs=1e-9)  # pessimistic: a little above
+    mean = float(np.sum((lowest + np.arange(len(probs))) * interval * probs))
+    assert mean == pytest.approx(0.125, abs=2e-3)
 
 
 def test_sun397_listing_aligns_files_and_labels(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ The modules, each with its own invariants:
 - ``cache``: the in-process memo and the signed, atomic on-disk cache every result goes through;
 - ``prv``: ``epsilon_spent``, the PRV accountant (Gopi, Lee, Wutschitz 2021) with its fast formulas;
 - ``calibration``: ``calibrate_noise_multiplier``, σ certified for an (ε, δ) target;
-- ``composition``: ``composed_epsilon``, many trials on the same data (PLD accountant);
+- ``composition``: ``compose``/``composed_epsilon``, many trials on the same data (PLD accountant,
+  finite and seconds-fast at 10⁵ runs; RDP where the PLD cannot represent it);
 - ``selection``: private selection, the best of a secret random number of trials (Papernot & Steinke);
 - ``subsampled_tuning``: tuning on a Poisson subsample, then a release trained on the full data
   (Koskela & Kulkarni 2023, variant 1): Zhu & Wang's subsampled-RDP bound and the plan of one total ε
@@ -46,7 +47,7 @@ from dptune.privacy.checks import (
     PrivacyParameterError,
     check_delta,
 )
-from dptune.privacy.composition import SEARCH_PLD_INTERVAL, TrialMechanism, composed_epsilon
+from dptune.privacy.composition import SEARCH_PLD_INTERVAL, Composition, TrialMechanism, compose, composed_epsilon
 from dptune.privacy.prv import epsilon_spent
 from dptune.privacy.selection import (
     SELECTION_EPSILON_RTOL,
@@ -69,11 +70,13 @@ __all__ = [
     "SEARCH_PLD_INTERVAL",
     "SELECTION_EPSILON_RTOL",
     "PrivacyParameterError",
+    "Composition",
     "PrivateSelectionPlan",
     "TrialMechanism",
     "calibrate_noise_multiplier",
     "check_delta",
     "clear_memory_cache",
+    "compose",
     "composed_epsilon",
     "draw_trial_count",
     "epsilon_spent",

@@ -5,7 +5,7 @@ Every trial records the ε it spent for the steps it actually took (``steps_take
 early or failed counts what it ran; a pruned one, nothing). Trials of every cell and clipping
 variant train on the same private data, so what the search as a whole costs is their composition:
 ``composition_cost`` composes every trial that took a step with the privacy-loss-distribution (PLD)
-accountant (``privacy.composed_epsilon``, an upper bound) over its own (σ, q, steps taken), at the
+accountant (``privacy.compose``, an upper bound) over its own (σ, q, steps taken), at the
 space's δ, beside basic composition (Σ εᵢ, k·δ) as a cross-check. That figure holds for releasing
 every trial's model, and only because every trial draws fresh, independent, secret coins
 (``TrialConfig.seed = None``).
@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 
-from dptune.privacy.composition import TrialMechanism, composed_epsilon
+from dptune.privacy.composition import Accountant, TrialMechanism, compose
 
 
 @dataclass(frozen=True)
 class CompositionCost:
     """(ε, δ) of releasing every trial of a set that took a step.
 
-    ``epsilon`` is the PLD composition at ``delta`` (an upper bound); ``epsilon_basic`` and
-    ``delta_basic`` are basic composition (Σ εᵢ spent, k·δ), looser, kept as a cross-check.
+    ``epsilon`` is the composition at ``delta`` (an upper bound) by ``accountant``: the PLD
+    (``privacy.compose``), RDP where the PLD cannot represent it, or "PRV" for a single trial whose
+    own ε spent is the tighter; ``epsilon_basic`` and ``delta_basic`` are basic composition
+    (Σ εᵢ spent, k·δ), looser, kept as a cross-check.
     """
 
     trials_with_steps: int
@@ -42,6 +45,7 @@ class CompositionCost:
     epsilon: float
     epsilon_basic: float
     delta_basic: float
+    accountant: Accountant | Literal["PRV"] = "PLD"
 
 
 def charged_steps(trials: pd.DataFrame) -> pd.Series:
@@ -80,10 +84,11 @@ def composition_cost(trials: pd.DataFrame, delta: float) -> CompositionCost:
     spent = math.fsum(float(value) for value in took["epsilon_spent"])
     if not mechanisms:
         return CompositionCost(0, delta, 0.0, 0.0, 0.0)
-    epsilon = composed_epsilon(mechanisms, delta)
-    if len(mechanisms) == 1:
-        epsilon = min(epsilon, spent)
-    return CompositionCost(len(mechanisms), delta, epsilon, spent, len(mechanisms) * delta)
+    composed = compose(mechanisms, delta)
+    basic = (spent, len(mechanisms) * delta)
+    if len(mechanisms) == 1 and spent < composed.epsilon:
+        return CompositionCost(1, delta, spent, *basic, accountant="PRV")
+    return CompositionCost(len(mechanisms), delta, composed.epsilon, *basic, accountant=composed.accountant)
 
 
 def select_release(trials: pd.DataFrame, runs: int) -> pd.Series | None:

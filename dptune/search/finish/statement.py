@@ -73,7 +73,8 @@ def _composition_text(cost: CompositionCost | None) -> str:
     if cost is None or not cost.trials_with_steps:
         return ""
     return (
-        f"PLD composition of the {cost.trials_with_steps} trials that took steps: ε = {bound_text(cost.epsilon)} "
+        f"{cost.accountant} composition of the {cost.trials_with_steps} trials that took steps: "
+        f"ε = {bound_text(cost.epsilon)} "
         f"at δ = {cost.delta:g} (basic composition: ({bound_text(cost.epsilon_basic)}, "
         f"{bound_text(cost.delta_basic, 2)}))"
     )

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import brentq
 
 TASK = ["dataset", "backbone"]
 CELL = [*TASK, "epsilon", "epochs"]
@@ -149,6 +151,33 @@ def pld_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> flo
         [SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(s)), t) for s, q, t in trials]
     )
     return PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
+
+
+def pld_root_epsilon(trials: Sequence[tuple[float, float, int]], delta: float) -> float:
+    """ε at ``delta`` of composing ``trials`` (σ, q, total steps) with dp_accounting's pessimistic PLD on a 1e-3
+    grid, read independently of dptune's reader: the root of δ(ε) = m_∞ + Σ_{ℓ>ε} p_ℓ(1 − e^{ε−ℓ})
+    = δ by Brent's method, the sum taken in log space (the larger direction of add/remove)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    composed = None
+    for sigma, q, steps in trials:
+        pld = privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, value_discretization_interval=1e-3, sampling_prob=q
+        ).self_compose(steps)
+        composed = pld if composed is None else composed.compose(pld)
+    epsilons = []
+    for pmf in (composed._pmf_remove.to_dense_pmf(), composed._pmf_add.to_dense_pmf()):
+        losses = (pmf._lower_loss + np.arange(len(pmf._probs))) * pmf._discretization
+        probs = np.maximum(pmf._probs, 0.0)
+
+        def excess(epsilon: float, losses: np.ndarray = losses, probs: np.ndarray = probs, pmf: Any = pmf) -> float:
+            above = losses > epsilon
+            with np.errstate(divide="ignore"):
+                log_terms = np.log(probs[above]) + np.log(-np.expm1(epsilon - losses[above]))
+            return pmf._infinity_mass + float(np.exp(np.logaddexp.reduce(log_terms))) - delta
+
+        epsilons.append(brentq(excess, 0.0, float(losses[-1]), xtol=1e-9))
+    return max(epsilons)
 
 
 def subsampled_tuning_epsilon(

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from decimal import Decimal
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +38,7 @@ from dptune.privacy import (
     epsilon_spent,
     prv,
 )
-from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon
+from expected import opacus_rdp, papernot_steinke_geometric, pld_epsilon, pld_root_epsilon
 
 pytestmark = pytest.mark.usefixtures("dptune_cache_dir")
 
@@ -746,33 +745,6 @@ ONE_EPOCH_CELLS = {
 }  # fmt: skip
 
 
-def _pld_root_epsilon(trials: list[tuple[float, float, int]]) -> float:
-    """ε at DELTA of composing ``trials`` (σ, q, total steps) with dp_accounting's pessimistic PLD on a 1e-3
-    grid, read by this test independently of dptune's reader: the root of δ(ε) = m_∞ + Σ_{ℓ>ε} p_ℓ(1 − e^{ε−ℓ})
-    = DELTA by Brent's method, the sum taken in log space (the larger direction of add/remove)."""
-    from dp_accounting.pld import privacy_loss_distribution
-
-    composed = None
-    for sigma, q, steps in trials:
-        pld = privacy_loss_distribution.from_gaussian_mechanism(
-            sigma, value_discretization_interval=1e-3, sampling_prob=q
-        ).self_compose(steps)
-        composed = pld if composed is None else composed.compose(pld)
-    epsilons = []
-    for pmf in (composed._pmf_remove.to_dense_pmf(), composed._pmf_add.to_dense_pmf()):
-        losses = (pmf._lower_loss + np.arange(len(pmf._probs))) * pmf._discretization
-        probs = np.maximum(pmf._probs, 0.0)
-
-        def excess(epsilon: float, losses: np.ndarray = losses, probs: np.ndarray = probs, pmf: Any = pmf) -> float:
-            above = losses > epsilon
-            with np.errstate(divide="ignore"):
-                log_terms = np.log(probs[above]) + np.log(-np.expm1(epsilon - losses[above]))
-            return pmf._infinity_mass + float(np.exp(np.logaddexp.reduce(log_terms))) - DELTA
-
-        epsilons.append(brentq(excess, 0.0, float(losses[-1]), xtol=1e-9))
-    return max(epsilons)
-
-
 def test_composition_of_a_search_past_epsilon_700_is_finite_and_bracketed() -> None:
     """At 8,000 runs the whole search's ε (≈ 1,094) is finite and equal to an independent reading of the same
     PLD; it is above its costlier cell's own (1,041: a subset costs no more than the whole) and below the sum
@@ -781,7 +753,7 @@ def test_composition_of_a_search_past_epsilon_700_is_finite_and_bracketed() -> N
     whole = privacy.compose(runs, DELTA)
     assert whole.accountant == "PLD" and math.isfinite(whole.epsilon)
     totals = [(s, q, 800 * t) for cell in ONE_EPOCH_CELLS.values() for s, q, t in cell]
-    assert whole.epsilon == pytest.approx(_pld_root_epsilon(totals), rel=1e-6)
+    assert whole.epsilon == pytest.approx(pld_root_epsilon(totals, DELTA), rel=1e-6)
     cells = [privacy.composed_epsilon([m for m in runs if m.noise_multiplier in {s for s, _, _ in cell}], DELTA)
              for cell in ONE_EPOCH_CELLS.values()]  # fmt: skip
     assert cells[0] == pytest.approx(92.1, abs=0.1) and cells[1] == pytest.approx(1040.7, abs=0.1)

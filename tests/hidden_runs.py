@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from conftest import run_search
-from dptune.records import TRUST_BOUNDARY
-from dptune.records.weights import WEIGHTS_FOLDER, trained_model
+from dptune.records import TRUST_BOUNDARY, read_table
+from dptune.records.weights import read_weights
 
 #: A timestamp as Ray's and Tune's log lines print one.
 LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
@@ -111,12 +111,11 @@ def hidden_needles(
 
 
 def private_data_digests(inside: Path) -> dict[bytes, str]:
-    """The sha256 of the private rows, as the runs' own weights files record it inside the trust
-    boundary (``provenance.data_sha256``): what no released byte may hold."""
-    digests = {
-        trained_model(path.read_bytes()).provenance.get("data_sha256")
-        for path in (inside / WEIGHTS_FOLDER).glob("*.safetensors")
-    }
+    """The sha256 of the private rows, as the runs' own weights (single files or their units' bundles)
+    record it inside the trust boundary (``provenance.data_sha256``): what no released byte may hold."""
+    runs = read_table(str(inside), "trials", columns=["trial_id", "status"])
+    models = [read_weights(str(inside), trial_id) for trial_id in runs.loc[runs["status"] == "ok", "trial_id"]]
+    digests = {model.provenance.get("data_sha256") for model in models if model is not None}
     found = {digest.encode(): "the private rows' sha256" for digest in digests if digest}
     assert found, f"no run in {inside} recorded the data's digest"
     return found

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 import expected
 from dptune import analysis as an
 from dptune.plan import DEFAULT_TOLERANCE
-from dptune.records import read_table
+from dptune.records import SCHEMAS, ResultsStore, read_table
+from dptune.records.store import compacted_name
 from tiny_results import Replicated, copy_results, write_replicated_search
 
 # Under pytest-xdist this module and test_report.py run on one worker: their results fixtures are
@@ -690,3 +692,55 @@ def test_search_efficiency_counts_random_draw_orders_against_the_grid(tmp_path: 
     assert an.trials_needed(curves.reset_index(), 0.4).set_index("epsilon")["trials_needed"].tolist() == [1, 1]
     with pytest.raises(an.AnalysisError, match="tolerance must be ≥ 0"):
         an.search_efficiency(results.tuned, tolerance=-0.01)
+
+
+def test_load_leaves_the_unread_columns_and_reads_probes_only_for_the_rows_asked(result_datasets: list[str]) -> None:
+    results = an.load_results(result_datasets)
+    assert not {"config", "versions"} & set(results.trials) and not set(an.PROBE_COLUMNS) & set(results.diagnostics)
+    for frame in (results.trials, results.classes, results.diagnostics):  # one chunk per column: no part buffers
+        for name in frame.columns:
+            if isinstance(frame[name].array, pd.arrays.ArrowExtensionArray):
+                assert not isinstance(pa.array(frame[name]), pa.ChunkedArray), name
+    raw = expected.read(result_datasets, "diagnostics").drop_duplicates(["search_id", "trial_id", "epoch"], keep="last")
+    asked = results.diagnostics.iloc[[0, len(results.diagnostics) - 1]][["search_id", "trial_id", "epoch"]]
+    probes = results.probes(asked)
+    assert probes[["search_id", "trial_id", "epoch"]].equals(asked.reset_index(drop=True))
+    for row in probes.itertuples(index=False):
+        own = raw[(raw["search_id"] == row.search_id) & (raw["trial_id"] == row.trial_id) & (raw["epoch"] == row.epoch)]
+        assert list(row.grad_norms) == list(own["grad_norms"].iloc[0]) and list(row.labels) == list(
+            own["labels"].iloc[0]
+        )
+    assert results.probes(asked).equals(probes) and results.probes(asked.iloc[:0]).empty
+
+
+def _replicated_dataset(source: str, root: Path, copies: int) -> str:
+    """``source``'s per-trial rows written ``copies`` times under new trial ids, one compacted file per table."""
+    tables = {name: read_table(source, name) for name in ("trials", "epochs", "classes", "diagnostics", "search")}
+    for name, frame in tables.items():
+        if name != "search":
+            frames = [frame.assign(trial_id=frame["trial_id"] + f"-copy{index}") for index in range(copies)]
+            frame = pd.concat(frames, ignore_index=True)
+            if name == "trials":
+                frame["configuration_id"] = frame["trial_id"]
+        ResultsStore(str(root)).write_file(
+            name, compacted_name(0), pa.Table.from_pandas(frame, schema=SCHEMAS[name], preserve_index=False)
+        )
+    return str(root)
+
+
+def test_what_a_run_costs_the_loaded_results_does_not_grow_with_the_runs(tmp_path: Path) -> None:
+    """The frames ``load_results`` keeps cost the same bytes per run (a few kB) at N and 4N runs: no column
+    of every run's probe or configuration, and no chunk per part."""
+    from tiny_results import results_paths
+
+    source = results_paths()[1]
+    per_run = []
+    for copies in (2, 8):
+        results = an.load_results([_replicated_dataset(source, tmp_path / f"x{copies}", copies)])
+        held = sum(
+            int(frame.memory_usage(deep=True).sum())
+            for frame in (results.trials, results.epochs, results.classes, results.diagnostics)
+        )
+        per_run.append(held / len(results.trials))
+        assert not an.grad_norm_samples(results).empty
+    assert per_run[1] <= 1.05 * per_run[0] and per_run[1] < 4096

@@ -127,7 +127,7 @@ def test_failed_configurations_are_told_as_failed_and_survive_the_state() -> Non
 
 
 def test_the_tune_searcher_checkpoints_plain_data(tmp_path: Path) -> None:
-    from dptune.search.scheduling.searcher import CONFIGURATIONS_KEY, SCORES_KEY, CellMultiplexer
+    from dptune.search.scheduling.searcher import SCORES_KEY, CellMultiplexer, Unit
     from test_tune_adapters import context
 
     contexts = {"a": context(tmp_path / "a"), "b": context(tmp_path / "b")}
@@ -140,9 +140,9 @@ def test_the_tune_searcher_checkpoints_plain_data(tmp_path: Path) -> None:
         num_train=1000,
         min_steps=1,
     )
-    units = {f"t{i}": searcher.suggest(f"t{i}") for i in range(3)}
-    assert [u["cell"] for u in units.values()] == ["a", "b", "a"]
-    assert [len(u[CONFIGURATIONS_KEY]) for u in units.values()] == [4, 5, 4]
+    units = {f"t{i}": Unit.of(searcher.suggest(f"t{i}"), contexts) for i in range(3)}
+    assert [u.cell_key for u in units.values()] == ["a", "b", "a"]
+    assert [len(u.configurations) for u in units.values()] == [4, 5, 4]
     searcher.on_trial_complete("t0", {SCORES_KEY: [0.1, 0.2, 0.3, 0.4]})
     blob = pickle.dumps(searcher)
     assert b"optuna" not in blob  # no study, sampler or generator: plain data only
@@ -152,8 +152,8 @@ def test_the_tune_searcher_checkpoints_plain_data(tmp_path: Path) -> None:
         searcher.save(file.name)
         copy.restore(file.name)
     assert copy.suggested == {"a": 8, "b": 5} and set(copy.owner) == {"t1", "t2"}
-    last = copy.suggest("t3")
-    assert last["cell"] == "a" and len(last[CONFIGURATIONS_KEY]) == 4
-    seen = {_key(p) for u in units.values() if u["cell"] == "a" for p in u[CONFIGURATIONS_KEY]}
-    assert not seen & {_key(p) for p in last[CONFIGURATIONS_KEY]}  # the grid does not repeat a point
+    last = Unit.of(copy.suggest("t3"), contexts)
+    assert last.cell_key == "a" and len(last.configurations) == 4
+    seen = {_key(p) for u in units.values() if u.cell_key == "a" for p in u.configurations}
+    assert not seen & {_key(p) for p in last.configurations}  # the grid does not repeat a point
     assert copy.suggest("t4") == "FINISHED"

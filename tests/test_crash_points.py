@@ -33,14 +33,18 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
+import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT, run_search, search_command
 from dptune.privacy.checks import bound_text
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.ledger import charged_runs
+from dptune.records.store import PER_TRIAL_TABLES
 from dptune.runners.checkpoint import CHECKPOINTS, RunCheckpoint
 from dptune.search.planning.subsample import RELEASE_SUFFIX
 from test_faults import TINY, expected_search_epsilon, ledger_entries, recorded
@@ -340,3 +344,196 @@ def test_a_kill_during_the_subsample_release_is_continued_by_resume_under_its_on
     run_id = released["trial_id"].iloc[0]
     assert (trained.status, trained.steps_taken, trained.trial_id) == ("ok", trained.steps, run_id)
     assert len(read_table(str(root), "release")) == 1 and not list((inside / CHECKPOINTS).iterdir())
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+class _Killed(BaseException):
+    """Raised at a step of compaction: what is on disk then is what a kill there leaves (no step cleans up
+    after it: a file written is complete, a file deleted is gone)."""
+
+
+def _compaction_steps(monkeypatch: pytest.MonkeyPatch, at: int) -> list[str]:
+    """Count every durable step of compaction (a file written, each file deleted: rows and weights) and raise
+    ``_Killed`` at step ``at``; step 0 of a write is a kill while it writes (its temporary left behind).
+    Returns the steps taken, by name."""
+    from dptune.records import store, weights
+
+    steps: list[str] = []
+
+    def step(name: str) -> None:
+        steps.append(name)
+        if len(steps) == at:
+            raise _Killed(name)
+
+    real_write, real_delete = store.ResultsStore.write_file, store.ResultsStore.delete_files
+
+    def write_file(self: store.ResultsStore, table: str, name: str, data: Any, **options: Any) -> str:
+        if not store.COMPACTED_NAME.fullmatch(name):  # a run's own part: not a step of compaction
+            return real_write(self, table, name, data, **options)
+        if len(steps) + 1 == at:  # killed while writing: a partial temporary beside the files
+            Path(self.root, table, f".tmp-{uuid.uuid4().hex}-{name}").write_bytes(b"PAR1 half a file")
+        step(f"write {table}")
+        return real_write(self, table, name, data, **options)
+
+    def delete_files(self: store.ResultsStore, paths: Any) -> None:
+        for path in paths:
+            real_delete(self, [path])
+            step(f"delete {path}")
+
+    real_bundle, real_remove = weights._write_bundle, weights._delete
+
+    def write_bundle(*args: Any) -> None:
+        real_bundle(*args)
+        step("write bundle")
+
+    def remove(fs: Any, paths: list[str]) -> None:
+        for path in paths:
+            real_remove(fs, [path])
+            step(f"delete {path}")
+
+    monkeypatch.setattr(store.ResultsStore, "write_file", write_file)
+    monkeypatch.setattr(store.ResultsStore, "delete_files", delete_files)
+    monkeypatch.setattr(weights, "_write_bundle", write_bundle)
+    monkeypatch.setattr(weights, "_delete", remove)
+    return steps
+
+
+def _model(value: float) -> Any:
+    """A small trained model whose bias counts up from ``value``."""
+    import numpy as np
+
+    from dptune.contract import TrainedModel
+
+    bias = np.arange(3, dtype=np.float32) + value
+    return TrainedModel({"weight": np.full((3, 4), value, np.float32), "bias": bias}, {"seed": str(value)})
+
+
+#: The trials of the compaction tests: four units of two, and one killed before its trials part.
+_UNITS = [[f"u{u}-t{n}" for n in range(2)] for u in range(4)]
+_TRIALS = [*sum(_UNITS, []), "u3-killed"]
+
+
+def _seen(root: Path) -> tuple[dict[str, pd.DataFrame], set[str], dict[str, list[float]]]:
+    """Everything a reader sees: every per-trial table, the completed trial ids, each run's weights."""
+    from dptune.records import ResultsStore
+    from dptune.records.weights import read_weights
+
+    ids = ResultsStore(str(root), cache=None).completed_trial_ids()
+    saved = {trial: read_weights(str(root), trial) for trial in _TRIALS}
+    return (
+        {table: ResultsStore(str(root), cache=None).read(table) for table in PER_TRIAL_TABLES},
+        ids,
+        {trial: model.parameters["bias"].tolist() for trial, model in saved.items() if model is not None},
+    )
+
+
+def _assert_seen(root: Path, expected: tuple[dict[str, pd.DataFrame], set[str], dict[str, list[float]]]) -> None:
+    tables, ids, weights = _seen(root)
+    assert ids == expected[1] and weights == expected[2]
+    assert tables["trials"]["trial_id"].is_unique
+    assert all(frame.equals(expected[0][table]) for table, frame in tables.items())
+
+
+def test_a_kill_at_every_step_of_compaction_loses_and_duplicates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three units compacted, a fourth unit's files (and a trial whose trials part was never written) left:
+    the fourth unit's compaction (its files into one, then the four files of each table and of weights,
+    one tier, merged) is killed at each of its steps in turn; every reader then sees every trial's rows and
+    weights exactly once, and the finishing step's compaction then leaves one file per table."""
+    from dptune.records import ResultsStore, compact_records, trial_rows
+    from dptune.records.weights import write_weights
+    from test_records import NOW, make_result
+
+    template = tmp_path / "template"
+    store = ResultsStore(str(template))
+    units = _UNITS
+    for n, trial in enumerate(_TRIALS):
+        rows = trial_rows(
+            make_result(n / 10, epochs=1 + n % 3),
+            search_id="s",
+            trial_id=trial,
+            cell_id="c",
+            reference_batch_size=1,
+            versions={},
+            finished_at=NOW,
+        )
+        write_weights(str(template), trial, _model(n))
+        if trial == "u3-killed":
+            store.write_part("epochs", trial, rows["epochs"])  # its trials part was never written
+        else:
+            store.write_trial(rows, trial)
+    for unit in units[:3]:
+        compact_records(str(template), unit)
+    expected = _seen(template)
+    assert len(expected[1]) == 8 and len(expected[2]) == 9
+    at = 1
+    while True:
+        root = tmp_path / f"killed-at-{at}"
+        shutil.copytree(template, root)
+        with monkeypatch.context() as patched:
+            steps = _compaction_steps(patched, at)
+            try:
+                compact_records(str(root), [*units[3], "u3-killed"])
+            except _Killed:
+                pass
+        _assert_seen(root, expected)
+        compact_records(str(root))  # the finishing step (or the next unit's end) completes the work
+        _assert_seen(root, expected)
+        assert [len(list((root / table).glob("part-*"))) for table in PER_TRIAL_TABLES] == [1] * 4, steps
+        if len(steps) < at:  # compaction ran to its end: every step was killed once
+            break
+        at += 1
+    names = {step.split(" ")[0] + (" bundle" if step.endswith("bundle") else "") for step in steps}
+    assert names == {"write", "delete", "write bundle"} and at > 30
+
+
+def test_a_unit_compacted_or_killed_while_compacting_runs_nothing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit's runs are recorded and its files compacted at its end; the same unit run again (a resume)
+    trains nothing, also after a kill midway through that compaction."""
+    from dptune.contract import TrialResult
+    from dptune.records import ResultsStore, read_table
+    from dptune.records.weights import read_weights
+    from dptune.search.runs import execution
+    from trial_configs import HEAD_TRIAL
+
+    trained: list[str] = []
+
+    def fake_run(config: Any, report: Any = None, checkpoint: Any = None) -> TrialResult:
+        trained.append(str(config.batch_size))
+        return TrialResult(config=config, status="ok", val_accuracy=0.5, trained=_model(config.batch_size))
+
+    monkeypatch.setattr(execution, "run_trial", fake_run)
+    configurations = [{"clip_bound": 1.0, "batch_size": b, "base_learning_rate": 0.05} for b in (16, 32, 64)]
+    for kill_at in (None, 7):
+        root = tmp_path / f"kill-{kill_at}"
+        context = execution.TrialContext(
+            base=HEAD_TRIAL,
+            results_root=str(root),
+            search_id="s",
+            cell_id="eps=8|epochs=2",
+            cell_key="eps8-E2",
+            coupling="sqrt",
+            reference_batch_size=64,
+            replicates=2,
+        )
+        with monkeypatch.context() as patched:
+            if kill_at is not None:
+                _compaction_steps(patched, kill_at)
+            try:
+                first = execution.run_configurations(context, configurations)
+                assert kill_at is None and first.ran == 6
+                assert [p.name[:7] for p in (root / "trials").iterdir()] == ["part-c-"]
+            except _Killed:
+                assert kill_at is not None
+        trained.clear()
+        again = execution.run_configurations(context, configurations)
+        assert again.ran == 0 and not trained and again.statuses == ["ok"] * 3
+        trials = read_table(str(root), "trials")
+        assert len(trials) == 6 and trials["trial_id"].is_unique
+        assert ResultsStore(str(root)).completed_trial_ids() == set(trials["trial_id"])
+        assert all(read_weights(str(root), trial) is not None for trial in trials["trial_id"])

@@ -138,3 +138,30 @@ def test_a_manifest_is_written_whole_and_read_back(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"--resume: the search space differs .* min_steps: 10 → 5"):
         preflight.check_same_space(str(tmp_path), changed)
     preflight.check_same_space(str(tmp_path), loaded)
+
+
+def test_resume_opens_one_footer_per_compacted_file_and_quarantines_a_corrupt_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After compaction a resume's check opens a few footers, whatever the number of runs; a compacted file
+    that cannot be read is refused, or moved aside with its runs (which are then unrecorded)."""
+    import pyarrow.parquet as pq
+
+    from dptune.records import ResultsStore, compact_records, read_table
+    from test_records import make_result, write
+
+    store = ResultsStore(str(tmp_path))
+    for n in range(40):
+        write(store, f"t{n:02d}", make_result())
+    compact_records(str(tmp_path))
+    opened: list[str] = []
+    real_schema = pq.read_schema
+    monkeypatch.setattr(pq, "read_schema", lambda path, **kw: opened.append(path) or real_schema(path, **kw))
+    assert preflight.check_results_folder(str(tmp_path), quarantine=False) == [] and len(opened) == 4
+    (compacted,) = (tmp_path / "trials").iterdir()
+    compacted.write_bytes(compacted.read_bytes()[:-40])  # cut short
+    with pytest.raises(PreflightError, match=f"{compacted}: not a readable Parquet file"):
+        preflight.check_results_folder(str(tmp_path), quarantine=False)
+    (note,) = preflight.check_results_folder(str(tmp_path), quarantine=True)
+    assert "moved to" in note and (tmp_path / "quarantine" / "trials" / compacted.name).exists()
+    assert read_table(str(tmp_path), "trials").empty and store.completed_trial_ids() == set()

@@ -18,7 +18,7 @@ from conftest import ONE_CELL, REPO_ROOT, SearchRun, run_search
 from dptune.analysis import best_configurations, finished_trials
 from dptune.data.sources import load_20newsgroups
 from dptune.records import read_table
-from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, WEIGHTS_FOLDER
+from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, read_weights
 from dptune.search.finish.publish import model_name
 
 GROUPS = ("rec.autos", "sci.space", "talk.politics.guns")
@@ -49,7 +49,9 @@ def test_each_cell_publishes_its_best_configurations_best_replicate_with_a_card(
         assert card["accuracy"]["test_accuracy"] == run["test_accuracy"] and low < run["test_accuracy"] < high
         assert card["data"]["class_names"][:2] == ["alt.atheism", "comp.graphics"] and card["logits"] == "augmented"
         published = load_file(folder / MODEL_FILE)
-        kept = load_file(root / WEIGHTS_FOLDER / f"{run['trial_id']}.safetensors")
+        kept_model = read_weights(str(root), run["trial_id"])  # its own file, or the bundle of its unit
+        assert kept_model is not None
+        kept = kept_model.parameters
         assert published.keys() == kept.keys() == {"weight", "bias"}
         assert all(np.array_equal(published[name], kept[name]) for name in kept)
         assert published["weight"].shape == (20, 384)

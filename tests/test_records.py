@@ -11,7 +11,17 @@ import pytest
 
 from dptune import records
 from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult, WorkloadSpec
-from dptune.records import SCHEMAS, TABLES, RecordsError, ResultsStore, read_table, trial_rows
+from dptune.records import (
+    SCHEMAS,
+    TABLES,
+    RecordsError,
+    ResultsStore,
+    compact_records,
+    compaction,
+    read_table,
+    trial_rows,
+)
+from dptune.records.store import PER_TRIAL_TABLES
 
 NOW = pd.Timestamp("2026-11-30T12:00:00Z")
 
@@ -196,7 +206,7 @@ def test_replicates_share_a_configuration_id(tmp_path: Path) -> None:
     trials = read_table(str(tmp_path), "trials").sort_values("replicate")
     assert trials["trial_id"].tolist() == ["eps1-E2-abc-r0", "eps1-E2-abc-r1"]
     assert trials["configuration_id"].tolist() == ["eps1-E2-abc"] * 2 and trials["replicate"].tolist() == [0, 1]
-    assert trials["replicate"].dtype == "int64" and records.SCHEMA_VERSION == 7
+    assert trials["replicate"].dtype == "int64" and records.SCHEMA_VERSION == 8
     only = read_table(str(tmp_path), "trials", columns=["configuration_id", "replicate"])
     assert list(only.columns) == ["configuration_id", "replicate"] and len(only) == 2
     for bad in (-1, 1.0, True):
@@ -287,3 +297,162 @@ def test_every_migration_fills_a_column_of_its_table_added_by_its_version() -> N
     assert columns_to_read("trials", ["replicate"]) == ["replicate"]
     assert columns_to_read("trials", ["configuration_id"]) == ["configuration_id", "trial_id"]
     assert columns_to_read("release", ["test_withheld"]) == ["test_withheld", "test_split_public"]
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def _frames(root: Path) -> dict[str, pd.DataFrame]:
+    return {table: read_table(str(root), table) for table in PER_TRIAL_TABLES}
+
+
+def _written(root: Path, count: int, unfinished: str | None = None) -> ResultsStore:
+    """``count`` trials ``t00``, ``t01``, ... (each its own accuracy and epochs), and ``unfinished``: a trial
+    whose epochs part is written and its trials part not (a write in progress, or killed)."""
+    store = ResultsStore(str(root))
+    for n in range(count):
+        write(store, f"t{n:02d}", make_result(n / 100, epochs=1 + n % 3))
+    if unfinished is not None:
+        rows = trial_rows(
+            make_result(),
+            search_id="s1",
+            trial_id=unfinished,
+            cell_id="c",
+            reference_batch_size=1,
+            versions={},
+            finished_at=NOW,
+        )
+        store.write_part("epochs", unfinished, rows["epochs"])
+    return store
+
+
+def _old_scan(root: Path) -> set[str]:
+    """Completed trial ids as dptune read them before compaction: the trial_id column of every trials part."""
+    return {i for part in (root / "trials").glob("part-*.parquet") for i in pq.read_table(part)["trial_id"].to_pylist()}
+
+
+def test_compaction_keeps_every_row_exactly_once_and_the_index_equals_the_old_scan(tmp_path: Path) -> None:
+    store = _written(tmp_path, 12, unfinished="t99")
+    before, scanned = _frames(tmp_path), _old_scan(tmp_path)
+    assert store.completed_trial_ids() == scanned == {f"t{n:02d}" for n in range(12)}
+    assert set(before["epochs"]["trial_id"]) == scanned  # the unfinished trial's rows never count
+    compact_records(str(tmp_path), ["t00", "t01", "t02", "t99"])  # a unit's end: its own trials only
+    assert sorted(p.name for p in (tmp_path / "trials").iterdir())[1] == "part-t03.parquet"
+    assert len(list((tmp_path / "trials").glob("part-c-*"))) == 1
+    for table, frame in _frames(tmp_path).items():
+        pd.testing.assert_frame_equal(frame, before[table])
+    compact_records(str(tmp_path))  # the finishing step: everything
+    for table in PER_TRIAL_TABLES:
+        assert [p.name[:7] for p in (tmp_path / table).iterdir()] == ["part-c-"], table
+        pd.testing.assert_frame_equal(read_table(str(tmp_path), table), before[table])
+    assert store.completed_trial_ids() == _old_scan(tmp_path) == scanned
+    assert store.has_trial("t05") and not store.has_trial("t99")
+    compacted = pq.ParquetFile(next((tmp_path / "epochs").iterdir()))
+    ids = compacted.read(columns=["trial_id"])["trial_id"].to_pylist()
+    assert ids == sorted(ids) and compacted.metadata.num_rows == len(before["epochs"]) + 2  # t99's rows are kept
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    compact_records(str(tmp_path))  # an already compact folder: nothing written or removed
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == listing
+
+
+def test_a_trial_written_again_reads_as_its_last_write_before_and_after_compaction(tmp_path: Path) -> None:
+    store = _written(tmp_path, 3)
+    compact_records(str(tmp_path))
+    write(store, "t01", make_result(0.9, epochs=4))  # its own part overrides its rows in the compacted file
+    for _ in range(2):
+        trials = read_table(str(tmp_path), "trials")
+        assert trials["trial_id"].tolist() == ["t00", "t01", "t02"] and trials["val_accuracy"].tolist()[1] == 0.9
+        epochs = read_table(str(tmp_path), "epochs")
+        assert epochs[epochs["trial_id"] == "t01"]["epoch"].tolist() == [1, 2, 3, 4] and len(epochs) == 1 + 4 + 3
+        compact_records(str(tmp_path), ["t01"])  # then a newer compacted file holds it, and wins
+    assert len(list((tmp_path / "trials").iterdir())) == 2
+
+
+def test_compacted_files_merge_by_tiers_and_their_count_stays_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compaction, "TIER_BYTES", 1)  # tiers by factors of FANOUT from a byte up
+    store = _written(tmp_path, 40)
+    before = _frames(tmp_path)
+    counts = []
+    for unit in range(20):
+        compact_records(str(tmp_path), [f"t{2 * unit:02d}", f"t{2 * unit + 1:02d}"])
+        counts.append(len(list((tmp_path / "trials").glob("part-c-*"))))
+    # FANOUT unit files of one tier merge into one of the next; 16 = FANOUT² units' files: one file of tier 2
+    assert counts[:4] == [1, 2, 3, 1] and counts[15] == 1 and max(counts) <= 2 * (compaction.FANOUT - 1)
+    for table, frame in _frames(tmp_path).items():
+        pd.testing.assert_frame_equal(frame, before[table])
+    assert store.completed_trial_ids() == {f"t{n:02d}" for n in range(40)}
+    assert compaction.tier_group([("a", 10), ("b", 20), ("c", 10**9)], 100, final=True) == ["a", "b"]
+    assert compaction.tier_group([("a", 10), ("c", 10**9)], 100, final=True) == []
+
+
+def test_a_read_of_some_columns_reads_those_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _written(tmp_path, 3)
+    compact_records(str(tmp_path), ["t00"])
+    asked = []
+    real_read = pq.ParquetDataset.read
+    monkeypatch.setattr(
+        pq.ParquetDataset,
+        "read",
+        lambda self, columns=None, **kw: asked.append(columns) or real_read(self, columns, **kw),
+    )
+    frame = ResultsStore(str(tmp_path), cache=None).read("epochs", ["epoch"])
+    assert list(frame.columns) == ["epoch"] and len(frame) == 1 + 2 + 3
+    assert asked and all(columns == ["epoch", "trial_id"] for columns in asked)  # the trial filter needs its id
+
+
+def test_search_rows_before_schema_8_name_the_accountant_their_composition_used(tmp_path: Path) -> None:
+    """Schema 8 records which accountant gave each composed ε; a per-cell search written before it composed
+    with the PLD (or took a single trial's own PRV ε); a private search's row composes nothing and stays null."""
+    _old_part(
+        tmp_path,
+        "search",
+        "s7",
+        {"search_id": "s7", "schema_version": 7, "epsilon_search": 12.5},
+        ("accountant_cell", "accountant_search"),
+    )
+    _old_part(
+        tmp_path, "search", "p7", {"search_id": "p7", "schema_version": 7}, ("accountant_cell", "accountant_search")
+    )
+    ResultsStore(str(tmp_path)).write_part(
+        "search",
+        "s8",
+        [
+            {
+                "search_id": "s8",
+                "schema_version": 8,
+                "epsilon_search": 1094.3,
+                "accountant_cell": "PLD",
+                "accountant_search": "RDP",
+            }
+        ],
+    )
+    rows = read_table(str(tmp_path), "search").set_index("search_id")
+    assert rows.loc["s7", "accountant_search"] == rows.loc["s7", "accountant_cell"] == "PLD (or PRV for a single trial)"
+    assert rows.loc["s8", "accountant_search"] == "RDP" and rows.loc["s8", "accountant_cell"] == "PLD"
+    assert pd.isna(rows.loc["p7", "accountant_search"])
+
+
+def test_reading_some_trials_reads_only_theirs_from_single_parts_and_compacted_files(tmp_path: Path) -> None:
+    """``read(..., trial_ids=...)`` returns exactly the rows of those trials, wherever they are (a single part, a
+    compacted file), the same as filtering the whole table; asking for none, or unknown ids, reads no row."""
+    from dptune.records import compact_records
+
+    store = ResultsStore(str(tmp_path), cache=None)
+    for index in range(6):
+        trial_id = f"t{index}"
+        store.write_trial(
+            {"epochs": [{"trial_id": trial_id, "epoch": e} for e in (1, 2)], "trials": [{"trial_id": trial_id}]},
+            trial_id,
+        )
+        if index == 3:
+            compact_records(str(tmp_path))  # t0…t3 compacted, t4 and t5 single parts
+    files = store.table_files("epochs")
+    assert len(files.compacted) == 1 and sorted(files.singles) == ["t4", "t5"]
+    whole = store.read("epochs")
+    for asked in ({"t1", "t4"}, {"t0", "t2", "t3"}, {"t5"}):
+        some = store.read("epochs", trial_ids=asked)
+        expected_rows = whole[whole["trial_id"].isin(asked)].reset_index(drop=True)
+        pd.testing.assert_frame_equal(some.reset_index(drop=True), expected_rows)
+    assert store.read("epochs", trial_ids=set()).empty and store.read("epochs", trial_ids={"nobody"}).empty

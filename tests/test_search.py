@@ -233,7 +233,7 @@ def test_search_table_reports_the_whole_search_cost(
     search = read_table(str(tiny_search.root), "search")
     trials = read_table(str(tiny_search.root), "trials")
     delta = load_space(TINY).space.privacy.delta
-    assert len(search) == 4 and set(search["schema_version"]) == {SCHEMA_VERSION} == {7}
+    assert len(search) == 4 and set(search["schema_version"]) == {SCHEMA_VERSION} == {8}
     ran = trials[trials["steps_taken"] > 0]
     assert len(ran) == 12 and ran["epsilon_spent"].notna().all() and (ran["epsilon_spent"] > 0).all()
     # the whole search: every trial of every cell and variant, composed by dp_accounting's PLD accountant

@@ -4,6 +4,7 @@ samplers, results folders and ledgers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import pickle
@@ -85,17 +86,37 @@ def context(root: Path, replicates: int = 2) -> TrialContext:
     )
 
 
-def trial(unit: Unit, last: dict[str, Any] | None = None) -> Trial:
+def trial(unit: Unit, last: dict[str, Any] | None = None, saved_in: TrialContext | None = None) -> Trial:
+    """A stub Tune trial of ``unit`` (its file written where ``saved_in`` keeps units, when given)."""
+    if saved_in is not None:
+        unit.save(saved_in)
     made = Trial("dptune_unit", config=unit.config(), stub=True)
     if last is not None:
         made.run_metadata.last_result = last
     return made
 
 
-def test_a_unit_is_a_plain_tune_config() -> None:
-    unit = Unit("eps1-E5", [PARAMS])
-    assert unit.config() == {"cell": "eps1-E5", "configurations": [PARAMS]}
-    assert Unit.of(unit.config()) == unit
+def test_a_unit_is_a_plain_tune_config_of_its_cell_and_id(tmp_path: Path) -> None:
+    cell = context(tmp_path)
+    unit = Unit("eps1-E5", "t0", [PARAMS])
+    assert unit.config() == {"cell": "eps1-E5", "unit_id": "t0"}
+    with pytest.raises(FileNotFoundError, match="unit t0"):
+        Unit.of(unit.config(), {"eps1-E5": cell})
+    unit.save(cell)
+    assert Unit.of(unit.config(), {"eps1-E5": cell}) == unit
+
+
+def test_tune_state_of_a_unit_does_not_grow_with_its_configurations(tmp_path: Path) -> None:
+    """A unit's Tune config, and so Tune's saved trial state, is the same size whether it runs 1 or 256
+    configurations; only its file (outside Tune's state) grows."""
+    cell = context(tmp_path)
+    sizes = []
+    for count in (1, 16, 256):
+        configurations = [{**PARAMS, "clip_bound": 0.5 + index} for index in range(count)]
+        made = trial(Unit("eps8-E4", f"t{count:03d}", configurations), saved_in=cell)
+        sizes.append(len(pickle.dumps(made.config)) + len(json.dumps(made.config)))
+        assert Unit.of(made.config, {"eps8-E4": cell}).configurations == configurations
+    assert len(set(sizes)) == 1 and sizes[0] < 200
 
 
 def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> None:
@@ -108,7 +129,7 @@ def test_the_searcher_tells_each_cell_what_its_units_scored(tmp_path: Path) -> N
         num_train=N,
         min_steps=1,
     )
-    units = {trial_id: Unit.of(searcher.suggest(trial_id)) for trial_id in ("t0", "t1", "t2", "t3", "t4")}
+    units = {trial_id: Unit.of(searcher.suggest(trial_id), cells) for trial_id in ("t0", "t1", "t2", "t3", "t4")}
     assert [(u.cell_key, len(u.configurations)) for u in units.values()] == [
         ("a", 2),
         ("b", 1),
@@ -151,7 +172,7 @@ def test_a_pruned_proposal_is_recorded_without_compute_and_not_counted(tmp_path:
         num_train=N,
         min_steps=10,
     )
-    unit = Unit.of(searcher.suggest("t0"))
+    unit = Unit.of(searcher.suggest("t0"), {"a": context(tmp_path)})
     assert len(unit.configurations) == 6 and {p["batch_size"] for p in unit.configurations} == {32}
     pruned = read_table(str(tmp_path), "trials")
     assert len(pruned) >= 1 and set(pruned["status"]) == {"pruned_min_steps"} and set(pruned["batch_size"]) == {64}
@@ -169,7 +190,7 @@ def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None
         num_train=N,
         min_steps=1,
     )
-    unit = Unit.of(searcher.suggest("t0"))
+    unit = Unit.of(searcher.suggest("t0"), {"a": context(first)})
     blob = pickle.dumps(searcher)
     assert b"optuna" not in blob and b"Unit" not in blob  # no study, no class of this module's state
     assert str(first).encode() not in blob  # nor the first driver's folder: a resume writes to its own
@@ -211,8 +232,8 @@ def test_each_cell_has_its_own_asha() -> None:
     }
     asha = PerCellASHA(schedulers)
     assert asha.set_search_properties(METRIC, "max")
-    good, poor = trial(Unit("a", [PARAMS])), trial(Unit("a", [PARAMS]))
-    alone = trial(Unit("b", [PARAMS]))
+    good, poor = trial(Unit("a", "t0", [PARAMS])), trial(Unit("a", "t1", [PARAMS]))
+    alone = trial(Unit("b", "t2", [PARAMS]))
     for each in (good, poor, alone):
         asha.on_trial_add(None, each)
     assert asha.on_trial_result(None, good, {"epoch": 1, METRIC: 0.9}) == TrialScheduler.CONTINUE
@@ -222,11 +243,12 @@ def test_each_cell_has_its_own_asha() -> None:
 
 
 def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, TuneRunState())
+    cell = context(tmp_path)
+    callback = RecordAndReport({"eps8-E4": CellRun(cell, "eps=8|epochs=4 normalized", 5)}, TuneRunState())
     other = {**PARAMS, "batch_size": 64, "clip_bound": 2.0}
-    unit = Unit("eps8-E4", [PARAMS, other])
+    unit = Unit("eps8-E4", "t0", [PARAMS, other])
     last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: '{"ok": 3, "error": 1}'}
-    callback.on_trial_complete(0, [], trial(unit, last))
+    callback.on_trial_complete(0, [], trial(unit, last, saved_in=cell))
     assert capsys.readouterr().out == (
         "[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
         "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n"
@@ -255,7 +277,7 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
     last = {**asdict(report), "done_recording": False}  # what the trainable reported after epoch 1
     state = TuneRunState()
     callback = RecordAndReport({cell.cell_key: CellRun(cell, "eps=8|epochs=4 normalized", 5)}, state)
-    callback.on_trial_complete(0, [], trial(Unit(cell.cell_key, [PARAMS]), last))
+    callback.on_trial_complete(0, [], trial(Unit(cell.cell_key, "t0", [PARAMS]), last, saved_in=cell))
 
     trials = read_table(str(tmp_path), "trials").set_index("replicate")
     assert trials.loc[0, "status"] == "ok" and trials.loc[0, "steps_taken"] == 12  # kept as it wrote it
@@ -275,11 +297,13 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
 
 def test_a_unit_stopped_with_the_search_stays_unrecorded_for_resume(tmp_path: Path) -> None:
     state = TuneRunState()
-    callback = RecordAndReport({"eps8-E4": CellRun(context(tmp_path), "eps=8|epochs=4 normalized", 5)}, state)
-    callback.on_trial_result(0, [], trial(Unit("eps8-E4", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"})
+    cell = context(tmp_path)
+    callback = RecordAndReport({"eps8-E4": CellRun(cell, "eps=8|epochs=4 normalized", 5)}, state)
+    unit = Unit("eps8-E4", "t0", [PARAMS])
+    callback.on_trial_result(0, [], trial(unit, saved_in=cell), {STORAGE_ERROR_KEY: "No space left on device"})
     assert state.failures == ["a trial process could not write its records: No space left on device"]
     assert logging.getLogger("ray.tune").level == logging.CRITICAL
-    callback.on_trial_complete(0, [], trial(Unit("eps8-E4", [PARAMS]), {"epoch": 2, "steps": 6}))
+    callback.on_trial_complete(0, [], trial(unit, {"epoch": 2, "steps": 6}))
     assert read_table(str(tmp_path), "trials").empty
 
 
@@ -302,10 +326,12 @@ def test_each_tune_run_records_into_its_own_state_and_a_restored_callback_into_i
     callback = StopOnStorageFailure(first)
     previous = signal.signal(signal.SIGUSR1, lambda number, frame: None)
     try:
-        callback.on_trial_result(0, [], trial(Unit("a", [PARAMS])), {STORAGE_ERROR_KEY: "Read-only file system"})
+        callback.on_trial_result(0, [], trial(Unit("a", "t0", [PARAMS])), {STORAGE_ERROR_KEY: "Read-only file system"})
         restored = pickle.loads(pickle.dumps(callback))
         restored.bind({}, second)
-        restored.on_trial_result(0, [], trial(Unit("a", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"})
+        restored.on_trial_result(
+            0, [], trial(Unit("a", "t0", [PARAMS])), {STORAGE_ERROR_KEY: "No space left on device"}
+        )
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert first.failures == ["a trial process could not write its records: Read-only file system"]
@@ -351,24 +377,24 @@ def test_a_resumed_searcher_runs_what_was_charged_after_tune_last_saved_and_asks
         )
 
     first = searcher()
-    (saved,) = Unit.of(first.suggest("t0")).configurations
+    (saved,) = Unit.of(first.suggest("t0"), {"a": cell}).configurations
     checkpoint = tmp_path / "searcher.json"
     first.save(str(checkpoint))  # Tune's last saved state: t0 asked, nothing else
-    (charged,) = Unit.of(first.suggest("t1")).configurations
+    (charged,) = Unit.of(first.suggest("t1"), {"a": cell}).configurations
     _charge(cell, charged)  # started, then the driver was killed: no row, and Tune never saved it
-    (recorded,) = Unit.of(first.suggest("t2")).configurations
+    (recorded,) = Unit.of(first.suggest("t2"), {"a": cell}).configurations
     _charge(cell, recorded, accuracy=0.75)  # ran to its rows after the last save
 
     resumed = searcher()
     resumed.restore(str(checkpoint))
-    assert Unit.of(resumed.suggest("t3")).configurations == [charged]  # first, as it was charged
+    assert Unit.of(resumed.suggest("t3"), {"a": cell}).configurations == [charged]  # first, as it was charged
     assert "1 configuration(s) charged in the privacy ledger after Tune last saved its state run again" in (
         capsys.readouterr().out
     )
     sampler = resumed.samplers["a"]
     assert sampler.pending == [saved, charged]  # t0 runs again as Tune restores it; t1 as the searcher gave it
     assert [(params, value, state) for params, value, state in sampler.told] == [(recorded, 0.75, "complete")]
-    (new,) = Unit.of(resumed.suggest("t4")).configurations
+    (new,) = Unit.of(resumed.suggest("t4"), {"a": cell}).configurations
     assert new not in (saved, charged, recorded)
     assert resumed.suggest("t5") == CellMultiplexer.FINISHED  # 4 planned: t0, t1, t2 and t4
     resumed.on_trial_complete("t3", {SCORES_KEY: [0.5]})
@@ -377,5 +403,5 @@ def test_a_resumed_searcher_runs_what_was_charged_after_tune_last_saved_and_asks
     again = searcher()  # a later resume from the same saved state: t1 is recorded now, nothing is run twice
     again.restore(str(checkpoint))
     _charge(cell, charged, accuracy=0.5)
-    (after,) = Unit.of(again.suggest("t6")).configurations
+    (after,) = Unit.of(again.suggest("t6"), {"a": cell}).configurations
     assert after not in (saved, charged, recorded) and again.suggested == {"a": 4}

@@ -37,10 +37,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import yaml
 
 from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, TrialConfig, TrialResult, WorkloadSpec
-from dptune.records import SCHEMA_VERSION, ResultsStore, replicate_trial_id, trial_rows
+from dptune.records import SCHEMA_VERSION, SCHEMAS, ResultsStore, read_table, replicate_trial_id, trial_rows
+from dptune.records.store import compacted_name
 
 MIN_STEPS = 20
 DELTA = 1e-5
@@ -408,15 +410,19 @@ def copy_results(
     copies = []
     for path in paths:
         source, target = Path(path), root / Path(path).name
-        trials = pd.read_parquet(source / "trials")
+        trials = read_table(path, "trials")
         kept = set(trials.loc[keep(trials) if keep else trials.index, "trial_id"])
         for table in tables:
             if not (source / table).is_dir():
                 continue
-            (target / table).mkdir(parents=True, exist_ok=True)
-            for part in (source / table).glob("part-*.parquet"):
-                if table == "search" or part.name[len("part-") : -len(".parquet")] in kept:
-                    shutil.copy2(part, target / table / part.name)
+            if table == "search":
+                shutil.copytree(source / table, target / table)
+                continue
+            frame = read_table(path, table)
+            data = pa.Table.from_pandas(
+                frame[frame["trial_id"].isin(kept)], schema=SCHEMAS[table], preserve_index=False
+            )
+            ResultsStore(str(target)).write_file(table, compacted_name(0), data)
         copies.append(str(target))
     return copies
 

@@ -16,25 +16,19 @@ def diagnosed_best(results: Results) -> pd.DataFrame:
     """Per cell, the best tuned trial that recorded diagnostics, with its last diagnostic row.
 
     Columns of the trial plus ``diagnostic_epoch``, ``grad_norms``, ``labels``,
-    ``optimal_clip_bound``, ``mse_bias``, ``mse_variance``, ``noise_multiplier``, ``dimension``.
+    ``optimal_clip_bound``, ``mse_bias``, ``mse_variance``, ``noise_multiplier``, ``dimension``. The
+    probes (``grad_norms``, ``labels``) are read for these rows only (:meth:`Results.probes`).
     """
-    return select_best(last_diagnostics(results), CELL)
+    best = select_best(last_diagnostics(results), CELL)
+    probed = results.probes(best.rename(columns={"diagnostic_epoch": "epoch"}))
+    return probed.rename(columns={"epoch": "diagnostic_epoch"})
 
 
 def last_diagnostics(results: Results) -> pd.DataFrame:
-    """Tuned finished trials joined with their last diagnostic row (latest probe epoch)."""
+    """Tuned finished trials joined with their last diagnostic row (latest probe epoch), without its probe
+    (:func:`diagnosed_best` adds it)."""
     diagnostics = results.diagnostics.sort_values("epoch").drop_duplicates(["search_id", "trial_id"], keep="last")
-    columns = [
-        "search_id",
-        "trial_id",
-        "epoch",
-        "grad_norms",
-        "labels",
-        "optimal_clip_bound",
-        "mse_bias",
-        "mse_variance",
-        "dimension",
-    ]
+    columns = ["search_id", "trial_id", "epoch", "optimal_clip_bound", "mse_bias", "mse_variance", "dimension"]
     last = diagnostics[columns].rename(columns={"epoch": "diagnostic_epoch"})
     return results.tuned.merge(last, on=["search_id", "trial_id"])
 

@@ -3,23 +3,31 @@
 ``load_results`` reads one or more result datasets (``dptune.records``) into one ``Results``;
 the conventions it sets (tasks, cells, binning of C and B, the best-trial rule) are those of
 ``dptune.analysis``.
+
+Memory: a run costs the ``Results`` a few kB (its scalar columns, one row per epoch, class and
+diagnostic epoch), never the columns no analysis reads (:data:`UNREAD`: each run's configuration and
+versions as JSON, and its probes' per-example gradient norms, ~5 kB a diagnostic epoch). Probes are read
+for the rows asked (:meth:`Results.probes`: one per cell), then only those are kept. Every table is read
+with the store's cache off and its columns held in one chunk each, so nothing keeps the buffers of the
+parts it was read from.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.fs as pafs
 import yaml
 
 from dptune.errors import DptuneError
 from dptune.paths import filesystem, read_file
 from dptune.plan import DEFAULT_TOLERANCE
-from dptune.records import TABLES, read_table
+from dptune.records import SCHEMAS, TABLES, ResultsStore
 from dptune.records.weights import CARD_JSON, MODELS_FOLDER
 
 #: Status of a trial that trained to the end; only these are ranked.
@@ -42,6 +50,14 @@ NEAR_OPTIMAL = 0.01
 #: Two-sided confidence of the intervals and of the within-noise rule of configurations.
 CONFIDENCE = 0.95
 
+#: Columns of each table that ``load_results`` leaves unread: ``trials``' full configuration and package
+#: versions (JSON, ~1 kB a run; ``dptune.records.read_table`` reads them) and ``diagnostics``' per-example
+#: probe (:data:`PROBE_COLUMNS`, read by :meth:`Results.probes` for the rows asked).
+PROBE_COLUMNS: tuple[str, ...] = ("grad_norms", "labels")
+UNREAD: dict[str, tuple[str, ...]] = {"trials": ("config", "versions"), "diagnostics": PROBE_COLUMNS}
+#: The key of a diagnostic row (a trial's probe at one epoch).
+_PROBE_KEY = ["search_id", "trial_id", "epoch"]
+
 _SELECTION_ORDER = (["val_accuracy", "train_loss", "search_id", "trial_id"], [False, True, True, True])
 
 
@@ -54,7 +70,9 @@ class Results:
     """The tables of one or more result datasets, concatenated, with derived columns.
 
     ``trials`` gains ``task``, ``clip_bin`` and ``batch_bin`` (see ``dptune.analysis``);
-    ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial.
+    ``classes`` and ``diagnostics`` gain ``task``, ``epsilon`` and ``epochs`` of their trial. The
+    columns of :data:`UNREAD` are not read: ``diagnostics`` holds every diagnostic row without its
+    probe, which :meth:`probes` reads for the rows asked.
     ``clip_binned``/``batch_binned`` say whether C/B were binned (else exact values).
     ``release`` holds the releases of end-to-end private searches, whose per-run records are not
     in their dataset (they stay inside the data owner's trust boundary). ``models`` lists the models
@@ -71,6 +89,22 @@ class Results:
     batch_binned: bool
     release: pd.DataFrame
     models: pd.DataFrame
+    _probes: dict[frozenset[tuple[str, str, int]], pd.DataFrame] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def probes(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """``rows`` (diagnostic rows: ``search_id``, ``trial_id``, ``epoch``) with their probe's
+        ``grad_norms`` (‖g_i‖ of each probe example) and ``labels``, in the order of ``rows``.
+
+        Read from :attr:`sources` once per set of rows asked (a later dataset's row wins, as in
+        ``load_results``); only the asked rows' probes are kept. A row without a probe gets NaN.
+        """
+        wanted = rows[_PROBE_KEY].drop_duplicates()
+        key = frozenset(zip(wanted["search_id"], wanted["trial_id"], wanted["epoch"].astype(int), strict=True))
+        if key not in self._probes:
+            self._probes[key] = _read_probes(self.sources, wanted)
+        return rows.merge(self._probes[key], on=_PROBE_KEY, how="left")
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -150,18 +184,15 @@ def _with_trial_keys(frame: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_results(paths: Sequence[str]) -> Results:
-    """Read and join every table of the datasets at ``paths`` (see ``check_results_paths``).
+    """Read and join every table of the datasets at ``paths`` (see ``check_results_paths``), but the
+    columns of :data:`UNREAD`.
 
     A dataset given twice, or two datasets sharing a search, contribute each trial once.
     """
     check_results_paths(paths)
-    tables = {name: pd.concat([read_table(path, name) for path in paths], ignore_index=True) for name in TABLES}
+    tables = {name: _read_table(paths, name) for name in TABLES}
     trials = tables["trials"].drop_duplicates(["search_id", "trial_id"], keep="last").reset_index(drop=True)
-    trials["task"] = pd.Series(
-        [task_label(*row) for row in trials[list(TASK_COLUMNS)].itertuples(index=False)],
-        index=trials.index,
-        dtype="str",
-    )
+    trials["task"] = _task_labels(trials)
     tuned = trials["clipping"] != AUTO_S
     trials["clip_bin"], clip_binned = log_bins(
         trials["clip_bound"].where(tuned, np.nan), _sampled_from_range(tables["search"], "clip_bound")
@@ -169,20 +200,74 @@ def load_results(paths: Sequence[str]) -> Results:
     trials["batch_bin"], batch_binned = log_bins(trials["batch_size"].astype(float))
     dedupe = {"epochs": ["epoch"], "classes": ["label"], "diagnostics": ["epoch"]}
     joined = {
-        name: _with_trial_keys(tables[name].drop_duplicates(["search_id", "trial_id", *extra], keep="last"), trials)
+        name: _one_chunk(
+            _with_trial_keys(tables[name].drop_duplicates(["search_id", "trial_id", *extra], keep="last"), trials)
+        )
         for name, extra in dedupe.items()
     }
     search = tables["search"].drop_duplicates().reset_index(drop=True)
     return Results(
         sources=tuple(paths),
-        trials=trials,
-        search=search,
+        trials=_one_chunk(trials),
+        search=_one_chunk(search),
         clip_binned=clip_binned,
         batch_binned=batch_binned,
-        release=tables["release"].drop_duplicates().reset_index(drop=True),
+        release=_one_chunk(tables["release"].drop_duplicates().reset_index(drop=True)),
         models=published_models(paths),
         **joined,
     )
+
+
+def _read_table(paths: Sequence[str], table: str) -> pd.DataFrame:
+    """``table`` of every dataset at ``paths``, concatenated, without the columns of :data:`UNREAD`."""
+    columns = [name for name in SCHEMAS[table].names if name not in UNREAD.get(table, ())]
+    return pd.concat([_read(path, table, columns) for path in paths], ignore_index=True)
+
+
+def _read(path: str, table: str, columns: list[str]) -> pd.DataFrame:
+    """``columns`` of ``table`` of the dataset at ``path``, read anew (the store's cache would keep every
+    part's buffers) and held in one chunk per column."""
+    return _one_chunk(ResultsStore(path, cache=None).read(table, columns))
+
+
+def _one_chunk(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each Arrow-backed column (strings) in one chunk, in place; returned.
+
+    A table read from one part per run, or concatenated and joined, holds such a column as one chunk per
+    part, each keeping its part's read buffers alive (~30 kB a chunk) and making every ``take`` (sort,
+    join, filter) walk them all; one chunk owns only its values.
+    """
+    for name in frame.columns:
+        if isinstance(frame[name].array, pd.arrays.ArrowExtensionArray):
+            chunked = pa.array(frame[name])
+            if isinstance(chunked, pa.ChunkedArray) and chunked.num_chunks != 1:
+                frame[name] = pd.Series(pd.array(chunked.combine_chunks(), dtype=frame[name].dtype), index=frame.index)
+    return frame
+
+
+def _task_labels(trials: pd.DataFrame) -> pd.Series:
+    """``task_label`` of each trial, computed once per task (not once per trial)."""
+    keys = trials[list(TASK_COLUMNS)]
+    tasks = keys.drop_duplicates()
+    tasks = tasks.assign(task=[task_label(*row) for row in tasks.itertuples(index=False)])
+    labels = keys.merge(tasks, on=list(TASK_COLUMNS), how="left")["task"]
+    return pd.Series(labels.to_numpy(), index=trials.index, dtype="str")
+
+
+def _read_probes(paths: Sequence[str], wanted: pd.DataFrame) -> pd.DataFrame:
+    """The probes (:data:`PROBE_COLUMNS`) of the diagnostic rows ``wanted`` (keyed by ``_PROBE_KEY``) in the
+    datasets at ``paths``; a later dataset's row wins. Only the wanted trials' rows are read
+    (``ResultsStore.read``'s ``trial_ids``), one dataset after the other."""
+    columns = [*_PROBE_KEY, *PROBE_COLUMNS]
+    if wanted.empty:
+        return wanted.assign(**{name: pd.Series(dtype=object) for name in PROBE_COLUMNS})
+    trial_ids = set(wanted["trial_id"])
+    found = [
+        ResultsStore(path, cache=None).read("diagnostics", columns, trial_ids).merge(wanted, on=_PROBE_KEY)
+        for path in paths
+    ]
+    probes = pd.concat(found, ignore_index=True).drop_duplicates(_PROBE_KEY, keep="last")
+    return _one_chunk(probes.reset_index(drop=True))
 
 
 def published_models(paths: Sequence[str]) -> pd.DataFrame:

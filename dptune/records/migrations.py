@@ -78,6 +78,17 @@ def _test_withheld(release: pd.DataFrame) -> pd.Series:
     return _filled(release["test_withheld"], before, GENERAL_WITHHELD_REASON)
 
 
+def _accountant(column: str) -> Callable[[pd.DataFrame], pd.Series]:
+    """Schema 8 recorded which accountant gave a composed ε; before it, a per-cell search's was the PLD's,
+    or a single trial's own ε spent (PRV) where that was the smaller."""
+
+    def fill(search: pd.DataFrame) -> pd.Series:
+        before = search[column].isna() & (search["schema_version"] < 8) & search["epsilon_search"].notna()
+        return _filled(search[column], before, "PLD (or PRV for a single trial)")
+
+    return fill
+
+
 #: The migrations, keyed by the schema version each applies from (rows written before it are filled).
 MIGRATIONS: dict[int, tuple[Migration, ...]] = {
     2: (Migration("search", "guarantee", ("schema_version",), _guarantee),),
@@ -87,6 +98,10 @@ MIGRATIONS: dict[int, tuple[Migration, ...]] = {
     ),
     4: (Migration("release", "test_split_public", (), _test_split_public),),
     7: (Migration("release", "test_withheld", ("test_split_public",), _test_withheld),),
+    8: tuple(
+        Migration("search", column, ("schema_version", "epsilon_search"), _accountant(column))
+        for column in ("accountant_cell", "accountant_search")
+    ),
 }
 
 

@@ -32,7 +32,7 @@ from dptune.errors import DptuneError
 #: 6: release gains tuning_fraction and transfer (tuning on a private subsample; null otherwise).
 #: 7: release gains test_withheld (the test rows' source and how the owner scores the model themselves).
 #: What rows written before each version mean now: ``dptune.records.migrations.MIGRATIONS``.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: The quantiles of per-class gradient norms the ``classes`` table keeps, as column suffixes.
 QUANTILES = ("q05", "q25", "q50", "q75", "q95")
@@ -152,10 +152,12 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("configurations_pruned", pa.int64()),
             ("epsilon_per_trial", pa.float64()),
             ("trials_with_steps", pa.int64()),  # trials of this cell that took ≥ 1 step
-            ("epsilon_cell", pa.float64()),  # PLD composition of this cell's trials, at delta
+            ("epsilon_cell", pa.float64()),  # composition of this cell's trials, at delta, by accountant_cell
+            ("accountant_cell", pa.string()),  # PLD, RDP, or PRV (one trial: its own ε spent)
             ("epsilon_composition", pa.float64()),  # basic composition of this cell's trials: Σ ε spent
             ("delta_composition", pa.float64()),  # and Σ δ
-            ("epsilon_search", pa.float64()),  # PLD composition of every trial of the search, at delta
+            ("epsilon_search", pa.float64()),  # composition of every trial of the search, at delta
+            ("accountant_search", pa.string()),  # its accountant: PLD, RDP, or PRV (one trial)
             ("epsilon_search_basic", pa.float64()),  # Σ ε spent over the search
             ("delta_search_basic", pa.float64()),
             ("runs_charged", pa.int64()),  # runs of the search the privacy ledger charges (took ≥ 1 step)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from dptune import __version__
 from dptune.errors import SearchError, SearchIncomplete
 from dptune.paths import check_name, filesystem, probe_writable
-from dptune.records import ResultsStore, read_table
+from dptune.records import ResultsStore, compact_records, read_table
 from dptune.records.ledger import charged_runs, unreadable_ends
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
@@ -329,9 +329,11 @@ def run_units(session: SearchSession) -> None:
 
 
 def finish(session: SearchSession) -> None:
-    """Compose the search's outcome from its ``trials`` table (read once), release and publish it, write
-    its ``search`` rows, then show the summary, build the report and log it (``finished.conclude``)."""
+    """Compact the per-run records, compose the search's outcome from its ``trials`` table (read once),
+    release and publish it, write its ``search`` rows, then show the summary, build the report and log it
+    (``finished.conclude``)."""
     with composing():  # a Ctrl+C from here on: every run is recorded, --resume trains nothing
+        compact_records(session.runs)  # every file left (killed units, runs ASHA stopped) into a few
         trials = read_table(session.runs, "trials")
         ran = plans_that_ran(session.runs, session.search_id, session.plans, trials)
         _warn(

@@ -184,7 +184,10 @@ def _check_fits(resources: ResourcesSpec, nodes: list[dict[str, float]], what: s
 def check_results_folder(results_root: str, quarantine: bool, move: bool = True) -> list[str]:
     """Refuse unreadable parts, or with ``quarantine`` move them aside (only say so unless ``move``).
 
-    Returns one note per part moved (or to be moved).
+    Opens the footer of each file that exists (``records.unreadable_parts``): a run's own parts until it
+    is compacted, then the few compacted files of each table, whatever the number of runs. A compacted
+    file moved aside takes every run it holds with it: they are unrecorded, and ``--resume`` runs them
+    again. Returns one note per part moved (or to be moved).
     """
     import pyarrow.fs as pafs
 

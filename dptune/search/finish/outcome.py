@@ -147,9 +147,11 @@ def _composition_columns(
         "trials_planned": plan.configurations * space.replicates,
         "trials_with_steps": cell.trials_with_steps,
         "epsilon_cell": cell.epsilon,
+        "accountant_cell": cell.accountant,
         "epsilon_composition": cell.epsilon_basic,
         "delta_composition": cell.delta_basic,
         "epsilon_search": whole.epsilon,
+        "accountant_search": whole.accountant,
         "epsilon_search_basic": whole.epsilon_basic,
         "delta_search_basic": whole.delta_basic,
         "runs_charged": whole.trials_with_steps,
@@ -430,8 +432,8 @@ def _cost_lines(search: pd.DataFrame, first: pd.Series) -> list[str]:
         ).to_string(index=False, float_format=bound_text)
     )
     lines.append(
-        f"whole search: ε = {bound_text(first['epsilon_search'])} at δ = {first['delta']:g} (PLD "
-        f"composition of every trial that took a step); basic composition: "
+        f"whole search: ε = {bound_text(first['epsilon_search'])} at δ = {first['delta']:g} "
+        f"({first['accountant_search']} composition of every trial that took a step); basic composition: "
         f"ε = {bound_text(first['epsilon_search_basic'])}, δ = {bound_text(first['delta_search_basic'], 2)}"
     )
     unrecorded = first.get("runs_unrecorded")

@@ -32,7 +32,7 @@ class CellSearch:
     private = False
     shuts_down_ray = True
     tune_log_level = logging.WARNING
-    composing_message = "composing the privacy cost of every trial (PLD accountant)..."
+    composing_message = "composing the privacy cost of every trial..."
 
     def runs_root(self, results_root: str) -> str:
         return runs_root(results_root, self.private)

@@ -45,7 +45,7 @@ from dptune.contract import (
 from dptune.errors import TrialConfigError, TrialFailed
 from dptune.plan import coupled_learning_rate, sample_rate, total_steps
 from dptune.privacy import epsilon_spent
-from dptune.records import ResultsStore, read_table, trial_rows
+from dptune.records import ResultsStore, compact_records, read_table, trial_rows
 from dptune.records.ids import configuration_id, replicate_trial_id
 from dptune.records.lease import check_holder
 from dptune.records.ledger import RunEnd, RunStart, charged_runs, record_ends, record_starts
@@ -413,7 +413,8 @@ def run_configurations(
     """Run every (configuration, replicate) of ``configurations`` that is not recorded yet.
 
     ``report`` (trial runner, one configuration and one replicate only) is called after every epoch
-    but the last, which the caller reports itself once the result is written. Returns what the
+    but the last, which the caller reports itself once the result is written. Then the unit's files
+    are compacted (``records.compact_records``: its rows and weights into a few files). Returns what the
     cell's sampler is told; recorded runs count with their recorded values.
     """
     store = ResultsStore(context.results_root)
@@ -443,6 +444,7 @@ def run_configurations(
         per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
         for run, run_id in zip(pending, run_ids, strict=True):
             results[run.trial_id] = _run_one(context, run, per_epoch, run_id)
+    compact_records(context.results_root, [run.trial_id for run in runs])  # the unit's own files, now it ends
     return _outcome(context, runs, results, len(pending))
 
 
@@ -457,7 +459,8 @@ def _outcome(context: TrialContext, runs: Sequence[RunSpec], results: dict[str, 
             result = results.get(run.trial_id)
             if result is None:
                 if rows is None:
-                    rows = read_table(context.results_root, "trials").set_index("trial_id")
+                    columns = ["trial_id", "status", "val_accuracy", "noisy_val_accuracy"]
+                    rows = read_table(context.results_root, "trials", columns).set_index("trial_id")
                 row = rows.loc[run.trial_id]
                 status, val, noisy = str(row["status"]), float(row["val_accuracy"]), float(row["noisy_val_accuracy"])
             else:

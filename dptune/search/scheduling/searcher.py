@@ -2,7 +2,10 @@
 and the unit it hands out (:class:`Unit`). Ray appears here, in :mod:`dptune.search.scheduling.tune_adapters` and in
 :mod:`dptune.search.driver` only.
 
-A Tune trial is a *unit*: one cell's batch of sampled configurations (C, B, η₀). Each cell keeps its own
+A Tune trial is a *unit*: one cell's batch of sampled configurations (C, B, η₀). Its Tune config carries
+the cell and the unit's id only; the configurations are in the unit's file (:meth:`Unit.save`, read back
+by :meth:`Unit.of` in the trial process and the driver), so Tune's saved state holds a few hundred bytes a
+unit whatever the number of configurations it runs. Each cell keeps its own
 :class:`~dptune.search.planning.sampler.CellSampler` and budget; the searcher's checkpoint is plain JSON
 (``save``/``restore``) and it pickles as plain data (``__getstate__``), so a resumed search never unpickles
 code. What Tune's saved state lags behind the results folder is learnt from the folder when a driver first
@@ -21,6 +24,7 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
+from dptune.paths import read_file, write_file_atomic
 from dptune.records import read_table
 from dptune.records.ledger import started_runs
 from dptune.search.planning.sampler import CellSampler
@@ -29,10 +33,10 @@ from dptune.search.scheduling.reconcile import unknown_configurations
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
-#: Keys of a unit's Tune config: its cell (the value is the cell's ``cell_key``), and the
-#: configurations it carries (:class:`Unit`).
+#: Keys of a unit's Tune config: its cell (the value is the cell's ``cell_key``), and its id, which names
+#: the file of the configurations it runs (:class:`Unit`).
 CELL_KEY = "cell"
-CONFIGURATIONS_KEY = "configurations"
+UNIT_ID_KEY = "unit_id"
 #: Key of a unit's last report: per configuration, the mean selection value over its replicates.
 SCORES_KEY = "scores"
 
@@ -40,19 +44,40 @@ SCORES_KEY = "scores"
 @dataclass(frozen=True)
 class Unit:
     """One Tune trial's work: ``configurations`` (each a dict of the sampled C, B and η₀) of the
-    cell ``cell_key``. Tune holds it as a plain config dict (:meth:`config`, read back by :meth:`of`)."""
+    cell ``cell_key``. ``unit_id`` is the id of the Tune trial it was suggested for (unique in the search,
+    also across resumes). Tune holds it as a config of its cell and id (:meth:`config`); the
+    configurations are in its file (:meth:`save`), which :meth:`of` reads back."""
 
     cell_key: str
+    unit_id: str
     configurations: list[dict[str, Any]]
 
     def config(self) -> dict[str, Any]:
-        """The unit as a Tune trial's config."""
-        return {CELL_KEY: self.cell_key, CONFIGURATIONS_KEY: self.configurations}
+        """The unit as a Tune trial's config: its cell and id (tens of bytes, whatever its size)."""
+        return {CELL_KEY: self.cell_key, UNIT_ID_KEY: self.unit_id}
+
+    def save(self, context: TrialContext) -> None:
+        """Write the unit's configurations (JSON) where :meth:`of` reads them: durable before Tune, which
+        may save the unit's config in its state at once, hears of the unit."""
+        data = json.dumps(self.configurations).encode()
+        write_file_atomic(units_folder(context), f"{self.unit_id}.json", data, durable=True)
 
     @classmethod
-    def of(cls, config: Mapping[str, Any]) -> Unit:
-        """The unit a Tune trial's config holds."""
-        return cls(config[CELL_KEY], list(config[CONFIGURATIONS_KEY]))
+    def of(cls, config: Mapping[str, Any], contexts: Mapping[str, TrialContext]) -> Unit:
+        """The unit a Tune trial's config names, its configurations read from its file (:meth:`save`)."""
+        cell_key, unit_id = config[CELL_KEY], config[UNIT_ID_KEY]
+        data = read_file(units_folder(contexts[cell_key]), f"{unit_id}.json")
+        if data is None:
+            raise FileNotFoundError(
+                f"unit {unit_id}: no file of its configurations in {units_folder(contexts[cell_key])}"
+            )
+        return cls(cell_key, unit_id, json.loads(data))
+
+
+def units_folder(context: TrialContext) -> str:
+    """Where a search's units keep their configurations (:meth:`Unit.save`): in the folder of Tune's state
+    (``tune_run.tune_storage``), under the results root that every trial process writes to."""
+    return f"{context.results_root.rstrip('/')}/_tune/units"
 
 
 class CellMultiplexer(Searcher):
@@ -136,7 +161,8 @@ class CellMultiplexer(Searcher):
                 self.budgets[cell_key] = self.suggested[cell_key]
                 continue
             self.suggested[cell_key] += len(configurations)
-            self.owner[trial_id] = unit = Unit(cell_key, configurations)
+            self.owner[trial_id] = unit = Unit(cell_key, trial_id, configurations)
+            unit.save(context)
             return unit.config()
         return Searcher.FINISHED
 
@@ -190,7 +216,8 @@ class CellMultiplexer(Searcher):
         self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
         self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
         self.owner = {
-            trial_id: Unit(cell_key, configurations) for trial_id, (cell_key, configurations) in state["owner"].items()
+            trial_id: Unit(cell_key, trial_id, configurations)
+            for trial_id, (cell_key, configurations) in state["owner"].items()
         }
         self._unrecorded = None
 
@@ -221,9 +248,9 @@ def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str
     requires their rows."""
     failed: dict[str, tuple[list[str], str]] = {}
     for result in results:
-        if result.error is None or CONFIGURATIONS_KEY not in (result.config or {}):  # not a private unit
+        if result.error is None or UNIT_ID_KEY not in (result.config or {}):  # not a private unit
             continue
-        unit = Unit.of(result.config)
+        unit = Unit.of(result.config, contexts)
         trials, _ = failed.setdefault(unit.cell_key, ([], ""))
         trials += [spec.trial_id for spec in unit_runs(contexts[unit.cell_key], unit.configurations)]
         lines = str(result.error).strip().splitlines()

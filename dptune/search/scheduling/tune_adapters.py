@@ -46,7 +46,7 @@ from dptune.search.runs.execution import (
     write_result,
 )
 from dptune.search.runs.private_units import UNIT_DONE, PrivateUnit, run_private_unit
-from dptune.search.scheduling.searcher import METRIC, SCORES_KEY, Unit
+from dptune.search.scheduling.searcher import CELL_KEY, METRIC, SCORES_KEY, Unit
 
 #: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
 RUN_STATUSES_KEY = "run_statuses"
@@ -102,7 +102,7 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
     but the last (ASHA decides on them); the last is reported once, after the result is written,
     so a trial that trained every epoch keeps its full record whatever the scheduler does.
     """
-    unit = Unit.of(params)
+    unit = Unit.of(params, contexts)
     context = contexts[unit.cell_key]
     epochs = context.base.epochs
 
@@ -232,7 +232,7 @@ class PerCellASHA(FIFOScheduler):
         return all(s.set_search_properties(metric, mode, **spec) for s in self.cells.values())
 
     def _of(self, trial: Any) -> ASHAScheduler:
-        return self.cells[Unit.of(trial.config).cell_key]
+        return self.cells[trial.config[CELL_KEY]]
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
@@ -322,11 +322,10 @@ class RecordAndReport(StopOnStorageFailure):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_cells": None, "_contexts": None}
 
-    def _progress(self, trial: Any, what: str = "", runs: Mapping[str, int] | None = None) -> None:
-        """One line for a cell: configurations done of its budget, its runs so far by status (the
+    def _progress(self, unit: Unit, what: str = "", runs: Mapping[str, int] | None = None) -> None:
+        """One line for ``unit``'s cell: configurations done of its budget, its runs so far by status (the
         counts the summary table shows at the end), the best so far, and ``what`` happened now.
         ``runs``: the statuses of the unit's runs that ended, added to the cell's counts."""
-        unit = Unit.of(trial.config)
         if runs is not None:
             self.finished[unit.cell_key] += len(unit.configurations)
             self.runs[unit.cell_key].update(runs)
@@ -356,14 +355,14 @@ class RecordAndReport(StopOnStorageFailure):
 
     def _complete(self, trial: Any) -> None:
         last = trial.last_result or {}
-        unit = Unit.of(trial.config)
+        unit = self._unit(trial)
         if not last.get("done_recording"):
             if self.state.stopping or "epoch" not in last:  # stopped with the search: run on --resume
                 return
-            self._record_unfinished(trial, "stopped_early", "stopped by the ASHA scheduler")
+            self._record_unfinished(unit, trial, "stopped_early", "stopped by the ASHA scheduler")
             context = self.cells[unit.cell_key].context
             self._progress(
-                trial,
+                unit,
                 f"stopped early at epoch {last.get('epoch')}",
                 {"stopped_early": len(unit.configurations) * context.replicates},
             )
@@ -372,12 +371,12 @@ class RecordAndReport(StopOnStorageFailure):
         for params, score in zip(unit.configurations, scores, strict=False):
             if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
                 self.best[unit.cell_key] = (score, params)
-        self._progress(trial, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
+        self._progress(unit, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
 
     def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(
-                trial,
+                self._unit(trial),
                 f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
                 "planned steps and run again",
             )
@@ -385,13 +384,17 @@ class RecordAndReport(StopOnStorageFailure):
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
             self._progress(
-                trial,
+                self._unit(trial),
                 f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
                 "and run again on --resume",
             )
 
-    def _record_unfinished(self, trial: Any, status: TrialStatus, reason: str) -> None:
-        unit = Unit.of(trial.config)
+    def _unit(self, trial: Any) -> Unit:
+        """The unit ``trial`` runs, with its configurations (read from its file)."""
+        return Unit.of(trial.config, {key: cell.context for key, cell in self.cells.items()})
+
+    def _record_unfinished(self, unit: Unit, trial: Any, status: TrialStatus, reason: str) -> None:
+        """Record ``unit``'s runs that wrote no record themselves, from ``trial``'s last report."""
         context = self.cells[unit.cell_key].context
         store = ResultsStore(context.results_root)
         last = trial.last_result or {}

@@ -7,7 +7,9 @@ on 127.0.0.1, and ``RAY_JOB_STOP_WAIT_TIME_S=120`` in its environment as ``clust
 it on every Ray container; and a worker node with 2 CPUs that joins it, so every trial runs on the
 worker node and the search's driver (the job's entrypoint) on the head. Then, with
 ``ray job submit --working-dir <repo>``, one small search of ``tests/spaces/tiny.yaml`` (two cells,
-ε = 1 and 2, E = 5, 2 C × 2 B × 2 η₀ = 8 planned runs each, one trial process per run, no retries):
+ε = 1 and 2, E = 5, 2 C × 3 B × 2 η₀, one trial process per run, no retries; the runs and
+configurations every check expects are the search's own plan, read from its ``--dry-run``: 8 per cell
+at the default 5 epochs, where the min-step rule prunes B = 256):
 
 1. with a ``sitecustomize`` on the job's PYTHONPATH that makes ``charge_runs`` raise a
    ``ConnectionError`` in Ray's worker processes for the cell ``eps1-*`` (a unit that fails before it
@@ -74,9 +76,9 @@ MAX_TRAIN, MAX_EVAL = 300, 150
 DELTA = 1e-5
 EPSILONS = (1, 2)
 CLIP_BOUNDS = (0.1, 1.0)
-#: B = 256 is pruned by the space's min-step rule on 300 examples (5 steps in 5 epochs < 10): recorded
-#: without compute, status ``pruned_min_steps``.
-BATCH_SIZES = (32, 64)
+#: The space's min-step rule prunes the B that take too few steps on 300 examples (B = 256 at 5 epochs);
+#: they are recorded without compute (status ``pruned_min_steps``) and are not among the planned runs.
+BATCH_SIZES = (32, 64, 256)
 LEARNING_RATES = (0.01, 0.001)
 #: The cell whose units fail before they charge (its key starts with this).
 FAILING_CELL = "eps1-"
@@ -119,12 +121,61 @@ def search_flags(epochs: int) -> list[str]:
         "--set",
         f"epochs=[{epochs}]",
         "--set",
-        f"batch_size.values=[{', '.join(map(str, BATCH_SIZES))}, 256]",
+        f"batch_size.values=[{', '.join(map(str, BATCH_SIZES))}]",
         "--set",
         f"base_learning_rate.values=[{', '.join(map(str, LEARNING_RATES))}]",
         "--set",
         "resources.max_retries=0",
     ]
+
+
+# --------------------------------------------------------------------------- the search's plan
+
+_PLAN_CELL = re.compile(r"^cell (?P<cell>\S+) \[[^\]]+\]: (?P<configurations>\d+) configurations", re.MULTILINE)
+_PLAN_ROW = re.compile(r"^\s+(?P<b>\d+)\s+\d+\s+[0-9.]+\s+[0-9.]+$")
+_PLAN_TOTAL = re.compile(r"^total: \d+ configurations.* = (?P<runs>\d+) trials in \d+ cell runs$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the search will run, as its own ``--dry-run`` prints it."""
+
+    runs: int  # every cell's configurations × replicates
+    configurations: dict[str, int]  # per cell id
+    batch_sizes: dict[str, tuple[int, ...]]  # per cell id: the B the min-step rule keeps
+
+
+def parse_plan(printed: str) -> Plan:
+    """The :class:`Plan` in a ``--dry-run``'s output (``dptune.search.planning.cells.format_cell_plans``)."""
+    configurations: dict[str, int] = {}
+    batch_sizes: dict[str, tuple[int, ...]] = {}
+    cell = None
+    for line in printed.splitlines():
+        if match := _PLAN_CELL.match(line):
+            cell = match["cell"]
+            configurations[cell], batch_sizes[cell] = int(match["configurations"]), ()
+        elif cell is not None and (row := _PLAN_ROW.match(line)):
+            batch_sizes[cell] += (int(row["b"]),)
+    total = _PLAN_TOTAL.search(printed)
+    if total is None or not configurations:
+        raise RuntimeError(f"no plan in the --dry-run's output:\n{printed[-3000:]}")
+    return Plan(int(total["runs"]), configurations, batch_sizes)
+
+
+def search_plan(flags: list[str], cache: Path, storage: Path) -> Plan:
+    """The plan of the search ``flags`` describe, from its ``--dry-run`` (which also fills ``cache`` with its
+    features, as the jobs' first driver would)."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "dptune.search", *flags, "--storage", str(storage), "--dry-run"],
+        cwd=ROOT,
+        env={**os.environ, "DPTUNE_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"--dry-run failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}")
+    return parse_plan(completed.stdout)
 
 
 # --------------------------------------------------------------------------- processes and ports
@@ -366,9 +417,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cache = args.cache_dir or work / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     root = storage / "tiny"
-    cells = {f"eps={eps}|epochs={args.epochs}" for eps in EPSILONS}
-    grid = set(itertools.product(CLIP_BOUNDS, BATCH_SIZES, LEARNING_RATES))
-    planned = len(cells) * len(grid)
+    plan = search_plan(search_flags(args.epochs), cache, work / "dry-run")
+    cells = set(plan.configurations)
+    grids = {cell: set(itertools.product(CLIP_BOUNDS, plan.batch_sizes[cell], LEARNING_RATES)) for cell in cells}
+    if any(len(grids[cell]) != plan.configurations[cell] for cell in cells):
+        raise RuntimeError(f"the plan {plan} is not the grid C × kept B × η₀ this benchmark checks")
+    planned = plan.runs
+    passing_cell = f"eps=2|epochs={args.epochs}"
     entrypoint = [
         "python",
         "-m",
@@ -382,7 +437,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     base_env = {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(cache)}
     fault_env = {**base_env, "PYTHONPATH": str(site), "DPTUNE_BENCH_FAIL_CELL": FAILING_CELL}
     checks: dict[str, bool] = {}
-    out: dict[str, Any] = {"planned_runs": planned, "checks": checks}
+    out: dict[str, Any] = {"planned_runs": planned, "planned_per_cell": plan.configurations, "checks": checks}
 
     with two_node_cluster(args.keep) as cluster:
         out["cluster_start_s"] = round(cluster.started_s, 1)
@@ -410,8 +465,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         checks["1 no search table"] = not (root / "search").exists()
         checks["1 only the cell ε = 2 recorded, each run once"] = (
-            set(ran["cell_id"]) == {f"eps=2|epochs={args.epochs}"}
-            and len(ran) == len(grid)
+            set(ran["cell_id"]) == {passing_cell}
+            and len(ran) == plan.configurations[passing_cell]
             and bool(ran["trial_id"].is_unique)
         )
         checks["1 the failed units charged nothing"] = first["ledger_starts_failing_cell"] == 0
@@ -506,7 +561,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     checks["3 not refused: the stopped search's lease was free"] = "another search is running" not in logs
     checks["3 every planned (configuration, replicate) recorded exactly once"] = (
         len(ran) == planned
-        and all(found == grid for found in per_cell.values())
+        and all(found == grids[cell] for cell, found in per_cell.items())
         and bool(ran["trial_id"].is_unique)
         and not ran.duplicated(["configuration_id", "replicate"]).any()
         and set(ran["status"]) == {"ok"}

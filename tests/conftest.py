@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -53,6 +54,16 @@ class RayHead:
 
 _HEAD_START_TIMEOUT_S = 300.0
 _HEAD_STOP_TIMEOUT_S = 60.0
+#: What keeps the suite's single-node Ray on loopback. On Linux Ray replaces a loopback node address
+#: by the machine's routable one: ``ray start --head --node-ip-address 127.0.0.1`` registers the head
+#: there, its GCS, raylet, workers, dashboard agent and metrics endpoints listen there or on every
+#: interface, and a client's ``ray.init(address="127.0.0.1:PORT")`` dials the routable address. With
+#: Ray's multi-node mode off (this variable, Ray's switch for single-machine Windows and macOS) both
+#: keep 127.0.0.1, and every process of the head (``ray_head``) or of an embedded Ray (``search_env``)
+#: binds 127.0.0.1 only; the drivers that join it need it too. A second node cannot join such a head
+#: (``start_two_node_cluster``).
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_LOOPBACK_HEAD_FLAGS = ("--node-ip-address", "127.0.0.1")
 # The ports `ray start --head` would otherwise take at fixed defaults (6379, 8265, 10001, 52365, ...),
 # so that this head never collides with another one on the machine.
 _PORT_FLAGS = (
@@ -154,7 +165,8 @@ def ray_head() -> Iterator[RayHead]:
     """A real Ray 2.60 head on this machine, set up like the KubeRay head of ``cluster/``.
 
     Token authentication on (``RAY_AUTH_MODE=token`` with a fresh random token, as KubeRay's
-    ``authOptions`` sets on every Ray container); dashboard and job server on loopback only;
+    ``authOptions`` sets on every Ray container); every port of every process it starts (GCS, raylet,
+    agents, dashboard and job server, workers) on loopback only (``RAY_LOOPBACK_ENV``, also in ``env``);
     2 CPUs, no GPU; started in the repository root from the venv, as the image starts Ray in
     its WORKDIR, so a job's ``python`` and its relative paths resolve as they do on the cluster.
     Every port is chosen free, the temp folder is private, and teardown stops exactly the
@@ -169,6 +181,7 @@ def ray_head() -> Iterator[RayHead]:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
             "PATH": f"{venv_bin}{os.pathsep}{client_env.get('PATH', '')}",
+            **RAY_LOOPBACK_ENV,
         }
     )
     head_env = {
@@ -184,6 +197,7 @@ def ray_head() -> Iterator[RayHead]:
         "start",
         "--head",
         "--block",
+        *RAY_LOOPBACK_HEAD_FLAGS,
         "--temp-dir",
         str(temp_dir),
         "--dashboard-host",
@@ -283,9 +297,17 @@ def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def search_env(test_cache_dir: Path) -> dict[str, str]:
-    """Environment for a search subprocess: private cache, no inherited cluster address."""
+    """Environment for a search subprocess: private cache, no inherited cluster address, Ray on
+    loopback (``RAY_LOOPBACK_ENV``: an embedded Ray's sockets, and the address a driver dials)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({"DPTUNE_CACHE_DIR": str(test_cache_dir), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    env.update(
+        {
+            "DPTUNE_CACHE_DIR": str(test_cache_dir),
+            "OMP_NUM_THREADS": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **RAY_LOOPBACK_ENV,
+        }
+    )
     return env
 
 
@@ -363,19 +385,34 @@ def dptune_cache_dir(_dptune_cache_root: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
+def start_two_node_cluster(env: dict[str, str], job_api: bool = False) -> Iterator[str]:
     """A head that offers no CPUs and a worker node with 2, both on this machine; yields the address.
 
-    Trials need a CPU, so every trial lands on the worker node. Token authentication is on, as
-    on the cluster; ``env`` gets the token. Teardown stops both nodes by PID.
+    Trials need a CPU, so every trial lands on the worker node. Token authentication is on, as on the
+    cluster; ``env`` gets the token. ``job_api``: the head also serves the dashboard and job API on
+    127.0.0.1 only, and ``env`` gets its URL as ``RAY_API_SERVER_ADDRESS``, where ``ray job`` looks for
+    it. Each node has a temp folder of its own, as two machines have (sharing one, both nodes'
+    runtime-env agents would unpack a job's working dir into the same place). Teardown stops both
+    nodes by PID.
+
+    Not on loopback: a worker node cannot join a head that ``RAY_LOOPBACK_ENV`` keeps on 127.0.0.1
+    (``ray start --address 127.0.0.1:PORT`` dials the machine's routable address instead, and refuses
+    to run with that variable), so both nodes register at the routable address, their GCS, raylets,
+    workers and agents listen there or on every interface, guarded by the token, and ``env`` loses
+    ``RAY_LOOPBACK_ENV`` (a driver with it would look for a raylet at 127.0.0.1). Only the job API is
+    on loopback (``test_cluster.py`` checks both).
     """
     temp_dir = Path(tempfile.mkdtemp(prefix="ray2n", dir="/tmp"))
+    worker_temp_dir = Path(tempfile.mkdtemp(prefix="ray2w", dir="/tmp"))
     token = secrets.token_hex(32)
+    for key in RAY_LOOPBACK_ENV:
+        env.pop(key, None)
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
     node_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     ray = str(Path(sys.executable).parent / "ray")
     head_ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     address = f"127.0.0.1:{head_ports['--port']}"
+    dashboard_url = f"http://127.0.0.1:{head_ports['--dashboard-port']}"
     head_cmd = [
         ray,
         "start",
@@ -387,25 +424,38 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
         "0",
         "--num-gpus",
         "0",
-        "--include-dashboard",
-        "false",
         "--disable-usage-stats",
     ]
+    head_cmd += (
+        ["--dashboard-host", "127.0.0.1", "--include-dashboard", "true"]
+        if job_api
+        else ["--include-dashboard", "false"]
+    )
     for flag, port in head_ports.items():
-        if flag not in ("--dashboard-port", "--ray-client-server-port"):
+        if job_api or flag not in ("--dashboard-port", "--ray-client-server-port"):
             head_cmd += [flag, str(port)]
     worker_ports = dict(zip(_PORT_FLAGS[3:], _free_ports(len(_PORT_FLAGS) - 3), strict=True))
-    worker_cmd = [ray, "start", "--block", "--address", address, "--num-cpus", "2", "--num-gpus", "0"]
+    worker_cmd = [ray, "start", "--block", "--address", address, "--temp-dir", str(worker_temp_dir)]
+    worker_cmd += ["--num-cpus", "2", "--num-gpus", "0"]
     for flag, port in worker_ports.items():
         worker_cmd += [flag, str(port)]
     processes = []
     try:
         with (temp_dir / "head.log").open("wb") as log:
             processes.append(
-                subprocess.Popen(head_cmd, cwd=REPO_ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT)
+                subprocess.Popen(
+                    head_cmd,
+                    cwd=REPO_ROOT,
+                    env=node_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
         deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
-        while not (temp_dir / "ray_current_cluster").is_file():
+        while not (
+            (temp_dir / "ray_current_cluster").is_file()
+            and (not job_api or _job_api_status(dashboard_url, token) == 200)
+        ):
             assert processes[0].poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
                 -3000:
             ]
@@ -427,10 +477,46 @@ def start_two_node_cluster(env: dict[str, str]) -> Iterator[str]:
         ]
         subprocess.run(probe, env=env, check=True, timeout=_HEAD_START_TIMEOUT_S, capture_output=True)
         shutil.rmtree(worker_cwd)
+        if job_api:
+            env["RAY_API_SERVER_ADDRESS"] = dashboard_url
         yield address
     finally:
         for process in reversed(processes):
             _stop_head(process, temp_dir)
+        shutil.rmtree(worker_temp_dir, ignore_errors=True)
+
+
+def listening_sockets(pids: set[int]) -> set[tuple[str, int, str]]:
+    """The TCP sockets that processes ``pids`` listen on: (address, port, process name), from /proc."""
+    inodes: dict[str, str] = {}
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:  # ended while we looked
+            continue
+        inodes.update({link[len("socket:[") : -1]: name for link in links if link.startswith("socket:[")})
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            host, port = local.split(":")
+            # each 32-bit word of the address is in the host's (little-endian) byte order
+            packed = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
+            ip = ipaddress.ip_address(packed)
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            found.add((f"::ffff:{mapped}" if mapped else str(ip), int(port, 16), inodes[inode]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (IPv4, IPv6 or IPv4-mapped IPv6) is a loopback address."""
+    ip = ipaddress.ip_address(address)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 # --------------------------------------------------------------------------- results for analysis and report tests

@@ -11,14 +11,20 @@ Kubernetes or Docker allows.
   rayVersion and image tags; token authentication; nothing exposes the head outside the cluster;
   no literal credentials; the network policies admit exactly the Pods Ray needs; the RayJob's
   entrypoint names a search space that loads and whose trials fit a GPU worker.
+- Caches are on each Pod's own disk, the encoded features shared through ``DPTUNE_CACHE_SEED`` by
+  ``cluster/node_cache.py`` (checked through an S3-compatible server on loopback).
 - The RayJob's entrypoint, as written, runs through ``ray job submit --working-dir`` against a
-  real local Ray head configured like the cluster's (token auth, job API on loopback) and leaves
+  real local Ray head configured like the cluster's (token auth, every socket on loopback) and leaves
   Parquet results with the report beside them.
+- The object-storage set-up end to end: a search submitted as a job to a head without CPUs, trials on
+  a second node, ``--storage s3://...`` on an S3-compatible server (moto) on loopback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import math
 import os
 import re
@@ -39,7 +45,18 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from conftest import REPO_ROOT, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES, ray_job_submit
+from conftest import (
+    ONE_CELL,
+    REPO_ROOT,
+    TINY_EVAL_EXAMPLES,
+    TINY_TRAIN_EXAMPLES,
+    _descendants,
+    is_loopback,
+    listening_sockets,
+    ray_job_submit,
+    start_two_node_cluster,
+)
+from dptune.paths import read_file
 from dptune.records import read_table
 from dptune.space import load_space
 
@@ -859,3 +876,199 @@ def test_rayjob_entrypoint_runs_through_ray_job_submit(ray_head, test_cache_dir:
     assert sorted(epochs["epoch"]) == [1, 2, 3]
     search = read_table(results, "search")
     assert search["cell_id"].tolist() == ["eps=8|epochs=3"] and search["name"].tolist() == ["default"]
+
+
+# --------------------------------------------------------------------------- caches on each Pod's own disk
+
+NODE_CACHE = CLUSTER_DIR / "node_cache.py"
+
+
+def test_caches_are_on_each_pods_own_disk_and_the_features_shared() -> None:
+    """Nothing of a Pod's cache is on the claim that object storage drops (cluster/README.md): the cache
+    folders are on an emptyDir; the features come from ``DPTUNE_CACHE_SEED``, pulled by an init container
+    before Ray starts, in the image that carries ``cluster/node_cache.py``."""
+    copied = [args.split()[-2:] for instruction, args in dockerfile_instructions() if instruction == "COPY"]
+    assert ["cluster/node_cache.py", "cluster/"] in copied, "the image must carry the init container's script"
+    for manifest in CUSTOM_RESOURCES:
+        for role, template in pod_templates(manifest.obj).items():
+            if role == "submitter":
+                continue
+            spec = template["spec"]
+            volumes = {volume["name"]: volume for volume in spec["volumes"]}
+            ray_container = spec["containers"][0]
+            env = {item["name"]: item["value"] for item in ray_container["env"]}
+            mounts = {m["mountPath"]: m["name"] for m in ray_container["volumeMounts"]}
+            for name in ("DPTUNE_CACHE_DIR", "HF_HOME"):
+                (volume,) = [mounts[path] for path in mounts if Path(env[name]).is_relative_to(path)]
+                assert "emptyDir" in volumes[volume], f"{manifest.id} {role}: {name} must be on the Pod's own disk"
+            (init,) = spec["initContainers"]
+            assert init["name"] == "cache-seed" and init["command"] == ["python", "cluster/node_cache.py", "pull"]
+            assert init["env"] == ray_container["env"] and init["volumeMounts"] == ray_container["volumeMounts"]
+            assert init["image"] == ray_container["image"]
+            seed = env["DPTUNE_CACHE_SEED"]
+            assert Path(seed).is_relative_to(mounts_of(ray_container, SHARED_VOLUME)), (
+                f"{manifest.id} {role}: the seed {seed} must be on the shared claim (or a bucket: cluster/README.md)"
+            )
+
+
+def mounts_of(container: dict[str, Any], volume: str) -> str:
+    """Where ``container`` mounts ``volume``."""
+    (path,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume]
+    return str(path)
+
+
+def _node_cache(direction: str, cache: Path, seed: str, env: dict[str, str]) -> str:
+    """``python cluster/node_cache.py DIRECTION`` as the init container runs it; returns what it printed."""
+    completed = subprocess.run(
+        [sys.executable, str(NODE_CACHE), direction],
+        cwd=REPO_ROOT,
+        env={**env, "DPTUNE_CACHE_DIR": str(cache), "DPTUNE_CACHE_SEED": seed},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout
+
+
+def test_node_cache_shares_features_through_a_bucket(tmp_path: Path) -> None:
+    head, worker = tmp_path / "head", tmp_path / "worker"
+    (head / "features").mkdir(parents=True)
+    files = {"20newsgroups-minilm-0123.npy": b"\x93NUMPY" + bytes(range(200)), "20newsgroups-minilm-0123.json": b"{}"}
+    for name, data in files.items():
+        (head / "features" / name).write_bytes(data)
+    (head / "features" / "20newsgroups-minilm-0123.npy.lock").write_bytes(b"")
+    with s3_server() as s3_env:
+        env = {**os.environ, **s3_env}
+        seed = f"s3://{BUCKET}/dptune-cache"
+        assert (
+            _node_cache("pull", worker, seed, env)
+            == f"node_cache pull: 0 file(s) from {seed}/features to {worker}/features\n"
+        )
+        assert "push: 2 file(s)" in _node_cache("push", head, seed, env)
+        assert "pull: 2 file(s)" in _node_cache("pull", worker, seed, env)
+        assert "pull: 0 file(s)" in _node_cache("pull", worker, seed, env), "what a Pod has is not copied again"
+    assert {path.name: path.read_bytes() for path in (worker / "features").iterdir()} == files
+
+
+# --------------------------------------------------------------------------- what the suite's Ray listens on
+
+
+def _run_one_task(env: dict[str, str], address: str) -> None:
+    """A driver that joins ``address`` and runs one task (so that a worker process exists)."""
+    code = "import ray; ray.init(log_to_driver=False); assert ray.get(ray.remote(lambda: 1).remote()) == 1"
+    subprocess.run(
+        [sys.executable, "-c", code], env={**env, "RAY_ADDRESS": address}, check=True, timeout=300, capture_output=True
+    )
+
+
+@pytest.mark.ray
+def test_the_suite_head_listens_on_loopback_only(ray_head) -> None:
+    _run_one_task(ray_head.env, ray_head.address)
+    sockets = listening_sockets(_descendants(ray_head.pid))
+    names = {name for _, _, name in sockets}
+    assert {"gcs_server", "raylet"} <= names, sockets
+    gcs_port = int(ray_head.address.rsplit(":", 1)[1])
+    dashboard_port = int(ray_head.dashboard_url.rsplit(":", 1)[1])
+    assert {port for _, port, _ in sockets} >= {gcs_port, dashboard_port}
+    assert ray_head.address.startswith("127.0.0.1:"), ray_head.address
+    exposed = sorted(s for s in sockets if not is_loopback(s[0]))
+    assert not exposed, f"the suite's head listens beyond loopback: {exposed}"
+
+
+def test_loopback_test_knows_loopback_from_other_addresses() -> None:
+    assert all(map(is_loopback, ["127.0.0.1", "::1", "::ffff:127.0.0.1", "127.0.0.2"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.0.2.2", "::ffff:192.0.2.2", "10.0.0.1"]))
+
+
+# --------------------------------------------------------------------------- two nodes, results in a bucket
+
+#: The bucket and prefix the two-node search writes to.
+BUCKET, PREFIX = "dptune-results", "searches"
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """An S3-compatible server (moto) on loopback with the bucket ``BUCKET``: the environment that
+    points pyarrow's and boto3's S3 clients at it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "dptune-test",
+        "AWS_SECRET_ACCESS_KEY": "dptune-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    ).create_bucket(Bucket=BUCKET)
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+@pytest.mark.ray
+def test_two_node_search_submitted_as_a_job_writes_its_results_to_an_s3_bucket(
+    search_env: dict[str, str], test_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster's object-storage set-up on one machine: a head without CPUs runs the search's driver
+    (``ray job submit``), a second node runs every trial, ``--storage`` is an ``s3://`` URI on an
+    S3-compatible server, and the credentials are the nodes' own (as workload identity gives a Pod),
+    never the job's. One cell of the tiny space: 6 configurations, 4 trained, B = 256 pruned."""
+    storage = f"s3://{BUCKET}/{PREFIX}"
+    entrypoint = [
+        "python",
+        "-m",
+        "dptune.search",
+        "--max-train-examples",
+        str(TINY_TRAIN_EXAMPLES),
+        "--max-eval-examples",
+        str(TINY_EVAL_EXAMPLES),
+        "--space",
+        "tests/spaces/tiny.yaml",
+        *ONE_CELL,
+        "--storage",
+        storage,
+        "--name",
+        "tiny",
+    ]
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
+    with s3_server() as s3_env:
+        env = {**search_env, **s3_env}
+        before = _descendants(os.getpid())
+        with start_two_node_cluster(env, job_api=True):
+            submit = ["ray", "job", "submit", "--working-dir", str(REPO_ROOT)]
+            submit += ["--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint]
+            completed = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+            sockets = listening_sockets(_descendants(os.getpid()) - before)
+        for key, value in s3_env.items():
+            monkeypatch.setenv(key, value)
+        results = f"{storage}/tiny"
+        trials = read_table(results, "trials")
+        search = read_table(results, "search")
+        report = read_file(f"{results}/report", "index.html")
+
+    assert completed.returncode == 0, f"{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
+    assert "joined Ray cluster" in completed.stdout, "the driver runs on the head's cluster, not an embedded one"
+    assert f"report: {results}/report/index.html" in completed.stdout, completed.stdout[-3000:]
+    assert set(trials["cell_id"]) == {"eps=8|epochs=3"} and trials["trial_id"].is_unique
+    assert Counter(trials["status"]) == {"ok": 4, "pruned_min_steps": 2}, trials[["status", "batch_size"]]
+    assert sorted(trials[trials["status"] == "ok"]["batch_size"]) == [32, 32, 64, 64]
+    assert (trials[trials["status"] == "ok"]["num_train"] == TINY_TRAIN_EXAMPLES).all()
+    assert search["cell_id"].tolist() == ["eps=8|epochs=3"]
+    assert report is not None and results.encode() in report
+
+    # What listens where: the job API on loopback only; Ray's gRPC servers (GCS first) on every interface.
+    api_port = int(env["RAY_API_SERVER_ADDRESS"].rsplit(":", 1)[1])
+    assert {(address, name) for address, port, name in sockets if port == api_port} == {("127.0.0.1", "python")}
+    gcs = {address for address, _, name in sockets if name == "gcs_server"}
+    assert gcs and not any(map(is_loopback, gcs)), sockets

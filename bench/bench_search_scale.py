@@ -88,7 +88,7 @@ def measure(runs: int, storage: Path) -> dict[str, object]:
     search = [*python, "-m", "dptune.search", "--storage", str(storage), "--name", name]
     search += ["--trials-per-cell", str(runs // 4)] + [arg for item in OVERRIDES for arg in ("--set", item)]
     logs = storage / "logs"
-    logs.mkdir(exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
     row: dict[str, object] = {"runs": runs}
     row["search"] = timed(search, logs / f"{name}-search.log")
     row["resume"] = timed([*search, "--resume"], logs / f"{name}-resume.log")

@@ -348,22 +348,11 @@ def build(space_path: Path, root: str, name: str, slots: int, bulk: bool = False
 
 def _record_group(context: Any, finished: list[Any]) -> None:
     """What ``write_results`` writes of a fused group but its rows: its end file, then each run's weights."""
-    from dptune.records.ledger import RunEnd, record_ends
+    from dptune.records.ledger import record_ends
     from dptune.records.weights import write_weights
+    from dptune.search.runs.execution import end_entries
 
-    record_ends(
-        context.results_root,
-        [
-            RunEnd(
-                run=run.run_id,
-                trial_id=run.spec.trial_id,
-                status=run.result.status,
-                steps_taken=int(run.result.steps_taken),
-                epsilon_spent=float(run.result.epsilon_spent),
-            )
-            for run in finished
-        ],
-    )
+    record_ends(context.results_root, end_entries(finished))
     for run in finished:
         if run.result.trained is not None:
             write_weights(context.results_root, run.spec.trial_id, run.result.trained)

@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -631,3 +632,38 @@ def ray_job_submit(
     completed = subprocess.run(command, cwd=cwd, env=ray_head.env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, f"ray job submit failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-3000:]}"
     return completed
+
+
+def s3_client(env: dict[str, str]) -> Any:
+    """A boto3 S3 client of the server and credentials ``env`` names (:func:`s3_server`)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str) -> Iterator[dict[str, str]]:
+    """An S3-compatible server (moto) on loopback with the bucket ``bucket``: the environment that points
+    pyarrow's and boto3's S3 clients at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "dptune-test",
+        "AWS_SECRET_ACCESS_KEY": "dptune-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    s3_client(env).create_bucket(Bucket=bucket)
+    try:
+        yield env
+    finally:
+        server.stop()

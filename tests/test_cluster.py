@@ -22,7 +22,6 @@ Kubernetes or Docker allows.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -54,6 +53,7 @@ from conftest import (
     is_loopback,
     listening_sockets,
     ray_job_submit,
+    s3_server,
     start_two_node_cluster,
 )
 from dptune.paths import read_file
@@ -938,7 +938,7 @@ def test_node_cache_shares_features_through_a_bucket(tmp_path: Path) -> None:
     for name, data in files.items():
         (head / "features" / name).write_bytes(data)
     (head / "features" / "20newsgroups-minilm-0123.npy.lock").write_bytes(b"")
-    with s3_server() as s3_env:
+    with s3_server(BUCKET) as s3_env:
         env = {**os.environ, **s3_env}
         seed = f"s3://{BUCKET}/dptune-cache"
         assert (
@@ -987,35 +987,6 @@ def test_loopback_test_knows_loopback_from_other_addresses() -> None:
 BUCKET, PREFIX = "dptune-results", "searches"
 
 
-@contextlib.contextmanager
-def s3_server() -> Iterator[dict[str, str]]:
-    """An S3-compatible server (moto) on loopback with the bucket ``BUCKET``: the environment that
-    points pyarrow's and boto3's S3 clients at it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "dptune-test",
-        "AWS_SECRET_ACCESS_KEY": "dptune-test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        region_name=env["AWS_DEFAULT_REGION"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-    ).create_bucket(Bucket=BUCKET)
-    try:
-        yield env
-    finally:
-        server.stop()
-
-
 @pytest.mark.ray
 def test_two_node_search_submitted_as_a_job_writes_its_results_to_an_s3_bucket(
     search_env: dict[str, str], test_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -1042,7 +1013,7 @@ def test_two_node_search_submitted_as_a_job_writes_its_results_to_an_s3_bucket(
         "tiny",
     ]
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
-    with s3_server() as s3_env:
+    with s3_server(BUCKET) as s3_env:
         env = {**search_env, **s3_env}
         before = _descendants(os.getpid())
         with start_two_node_cluster(env, job_api=True):

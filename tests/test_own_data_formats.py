@@ -11,14 +11,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
 
-from conftest import REPO_ROOT, run_search
+from conftest import REPO_ROOT, run_search, s3_client, s3_server
 from dptune.contract import DatasetFile, WorkloadSpec
 from dptune.data.files import read_dataset_file
 from dptune.data.sources import load_20newsgroups, load_mnist5k
@@ -278,39 +277,11 @@ def test_a_saved_hf_dataset_searched_with_an_own_encoder_hands_back_a_model_that
     assert abs(int((labelled["prediction"] == truth).sum()) - right) <= 1
 
 
-def _client(env: dict[str, str]) -> Any:
-    """A boto3 S3 client of the server and credentials ``env`` names."""
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        region_name=env["AWS_DEFAULT_REGION"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-    )
-
-
 @pytest.fixture
 def bucket() -> Iterator[dict[str, str]]:
-    """An S3-compatible server (moto) on loopback with the bucket ``owner``: the environment that points
-    pyarrow's and boto3's S3 clients at it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "dptune-test",
-        "AWS_SECRET_ACCESS_KEY": "dptune-test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    _client(env).create_bucket(Bucket="owner")
-    try:
+    """An S3-compatible server (moto) on loopback with the bucket ``owner`` (``conftest.s3_server``)."""
+    with s3_server("owner") as env:
         yield env
-    finally:
-        server.stop()
 
 
 def test_a_parquet_file_in_a_bucket_is_searched_as_a_local_one(
@@ -320,7 +291,7 @@ def test_a_parquet_file_in_a_bucket_is_searched_as_a_local_one(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    client = _client(bucket)
+    client = s3_client(bucket)
     train, test = newsgroup_frames
     for name, frame in (("train", train), ("test", test)):
         frame.to_parquet(tmp_path / f"{name}.parquet")

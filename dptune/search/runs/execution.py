@@ -196,25 +196,27 @@ def write_result(context: TrialContext, finished: FinishedRun, *, ledger: bool =
     write_results(context, [finished], ledger=ledger)
 
 
+def end_entries(finished: Sequence[FinishedRun]) -> list[RunEnd]:
+    """The privacy ledger's end entries of runs that ended: status, steps taken and ε spent of each."""
+    return [
+        RunEnd(
+            run=run.run_id,
+            trial_id=run.spec.trial_id,
+            status=run.result.status,
+            steps_taken=int(run.result.steps_taken),
+            epsilon_spent=float(run.result.epsilon_spent),
+        )
+        for run in finished
+    ]
+
+
 def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, ledger: bool = True) -> None:
     """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
     (one file), then each run's trained parameters where it has them (``records.weights``) and its
     rows (each atomic; writing the same run again replaces it)."""
     check_holder(context.results_root, context.lease_token)  # a worker whose search is gone writes nothing
     if ledger:
-        record_ends(
-            context.results_root,
-            [
-                RunEnd(
-                    run=run.run_id,
-                    trial_id=run.spec.trial_id,
-                    status=run.result.status,
-                    steps_taken=int(run.result.steps_taken),
-                    epsilon_spent=float(run.result.epsilon_spent),
-                )
-                for run in finished
-            ],
-        )
+        record_ends(context.results_root, end_entries(finished))
     store = ResultsStore(context.results_root)
     for run in finished:
         trial = run.spec.trial_id

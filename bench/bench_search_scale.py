@@ -71,7 +71,7 @@ def independent_epsilon(results: Path, search_id: str, delta: float) -> float:
     from dptune.records import ledger, runs_root
     from expected import pld_root_epsilon
 
-    charged = ledger.charged_runs(runs_root(str(results)), search_id)
+    charged = ledger.charged_runs(runs_root(str(results), private=False), search_id)
     took = charged[charged["steps_taken"].fillna(0) > 0]
     totals: Counter[tuple[float, float]] = Counter()
     for sigma, rate, steps in zip(took["noise_multiplier"], took["sample_rate"], charged_steps(took), strict=True):
@@ -93,7 +93,8 @@ def measure(runs: int, storage: Path) -> dict[str, object]:
     row["search"] = timed(search, logs / f"{name}-search.log")
     row["resume"] = timed([*search, "--resume"], logs / f"{name}-resume.log")
     results = storage / name
-    row["report"] = timed([*python, "-m", "dptune.report", str(results)], logs / f"{name}-report.log")
+    report = [*python, "-m", "dptune.report", str(results), "--out", str(storage / "reports" / name)]
+    row["report"] = timed(report, logs / f"{name}-report.log")
     row["folder"] = folder_size(results)
     searched = read_table(str(results), "search")
     search_id, delta = str(searched["search_id"].iloc[0]), float(searched["delta"].iloc[0])

@@ -1014,10 +1014,11 @@ def test_two_node_search_submitted_as_a_job_writes_its_results_to_an_s3_bucket(
     ]
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
     with s3_server(BUCKET) as s3_env:
-        env = {**search_env, **s3_env}
+        venv_bin = str(Path(sys.executable).parent)  # the job's ``python`` and ``ray`` are the venv's
+        env = {**search_env, **s3_env, "PATH": f"{venv_bin}{os.pathsep}{search_env.get('PATH', '')}"}
         before = _descendants(os.getpid())
         with start_two_node_cluster(env, job_api=True):
-            submit = ["ray", "job", "submit", "--working-dir", str(REPO_ROOT)]
+            submit = [f"{venv_bin}/ray", "job", "submit", "--working-dir", str(REPO_ROOT)]
             submit += ["--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint]
             completed = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
             sockets = listening_sockets(_descendants(os.getpid()) - before)

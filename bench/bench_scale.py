@@ -359,28 +359,17 @@ def _record_group(context: Any, finished: list[Any]) -> None:
 
 
 def _write_unit_compacted(context: Any, finished: list[Any], compaction: Any) -> None:
-    """The rows of a unit's runs (``records.trial_rows``, as ``write_results`` makes them) as one compacted file
+    """The rows of a unit's runs (``execution.run_rows``, as ``write_results`` makes them) as one compacted file
     per table, written by compaction's own writer at the table's next sequence number; ``trials`` last."""
-    import pandas as pd
     import pyarrow as pa
 
-    from dptune.records import ResultsStore, trial_rows
+    from dptune.records import ResultsStore
     from dptune.records.schemas import SCHEMAS
-    from dptune.search.runs.execution import package_versions
+    from dptune.search.runs.execution import run_rows
 
     rows: dict[str, list[dict[str, Any]]] = {}
     for run in finished:
-        for table, table_rows in trial_rows(
-            run.result,
-            search_id=context.search_id,
-            trial_id=run.spec.trial_id,
-            cell_id=context.cell_id,
-            configuration_id=run.spec.configuration_id,
-            replicate=run.spec.replicate,
-            reference_batch_size=context.reference_batch_size,
-            versions=package_versions(),
-            finished_at=pd.Timestamp.now(tz="UTC"),
-        ).items():
+        for table, table_rows in run_rows(context, run).items():
             rows.setdefault(table, []).extend(table_rows)
     store = ResultsStore(context.results_root, cache=None)
     for table in sorted(rows, key=lambda name: name == "trials"):

@@ -54,6 +54,7 @@ from conftest import (
     listening_sockets,
     ray_job_submit,
     s3_server,
+    search_command,
     start_two_node_cluster,
 )
 from dptune.paths import read_file
@@ -996,22 +997,8 @@ def test_two_node_search_submitted_as_a_job_writes_its_results_to_an_s3_bucket(
     S3-compatible server, and the credentials are the nodes' own (as workload identity gives a Pod),
     never the job's. One cell of the tiny space: 6 configurations, 4 trained, B = 256 pruned."""
     storage = f"s3://{BUCKET}/{PREFIX}"
-    entrypoint = [
-        "python",
-        "-m",
-        "dptune.search",
-        "--max-train-examples",
-        str(TINY_TRAIN_EXAMPLES),
-        "--max-eval-examples",
-        str(TINY_EVAL_EXAMPLES),
-        "--space",
-        "tests/spaces/tiny.yaml",
-        *ONE_CELL,
-        "--storage",
-        storage,
-        "--name",
-        "tiny",
-    ]
+    search = search_command("--space", "tests/spaces/tiny.yaml", *ONE_CELL, "--storage", storage, "--name", "tiny")
+    entrypoint = ["python", *search[1:]]  # the job's own python, on the cluster
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": "1", "DPTUNE_CACHE_DIR": str(test_cache_dir)}}
     with s3_server(BUCKET) as s3_env:
         venv_bin = str(Path(sys.executable).parent)  # the job's ``python`` and ``ray`` are the venv's

@@ -210,6 +210,21 @@ def end_entries(finished: Sequence[FinishedRun]) -> list[RunEnd]:
     ]
 
 
+def run_rows(context: TrialContext, run: FinishedRun) -> dict[str, list[dict[str, Any]]]:
+    """A run's rows by table (``records.trial_rows``), finished now."""
+    return trial_rows(
+        run.result,
+        search_id=context.search_id,
+        trial_id=run.spec.trial_id,
+        cell_id=context.cell_id,
+        configuration_id=run.spec.configuration_id,
+        replicate=run.spec.replicate,
+        reference_batch_size=context.reference_batch_size,
+        versions=package_versions(),
+        finished_at=pd.Timestamp.now(tz="UTC"),
+    )
+
+
 def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, ledger: bool = True) -> None:
     """Record runs that ended. With ``ledger``, their end entries go into the privacy ledger first
     (one file), then each run's trained parameters where it has them (``records.weights``) and its
@@ -222,18 +237,7 @@ def write_results(context: TrialContext, finished: Sequence[FinishedRun], *, led
         trial = run.spec.trial_id
         if run.result.trained is not None:  # before its rows: a recorded ok run has its weights
             write_weights(context.results_root, trial, run.result.trained)
-        rows = trial_rows(
-            run.result,
-            search_id=context.search_id,
-            trial_id=trial,
-            cell_id=context.cell_id,
-            configuration_id=run.spec.configuration_id,
-            replicate=run.spec.replicate,
-            reference_batch_size=context.reference_batch_size,
-            versions=package_versions(),
-            finished_at=pd.Timestamp.now(tz="UTC"),
-        )
-        store.write_trial(rows, trial)
+        store.write_trial(run_rows(context, run), trial)
 
 
 def charge_runs(context: TrialContext, runs: Sequence[RunSpec]) -> list[str | None]:

@@ -127,6 +127,29 @@ class DatasetFile:
         return "file:" + path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
 
 
+#: Rows of a sampled person that form their gradient at a step, unless ``privacy.unit.max_rows`` says
+#: otherwise (None: all of them). Measured (bench/RESULTS.md, issue 52): 16 trains as well as all rows
+#: at ε = 2 and 8 (within the seeds' intervals) and 1 worse; 16 bounds a step's cost when a few people
+#: have thousands of rows.
+DEFAULT_MAX_ROWS_PER_PERSON: int | None = 16
+
+
+@dataclass(frozen=True)
+class PersonUnit:
+    """The privacy unit is a person (user-level DP; McMahan et al. 2018, Levy et al. 2021): every row whose
+    ``column`` holds the same value belongs to one person, and (ε, δ) protects a person's rows together.
+
+    A step samples *people* (each with probability q = B/N_people: ``batch_size`` counts people); a
+    sampled person's gradient is the mean of the per-example gradients of ``max_rows`` of their rows drawn
+    with fresh coins (all of them when ``max_rows`` is None), clipped to C as one vector. Splits assign
+    whole people (a keyed hash of the id); the selection score counts people. The rows per person stay
+    inside the trust boundary; N_people is public as N is.
+    """
+
+    column: str
+    max_rows: int | None = DEFAULT_MAX_ROWS_PER_PERSON
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """Names one workload: dataset × backbone × PEFT, plus the difficulty knobs and the public split seed.
@@ -151,6 +174,7 @@ class WorkloadSpec:
       when set, only the kept examples are encoded (cached under their own key).
     - ``dataset_file``: a data owner's own dataset (:class:`DatasetFile`); ``dataset`` is then its
       display name (``file:<name>``), not a registry name.
+    - ``person_unit``: the privacy unit is a person (:class:`PersonUnit`), not a row (``None``).
     - ``tuning_rows``: a file holding a secret tuning subsample X₁ (positions in the training and
       validation splits, ``dptune.data.tuning_subset``): only those rows are kept in both; the test
       split is whole. It lives inside the search's trust boundary and never leaves it.
@@ -169,6 +193,7 @@ class WorkloadSpec:
     max_eval_examples: int | None = None
     tuning_rows: str | None = None
     dataset_file: DatasetFile | None = None
+    person_unit: PersonUnit | None = None
 
 
 @dataclass(frozen=True)
@@ -398,7 +423,7 @@ class TrialResult:
     steps: int = 0  # T planned = plan.total_steps(N, B, E), what σ is calibrated for
     steps_taken: int = 0  # steps actually run (< steps when stopped or failed); what ε spent counts
     epsilon_spent: float = float("nan")  # ε charged at (σ, q, δ): of steps_taken, or of steps if diverged; ≤ epsilon
-    num_train: int = 0
+    num_train: int = 0  # privacy units (rows, or people under a person unit) of each split: N of q = B/N
     num_val: int = 0
     num_test: int = 0
     num_classes: int = 0
@@ -425,4 +450,4 @@ Reporter = Callable[[EpochMetrics], None]
 
 def _plain(value: Any) -> Any:
     """A field's value as plain data: a dataclass as its dict, anything else as it is."""
-    return asdict(value) if isinstance(value, (PublicSchedule, DatasetFile)) else value
+    return asdict(value) if isinstance(value, (PublicSchedule, DatasetFile, PersonUnit)) else value

@@ -19,6 +19,7 @@ from dptune.contract import (
     OPTIMIZER_NAMES,
     PEFT_NAMES,
     DatasetFile,
+    PersonUnit,
     TrialConfig,
     WorkloadSpec,
     check_registry,
@@ -126,8 +127,11 @@ def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() 
         "schedule",
         "release_run",
         "dataset_file",
+        "person_unit",
     }
-    assert row["dataset_file"] is None and row["release_run"] is False
+    assert row["dataset_file"] is None and row["release_run"] is False and row["person_unit"] is None
+    people = replace(config, workload=replace(workload, person_unit=PersonUnit("customer_id", 8))).row()
+    assert people["person_unit"] == {"column": "customer_id", "max_rows": 8}
     own = DatasetFile("/data/tickets.csv", "text", "label")
     flat = replace(config, workload=replace(workload, dataset="file:tickets.csv", dataset_file=own)).row()
     assert flat["dataset_file"] == {

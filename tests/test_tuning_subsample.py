@@ -10,10 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
 from conftest import TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES
 from dptune.contract import PublicSchedule, TrialConfig, WorkloadSpec
-from dptune.data.spec import WorkloadError
+from dptune.data.spec import People, Workload, WorkloadError
 from dptune.data.workload import SplitRows, tuning_rows_bytes, tuning_subset
 from dptune.errors import SearchError, TrialConfigError
 from dptune.plan import epoch_steps, sample_rate, total_steps
@@ -152,8 +154,15 @@ def test_public_schedules_cut_the_tuning_steps_into_epochs_and_scale_the_expecte
         assert min(schedule.epoch_steps) >= 1 and schedule.expected_batch_size == pytest.approx(b)
 
 
+def sized_workload(num_train: int, num_val: int, people: People | None = None) -> Workload:
+    """A workload of ``num_train`` training and ``num_val`` validation rows (their content unused)."""
+    rows = [TensorDataset(torch.zeros(n, 1), torch.zeros(n, dtype=torch.int64)) for n in (num_train, num_val, 1)]
+    spec = WorkloadSpec("sized", "none", "head")
+    return Workload(spec, 2, ["a", "b"], *rows, modality="features", feature_dim=1, people=people)
+
+
 def test_the_tuning_subsample_is_drawn_once_per_row_from_fresh_coins_and_kept(tmp_path: Path) -> None:
-    first = draw_tuning_rows(str(tmp_path / "a"), 40_000, 8_000, 0.25)
+    first = draw_tuning_rows(str(tmp_path / "a"), sized_workload(40_000, 8_000), 0.25)
     assert first == f"{tmp_path / 'a'}/{TUNING_ROWS_FILE}"
     with np.load(first) as rows:
         train, val, sizes = rows["train"], rows["val"], rows["sizes"]
@@ -164,11 +173,26 @@ def test_the_tuning_subsample_is_drawn_once_per_row_from_fresh_coins_and_kept(tm
     assert list(sizes) == [40_000, 8_000]
     # a resume reads the kept draw back; another search draws other coins
     before = Path(first).read_bytes()
-    assert draw_tuning_rows(str(tmp_path / "a"), 40_000, 8_000, 0.25) == first and Path(first).read_bytes() == before
-    with np.load(draw_tuning_rows(str(tmp_path / "b"), 40_000, 8_000, 0.25)) as other:
+    again = draw_tuning_rows(str(tmp_path / "a"), sized_workload(40_000, 8_000), 0.25)
+    assert again == first and Path(first).read_bytes() == before
+    with np.load(draw_tuning_rows(str(tmp_path / "b"), sized_workload(40_000, 8_000), 0.25)) as other:
         assert not np.array_equal(other["train"], train)
     with pytest.raises(SearchError, match="drawn for 40000 training and 8000 validation rows"):
-        draw_tuning_rows(str(tmp_path / "a"), 40_001, 8_000, 0.25)
+        draw_tuning_rows(str(tmp_path / "a"), sized_workload(40_001, 8_000), 0.25)
+
+
+def test_the_tuning_subsample_of_people_keeps_whole_people(tmp_path: Path) -> None:
+    rows_per_person = np.random.default_rng(0).zipf(2.0, size=4_000).clip(max=50)
+    train = np.repeat(np.arange(4_000), rows_per_person)
+    val = np.repeat(np.arange(500), 3)
+    people = People("user", train=train, val=val, test=np.zeros(1, dtype=np.int64))
+    with np.load(draw_tuning_rows(str(tmp_path), sized_workload(len(train), len(val), people), 0.25)) as rows:
+        kept_train, kept_val = rows["train"], rows["val"]
+    for kept, index in ((kept_train, train), (kept_val, val)):
+        chosen = np.unique(index[kept])  # every row of a chosen person, no row of another
+        assert np.array_equal(np.sort(kept), np.flatnonzero(np.isin(index, chosen)))
+        n = index.max() + 1  # people, not rows, are the draws: binomial over people
+        assert abs(len(chosen) - 0.25 * n) < 5 * np.sqrt(n * 0.25 * 0.75)
 
 
 def test_a_workload_on_the_subsample_keeps_its_rows_of_train_and_validation_only(tmp_path: Path) -> None:

@@ -41,6 +41,24 @@ class LabelledImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 Split: TypeAlias = TensorDataset | LabelledImages
 
 
+@dataclass(frozen=True)
+class People:
+    """Who each row of a workload's splits belongs to, when the privacy unit is a person
+    (:class:`~dptune.contract.PersonUnit`): ``train``, ``val`` and ``test`` hold, in item order, the
+    int64 index of each row's person, dense ``0..count-1`` within the split and ascending in the order
+    the people first appear. A person's rows are all in one split. ``column`` names the id column."""
+
+    column: str
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+
+    def count(self, split: Literal["train", "val", "test"]) -> int:
+        """The number of people in ``split``."""
+        people = getattr(self, split)
+        return int(people.max()) + 1 if len(people) else 0
+
+
 @dataclass
 class Workload:
     """The resolved splits of a :class:`WorkloadSpec`.
@@ -58,6 +76,7 @@ class Workload:
       ``build_model``) and normalises it.
 
     ``class_names[i]`` names workload label ``i`` (after any ``classes`` relabelling).
+    ``people``: each row's person when the privacy unit is a person (:class:`People`), else ``None``.
     ``provenance`` (str → str) identifies what the inputs were made from, for a saved model's card:
     ``data_sha256`` (the dataset's content digest), ``backbone``, and on cached features the
     encoder's ``weights_sha256``, ``precision`` and ``max_tokens`` (:func:`dptune.data.features.cached_features`).
@@ -74,6 +93,17 @@ class Workload:
     max_tokens: int | None = None
     image_size: int | None = None
     provenance: dict[str, str] = field(default_factory=dict)
+    people: People | None = None
+
+    @property
+    def num_units(self) -> int:
+        """N of q = B/N: the training split's privacy units, its people or else its rows."""
+        return self.units("train")
+
+    def units(self, split: Literal["train", "val", "test"]) -> int:
+        """The privacy units of ``split``: its people, or else its rows (the ``num_train``, ``num_val`` and
+        ``num_test`` of a run's record)."""
+        return len(getattr(self, split)) if self.people is None else self.people.count(split)
 
     def labels(self, split: Literal["train", "val", "test"]) -> torch.Tensor:
         """The int64 labels of ``split`` in item order, without reading any input."""

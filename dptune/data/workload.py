@@ -16,8 +16,9 @@ from dptune.contract import NO_BACKBONE, WorkloadSpec
 from dptune.data import splits
 from dptune.data.features import cached_features
 from dptune.data.files import dataset_file_info
+from dptune.data.people import RawPeople, read_people, split_people
 from dptune.data.sources import DATASETS, DatasetInfo, ImageFiles, RawDataset, list_datasets
-from dptune.data.spec import LabelledImages, Split, Workload, WorkloadError
+from dptune.data.spec import LabelledImages, People, Split, Workload, WorkloadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,6 +49,7 @@ def check_spec(spec: WorkloadSpec) -> DatasetInfo:
     except ModelError as error:
         raise WorkloadError(str(error)) from error
     info = dataset_info(spec)
+    raw_people(spec)
     if backbone is None or info.modality == "features":
         _check_features_spec(spec, info)
         return _check_knobs(spec, info)
@@ -72,6 +74,27 @@ def dataset_info(spec: WorkloadSpec) -> DatasetInfo:
     if spec.dataset not in DATASETS:
         raise WorkloadError(f"unknown dataset {spec.dataset!r}; choose one of {list_datasets()}")
     return DATASETS[spec.dataset]
+
+
+def raw_people(spec: WorkloadSpec) -> RawPeople | None:
+    """Each row's person when ``spec``'s privacy unit is a person (read and checked,
+    :func:`dptune.data.people.read_people`), else None. Only a data owner's table has a person column."""
+    if spec.person_unit is None:
+        return None
+    source = spec.dataset_file
+    if source is None:
+        raise WorkloadError(
+            f"privacy.unit {{column: {spec.person_unit.column}}} needs a dataset file with that column; the "
+            f"registry dataset {spec.dataset!r} has rows only (use privacy.unit: row, or give task.dataset as a file)"
+        )
+    if source.format == "imagefolder" or source.input_column is None:
+        raise WorkloadError(
+            "privacy.unit {column: ...} needs a table with a person column; an image folder has no columns "
+            "(give a csv, tsv, jsonl, parquet or hf_disk table of image paths with the id column)"
+        )
+    from dptune.data.files import read_dataset_file
+
+    return read_people(source, spec.person_unit.column, read_dataset_file(source).labels)
 
 
 def _check_features_spec(spec: WorkloadSpec, info: DatasetInfo) -> None:
@@ -261,7 +284,7 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
         return _own_features(spec, info.load(data_dir, None))
     backbone = get_backbone(spec.backbone)
     raw = info.load(data_dir, backbone.image_size)
-    rows, labels = _rows_and_labels(spec, raw)
+    rows, labels, people = _rows_and_labels(spec, raw)
     max_tokens = spec.max_tokens or backbone.max_tokens
     common = (spec, len(rows.kept), [raw.class_names[c] for c in rows.kept])
     identity = {"data_sha256": raw.fingerprint, "backbone": spec.backbone}
@@ -280,7 +303,14 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
             TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]) for name in labels
         )
         return Workload(
-            *common, train, val, test, modality="features", feature_dim=backbone.feature_dim, provenance=provenance
+            *common,
+            train,
+            val,
+            test,
+            modality="features",
+            feature_dim=backbone.feature_dim,
+            provenance=provenance,
+            people=people,
         )
     if raw.modality == "text":
         tokenizer = load_tokenizer(spec.backbone)
@@ -295,26 +325,33 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
             modality="text",
             max_tokens=max_tokens,
             provenance={**identity, "max_tokens": str(max_tokens)},
+            people=people,
         )
     train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)
-    return Workload(*common, train, val, test, modality="image", image_size=backbone.image_size, provenance=identity)
+    return Workload(
+        *common, train, val, test, modality="image", image_size=backbone.image_size, provenance=identity, people=people
+    )
 
 
-def _rows_and_labels(spec: WorkloadSpec, raw: RawDataset) -> tuple[SplitRows, dict[str, torch.Tensor]]:
-    """The split rows of ``raw`` under ``spec`` (its tuning subsample applied) and each split's labels."""
-    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec, row_digests(raw))
+def _rows_and_labels(spec: WorkloadSpec, raw: RawDataset) -> tuple[SplitRows, dict[str, torch.Tensor], People | None]:
+    """The split rows of ``raw`` under ``spec`` (its tuning subsample applied), each split's labels, and
+    each split's people where the privacy unit is a person (every row of a person hashed by the person's
+    digest, so the validation and carved test splits take whole people)."""
+    people = raw_people(spec)
+    digests = row_digests(raw) if people is None else people.row_digests()
+    rows = split_rows(raw.labels, len(raw.class_names), raw.num_official_train, spec, digests)
     if spec.tuning_rows is not None:
         rows = tuning_subset(rows, spec.tuning_rows)
     labels = {
         name: torch.from_numpy(rows.label_map[raw.labels[getattr(rows, name)]]) for name in ("train", "val", "test")
     }
-    return rows, labels
+    return rows, labels, None if people is None else split_people(people, rows.train, rows.val, rows.test)
 
 
 def _own_features(spec: WorkloadSpec, raw: RawDataset) -> Workload:
     """The workload of a dataset of embeddings (backbone ``none``): its rows' vectors are the features."""
     assert isinstance(raw.inputs, np.ndarray), "a features dataset's inputs are an (n, d) array"
-    rows, labels = _rows_and_labels(spec, raw)
+    rows, labels, people = _rows_and_labels(spec, raw)
     train, val, test = (
         TensorDataset(torch.from_numpy(raw.inputs[getattr(rows, name)]), labels[name]) for name in labels
     )
@@ -329,6 +366,7 @@ def _own_features(spec: WorkloadSpec, raw: RawDataset) -> Workload:
         modality="features",
         feature_dim=raw.inputs.shape[1],
         provenance={"data_sha256": raw.fingerprint, "backbone": NO_BACKBONE},
+        people=people,
     )
 
 

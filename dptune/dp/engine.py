@@ -17,6 +17,19 @@ f_i, s and scale (:mod:`dptune.dp.clipping`)::
 
 with ``scale = update_scale(C, rule, B)`` and ``B`` the *expected* batch size q·N (never the
 realised one, which would leak the batch size).
+
+Person-level steps (user-level DP: McMahan et al. 2018, "Learning differentially private recurrent
+language models"; Levy et al. 2021, "Learning with user-level privacy"), when
+:attr:`DPStepSpec.person_level` is set: the Poisson batch samples *people* u (q = B/N_people), each
+with the m_u rows the sampler drew for them, and the clipped unit is a person's mean gradient::
+
+    G_u = (1/m_u) Σ_{i ∈ u} g_i        p.grad = scale · (Σ_u f_u · G_u + N(0, s² I))
+
+with f_u the rule's factor of the flat norm ‖G_u‖ and B = q·N_people. Σ_u f_u G_u = Σ_i (f_{u(i)}/m_{u(i)}) g_i,
+so each person's summand has norm ≤ the rule's sensitivity, whatever their rows. The carrier: each
+physical batch is ``(*inputs, labels, people)`` with ``people`` an int64 tensor of shape (n,) of
+batch-local person ids ``0..P-1``, non-decreasing (a person's rows are contiguous), and a person's
+rows are never split across physical batches (:func:`dptune.dp.sampling.person_physical_batches`).
 """
 
 from __future__ import annotations
@@ -33,7 +46,9 @@ from dptune.contract import ENGINE_NAMES, ClippingRule, EngineName
 from dptune.dp.clipping import check_rule
 
 #: One physical batch: ``(*inputs, labels)`` already on the engine's device; ``model(*inputs)``
-#: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,).
+#: returns logits of shape (n, classes), ``labels`` is an int64 tensor of shape (n,). Person-level
+#: (:attr:`DPStepSpec.person_level`): ``(*inputs, labels, people)``, ``people`` the rows' batch-local
+#: person ids (int64, shape (n,), ``0..P-1`` non-decreasing; module docstring).
 PhysicalBatch = tuple[torch.Tensor, ...]
 
 
@@ -44,6 +59,8 @@ class DPStepSpec:
     ``noise_multiplier`` is σ (noise std in units of the sensitivity), ``clip_bound`` is C in
     gradient-norm units, ``expected_batch_size`` is B = q·N (examples), ``autocast_dtype`` the
     dtype of the forward pass under ``torch.autocast`` (``None``: full precision).
+    ``person_level``: the privacy unit is a person (module docstring): physical batches carry the rows'
+    person ids, the clipped unit is a person's mean gradient and B = q·N_people counts people.
     """
 
     noise_multiplier: float
@@ -51,6 +68,7 @@ class DPStepSpec:
     rule: ClippingRule
     expected_batch_size: float
     autocast_dtype: torch.dtype | None = None
+    person_level: bool = False
 
     def __post_init__(self) -> None:
         check_rule(self.rule)
@@ -75,6 +93,9 @@ class DPEngine(Protocol):
       noise drawn from ``generator``. The norms ‖g_i‖ are over *all* trainable parameters (flat
       clipping). It returns Σ_i ℓ_i, the summed training loss of the batch's examples as a float
       (0.0 for an empty batch; a non-finite value tells the trial the run diverged).
+    - With ``spec.person_level`` every physical batch ends with the rows' person ids, and the
+      summands are people's clipped mean gradients ``f_u G_u`` instead (module docstring; McMahan et
+      al. 2018, Levy et al. 2021). A person's rows all arrive in one physical batch.
     - It never steps or zeroes the optimizer: the trial calls ``optimizer.step()`` and
       ``optimizer.zero_grad(set_to_none=True)`` after it.
     - Outside ``noisy_gradient`` the model behaves as a plain module (evaluation and the
@@ -95,6 +116,53 @@ class EngineFactory(Protocol):
     """
 
     def __call__(self, model: nn.Module, spec: DPStepSpec, generator: torch.Generator) -> DPEngine: ...
+
+
+@dataclass(frozen=True)
+class PersonRows:
+    """The people of one person-level physical batch (module docstring), on its device.
+
+    ``people`` (n,) are the rows' batch-local person ids ``0..P-1``, non-decreasing; ``rows`` (P,) is
+    m_u, each person's rows in the batch (≥ 1); ``weights`` (n,) float32 is 1/m_{u(i)}, the weight of
+    row i in its person's mean G_u = (1/m_u) Σ_{i ∈ u} g_i (McMahan et al. 2018; Levy et al. 2021).
+    """
+
+    people: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+    @classmethod
+    def of(cls, people: torch.Tensor) -> PersonRows:
+        """The :class:`PersonRows` of a physical batch's person ids."""
+        rows = torch.bincount(people)
+        return cls(people=people, rows=rows, weights=1.0 / rows[people].float())
+
+    @property
+    def count(self) -> int:
+        """P, the people in the batch."""
+        return self.rows.shape[0]
+
+    def ranks(self) -> torch.Tensor:
+        """(n,) int64: each row's position ``0..m_u-1`` among its person's rows."""
+        return (
+            torch.arange(len(self.people), device=self.people.device) - (self.rows.cumsum(0) - self.rows)[self.people]
+        )
+
+    def mean(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Per-person means (P, *rest) of per-row values ``per_row`` (n, *rest): G_u from the g_i."""
+        total = per_row.new_zeros(self.count, *per_row.shape[1:]).index_add_(0, self.people, per_row)
+        return total / self.rows.view(-1, *(1,) * (per_row.dim() - 1)).to(per_row.dtype)
+
+
+def unpack(
+    batch: PhysicalBatch, person_level: bool
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, PersonRows | None]:
+    """``(inputs, labels, people)`` of a physical batch; ``people`` is ``None`` unless ``person_level``."""
+    if person_level:
+        *inputs, labels, people = batch
+        return tuple(inputs), labels, PersonRows.of(people)
+    *inputs, labels = batch
+    return tuple(inputs), labels, None
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,15 @@ trainable parameters: flat norms ‖g_i‖ = √(Σ_layers ‖g_i,layer‖²), f
 :func:`~dptune.dp.clipping.clip_factors`, Σ_i f_i g_i (one matrix-vector product for all norm
 layers), one Gaussian draw N(0, s² I), times ``update_scale``; ``p.grad`` are views into it.
 
+Person-level steps (user-level DP, McMahan et al. 2018; Levy et al. 2021; :mod:`dptune.dp.engine`)
+clip each person's mean gradient G_u = Σ_{i ∈ u} w_i g_i, w_i = 1/m_u. Norm layers: the (n, d)
+per-example pieces are averaged per person into (P, d). Linear layers: a person is one example whose
+tokens are all (row, token) pairs of their rows, with δ scaled by w_i: the calls are regrouped into
+(P, K·T, ·) tensors (K the most rows of one person in the batch, zero-padded), so that the same ghost
+norm gives ‖∇_W G_u‖² = Σ_{(i,t),(j,s) ∈ u} w_i w_j (δ_{i,t}·δ_{j,s})(a_{i,t}·a_{j,s}) over same-person
+pairs only (or the (P, out, in) per-person matrices, when cheaper), and the same book-keeping gives
+Σ_u f_u ∇_W G_u = (f_{u(i)} w_i δ)ᵀ a.
+
 How the tensors are captured: while :meth:`FilmEngine.noisy_gradient` runs (and only then), a
 forward hook on each trainable module wraps its output in an identity autograd function, the
 *tap*, that saves the module's input. The backward pass is ``torch.autograd.grad(loss, anchor)``
@@ -67,7 +76,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
-from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
+from dptune.dp.engine import DPStepSpec, PersonRows, PhysicalBatch, summed_cross_entropy, unpack
 from dptune.dp.precision import autocast
 from dptune.models.batch_norm import batch_norm_refusal, frozen_batch_norm_terms, frozen_batch_norm_types
 
@@ -239,6 +248,20 @@ class _LinearSlot(_Slot):
             )
         )
 
+    def group_by_person(self, persons: PersonRows) -> None:
+        """Regroup the calls so that each person is one example (module docstring): (n, T, f) →
+        (P, K·T, f) with row i's tokens at its rank within its person, δ scaled by 1/m_{u(i)}."""
+        rank = persons.ranks()
+        most = int(persons.rows.max())
+
+        def by_person(per_row: torch.Tensor) -> torch.Tensor:
+            padded = per_row.new_zeros(persons.count, most, *per_row.shape[1:])
+            padded[persons.people, rank] = per_row
+            return padded.reshape(persons.count, -1, per_row.shape[-1])
+
+        weights = persons.weights[:, None, None]
+        self.calls = [(by_person(a), by_person(delta * weights)) for a, delta in self.calls]
+
     def squared_norms(self, n: int, device: torch.device) -> torch.Tensor:
         """‖∇_W ℓ_i‖² + ‖∇_b ℓ_i‖² of the trainable ones, shape (n,)."""
         if not self.calls:
@@ -296,7 +319,8 @@ class FilmEngine:
     trainable parameters, loss :func:`~dptune.dp.engine.summed_cross_entropy`), accumulating
     Σ_i f_i g_i over the physical batches of one Poisson batch, noise from ``generator``.
     ``last_grad_norms`` holds ‖g_i‖ (float32, shape (n,)) of the last Poisson batch's examples in
-    batch order. Nothing is attached to ``model`` outside ``noisy_gradient``.
+    batch order (person-level, ``spec.person_level``: ‖G_u‖ of its people, shape (P,), module
+    docstring). Nothing is attached to ``model`` outside ``noisy_gradient``.
     """
 
     name = "film"
@@ -366,8 +390,9 @@ class FilmEngine:
                 slot.reset()
 
     def _clip_and_accumulate(self, batch: PhysicalBatch, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One physical batch: flat += Σ_i f_i g_i; returns (Σ_i ℓ_i, ‖g_i‖) as device tensors."""
-        *inputs, labels = batch
+        """One physical batch: flat += Σ_i f_i g_i (person-level: Σ_u f_u G_u); returns (Σ_i ℓ_i, the
+        clipped units' norms ‖g_i‖ or ‖G_u‖) as device tensors."""
+        inputs, labels, persons = unpack(batch, self.spec.person_level)
         n = labels.shape[0]
         for slot in self._slots:
             slot.reset()
@@ -383,6 +408,11 @@ class FilmEngine:
                 for piece in (slot.pieces or [torch.zeros(n, slot.numel, device=self._device)])  # unused: no gradient
             ]
             per_example = torch.cat(pieces, dim=1) if pieces else None
+            if persons is not None:  # the clipped units are people: G_u
+                per_example = None if per_example is None else persons.mean(per_example)
+                for slot in self._linear_slots:
+                    slot.group_by_person(persons)
+                n = persons.count
             squared = per_example.square().sum(1) if per_example is not None else torch.zeros(n, device=self._device)
             for slot in self._linear_slots:
                 squared = squared + slot.squared_norms(n, self._device)

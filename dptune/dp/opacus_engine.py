@@ -40,7 +40,7 @@ from torch import nn
 from dptune._thirdparty import check_processed_flag, generate_noise, mark_as_processed
 from dptune.contract import ClippingRule
 from dptune.dp.clipping import AUTO_S_STABILITY, check_rule, clip_factors, noise_std, update_scale
-from dptune.dp.engine import DPStepSpec, PhysicalBatch, summed_cross_entropy
+from dptune.dp.engine import DPStepSpec, PersonRows, PhysicalBatch, summed_cross_entropy, unpack
 from dptune.dp.optimizers import per_example_norms
 from dptune.dp.precision import autocast
 from dptune.models.batch_norm import batch_norm_refusal, frozen_batch_norm_types
@@ -198,6 +198,13 @@ class RuleDPOptimizer(DPOptimizer):
             p.grad *= scale
 
 
+def _mean_per_person(params: Iterable[nn.Parameter], persons: PersonRows) -> None:
+    """Replace each ``p.grad_sample`` (n, *p.shape; one backward pass's g_i) by the per-person means
+    G_u = (1/m_u) Σ_{i ∈ u} g_i, shape (P, *p.shape): the units the rule then clips."""
+    for p in params:
+        p.grad_sample = persons.mean(p.grad_sample)  # type: ignore[attr-defined]  # Opacus' attribute
+
+
 class OpacusEngine:
     """DP step gradient with Opacus hooks and :class:`~dptune.dp.optimizers.RuleDPOptimizer`.
 
@@ -207,6 +214,11 @@ class OpacusEngine:
     gradients. After the last one: ``add_noise`` and ``scale_grad`` leave the released gradient
     in ``p.grad`` — Opacus' own pre-step split over physical batches, as its
     ``BatchMemoryManager`` does it.
+
+    Person-level (``spec.person_level``; McMahan et al. 2018, Levy et al. 2021): before
+    ``clip_and_accumulate`` each ``p.grad_sample`` (n, *p.shape) is replaced by its per-person means
+    G_u (P, *p.shape), so the rule clips people, not rows; B = ``spec.expected_batch_size`` is
+    q·N_people, Opacus' expected batch size and the divisor of ``scale_grad``.
     """
 
     name = "opacus"
@@ -233,12 +245,15 @@ class OpacusEngine:
         self.dp_optimizer.zero_grad(set_to_none=True)  # clears the previous step's summed_grad
         losses: list[torch.Tensor] = []
         with grad_sample_hooks(self.model) as hooks:
-            for *inputs, labels in physical_batches:
+            for batch in physical_batches:
+                inputs, labels, persons = unpack(batch, self.spec.person_level)
                 with autocast(self._device_type, self.spec.autocast_dtype):
                     logits = self.model(*inputs)
                 loss = summed_cross_entropy(logits, labels)
                 loss.backward()
                 losses.append(loss.detach())
+                if persons is not None:
+                    _mean_per_person(self.dp_optimizer.params, persons)
                 self.dp_optimizer.clip_and_accumulate()
                 hooks.set_grad_sample_to_none()
         self.dp_optimizer.add_noise()

@@ -6,6 +6,11 @@ around B, and a batch can be empty. A logical batch is then cut into physical ba
 ``max_physical_batch_size`` examples, moved to the device one at a time (the role of Opacus'
 ``BatchMemoryManager``, here at the :class:`~dptune.dp.engine.DPEngine` seam: the engine sees one
 Poisson batch as a stream of physical batches). Host memory holds one logical batch.
+
+Where the privacy unit is a person (user-level DP: McMahan et al. 2018; Levy et al. 2021),
+:class:`PersonPoissonLoader` samples people instead: each of the N_people training people joins a
+step independently with probability q = B/N_people, bringing all their rows or ``max_rows`` of them
+drawn afresh; :func:`person_physical_batches` cuts such a batch only between people.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from dptune.dp.engine import PhysicalBatch
 
@@ -53,3 +59,115 @@ def physical_batches(
         return
     for chunk in zip(*(t.split(max_physical_batch_size) for t in batch), strict=True):
         yield tuple(t.to(device, non_blocking=True) for t in chunk)
+
+
+def _starts(counts: torch.Tensor) -> torch.Tensor:
+    """Where each of consecutive groups of ``counts`` items begins (exclusive cumulative sum)."""
+    return counts.cumsum(0) - counts
+
+
+def _ranks(counts: torch.Tensor) -> torch.Tensor:
+    """Each item's position within its group, for consecutive groups of ``counts`` items."""
+    total = int(counts.sum())
+    return torch.arange(total) - torch.repeat_interleave(_starts(counts), counts, output_size=total)
+
+
+def _gather(dataset: Dataset[tuple[torch.Tensor, ...]], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The items ``rows`` of ``dataset`` collated as ``(*inputs, labels)`` (zero-length when empty)."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(t[rows] for t in dataset.tensors)
+    if len(rows) == 0:
+        return tuple(t[:0] for t in default_collate([dataset[0]]))
+    return tuple(default_collate([dataset[i] for i in rows.tolist()]))
+
+
+class PersonPoissonLoader:
+    """Person-level Poisson batches (user-level DP-SGD: McMahan et al. 2018; Levy et al. 2021).
+
+    At each of ``steps`` steps each of the N_people people of ``people`` (the training split's person
+    index of each row, dense ``0..N_people-1``, :class:`dptune.data.spec.People`) joins independently
+    with probability q = ``sample_rate`` (a float64 uniform < q: the accountant's Poisson sampling of
+    units, exact up to the uniforms' 2⁻⁵³ resolution). A joined person u with k_u rows brings all of
+    them, or with ``max_rows`` = m a uniformly random subset of min(k_u, m) of them without replacement,
+    drawn afresh at every step. Every coin comes from ``generator`` (CPU), in step order.
+
+    Each step yields ``(*inputs, labels, people)``: the rows grouped by person (people in ascending
+    order), ``people`` their batch-local person ids ``0..P-1`` (int64, non-decreasing), the carrier of
+    :mod:`dptune.dp.engine`. Iterating reads ``steps`` and draws only when the first batch is asked
+    for, so a restore may set ``generator``'s state and ``steps`` (those left) after ``iter()``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[tuple[torch.Tensor, ...]],
+        people: np.ndarray,
+        sample_rate: float,
+        steps: int,
+        generator: torch.Generator,
+        max_rows: int | None = None,
+    ) -> None:
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be ≥ 1 or None, got {max_rows}")
+        people_t = torch.as_tensor(people, dtype=torch.int64)
+        self.dataset = dataset
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.generator = generator
+        self.max_rows = max_rows
+        self._by_person = torch.argsort(people_t, stable=True)  # rows grouped by person, people ascending
+        self._rows = torch.bincount(people_t)  # k_u
+        self._starts = _starts(self._rows)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for _ in range(self.steps):
+            rows, people = self.sample()
+            yield (*_gather(self.dataset, rows), people)
+
+    def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's draw: (rows, their batch-local person ids), rows grouped by person."""
+        joined = torch.nonzero(
+            torch.rand(len(self._rows), generator=self.generator, dtype=torch.float64) < self.sample_rate
+        ).flatten()
+        counts = self._rows[joined]
+        people = torch.repeat_interleave(torch.arange(len(joined)), counts)
+        rows = self._by_person[torch.repeat_interleave(self._starts[joined], counts) + _ranks(counts)]
+        return (rows, people) if self.max_rows is None else self._subsample(rows, people, counts, self.max_rows)
+
+    def _subsample(
+        self, rows: torch.Tensor, people: torch.Tensor, counts: torch.Tensor, max_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """min(k_u, m) of each person's rows, uniformly without replacement: a random order within each
+        person (a permutation by fresh float64 keys, then a stable sort by person) cut at m = ``max_rows``."""
+        shuffled = torch.argsort(torch.rand(len(rows), generator=self.generator, dtype=torch.float64))
+        grouped = shuffled[torch.argsort(people[shuffled], stable=True)]
+        kept = grouped[_ranks(counts) < max_rows]
+        return rows[kept], people[kept]
+
+
+def _person_chunks(rows_per_person: list[int], max_physical_batch_size: int) -> list[int]:
+    """Row counts of consecutive chunks of whole people, each ≤ ``max_physical_batch_size`` rows
+    except a single person with more rows, who is a chunk alone (greedy, in order)."""
+    sizes = [0]
+    for rows in rows_per_person:
+        if sizes[-1] and sizes[-1] + rows > max_physical_batch_size:
+            sizes.append(0)
+        sizes[-1] += rows
+    return sizes
+
+
+def person_physical_batches(
+    batch: tuple[torch.Tensor, ...], max_physical_batch_size: int, device: torch.device
+) -> Iterator[PhysicalBatch]:
+    """Cut a person-level logical batch ``(*inputs, labels, people)`` (``people`` non-decreasing ids)
+    into physical batches on ``device`` that never split a person (:mod:`dptune.dp.engine`): whole
+    people, ≤ ``max_physical_batch_size`` rows unless one person alone has more. Each physical batch's
+    ``people`` are renumbered ``0..P-1``. An empty logical batch yields no physical batch.
+    """
+    if len(batch[-1]) == 0:
+        return
+    _, people, counts = torch.unique_consecutive(batch[-1], return_inverse=True, return_counts=True)
+    sizes = _person_chunks(counts.tolist(), max_physical_batch_size)
+    for *chunk, chunk_people in zip(*(t.split(sizes) for t in (*batch[:-1], people)), strict=True):
+        yield tuple(t.to(device, non_blocking=True) for t in (*chunk, chunk_people - chunk_people[0]))

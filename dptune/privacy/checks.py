@@ -127,3 +127,15 @@ def bound_text(value: float, digits: int = 3) -> str:
     return (
         f"{float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)):.{digits}g}"
     )
+
+
+def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
+    """(ε_k, δ_k) that an (ε, δ)-DP mechanism gives a group of ``group_size`` = k units (the rows of one
+    person), by the group-privacy lemma (chaining k neighbours; Dwork & Roth 2014, Thm 2.2, with δ as in
+    Vadhan 2017, Lemma 2.2): ε_k = k·ε and δ_k = δ·Σ_{j<k} e^{jε} = δ·(e^{kε} − 1)/(e^ε − 1)
+    ≤ k·e^{(k−1)ε}·δ. δ_k ≥ 1 (returned as is, ∞ past float range) leaves no guarantee."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be ≥ 1, got {group_size}")
+    if group_size * epsilon > 700:
+        return group_size * epsilon, math.inf
+    return group_size * epsilon, delta * math.expm1(group_size * epsilon) / math.expm1(epsilon)

@@ -74,7 +74,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("val_accuracy", pa.float64()),
             ("test_accuracy", pa.float64()),
             ("train_loss", pa.float64()),
-            ("num_train", pa.int64()),
+            ("num_train", pa.int64()),  # each split's privacy units: rows, or people under a person unit
             ("num_val", pa.int64()),
             ("num_test", pa.int64()),
             ("num_classes", pa.int64()),
@@ -147,7 +147,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("dataset", pa.string()),
             ("backbone", pa.string()),
             ("peft", pa.string()),
-            ("num_train", pa.int64()),
+            ("num_train", pa.int64()),  # N: the training privacy units (rows, or people)
             ("trials_planned", pa.int64()),
             ("configurations_pruned", pa.int64()),
             ("epsilon_per_trial", pa.float64()),

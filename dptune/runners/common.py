@@ -26,6 +26,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -125,12 +126,20 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def check_fits_workload(config: TrialConfig, num_train: int) -> None:
-    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless B ≤ N and δ suits N (a run with a
-    public schedule samples at its own q ≤ 1, whatever its B)."""
+def check_fits_workload(config: TrialConfig, workload: Workload) -> None:
+    """Raise (``TrialConfigError``, ``PrivacyParameterError``) unless the workload's privacy unit is the
+    config's (people exactly when ``person_unit`` is set), B ≤ N and δ suits N, with N the workload's
+    units (a run with a public schedule samples at its own q ≤ 1, whatever its B)."""
+    if (config.workload.person_unit is None) != (workload.people is None):
+        raise TrialConfigError(
+            f"the run's privacy unit is {'a row' if config.workload.person_unit is None else 'a person'} but its "
+            f"workload {'has' if workload.people is not None else 'has no'} people: load the workload of the run's spec"
+        )
+    num_train = workload.num_units
+    units = "training examples" if workload.people is None else "training people"
     if config.schedule is None and config.batch_size > num_train:
         raise TrialConfigError(
-            f"batch_size {config.batch_size} exceeds the {num_train} training examples of "
+            f"batch_size {config.batch_size} exceeds the {num_train} {units} of "
             f"{config.workload.dataset!r} (after splits and caps); choose batch_size ≤ {num_train}"
         )
     check_delta(config.delta, num_train)
@@ -173,19 +182,56 @@ def cached_workload(spec: WorkloadSpec) -> Workload:
 
 
 def model_provenance(workload: Workload) -> dict[str, str]:
-    """What a run's saved model records of its inputs: the workload's provenance and its class names
-    (JSON, in label order)."""
-    return {**workload.provenance, "class_names": json.dumps(workload.class_names, ensure_ascii=False)}
+    """What a run's saved model records of its inputs: the workload's provenance, its class names (JSON,
+    in label order) and its privacy unit (``row``, or ``person:<id column>``)."""
+    unit = "row" if workload.people is None else f"person:{workload.people.column}"
+    return {
+        **workload.provenance,
+        "class_names": json.dumps(workload.class_names, ensure_ascii=False),
+        "privacy_unit": unit,
+    }
+
+
+@dataclass(frozen=True)
+class PersonScore:
+    """A split's correct predictions counted per person: ``count`` = ⌊Σ_u c_u/k_u⌋ over its ``people``
+    people u, with c_u of person u's k_u rows predicted right (the sum of the people's accuracies).
+
+    Removing one person moves Σ_u c_u/k_u by at most 1, so the floor moves by at most 1: the count has
+    sensitivity 1 under add/remove of a person, as the row count has for a row, and is an integer (the
+    discrete Gaussian's domain). The sum is exact: grouped by k, Σ_k (Σ_{u: k_u = k} c_u)/k in
+    rational arithmetic, so no rounding can move the floor.
+    """
+
+    count: int
+    people: int
+
+    @classmethod
+    def of(cls, correct: np.ndarray, people: np.ndarray) -> PersonScore:
+        """The score of rows whose correctness is ``correct`` (bool, one per row) and whose people are
+        ``people`` (dense int64 indices, :class:`dptune.data.People`)."""
+        if len(people) == 0:
+            return cls(count=0, people=0)
+        rows = np.bincount(people)
+        right = np.bincount(people, weights=np.asarray(correct, dtype=np.int64)).astype(np.int64)
+        present = rows > 0
+        total = sum(
+            (Fraction(int(right[present][rows[present] == k].sum()), int(k)) for k in np.unique(rows[present])),
+            Fraction(0),
+        )
+        return cls(count=math.floor(total), people=int(present.sum()))
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy."""
+    """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy; the count per
+    person (:class:`PersonScore`) where the privacy unit is a person."""
 
     loss: float
     accuracy: float
     correct_per_class: np.ndarray
     examples_per_class: np.ndarray
+    person_score: PersonScore | None = None
 
     def class_accuracy(self) -> dict[int, float]:
         """Accuracy of every class present in the split."""
@@ -215,8 +261,11 @@ def noisy_count(val: Evaluation, score_noise_multiplier: float, generator: np.ra
     accounting composes. An integer plus integer noise has no floating-point low bits to leak (the
     float32 Gaussian it replaces ruled out neighbouring counts: Mironov 2012). The draw comes from
     the trial's own score coins (``generator``, :func:`~dptune.dp.coins.score_generator`).
+    Where the privacy unit is a person the count is the validation people's :class:`PersonScore`
+    (sensitivity 1 under add/remove of a person), with the same noise.
     """
-    return int(val.correct_per_class.sum()) + sample_discrete_gaussian(score_noise_multiplier, generator)
+    count = int(val.correct_per_class.sum()) if val.person_score is None else val.person_score.count
+    return count + sample_discrete_gaussian(score_noise_multiplier, generator)
 
 
 def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: np.random.Generator) -> float:
@@ -226,7 +275,8 @@ def noisy_score(val: Evaluation, score_noise_multiplier: float, generator: np.ra
     treats N as public) is post-processing: the float64 quotient is a function of the integer alone,
     which ``round(score · num_val)`` recovers exactly.
     """
-    return noisy_count(val, score_noise_multiplier, generator) / int(val.examples_per_class.sum())
+    units = int(val.examples_per_class.sum()) if val.person_score is None else val.person_score.people
+    return noisy_count(val, score_noise_multiplier, generator) / units
 
 
 def diverged_charge(planned_steps: int, private_score: bool) -> str:

@@ -34,6 +34,13 @@ Per configuration k, exactly as a trial (:mod:`dptune.runners.trainer`):
   selection score, the trial's divergence rules, ``steps_taken`` and ``epsilon_spent`` (a
   diverged configuration, as a diverged trial, is charged ε of its planned T steps).
 
+Where the workload's privacy unit is a person (``WorkloadSpec.person_unit``; user-level DP-SGD,
+McMahan et al. 2018, Levy et al. 2021), N is the training split's people (``Workload.num_units``) in
+every check, the planner's mechanism, q = B/N_people, the expected batch q·N_people and ε; a step
+samples people, trains on each sampled person's rows (all, or ``max_rows`` of them drawn afresh) and
+clips each person's mean gradient to C (:mod:`dptune.runners.fused_group`); the padded batches and
+the feature index stay rows.
+
 Configurations with the same B share q, T, σ and the epoch split, so they step in lock-step: a
 *group*. A group's heads are stacked as one (K, classes, dim + 1) tensor [W | b] acting on
 features augmented by a constant 1, x̃ = (x, 1) (:func:`stack_heads`). A step gathers every
@@ -69,7 +76,7 @@ from dptune.contract import Mechanism, PublicSchedule, TrialConfig, TrialResult
 from dptune.data import Workload
 from dptune.errors import DptuneError, TrialConfigError
 from dptune.plan import run_schedule
-from dptune.runners.batches import DeviceWorkload, chunk_steps
+from dptune.runners.batches import DeviceWorkload, chunk_steps, person_index
 from dptune.runners.common import cached_workload, check_config, check_fits_workload, planned_mechanism, torch_threads
 from dptune.runners.fused_group import FUSED_ENGINE, FusedGroup
 from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
@@ -165,7 +172,13 @@ def _padded_batch_size(batch_size: int) -> int:
 
 
 def max_fused_configurations(
-    config: TrialConfig, num_train: int, feature_dim: int, num_classes: int, memory_bytes: int = FUSED_MEMORY_BYTES
+    config: TrialConfig,
+    num_train: int,
+    feature_dim: int,
+    num_classes: int,
+    memory_bytes: int = FUSED_MEMORY_BYTES,
+    *,
+    rows_per_unit: float | None = None,
 ) -> int:
     """How many configurations at ``config.batch_size`` fit one fused group in ``memory_bytes`` (≥ 0).
 
@@ -176,11 +189,15 @@ def max_fused_configurations(
     and S = :func:`chunk_steps` steps per draw: the gathered batch, its logits, δ, factors and
     norms, 4·n·(dim + 2 + 6·classes), the drawn batch indices, 16·S·n, the head, its optimizer
     state, gradient and S steps of noise, 4·d·(5 + S), and its share of the evaluation block's
-    logits, 12·``EVALUATION_ROWS``·classes.
+    logits, 12·``EVALUATION_ROWS``·classes. Person-level (``rows_per_unit``, the mean rows a sampled
+    person trains on, :func:`person_load`; B counts people): n is that bound times ``rows_per_unit``,
+    and every sampled person's G_u formed outright, 4·(B + 6√B + 16)·d, bounds the norms' work
+    (:func:`~dptune.runners.person_heads.person_norms`).
     """
     parameters = (feature_dim + 1) * num_classes
     steps = chunk_steps(parameters)
-    padded = _padded_batch_size(config.batch_size)
+    people = _padded_batch_size(config.batch_size)
+    padded = people if rows_per_unit is None else math.ceil(people * rows_per_unit)
     probe = min(config.diagnostic_examples, num_train) if config.diagnostics else 0
     shared = 4 * (num_train + 1) * (feature_dim + 4) + 4 * EVALUATION_ROWS * (feature_dim + 1) + 16 * probe * parameters
     per_config = (
@@ -188,8 +205,18 @@ def max_fused_configurations(
         + 16 * steps * padded
         + 4 * parameters * (5 + steps)
         + 12 * EVALUATION_ROWS * num_classes
+        + (0 if rows_per_unit is None else 4 * people * parameters)
     )
     return max(0, (memory_bytes - shared) // per_config)
+
+
+def person_load(workload: Workload, config: TrialConfig) -> float | None:
+    """The rows a sampled person trains on, on average over the training people: the mean of
+    m_u = min(k_u, ``max_rows``); None where the unit is a row."""
+    people = person_index(workload, config)
+    if people is None:
+        return None
+    return float(people.used_sizes().double().mean()) if people.num_people else 1.0
 
 
 # --------------------------------------------------------------------------- the runner
@@ -214,13 +241,13 @@ class GroupPlan:
 def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes: int) -> list[GroupPlan]:
     """Group ``configs`` by batch size (and public schedule), read each group's mechanism
     (:func:`~dptune.runners.common.planned_mechanism`: the planner's σ, q, T, checked against the
-    workload's N; one per group) and cut each group into chunks of at most
+    workload's N, its privacy units ``Workload.num_units``; one per group) and cut each group into chunks of at most
     :func:`max_fused_configurations`, all before the first step.
 
     Raises :class:`TrialConfigError` for a batch size of which not one configuration fits
     ``memory_bytes``, and for a config without its planned mechanism (or with another run's).
     """
-    num_train, feature_dim = len(workload.train), workload.feature_dim
+    num_train, num_units, feature_dim = len(workload.train), workload.num_units, workload.feature_dim
     if feature_dim is None:
         raise TrialConfigError(
             "the fused runner trains heads on cached features; this workload has none (peft must be 'head')"
@@ -231,15 +258,23 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
     plans: list[GroupPlan] = []
     for (batch_size, _), members in by_batch_size.items():
         first = configs[members[0]]
-        fits = max_fused_configurations(first, num_train, feature_dim, workload.num_classes, memory_bytes)
+        rows_per_unit = person_load(workload, first)
+        fits = max_fused_configurations(
+            first,
+            num_train,
+            feature_dim,
+            workload.num_classes,
+            memory_bytes,
+            rows_per_unit=rows_per_unit,
+        )
         if fits < 1:
             raise TrialConfigError(
                 f"not one configuration at batch_size {batch_size} fits the fused memory budget of {memory_bytes} "
                 f"bytes (N = {num_train}, {workload.feature_dim} features, {workload.num_classes} classes); choose a "
                 f"smaller batch_size or a larger memory budget"
             )
-        mechanism = planned_mechanism(first, num_train)
-        if any(planned_mechanism(configs[i], num_train) != mechanism for i in members):
+        mechanism = planned_mechanism(first, num_units)
+        if any(planned_mechanism(configs[i], num_units) != mechanism for i in members):
             raise TrialConfigError(
                 f"the configurations at batch_size {batch_size} carry different mechanisms (σ); a group steps in "
                 "lock-step with the one σ the planner calibrated for its (ε, δ, q, T)"
@@ -248,16 +283,17 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
     return plans
 
 
-def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplier: float) -> TrialResult:
-    """The ``error`` record of a configuration whose group never took a step: nothing spent."""
-    schedule = run_schedule(config, num_train)
+def _unstarted(config: TrialConfig, reason: str, num_units: int, noise_multiplier: float) -> TrialResult:
+    """The ``error`` record of a configuration whose group never took a step: nothing spent
+    (``num_units``: N of q = B/N, the training split's privacy units)."""
+    schedule = run_schedule(config, num_units)
     return TrialResult(
         config=config,
         status="error",
         reason=reason[:2000],
         noise_multiplier=noise_multiplier,
         sample_rate=schedule.sample_rate,
-        num_train=num_train,
+        num_train=num_units,
         steps=schedule.steps,
         steps_taken=0,
         epsilon_spent=0.0,
@@ -265,11 +301,45 @@ def _unstarted(config: TrialConfig, reason: str, num_train: int, noise_multiplie
     )
 
 
+def _group_failure(
+    configs: Sequence[TrialConfig],
+    results: list[TrialResult | None],
+    plan: GroupPlan,
+    group: FusedGroup | None,
+    error: Exception,
+    num_units: int,
+) -> FusedTrialsFailed:
+    """The :class:`FusedTrialsFailed` of ``plan``'s group failing with ``error`` (``group`` None: before
+    its first step): the failed group's results (what each configuration spent), the ``results`` of the
+    groups that finished, and an unstarted record of every other configuration (``num_units``: N)."""
+    failure = f"{type(error).__name__}: {error}"
+    failed = (
+        group.failed(error)
+        if group is not None
+        else [_unstarted(configs[i], failure, num_units, plan.noise_multiplier) for i in plan.members]
+    )
+    for i, result in zip(plan.members, failed, strict=True):
+        results[i] = result
+    final = [
+        r
+        if r is not None
+        else _unstarted(
+            c,
+            f"not run: an earlier fused group failed ({failure})",
+            num_units,
+            planned_mechanism(c, num_units).noise_multiplier,
+        )
+        for r, c in zip(results, configs, strict=True)
+    ]
+    return FusedTrialsFailed(f"fused group of batch_size {plan.batch_size} failed: {failure}", final)
+
+
 def run_fused(
     configs: Sequence[TrialConfig],
     on_done: Callable[[list[int], list[TrialResult]], None] | None = None,
     *,
     memory_bytes: int | None = None,
+    workload: Workload | None = None,
 ) -> list[TrialResult]:
     """Train every config (K of them) as fused trials; one :class:`TrialResult` per config, in order,
     each what ``run_trial(config)`` would return in distribution (``engine="fused"``).
@@ -278,21 +348,23 @@ def run_fused(
     before compute otherwise, as for a refused or bad config, an empty list, a batch size above N,
     or a batch size of which not one configuration fits ``memory_bytes``, default
     :data:`FUSED_MEMORY_BYTES`), or a config without the mechanism the planner calibrated for it
-    (``config.mechanism``, checked against N before the first step; σ is never calibrated here).
+    (``config.mechanism``, checked against N before the first step; σ is never calibrated here). N
+    counts the workload's privacy units (``Workload.num_units``: its rows, or its people).
     Configs are grouped by batch size, each group runs fused in chunks of at most
     :func:`max_fused_configurations` (:func:`plan_groups`), and ``on_done(indices, results)`` is
     called after each chunk with the positions in ``configs`` and their results, so the caller can
     record them at once. A failure inside a chunk raises :class:`FusedTrialsFailed` carrying every
-    config's result.
+    config's result. ``workload``: the splits to train on (a benchmark's own), else the configs'
+    workload spec's, loaded once per process; either way checked against the configs' privacy unit.
     """
     configs = list(configs)
     device = check_fusable(configs)
     first = configs[0]
     with torch_threads(first.threads):
-        workload = cached_workload(first.workload)
-        num_train = len(workload.train)
+        workload = cached_workload(first.workload) if workload is None else workload
+        num_units = workload.num_units
         for config in configs:
-            check_fits_workload(config, num_train)
+            check_fits_workload(config, workload)
         plans = plan_groups(configs, workload, FUSED_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         data = DeviceWorkload.build(first, workload, device)
         results: list[TrialResult | None] = [None] * len(configs)
@@ -302,28 +374,7 @@ def run_fused(
                 group = FusedGroup(data, [configs[i] for i in plan.members], plan.noise_multiplier)
                 group_results = group.run()
             except Exception as error:  # say what every configuration spent, finished or not
-                failure = f"{type(error).__name__}: {error}"
-                failed = (
-                    group.failed(error)
-                    if group is not None
-                    else [_unstarted(configs[i], failure, num_train, plan.noise_multiplier) for i in plan.members]
-                )
-                for i, result in zip(plan.members, failed, strict=True):
-                    results[i] = result
-                final = [
-                    r
-                    if r is not None
-                    else _unstarted(
-                        c,
-                        f"not run: an earlier fused group failed ({failure})",
-                        num_train,
-                        planned_mechanism(c, num_train).noise_multiplier,
-                    )
-                    for r, c in zip(results, configs, strict=True)
-                ]
-                raise FusedTrialsFailed(
-                    f"fused group of batch_size {plan.batch_size} failed: {failure}", final
-                ) from error
+                raise _group_failure(configs, results, plan, group, error, num_units) from error
             for i, result in zip(plan.members, group_results, strict=True):
                 results[i] = result
             if on_done is not None:

@@ -7,7 +7,7 @@ the device and the Poisson batches, is :mod:`dptune.runners.batches`):
 - :class:`~dptune.runners.batches.DeviceWorkload`: what every group of one ``run_fused`` call
   shares, the augmented training features, labels and the probe on the device;
 - :class:`GroupSchedule`: what the group's configurations share because they share B: q = B/N,
-  T, the epoch split, σ, and the ε of a number of steps;
+  T, the epoch split, σ, and the ε of a number of steps (N counts privacy units: rows, or people);
 - :class:`GroupCoins`: each configuration's own coins (initial head, Poisson sampler, Gaussian
   noise, score noise), and :meth:`GroupCoins.draw`, the
   :class:`~dptune.runners.batches.Draws` of the next steps;
@@ -15,6 +15,13 @@ the device and the Poisson batches, is :mod:`dptune.runners.batches`):
   not diverged, and how many steps each took;
 - :class:`FusedGroup` itself: the epochs (train, then evaluate and record, then diagnose), the
   divergence rules and the :class:`~dptune.contract.TrialResult` of each configuration.
+
+Where the privacy unit is a person (user-level DP-SGD: McMahan et al. 2018; Levy et al. 2021), a
+step samples each of the N_people training people with probability q = B/N_people, trains on the
+rows :class:`~dptune.runners.batches.PersonIndex` expands them into, clips each person's mean gradient
+(:func:`~dptune.runners.person_heads.head_person_noisy_gradients`) and scales by the expected q·N_people;
+ε is of q over people, and the selection score counts validation people
+(:class:`~dptune.runners.common.PersonScore`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,17 @@ from dptune.dp.diagnostics import diagnose
 from dptune.models import new_head
 from dptune.plan import run_schedule
 from dptune.privacy import epsilon_spent
-from dptune.runners.batches import BatchRows, DeviceWorkload, Draws, PoissonSteps, chunk_steps, feature_tensors
+from dptune.runners.batches import (
+    BatchRows,
+    DeviceWorkload,
+    Draws,
+    PoissonSteps,
+    batch_counts,
+    chunk_steps,
+    feature_tensors,
+    padded,
+    person_draws,
+)
 from dptune.runners.common import (
     Evaluation,
     diagnostic_epochs,
@@ -52,6 +69,7 @@ from dptune.runners.heads import (
     stack_heads,
     stacked_evaluations,
 )
+from dptune.runners.person_heads import head_person_noisy_gradients
 
 #: The ``TrialResult.engine`` of a fused configuration.
 FUSED_ENGINE = "fused"
@@ -73,7 +91,8 @@ def gather_block_configurations(width: int, row_values: int) -> int:
 class GroupSchedule:
     """What a group's configurations share because they share B: q = B/N (``sample_rate``), the T
     planned steps (``steps``) cut into epochs (``epoch_steps``), σ (``noise_multiplier``) and the
-    expected batch size q·N (examples) of every step; δ for the ε they spend."""
+    expected batch size q·N (privacy units: examples, or people) of every step; δ for the ε they
+    spend. N is the training split's privacy units (``Workload.num_units``)."""
 
     sample_rate: float
     steps: int
@@ -83,10 +102,10 @@ class GroupSchedule:
     delta: float
 
     @classmethod
-    def of(cls, config: TrialConfig, num_train: int, noise_multiplier: float) -> GroupSchedule:
-        """The schedule of ``config``'s batch size on ``num_train`` examples with σ = ``noise_multiplier``
-        (``config``'s public schedule where it has one: ``dptune.plan.run_schedule``)."""
-        schedule = run_schedule(config, num_train)
+    def of(cls, config: TrialConfig, num_units: int, noise_multiplier: float) -> GroupSchedule:
+        """The schedule of ``config``'s batch size on ``num_units`` privacy units with σ =
+        ``noise_multiplier`` (``config``'s public schedule where it has one: ``dptune.plan.run_schedule``)."""
+        schedule = run_schedule(config, num_units)
         return cls(
             sample_rate=schedule.sample_rate,
             steps=schedule.steps,
@@ -106,12 +125,15 @@ class GroupSchedule:
 class GroupCoins:
     """Each configuration's own coins, as a trial draws them (:func:`~dptune.dp.coins.trial_coins`
     of its seed): its initial head (built under ``torch.manual_seed`` of its init stream, without
-    touching the global generator), its Poisson sampler, its Gaussian noise and its score noise.
+    touching the global generator), its Poisson sampler (of rows, or of people, whose rows its
+    sampling coins also choose: :meth:`~dptune.runners.batches.PersonIndex.sample`), its Gaussian
+    noise and its score noise.
     The Gaussian noise is drawn at the scale it has in the released gradient,
     r_k = update_scale(C_k)·noise_std(σ, C_k) (:func:`~dptune.runners.heads.released_noise_stds`)."""
 
     def __init__(self, configs: Sequence[TrialConfig], schedule: GroupSchedule, data: DeviceWorkload) -> None:
         self.num_train = data.num_train
+        self.people = data.people
         self.device = data.device
         #: r_k: the standard deviation of each configuration's noise as released.
         self.noise_stds = released_noise_stds(
@@ -131,7 +153,7 @@ class GroupCoins:
                 head = new_head(data.features.shape[1] - 1, data.workload.num_classes)  # x̃ = (x, 1)
             weights.append(head.get_parameter("weight").detach())
             biases.append(head.get_parameter("bias").detach())
-            self.samplers.append(PoissonSteps(self.num_train, schedule.sample_rate, cpu_generator(coins.sampling)))
+            self.samplers.append(PoissonSteps(data.num_units, schedule.sample_rate, cpu_generator(coins.sampling)))
             self.noise_coins.append(DeviceCoins(coins.noise, data.device))
             self.score_generators.append(score_generator(coins.score))
         #: (K, classes, dim + 1) on the device: every configuration's initial head (:func:`stack_heads`).
@@ -139,20 +161,26 @@ class GroupCoins:
 
     def draw(self, steps: int) -> Draws:
         """The coins of the next ``steps`` steps, each configuration's from its own generators."""
-        k, num_train = len(self.samplers), self.num_train
+        k = len(self.samplers)
         draws = [sampler.draw(steps) for sampler in self.samplers]
         # each configuration's draws fill its own contiguous block (as torch.randn would), no copy after
         noise = torch.empty(k, steps, *self.initial_heads.shape[1:], device=self.device)
         for block, coins, std in zip(noise, self.noise_coins, self.noise_stds, strict=True):
             coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
             block.normal_(0.0, std, generator=coins.generator)
-        counts = np.stack([np.bincount(step.numpy(), minlength=steps) for step, _ in draws], axis=1)
-        index = torch.full((steps, k, max(1, int(counts.max()))), num_train, dtype=torch.int64)
-        for column, (step, example) in enumerate(draws):
-            starts = np.concatenate([[0], np.cumsum(counts[:, column])[:-1]])
-            rank = torch.arange(len(step)) - torch.from_numpy(starts)[step]
-            index[step, column, rank] = example
-        return Draws(index=index.to(self.device), counts=counts, noise=noise.transpose(0, 1))
+        noise = noise.transpose(0, 1)
+        if self.people is not None:
+            people = self.people
+            samples = [
+                people.sample(step, person, sampler.generator)
+                for (step, person), sampler in zip(draws, self.samplers, strict=True)
+            ]
+            index, counts, persons, bands = person_draws(samples, steps, self.num_train, self.device)
+            return Draws(index.to(self.device), counts, noise, persons, bands)
+        step_of = [step for step, _ in draws]
+        counts, ranks = batch_counts(step_of, steps)
+        index = padded(counts, step_of, ranks, [example for _, example in draws], self.num_train)
+        return Draws(index=index.to(self.device), counts=counts, noise=noise)
 
     def noisy_score(self, index: int, val: Evaluation, score_noise_multiplier: float) -> float:
         """Configuration ``index``'s DP selection score of ``val`` (:func:`~dptune.runners.common.noisy_score`)."""
@@ -195,9 +223,10 @@ class LockStep:
     def train(self, data: DeviceWorkload, draws: Draws, losses: torch.Tensor) -> None:
         """Every step of ``draws``; adds each active configuration's step losses to ``losses`` (K,)."""
         widths = np.maximum(draws.counts.max(axis=1), 1)
-        rows = BatchRows.of(data, draws.index)
+        bands = [0] * len(widths) if draws.bands is None else draws.bands.tolist()
+        rows = BatchRows.of(data, draws.index, draws.persons)
         for t, width in enumerate(widths.tolist()):
-            gradients = self._gradients(data, rows.step(t, width), draws.noise[t])
+            gradients = self._gradients(data, rows.step(t, width, bands[t]), draws.noise[t])
             self.steps_done += 1
             if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
                 self._stop_non_finite(gradients.losses)
@@ -222,11 +251,11 @@ class LockStep:
         self.active &= finite
 
     def _gradients(self, data: DeviceWorkload, rows: BatchRows, noise: torch.Tensor) -> HeadGradients:
-        """One step's :func:`head_noisy_gradients` of every configuration on its batch ``rows``
-        (K, n), gathered and computed for at most :func:`gather_block_configurations`
-        configurations at a time on the CPU (all at once on a GPU), into one buffer reused by every
-        step (a fresh tensor of a large batch's rows costs the operating system's page faults at
-        every step)."""
+        """One step's :func:`head_noisy_gradients` (person-level: :func:`head_person_noisy_gradients`)
+        of every configuration on its batch ``rows`` (K, n), gathered and computed for at most
+        :func:`gather_block_configurations` configurations at a time on the CPU (all at once on a
+        GPU), into one buffer reused by every step (a fresh tensor of a large batch's rows costs the
+        operating system's page faults at every step)."""
         k, width = rows.index.shape
         # measured on the CPU only; a GPU keeps the whole group in one gather and one product each
         block = gather_block_configurations(width, data.features.shape[1]) if data.device.type == "cpu" else k
@@ -238,19 +267,26 @@ class LockStep:
             some = rows.configurations(first, end) if block < k else rows
             flat = some.index.reshape(-1)  # index_select: a faster gather than advanced indexing on the CPU
             features = torch.index_select(data.features, 0, flat, out=self._gathered[: len(flat)])
-            parts.append(
-                head_noisy_gradients(
-                    self.heads[first:end],
-                    features.view(end - first, width, -1),
+            heads, features = self.heads[first:end], features.view(end - first, width, -1)
+            bounds, scales = self.clip_bounds[first:end], self.scales[first:end]
+            if some.persons is None:
+                part = head_noisy_gradients(
+                    heads,
+                    features,
                     some.labels,
                     some.row_weights,
                     some.feature_norms,
-                    self.clip_bounds[first:end],
+                    bounds,
                     self.rule,
                     noise[first:end],
-                    self.scales[first:end],
+                    scales,
                 )
-            )
+            else:
+                rows_read = (some.labels, some.row_weights, some.feature_norms)
+                part = head_person_noisy_gradients(
+                    heads, features, rows_read, some.persons, bounds, self.rule, noise[first:end], scales
+                )
+            parts.append(part)
         if len(parts) == 1:
             return parts[0]
         return HeadGradients(
@@ -295,7 +331,7 @@ class FusedGroup:
         self.data = data
         self.configs = list(configs)
         first = self.configs[0]
-        self.schedule = GroupSchedule.of(first, data.num_train, noise_multiplier)
+        self.schedule = GroupSchedule.of(first, data.num_units, noise_multiplier)
         self.private_score = first.score_noise_multiplier is not None
         self.coins = GroupCoins(self.configs, self.schedule, data)
         self.lock_step = LockStep(
@@ -312,9 +348,9 @@ class FusedGroup:
             noise_multiplier=schedule.noise_multiplier,
             sample_rate=schedule.sample_rate,
             steps=schedule.steps,
-            num_train=self.data.num_train,
-            num_val=len(workload.val),
-            num_test=len(workload.test),
+            num_train=workload.units("train"),  # the privacy units: N of q = B/N, and the scores' counts
+            num_val=workload.units("val"),
+            num_test=workload.units("test"),
             num_classes=workload.num_classes,
             trainable_parameters=self.parameters,
             device=str(self.data.device),
@@ -386,8 +422,17 @@ class FusedGroup:
         :class:`EpochMetrics`; the configurations still live (a non-finite validation loss diverges)."""
         workload, heads = self.data.workload, self.lock_step.heads
         last = epoch == self.configs[0].epochs
-        val = stacked_evaluations(heads, *feature_tensors(workload.val), workload.num_classes)
-        test = stacked_evaluations(heads, *feature_tensors(workload.test), workload.num_classes) if last else None
+        people = workload.people
+        val = stacked_evaluations(
+            heads, *feature_tensors(workload.val), workload.num_classes, None if people is None else people.val
+        )
+        test = (
+            stacked_evaluations(
+                heads, *feature_tensors(workload.test), workload.num_classes, None if people is None else people.test
+            )
+            if last
+            else None
+        )
         epoch_time = time.perf_counter() - epoch_start
         still = []
         for i in live:

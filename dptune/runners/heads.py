@@ -6,8 +6,11 @@ on the augmented features x̃ = (x, 1); K heads are a (K, classes, dim + 1) tens
 (:func:`stack_heads`). With δ_i = softmax(W x_i + b) − onehot(y_i) the per-example gradient is
 g_i = δ_i x̃_iᵀ, so ‖g_i‖ = ‖δ_i‖·√(‖x_i‖² + 1) and the clipped sum Σ_i f_i g_i = (f ⊙ δ)ᵀ X̃ is one
 batched matrix product (:func:`head_noisy_gradients`; the FiLM engine's head path,
-:mod:`dptune.dp.film`, for K heads at once). Everything here is float32 (float64 sums) and
-Ray-free; nothing draws a coin (the noise comes in drawn, at its released scale).
+:mod:`dptune.dp.film`, for K heads at once). Where the privacy unit is a person (McMahan et al.
+2018; Levy et al. 2021) the clipped vector is a person's mean gradient G_u
+(:func:`dptune.runners.person_heads.head_person_noisy_gradients`). Everything here is
+float32 (float64 sums) and Ray-free; nothing draws a coin (the noise comes in drawn, at its released
+scale).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.optim.adam import adam
 from dptune.contract import ClippingRule
 from dptune.dp.clipping import clip_factors, noise_std, update_scale
 from dptune.dp.diagnostics import ProbeGradients
-from dptune.runners.common import Evaluation
+from dptune.runners.common import Evaluation, PersonScore
 
 #: Optimizers :class:`StackedOptimizer` steps (a subset of ``dptune.dp.optimizers.OPTIMIZERS``).
 FUSABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
@@ -40,7 +43,7 @@ class HeadGradients:
 
     ``heads`` (K, classes, dim + 1) is ``update_scale_k · (Σ_i f_i g_i + s_k·z_k)`` in the layout
     of :func:`stack_heads`; ``losses`` (K,) Σ_i ℓ_i over each configuration's batch; ``norms``
-    (K, n) ‖g_i‖ (0 at padding).
+    (K, n) ‖g_i‖ (0 at padding; person-level: ‖G_u‖ of the row's person u).
     """
 
     heads: torch.Tensor
@@ -183,31 +186,46 @@ class StackedOptimizer:
 
 
 def stacked_evaluations(
-    heads: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, num_classes: int
+    heads: torch.Tensor,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    people: np.ndarray | None = None,
 ) -> list[Evaluation]:
     """Mean cross-entropy, accuracy and per-class counts of each of K heads (K, classes, dim + 1)
     on one split. ``features`` (rows, dim) and ``labels`` (rows,) may live on the CPU; they are
     scored ``EVALUATION_ROWS`` at a time on the heads' device, all K heads in one matrix product.
+    With ``people`` (the split's person of each row, :class:`dptune.data.People`), each evaluation
+    carries its :class:`~dptune.runners.common.PersonScore`, the selection count per person.
     """
     k, classes, _ = heads.shape
     device = heads.device
     flat = heads.reshape(k * classes, -1)
     loss = torch.zeros(k, dtype=torch.float64, device=device)
     correct = torch.zeros(k, num_classes, dtype=torch.float64, device=device)
+    right_rows: list[torch.Tensor] = []  # (K, rows) per block, person-level only
     for rows, row_labels in zip(features.split(EVALUATION_ROWS), labels.split(EVALUATION_ROWS), strict=True):
         rows, row_labels = augment(rows.to(device)), row_labels.to(device)
         logits = (rows @ flat.T).view(-1, k, classes).transpose(0, 1)  # (K, rows, classes)
         loss += F.cross_entropy(logits.transpose(1, 2), row_labels.expand(k, -1), reduction="none").sum(1).double()
-        correct.index_add_(1, row_labels, (logits.argmax(2) == row_labels).double())
+        right = logits.argmax(2) == row_labels
+        correct.index_add_(1, row_labels, right.double())
+        if people is not None:
+            right_rows.append(right.cpu())
     examples = torch.bincount(labels, minlength=num_classes).numpy()
     total = int(examples.sum())
     loss_np, correct_np = loss.cpu().numpy(), correct.cpu().numpy().round().astype(np.int64)
+    scores: list[PersonScore | None] = [None] * k
+    if people is not None:
+        right_np = torch.cat(right_rows, dim=1).numpy() if right_rows else np.zeros((k, 0), dtype=bool)
+        scores = [PersonScore.of(right_np[i], people) for i in range(k)]
     return [
         Evaluation(
             loss=float(loss_np[i]) / total,
             accuracy=float(correct_np[i].sum()) / total,
             correct_per_class=correct_np[i],
             examples_per_class=examples,
+            person_score=scores[i],
         )
         for i in range(k)
     ]

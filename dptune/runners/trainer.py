@@ -9,6 +9,13 @@ DP (BatchNorm only with frozen running statistics); then (4) exactly T Poisson s
 the sampler, cut into E epochs by ``plan.epoch_steps``, with evaluation after each epoch, diagnostics at
 epochs 0, ⌈E/2⌉ and E, and the test set after the last.
 
+Where the privacy unit is a person (``config.workload.person_unit``, user-level DP-SGD: McMahan et al.
+2018; Levy et al. 2021) N is the training split's people (``Workload.num_units``): q = B/N_people, the
+Poisson batches sample people (:class:`dptune.dp.sampling.PersonPoissonLoader`, each bringing all their
+rows or ``max_rows`` of them), the engines clip each person's mean gradient (:mod:`dptune.dp.engine`)
+and the selection score counts people (:class:`dptune.runners.common.PersonScore`). The diagnostics
+probe still holds rows.
+
 A non-finite training or validation loss ends the trial with status ``"diverged"`` (recorded, no
 exception). With a DP selection score (``score_noise_multiplier``) the trial decides divergence
 only from its DP outputs (non-finite parameters after an epoch), never from the exact losses of
@@ -46,9 +53,11 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
@@ -64,20 +73,21 @@ from dptune.contract import (
 )
 from dptune.data import Workload
 from dptune.data.features import weights_fingerprint
-from dptune.data.spec import Split
+from dptune.data.spec import People, Split
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
-from dptune.dp.engine import DPEngine, DPStepSpec, summed_cross_entropy
+from dptune.dp.engine import DPEngine, DPStepSpec, PhysicalBatch, summed_cross_entropy
 from dptune.dp.engine_registry import select_engine
 from dptune.dp.optimizers import build_optimizer
 from dptune.dp.precision import autocast
-from dptune.dp.sampling import physical_batches, poisson_loader
+from dptune.dp.sampling import PersonPoissonLoader, person_physical_batches, physical_batches, poisson_loader
 from dptune.errors import TrialFailed
 from dptune.models import build_model, check_dp_compatible, new_head, trainable_parameter_count
 from dptune.privacy import epsilon_spent
 from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import (
     Evaluation,
+    PersonScore,
     cached_workload,
     check_config,
     check_fits_workload,
@@ -90,6 +100,9 @@ from dptune.runners.common import (
     torch_threads,
 )
 
+if TYPE_CHECKING:
+    from opacus.data_loader import DPDataLoader
+
 
 @torch.no_grad()
 def evaluate(
@@ -99,12 +112,16 @@ def evaluate(
     batch_size: int,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
+    people: np.ndarray | None = None,
 ) -> Evaluation:
-    """Evaluate ``model`` (eval mode) on ``dataset`` in batches of ``batch_size``."""
+    """Evaluate ``model`` (eval mode) on ``dataset`` in batches of ``batch_size``; with ``people`` (the
+    split's person index of each row, :class:`dptune.data.spec.People`) also its
+    :class:`~dptune.runners.common.PersonScore`."""
     model.eval()
     loss = 0.0
     correct = torch.zeros(num_classes, dtype=torch.int64)
     total = torch.zeros(num_classes, dtype=torch.int64)
+    row_hits: list[torch.Tensor] = []
     for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
         *inputs, labels = (t.to(device, non_blocking=True) for t in batch)
         with autocast(device.type, autocast_dtype):
@@ -114,12 +131,14 @@ def evaluate(
         hits = (logits.argmax(dim=1).cpu() == labels).long()
         correct += torch.bincount(labels, weights=hits, minlength=num_classes).long()
         total += torch.bincount(labels, minlength=num_classes)
+        row_hits.append(hits)
     examples = int(total.sum())
     return Evaluation(
         loss=loss / examples,
         accuracy=float(correct.sum()) / examples,
         correct_per_class=correct.numpy(),
         examples_per_class=total.numpy(),
+        person_score=None if people is None else PersonScore.of(torch.cat(row_hits).numpy() > 0, people),
     )
 
 
@@ -135,7 +154,7 @@ class Trial:
         torch.manual_seed(init_seed(coins.init))
         self.score_generator = score_generator(coins.score)
         self.steps_taken = 0
-        num_train = len(workload.train)
+        num_units = workload.num_units  # N: the training split's people, or rows
         self.model = (
             new_head(workload.feature_dim, workload.num_classes)  # on features: the head alone
             if workload.modality == "features" and workload.feature_dim is not None
@@ -143,7 +162,7 @@ class Trial:
         ).to(device)
         check_dp_compatible(self.model)
         engine_factory = select_engine(config.engine, self.model, config.workload.peft)  # refuses before any step
-        mechanism = planned_mechanism(config, num_train)  # the planner's σ, q, T: never calibrated here
+        mechanism = planned_mechanism(config, num_units)  # the planner's σ, q, T: never calibrated here
         self.sample_rate = mechanism.sample_rate
         self.steps = mechanism.steps
         self.epoch_steps = list(mechanism.epoch_steps)
@@ -154,14 +173,35 @@ class Trial:
             noise_multiplier=self.noise_multiplier,
             clip_bound=config.clip_bound,
             rule=config.clipping,
-            expected_batch_size=self.sample_rate * num_train,
+            expected_batch_size=self.sample_rate * num_units,
             autocast_dtype=self.autocast_dtype,
+            person_level=workload.people is not None,
         )
         self.noise_coins = DeviceCoins(coins.noise, device)
         self.engine: DPEngine = engine_factory(self.model, self.spec, self.noise_coins.generator)
         self.sampling_generator = cpu_generator(coins.sampling)
-        self.loader = poisson_loader(workload.train, self.sample_rate, self.steps, self.sampling_generator)
+        self.loader = self._loader(workload.people)
         self.probe = self._probe(trainable_parameter_count(self.model)) if config.diagnostics else ()
+
+    def _loader(self, people: People | None) -> DPDataLoader | PersonPoissonLoader:
+        """The T Poisson batches of one pass, drawn from the sampling generator: of rows, or of people
+        (``people``, with the person unit's ``max_rows``)."""
+        if people is None:
+            return poisson_loader(self.workload.train, self.sample_rate, self.steps, self.sampling_generator)
+        unit = self.config.workload.person_unit
+        return PersonPoissonLoader(
+            self.workload.train,
+            people.train,
+            self.sample_rate,
+            self.steps,
+            self.sampling_generator,
+            max_rows=None if unit is None else unit.max_rows,
+        )
+
+    def _physical_batches(self, batch: tuple[torch.Tensor, ...]) -> Iterator[PhysicalBatch]:
+        """One Poisson batch as physical batches on the device (person-level: never splitting a person)."""
+        cut = person_physical_batches if self.spec.person_level else physical_batches
+        return cut(batch, self.config.max_physical_batch_size, self.device)
 
     def _probe(self, dimension: int) -> tuple[torch.Tensor, ...]:
         """The batch of :func:`probe_indices` training examples."""
@@ -176,9 +216,9 @@ class Trial:
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sample_rate,
             steps=self.steps,
-            num_train=len(workload.train),
-            num_val=len(workload.val),
-            num_test=len(workload.test),
+            num_train=workload.units("train"),  # the privacy units: N of q = B/N, and the scores' counts
+            num_val=workload.units("val"),
+            num_test=workload.units("test"),
             num_classes=workload.num_classes,
             trainable_parameters=trainable_parameter_count(self.model),
             device=str(self.device),
@@ -208,6 +248,12 @@ class Trial:
         return record
 
     def evaluate(self, dataset: Split) -> Evaluation:
+        """:func:`evaluate` on ``dataset``, the workload's ``val`` or ``test`` split (with its people's
+        :class:`~dptune.runners.common.PersonScore` where the privacy unit is a person)."""
+        people = self.workload.people
+        split_people = None
+        if people is not None:
+            split_people = people.val if dataset is self.workload.val else people.test
         return evaluate(
             self.model,
             dataset,
@@ -215,6 +261,7 @@ class Trial:
             self.config.max_physical_batch_size,
             self.device,
             self.autocast_dtype,
+            split_people,
         )
 
     def run(self, report: Reporter | None, checkpoint: RunCheckpoint | None = None) -> TrialResult:
@@ -248,7 +295,7 @@ class Trial:
             epoch_examples = 0
             for batch in itertools.islice(batches, epoch_length):
                 self.noise_coins.refresh()  # CUDA: a fresh secret Philox key and offset; CPU: nothing
-                loss = self.engine.noisy_gradient(physical_batches(batch, config.max_physical_batch_size, self.device))
+                loss = self.engine.noisy_gradient(self._physical_batches(batch))
                 self.steps_taken += 1
                 if not math.isfinite(loss) and config.stops_on_exact_loss:
                     result.status = "diverged"
@@ -352,7 +399,10 @@ class Trial:
         self.score_generator.bit_generator.state = json.loads(kept["score"])
         torch.set_rng_state(kept["torch"])
         self.steps_taken = int(kept["steps_taken"])
-        self.loader.batch_sampler.steps = self.steps - self.steps_taken
+        if isinstance(self.loader, PersonPoissonLoader):
+            self.loader.steps = self.steps - self.steps_taken
+        else:
+            self.loader.batch_sampler.steps = self.steps - self.steps_taken
         measured = json.loads(kept["measured"])
         result.epochs = [EpochMetrics(**m) for m in measured["epochs"]]
         result.diagnostics = [
@@ -401,8 +451,8 @@ def run(config: TrialConfig, report: Reporter | None = None, checkpoint: RunChec
     device = check_config(config)
     with torch_threads(config.threads):
         workload = cached_workload(config.workload)
-        check_fits_workload(config, len(workload.train))
-        planned_mechanism(config, len(workload.train))  # before the model is built
+        check_fits_workload(config, workload)
+        planned_mechanism(config, workload.num_units)  # before the model is built
         trial = Trial(config, device, workload)
         try:
             return trial.run(report, checkpoint)

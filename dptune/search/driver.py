@@ -258,11 +258,11 @@ def plan(session: SearchSession) -> None:
     workload = session.workload = load_workload(
         task_workload(space, options.max_train_examples, options.max_eval_examples)
     )
-    preflight.check_steps(space, len(workload.train))
-    session.plans = mode.plan(space, len(workload.train))
+    preflight.check_steps(space, workload.num_units)
+    session.plans = mode.plan(space, workload.num_units)
     if not options.dry_run:
         session.plans = mode.prepare(session.runs, session.plans)
-    session.warn(preflight.data_warnings(space, len(workload.train)))
+    session.warn(preflight.data_warnings(space, workload.num_units))
     base = base_trial_config(space, session.plans[0], options.max_train_examples, options.max_eval_examples)
     session.fused = check_runner(space, session.plans, base, workload)
     mode.check_runner(session.fused)
@@ -278,7 +278,7 @@ def start_ray(session: SearchSession) -> None:
     joined), build each cell's context, charge unreadable start files, and announce the runs."""
     options, space, mode, runs = session.options, session.space, session.mode, session.runs
     assert session.workload is not None
-    session.tuning_rows = mode.tuning_rows(runs, session.plans, len(session.workload.train), len(session.workload.val))
+    session.tuning_rows = mode.tuning_rows(runs, session.plans, session.workload)
     preflight.write_manifest(runs, session.loaded, session.name, session.search_id)  # a private start time stays inside
     if not session.cluster:
         print(embedded := init_ray(options.address, private=mode.private), flush=True)

@@ -485,12 +485,14 @@ def check_steps(space: SearchSpace, num_train: int) -> None:
 
 
 def data_warnings(space: SearchSpace, num_train: int) -> list[str]:
-    """Warnings that need the training set's size N: δ > 1/N, batch sizes above N."""
+    """Warnings that need the training set's size N (its people under a person unit): δ > 1/N, batch
+    sizes above N."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_delta(space.privacy.delta, num_train)
     notes = [f"privacy.delta: {warning.message}" for warning in caught]
     oversized = space.batch_size.oversized(num_train)
     if oversized:
-        notes.append(f"batch_size: B = {oversized} exceed the training set (N = {num_train}) and are dropped")
+        units = "the training set (N" if space.privacy.person_unit is None else "the training people (N_people"
+        notes.append(f"batch_size: B = {oversized} exceed {units} = {num_train}) and are dropped")
     return notes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dptune.contract import (
     ClippingRule,
@@ -33,7 +33,8 @@ from dptune.contract import (
 from dptune.errors import DptuneError
 from dptune.paths import ALLOWED_SCHEMES, MAX_NAME_CHARS, check_name
 from dptune.plan import DEFAULT_MIN_STEPS
-from dptune.privacy import MAX_EPSILON, MIN_EPSILON
+from dptune.space.base import Strict as _Strict
+from dptune.space.privacy import PrivacySpec
 from dptune.space.tracking import TrackingSpec
 
 #: Most trials one cell may run (``trials_per_cell``, or the points of a grid): a search is
@@ -49,10 +50,6 @@ MAX_SEED = 2**32 - 2**24 - 1
 
 class SpaceError(DptuneError, ValueError):
     """A search-space file that cannot be used; the message names the file, the key and the rule."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -173,76 +170,6 @@ class TaskSpec(_Strict):
             f"a backbone mapping has the key hf ({{hf: DIR, pooling: mean|cls}}) or timm "
             f"({{timm: NAME, weights: FILE}}), not {sorted(value)}"
         )
-
-
-class TuningSubsampleSpec(_Strict):
-    """Tune on a private subsample X₁ (Koskela & Kulkarni 2023, variant 1), then train the release on
-    every training row with the chosen configuration, transferred by ``transfer``.
-
-    Every training and validation row joins X₁ independently with probability ``fraction`` (q₁),
-    from secret coins. A tuning run of a proposed full-data configuration (C, B, η₀) keeps C and η₀
-    and runs on X₁ with a Poisson rate and a step count fixed from public numbers:
-
-    - ``sample_rate``: the release's q = B/N and T = round(E·N/B) (an expected batch of q₁·B);
-    - ``batch_size``: the release's expected batch B, so q = B/(q₁·N) and T = round(E·q₁·N/B)
-      (B above q₁·N cannot be tuned and is pruned).
-    """
-
-    fraction: float = Field(gt=0, lt=1, description="q₁: the probability that a row joins the tuning set")
-    transfer: Literal["sample_rate", "batch_size"] = Field(
-        "sample_rate", description="what a tuning run keeps of the full-data configuration it stands for"
-    )
-
-
-class PrivateSelectionSpec(_Strict):
-    """End-to-end private tuning: one (ε, δ) for the whole search *and* the release of its best trial.
-
-    The search runs a secret random number of trials (truncated negative binomial with shape
-    ``trial_count_shape``, 1 = geometric, mean ``sampler.trials_per_cell``), each with the per-trial ε
-    that makes Papernot & Steinke's private-selection bound meet ``epsilon``, scores each trial by
-    its noisy validation count (Gaussian, std ``score_noise_multiplier`` correct predictions) and
-    releases only the best one. With ``tuning_subsample`` the runs tune on a secret subsample and
-    the release is one more training, on every training row, of the best run's configuration.
-    """
-
-    epsilon: float = Field(
-        ge=MIN_EPSILON, le=MAX_EPSILON, description="ε_total of the tuning and the released model, at privacy.delta"
-    )
-    score_noise_multiplier: float = Field(
-        5.0, gt=0, description="σ_s: std of the Gaussian noise on the number of correct validation predictions"
-    )
-    trial_count_shape: float = Field(1.0, gt=0, le=100, description="η of the random trial count (1 = geometric)")
-    tuning_subsample: TuningSubsampleSpec | None = Field(
-        None, description="tune on a secret subsample, release a model trained on all rows (one ε for both)"
-    )
-
-
-class PrivacySpec(_Strict):
-    """Privacy budgets: one search cell per ε (and per epoch budget); δ as in (ε, δ)-DP.
-
-    Either ``epsilons`` (a per-trial budget per cell; the whole search's cost is reported beside) or
-    ``private_selection`` (a total budget for the tuning and the released model).
-    """
-
-    epsilons: list[Annotated[float, Field(ge=MIN_EPSILON, le=MAX_EPSILON)]] | None = Field(None, min_length=1)
-    delta: float = Field(1e-5, gt=0, lt=1)
-    private_selection: PrivateSelectionSpec | None = None
-
-    @field_validator("epsilons")
-    @classmethod
-    def _distinct(cls, values: list[float] | None) -> list[float] | None:
-        if values is not None and len(set(values)) != len(values):
-            raise ValueError("epsilons must be distinct")
-        return values
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> Self:
-        if (self.epsilons is None) == (self.private_selection is None):
-            raise ValueError(
-                "give exactly one of epsilons (per-trial budgets, one cell each) or private_selection "
-                "(one total budget for the tuning and the released model)"
-            )
-        return self
 
 
 class RangeSpec(_Strict):

@@ -70,7 +70,7 @@ def cell_search_rows(
     trials = trials[trials["search_id"] == search_id]
     charged = trials if charged is None else charged[charged["search_id"] == search_id]
     whole = composition_cost(charged, space.privacy.delta)
-    statement = statement_of_cells(space, official_test_split, whole)
+    statement = statement_of_cells(space, official_test_split, whole, plans[0].num_train if plans else None)
     unrecorded = max(0, _took_steps(charged) - _took_steps(trials))
     return [
         {

@@ -260,9 +260,18 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
+def _unit_text(unit: str | None) -> str:
+    """A card's privacy unit in words (``row``, ``person:<column>``; None: a model from before units)."""
+    if unit is None or unit == "row":
+        return "one row (a person with several rows is protected per row, not as a person)"
+    column = unit.removeprefix("person:")
+    return f"one person, identified by `{column}`, with all their rows (user-level DP)"
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     """The model card for a person: what the model is, what it was trained on, what its ε covers."""
     privacy, accuracy, config = card["privacy"], card["accuracy"], card["configuration"]
+    units = "rows" if card["data"].get("privacy_unit", "row") == "row" else "people"
 
     def share(name: str) -> str:
         value, interval = accuracy.get(name), accuracy.get(name.replace("accuracy", "interval"))
@@ -282,20 +291,22 @@ def card_markdown(card: dict[str, Any]) -> str:
         "",
         f"(ε, δ) = ({privacy['epsilon']:.4g}, {privacy['delta']:.3g}), covering {privacy['covers']}.",
         "",
+        f"Privacy unit: {_unit_text(card['data'].get('privacy_unit'))}.",
+        "",
         f"Search guarantee: {privacy['search_guarantee']}",
         "",
         "## Accuracy",
         "",
     ]
     if "val_accuracy" in accuracy:
-        lines.append(f"- validation: {share('val_accuracy')} on {accuracy['num_val']} rows")
+        lines.append(f"- validation: {share('val_accuracy')} on {accuracy['num_val']} {units}")
     else:
         lines.append(
             f"- noisy validation score (the private selection's, biased upward): {accuracy['noisy_val_accuracy']:.1%}"
         )
     lines.append(
         f"- test: {share('test_accuracy')}"
-        + (f" on {accuracy['num_test']} rows" if accuracy.get("num_test") else "")
+        + (f" on {accuracy['num_test']} {units}" if accuracy.get("num_test") else "")
         + (f" ({accuracy['test_withheld']})" if accuracy.get("test_withheld") else "")
     )
     lines += ["", "## Configuration", ""]

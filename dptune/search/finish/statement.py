@@ -20,7 +20,7 @@ accuracy. Never more than the code does. Torch-free and Ray-free.
 from __future__ import annotations
 
 from dptune.contract import DatasetFile
-from dptune.privacy.checks import bound_text
+from dptune.privacy.checks import bound_text, group_privacy
 from dptune.privacy.search import CompositionCost
 from dptune.records import TRUST_BOUNDARY
 from dptune.space import SearchSpace
@@ -49,10 +49,13 @@ def statement_of_public_coins() -> str:
     return PUBLIC_COINS
 
 
-def statement_of_cells(space: SearchSpace, official_test_split: bool, cost: CompositionCost | None = None) -> str:
+def statement_of_cells(
+    space: SearchSpace, official_test_split: bool, cost: CompositionCost | None = None, num_units: int | None = None
+) -> str:
     """A per-cell search: what each trial's DP-SGD bounds, whether its trials compose (random or grid
-    proposals without a scheduler) or what adaptivity voids (TPE, ASHA), what no mode covers and the
-    test split. ``cost``: the whole search's composition, quoted where it took steps."""
+    proposals without a scheduler) or what adaptivity voids (TPE, ASHA), what no mode covers, the
+    test split and the privacy unit. ``cost``: the whole search's composition, quoted where it took
+    steps; ``num_units``: N, the training split's units (people or rows)."""
     if space.reproducible:
         return statement_of_public_coins()
     whole = _composition_text(cost)
@@ -60,7 +63,7 @@ def statement_of_cells(space: SearchSpace, official_test_split: bool, cost: Comp
     parts = _adaptive_parts(space, whole) if adaptive else [_composing_part(space, whole)]
     parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
     parts.append(f"NOT covered by (ε, δ): {OUTSIDE}.")
-    parts.append(_dataset_test_split(space, official_test_split, private_selection=False))
+    parts.append(_dataset_test_split(space, official_test_split, num_units, private_selection=False))
     parts.append(
         "Releasing the best trial's model with its validation score is therefore not (ε, δ)-DP; use "
         "privacy.private_selection for an end-to-end guarantee."
@@ -129,11 +132,11 @@ def _adaptive_parts(space: SearchSpace, whole: str) -> list[str]:
 
 
 def statement_of_private_selection(
-    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None
+    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None, num_units: int | None = None
 ) -> str:
     """An end-to-end private search (Papernot & Steinke): only the release is covered, at the space's
     total (ε, δ) (``epsilon_selection``: the bound the plan met, quoted when known); what stays inside
-    the trust boundary."""
+    the trust boundary; the privacy unit (``num_units``: N, when known)."""
     if space.reproducible:
         return statement_of_public_coins()
     selection = space.privacy.private_selection
@@ -148,29 +151,30 @@ def statement_of_private_selection(
         f"secret coins) plus a Gaussian-noised validation count (σ_s = {selection.score_noise_multiplier:g}), "
         f"only the best released. The released score is the maximum of K noisy scores: biased upward, not "
         f"an estimate of the model's accuracy. "
-        + _dataset_test_split(space, official_test_split, private_selection=True)
+        + _dataset_test_split(space, official_test_split, num_units, private_selection=True)
         + _kept_inside("K, the per-run records (trials, epochs, classes tables; Ray Tune's state)")
     )
 
 
 def statement_of_subsample_tuning(
-    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None
+    space: SearchSpace, official_test_split: bool, epsilon_selection: float | None = None, num_units: int | None = None
 ) -> str:
     """Tuning on a secret subsample, then a release trained on every row (Koskela & Kulkarni, variant 1):
     only the release is covered, at the space's total (ε, δ) (``epsilon_selection``: the plan's RDP
-    total, quoted when known); what stays inside the trust boundary."""
+    total, quoted when known); what stays inside the trust boundary; the privacy unit (``num_units``)."""
     if space.reproducible:
         return statement_of_public_coins()
     selection = space.privacy.private_selection
     assert selection is not None and selection.tuning_subsample is not None, "needs privacy.private_selection"
     subsample = selection.tuning_subsample
     bound = "" if epsilon_selection is None else f" (RDP total {epsilon_selection:.3g})"
+    unit = "row" if space.privacy.person_unit is None else "person (with all their rows)"
     return (
         f"Only the release is covered: the model trained once on every training row with the configuration "
         f"tuned on a secret subsample and transferred by the public rule '{subsample.transfer}' (C and η₀ "
         f"kept, η = η₀·√(B/B_ref)), that configuration, and the tuning's best noisy validation score are "
         f"({selection.epsilon:g}, {space.privacy.delta:g})-DP{bound} by Koskela & Kulkarni (NeurIPS 2023, "
-        f"variant 1): the subsample X₁ keeps each training and validation row with probability "
+        f"variant 1): the subsample X₁ keeps each training and validation {unit} with probability "
         f"q₁ = {subsample.fraction:g} (fresh OS entropy, drawn once per search); on it, a secret random number "
         f"K of random-search runs (truncated negative binomial, η = {selection.trial_count_shape:g}, mean "
         f"{space.sampler.trials_per_cell}), each DP-SGD with q and T fixed from public numbers (never from "
@@ -179,7 +183,7 @@ def statement_of_subsample_tuning(
         f"ICML 2019, Thm 6) and composed in RDP with the release's DP-SGD at the worst of the candidate batch "
         f"sizes. The released score is the maximum of K noisy scores on X₁: biased upward, not an estimate "
         f"of the model's accuracy. "
-        + _dataset_test_split(space, official_test_split, private_selection=True)
+        + _dataset_test_split(space, official_test_split, num_units, private_selection=True)
         + _kept_inside(
             "X₁, K, the per-run records of the tuning runs and of the release's training (trials, epochs, "
             "classes tables; Ray Tune's state)"
@@ -217,18 +221,21 @@ def test_withheld(space: SearchSpace, official_test_split: bool) -> str | None:
     )
 
 
-def _dataset_test_split(space: SearchSpace, official_test_split: bool, *, private_selection: bool) -> str:
-    """:func:`statement_of_test_split` of the space's dataset."""
+def _dataset_test_split(
+    space: SearchSpace, official_test_split: bool, num_units: int | None, *, private_selection: bool
+) -> str:
+    """:func:`statement_of_test_split` of the space's dataset, then its :func:`statement_of_unit`."""
     return statement_of_test_split(
         space.task.dataset_name, official_test_split, space.task.dataset_file, private_selection=private_selection
-    )
+    ) + statement_of_unit(space, num_units)
 
 
 def statement_of_test_split(
     dataset: str, official_test_split: bool, own: DatasetFile | None, *, private_selection: bool
 ) -> str:
     """What the guarantee says of test accuracy (public when the dataset ships its own test split, or a
-    data owner's test file is declared ``test_public``) and, for a data owner's file (``own``), of its rows."""
+    data owner's test file is declared ``test_public``); ``own``: a data owner's file (its test file may be
+    private)."""
     if official_test_split:
         text = (
             f"Test accuracy is computed on {dataset}'s official test split, treated as public, and never "
@@ -247,9 +254,54 @@ def statement_of_test_split(
             else f"{dataset} has no official test split: {where}, so every trial's test accuracy (overall and "
             "per class) is a release about private rows that (ε, δ) does NOT cover."
         )
-    if own is None:
-        return text
-    return text + (
-        f" One row of {dataset} is one record: (ε, δ) protects each row; a person who contributes several rows "
-        "is protected per row, not as a person."
+    return text
+
+
+def statement_of_unit(space: SearchSpace, num_units: int | None) -> str:
+    """What one (ε, δ) of the search protects: a person (``privacy.unit: {column: …}``; ``num_units``, the
+    training split's people, quoted when known) or a row; with rows and a data owner's bound k on any
+    person's rows (``privacy.max_rows_per_person_known``), what each of the space's ε gives such a person
+    by group privacy (:func:`~dptune.privacy.checks.group_privacy`)."""
+    unit, delta = space.privacy.person_unit, space.privacy.delta
+    if unit is not None:
+        count = (
+            ""
+            if num_units is None
+            else f" ({num_units} people in the training split, a count treated as public as N is)"
+        )
+        rows = (
+            "all their rows"
+            if unit.max_rows is None
+            else f"at most {unit.max_rows} of their rows, drawn with fresh coins"
+        )
+        return (
+            f" The privacy unit is a person: every (ε, δ) here protects all the rows of each person identified by "
+            f"{unit.column!r} together{count}. Each step samples people (q = B/N_people: B counts people); a sampled "
+            f"person's gradient is the mean over {rows}, clipped to C as one vector (user-level DP-SGD: McMahan et "
+            "al. 2018; Levy et al. 2021); the validation and test splits take whole people; a DP validation score "
+            "counts people (⌊Σ of each validation person's accuracy⌋, sensitivity 1 per person); a tuning "
+            "subsample keeps whole people. How many rows each person has stays inside the trust boundary."
+        )
+    if space.task.dataset_file is None:
+        return ""
+    text = (
+        f" One row of {space.task.dataset_name} is one record: (ε, δ) protects each row; a person who contributes "
+        "several rows is protected per row, not as a person (privacy.unit: {column: ID} protects people)."
     )
+    known = space.privacy.max_rows_per_person_known
+    if known is None or known == 1:
+        return text
+    selection = space.privacy.private_selection
+    epsilons = [selection.epsilon] if selection is not None else list(space.privacy.epsilons or [])
+    implied = "; ".join(_group_text(epsilon, delta, known) for epsilon in epsilons)
+    return text + (
+        f" With at most {known} rows per person (the data owner's bound), group privacy gives each person only "
+        f"{implied} (ε_k = kε, δ_k = δ(e^(kε) − 1)/(e^ε − 1))."
+    )
+
+
+def _group_text(epsilon: float, delta: float, group_size: int) -> str:
+    """``ε = x → (ε_k, δ_k)`` of one row-level budget for a group of ``group_size`` rows, or "no guarantee"."""
+    epsilon_k, delta_k = group_privacy(epsilon, delta, group_size)
+    person = "no guarantee (δ_k ≥ 1)" if delta_k >= 1 else f"({bound_text(epsilon_k)}, {bound_text(delta_k, 2)})"
+    return f"row-level ε = {epsilon:g} → {person}"

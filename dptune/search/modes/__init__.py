@@ -34,6 +34,7 @@ from dptune.search.scheduling.tune_run import TunedShape
 if TYPE_CHECKING:
     import pandas as pd
 
+    from dptune.data.spec import Workload
     from dptune.privacy.search import CompositionCost
     from dptune.search.planning.cells import CellPlan
     from dptune.search.runs.execution import TrialContext
@@ -101,8 +102,8 @@ class SearchMode(TunedShape, Protocol):
         """Refuse a runner the shape cannot use (``fused``: the fused runner runs the search)."""
         ...
 
-    def tuning_rows(self, runs: str, plans: list[CellPlan], num_train: int, num_val: int) -> str | None:
-        """The secret tuning rows, drawn once per search (None: the runs train on every row)."""
+    def tuning_rows(self, runs: str, plans: list[CellPlan], workload: Workload) -> str | None:
+        """The secret tuning rows of ``workload``, drawn once per search (None: the runs train on every row)."""
         ...
 
     def cell_context(
@@ -162,9 +163,10 @@ class SearchMode(TunedShape, Protocol):
         official_test_split: bool,
         cost: CompositionCost | None = None,
         epsilon_selection: float | None = None,
+        num_units: int | None = None,
     ) -> str:
         """What the search's (ε, δ) covers, in words (``finish.statement``): ``cost``, a per-cell search's
-        composition; ``epsilon_selection``, an end-to-end private search's bound."""
+        composition; ``epsilon_selection``, an end-to-end private search's bound; ``num_units``, N (people or rows)."""
         ...
 
     def release_choices(

@@ -22,6 +22,7 @@ from dptune.search.scheduling.tuners import cell_trainable, search_tuner
 if TYPE_CHECKING:
     import pandas as pd
 
+    from dptune.data.spec import Workload
     from dptune.privacy.search import CompositionCost
     from dptune.space import LoadedSpace, SearchSpace
 
@@ -56,7 +57,7 @@ class CellSearch:
     def check_runner(self, fused: bool) -> None:
         return None
 
-    def tuning_rows(self, runs: str, plans: list[CellPlan], num_train: int, num_val: int) -> str | None:
+    def tuning_rows(self, runs: str, plans: list[CellPlan], workload: Workload) -> str | None:
         return None
 
     cell_context = staticmethod(plain_cell_context)
@@ -107,8 +108,9 @@ class CellSearch:
         official_test_split: bool,
         cost: CompositionCost | None = None,
         epsilon_selection: float | None = None,
+        num_units: int | None = None,
     ) -> str:
-        return statement_of_cells(space, official_test_split, cost)
+        return statement_of_cells(space, official_test_split, cost, num_units)
 
     def release_choices(
         self, plans: list[CellPlan], search_rows: list[dict[str, Any]], trials: pd.DataFrame

@@ -44,6 +44,7 @@ from dptune.search.scheduling.tuners import private_trainable, private_tuner
 if TYPE_CHECKING:
     import pandas as pd
 
+    from dptune.data.spec import Workload
     from dptune.privacy.search import CompositionCost
     from dptune.space import LoadedSpace, SearchSpace
 
@@ -95,7 +96,7 @@ class PrivateSelection:
     def check_runner(self, fused: bool) -> None:
         return None
 
-    def tuning_rows(self, runs: str, plans: list[CellPlan], num_train: int, num_val: int) -> str | None:
+    def tuning_rows(self, runs: str, plans: list[CellPlan], workload: Workload) -> str | None:
         return None
 
     cell_context = staticmethod(plain_cell_context)
@@ -150,7 +151,7 @@ class PrivateSelection:
         for plan in plans:
             epsilon_selection = plan.epsilon_selection
             assert epsilon_selection is not None, "a private cell's plan carries its total ε"
-            statement = self.guarantee(loaded.space, official_test_split, None, epsilon_selection)
+            statement = self.guarantee(loaded.space, official_test_split, None, epsilon_selection, plan.num_train)
             rows.append(selection_search_row(loaded, plan, search_id, epsilon_selection, statement))
         return rows
 
@@ -160,8 +161,9 @@ class PrivateSelection:
         official_test_split: bool,
         cost: CompositionCost | None = None,
         epsilon_selection: float | None = None,
+        num_units: int | None = None,
     ) -> str:
-        return statement_of_private_selection(space, official_test_split, epsilon_selection)
+        return statement_of_private_selection(space, official_test_split, epsilon_selection, num_units)
 
     #: The run a cell releases: the best noisy validation score (``outcome.selected_run``).
     choose = staticmethod(selected_run)

@@ -18,6 +18,7 @@ from dptune.search.planning.subsample import RELEASE_PARAMETERS, draw_tuning_row
 from dptune.search.runs.execution import TrialContext
 
 if TYPE_CHECKING:
+    from dptune.data.spec import Workload
     from dptune.privacy.search import CompositionCost
     from dptune.space import SearchSpace
 
@@ -39,9 +40,9 @@ class SubsampleTuning(PrivateSelection):
                 "which only the fused runner does (peft 'head', training.runner auto or fused, no scheduler)"
             )
 
-    def tuning_rows(self, runs: str, plans: list[CellPlan], num_train: int, num_val: int) -> str | None:
+    def tuning_rows(self, runs: str, plans: list[CellPlan], workload: Workload) -> str | None:
         """X₁, once per search, inside the trust boundary."""
-        return draw_tuning_rows(runs, num_train, num_val, plans[0].tuning_plan.fraction)
+        return draw_tuning_rows(runs, workload, plans[0].tuning_plan.fraction)
 
     #: The tuning runs train on X₁ on their public schedules (``cells.tuning_cell_context``).
     cell_context = staticmethod(tuning_cell_context)
@@ -55,8 +56,9 @@ class SubsampleTuning(PrivateSelection):
         official_test_split: bool,
         cost: CompositionCost | None = None,
         epsilon_selection: float | None = None,
+        num_units: int | None = None,
     ) -> str:
-        return statement_of_subsample_tuning(space, official_test_split, epsilon_selection)
+        return statement_of_subsample_tuning(space, official_test_split, epsilon_selection, num_units)
 
     #: The run a cell releases: its release run (``outcome.subsample_release``).
     choose = staticmethod(subsample_release)

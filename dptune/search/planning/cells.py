@@ -225,7 +225,12 @@ def _plan_header(loaded: LoadedSpace, plans: list[CellPlan]) -> list[str]:
     return [
         f"search '{space.name}' from {loaded.path} (spec {loaded.spec_hash})",
         f"task: {space.task.dataset_name} / {space.task.backbone} / {space.task.peft}, "
-        f"N_train = {plans[0].num_train}, δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
+        + (
+            f"N_train = {plans[0].num_train}"
+            if (unit := space.privacy.person_unit) is None
+            else f"privacy unit: person ({unit.column!r}), N_people = {plans[0].num_train} (B counts people)"
+        )
+        + f", δ = {space.privacy.delta:g}, sampler = {space.sampler.name}, "
         f"min_steps = {space.min_steps}, coupling = {space.coupling.rule}"
         + (f" (B_ref = {space.coupling.reference_batch_size})" if space.coupling.rule == "sqrt" else ""),
         "coins: "
@@ -403,6 +408,7 @@ def task_workload(space: SearchSpace, max_train_examples: int | None, max_eval_e
         max_train_examples=max_train_examples,
         max_eval_examples=max_eval_examples,
         dataset_file=task.dataset_file,
+        person_unit=space.privacy.person_unit,
     )
 
 
@@ -465,6 +471,7 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
                 feature_dim,
                 workload.num_classes,
                 memory_bytes=budget,
+                rows_per_unit=fused.person_load(workload, base),
             )
             < 1
         ):

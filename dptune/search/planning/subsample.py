@@ -35,9 +35,10 @@ from dptune.privacy import PrivacyParameterError
 from dptune.privacy.subsampled_tuning import plan_subsampled_tuning
 from dptune.runners.checkpoint import CHECKPOINTS
 from dptune.space import SearchSpace
-from dptune.space.spec import TuningSubsampleSpec
+from dptune.space.privacy import TuningSubsampleSpec
 
 if TYPE_CHECKING:
+    from dptune.data.spec import Workload
     from dptune.search.runs.execution import TrialContext
 
 #: The files inside a private search's trust boundary that keep X₁ (the tuning subsample, drawn once)
@@ -193,14 +194,17 @@ def tuning_schedules(
     return schedules
 
 
-def draw_tuning_rows(runs: str, num_train: int, num_val: int, fraction: float) -> str:
+def draw_tuning_rows(runs: str, workload: Workload, fraction: float) -> str:
     """The location of X₁, the search's tuning subsample, inside its trust boundary ``runs``: each of the
-    ``num_train`` training and ``num_val`` validation rows kept with probability ``fraction`` (q₁), from a
-    generator seeded with 128 bits of fresh OS entropy that is never stored. The first start draws and
-    writes it (atomically, before any run); a resume reads it back, so X₁ is drawn once per search, as
-    the accounting assumes. Raises ``SearchError`` when a kept file was drawn for other splits."""
+    workload's training and validation units kept with probability ``fraction`` (q₁), from a generator
+    seeded with 128 bits of fresh OS entropy that is never stored. A unit is a row, or a person with all
+    their rows where the privacy unit is a person (X₁ is drawn over people, as the accounting's
+    subsampling is). The first start draws and writes it (atomically, before any run); a resume reads
+    it back, so X₁ is drawn once per search, as the accounting assumes. Raises ``SearchError`` when a
+    kept file was drawn for other splits."""
     from dptune.data.workload import tuning_rows_bytes
 
+    num_train, num_val = len(workload.train), len(workload.val)
     location = f"{runs.rstrip('/')}/{TUNING_ROWS_FILE}"
     kept = read_file(runs, TUNING_ROWS_FILE)
     if kept is not None:
@@ -213,8 +217,13 @@ def draw_tuning_rows(runs: str, num_train: int, num_val: int, fraction: float) -
             )
         return location
     coins = np.random.default_rng(np.random.SeedSequence())  # 128 bits of OS entropy, never stored
-    train = np.flatnonzero(coins.random(num_train) < fraction)
-    val = np.flatnonzero(coins.random(num_val) < fraction)
+    if workload.people is None:
+        train = np.flatnonzero(coins.random(num_train) < fraction)
+        val = np.flatnonzero(coins.random(num_val) < fraction)
+    else:
+        people = workload.people
+        train = np.flatnonzero((coins.random(people.count("train")) < fraction)[people.train])
+        val = np.flatnonzero((coins.random(people.count("val")) < fraction)[people.val])
     write_file_atomic(runs, TUNING_ROWS_FILE, tuning_rows_bytes(train, val, (num_train, num_val)), durable=True)
     return location
 

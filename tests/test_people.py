@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -79,12 +80,14 @@ def test_splits_keep_every_person_whole_and_count_people(people_frame: pd.DataFr
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("missing column", "'customer' is not a column of"),
+        ("missing column", "privacy.unit.column 'customer' is not a column of"),
         ("empty id", "row 3 has no 'user' (an empty or missing id)"),
         ("missing id", "row 5 has no 'user'"),
         ("float ids", "holds double; a person's id is an int or a string"),
         ("one person per class", "held by fewer than 2 people"),
         ("registry dataset", "the registry dataset 'mnist5k' has rows only"),
+        ("person in both files", "people of privacy.unit.column 'user' also have rows in the training file"),
+        ("examples per class", "examples_per_class counts rows"),
     ],
 )
 def test_a_bad_person_column_is_refused_in_about_a_second_naming_it(
@@ -103,6 +106,11 @@ def test_a_bad_person_column_is_refused_in_about_a_second_naming_it(
         frame = pd.concat([frame, lonely], ignore_index=True)
     elif case == "registry dataset":
         spec = WorkloadSpec(dataset="mnist5k", backbone="none", peft="head", person_unit=PersonUnit("user"))
+    elif case == "person in both files":
+        frame.iloc[-5:].to_parquet(tmp_path / "test.parquet")  # the last person's rows, also in the training file
+        spec = _spec(tmp_path / "bad.parquet", test_path=str(tmp_path / "test.parquet"))
+    elif case == "examples per class":
+        spec = replace(spec, examples_per_class=3)
     frame.to_parquet(tmp_path / "bad.parquet")
     start = time.perf_counter()
     with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -112,9 +120,10 @@ def test_a_bad_person_column_is_refused_in_about_a_second_naming_it(
 
 def test_the_space_takes_a_person_unit_and_refuses_what_does_not_fit(tmp_path: Path) -> None:
     dataset = {"path": str(tmp_path / "t.csv"), "input_column": "text", "label_column": "label"}
-    space = load_space(TINY, {"task.dataset": dataset, "privacy.unit": {"column": "customer_id"}}).space
+    rows_off = {"task.dataset": dataset, "training.diagnostics": False}  # diagnostics measure rows
+    space = load_space(TINY, {**rows_off, "privacy.unit": {"column": "customer_id"}}).space
     assert space.privacy.person_unit == PersonUnit("customer_id", 16)  # the measured default
-    capped = load_space(TINY, {"task.dataset": dataset, "privacy.unit": {"column": "c", "max_rows": 4}}).space
+    capped = load_space(TINY, {**rows_off, "privacy.unit": {"column": "c", "max_rows": 4}}).space
     assert capped.privacy.person_unit == PersonUnit("c", 4)
     assert load_space(TINY, {}).space.privacy.person_unit is None  # row, the default
     with pytest.raises(SpaceError, match="max_rows_per_person_known goes with unit: row"):
@@ -123,6 +132,8 @@ def test_the_space_takes_a_person_unit_and_refuses_what_does_not_fit(tmp_path: P
         load_space(TINY, {"privacy.unit": "people"})
     with pytest.raises(SpaceError, match="max_rows"):
         load_space(TINY, {"privacy.unit": {"column": "c", "max_rows": 0}})
+    with pytest.raises(SpaceError, match="training.diagnostics must be false with privacy.unit a person"):
+        load_space(TINY, {"task.dataset": dataset, "privacy.unit": {"column": "c"}})
 
 
 def test_the_person_count_is_exact_and_moves_by_at_most_one_per_person() -> None:
@@ -133,6 +144,7 @@ def test_the_person_count_is_exact_and_moves_by_at_most_one_per_person() -> None
     score = PersonScore.of(correct, people)
     exact = sum(correct[people == u].mean() for u in range(400))
     assert score.people == 400 and score.count == math.floor(exact + 1e-9)
+    assert score.accuracy == pytest.approx(exact / 400, rel=1e-12)  # each person weighs one
     for u in rng.choice(400, size=60, replace=False):  # add/remove one person: the count moves ≤ 1
         kept = people != u
         without = PersonScore.of(correct[kept], np.unique(people[kept], return_inverse=True)[1])
@@ -152,7 +164,7 @@ def test_group_privacy_of_k_rows() -> None:
 def test_the_statement_names_the_unit_the_people_and_what_rows_imply(tmp_path: Path) -> None:
     dataset = {"path": str(tmp_path / "t.csv"), "input_column": "text", "label_column": "label"}
     unit = {"column": "customer_id", "max_rows": None}
-    people = load_space(TINY, {"task.dataset": dataset, "privacy.unit": unit}).space
+    people = load_space(TINY, {"task.dataset": dataset, "privacy.unit": unit, "training.diagnostics": False}).space
     text = statement_of_cells(people, official_test_split=False, num_units=1234)
     assert "The privacy unit is a person" in text and "'customer_id'" in text and "1234 people" in text
     assert "mean over all their rows" in text and "One row of" not in text
@@ -165,3 +177,22 @@ def test_the_statement_names_the_unit_the_people_and_what_rows_imply(tmp_path: P
     assert f"row-level ε = 1 → ({epsilon_k:.3g}," in said and "row-level ε = 8 → no guarantee (δ_k ≥ 1)" in said
     assert statement_of_unit(load_space(TINY, {}).space, 900) == ""  # a registry dataset's rows: nothing to add
     assert set(GROUPS) == set(newsgroup_people(1)["label"])
+
+
+def test_fraction_and_caps_keep_whole_people_each_by_its_own_hash(people_frame: pd.DataFrame, tmp_path: Path) -> None:
+    path = tmp_path / "people.parquet"
+    frame = _embedded(people_frame)
+    frame.to_parquet(path)
+    owner = {np.asarray(v, np.float32).tobytes(): user for v, user in zip(frame["vector"], frame["user"], strict=True)}
+
+    def users(split: object) -> pd.Series:  # the user of each row of a split, found by its vector
+        features = split.tensors[0].numpy()  # type: ignore[attr-defined]
+        return pd.Series([owner[row.tobytes()] for row in features])
+
+    full = load_workload(_spec(path))
+    half = load_workload(replace(_spec(path), fraction=0.5, max_eval_examples=40))
+    assert 0 < half.num_units < full.num_units and 0 < len(half.val) < len(full.val)
+    # every kept person keeps all their rows of the split: their row counts are those of the full split
+    for kept, whole in ((half.train, full.train), (half.val, full.val)):
+        counts, all_counts = users(kept).value_counts(), users(whole).value_counts()
+        assert (counts == all_counts[counts.index]).all()

@@ -58,19 +58,33 @@ def read_people(source: DatasetFile, column: str, labels: np.ndarray) -> RawPeop
     checked against the raw class ids ``labels`` of the same rows. Raises :class:`WorkloadError` naming
     the file, the row and what is allowed."""
     keys = ("path", "test_path") if source.test_path is not None else ("path",)
-    ids: list[int | str] = []
+    files: list[list[int | str]] = []
     for key in keys:
         location = getattr(source, key)
         path = local_copy(location, f"task.dataset.{key}")
-        ids += _ids(source.format, path, location, column, _stamp(path))
+        files.append(_ids(source.format, path, location, column, _stamp(path)))
+    ids = [value for file in files for value in file]
     if len(ids) != len(labels):
         raise WorkloadError(f"privacy.unit.column {column!r}: {len(ids)} ids for {len(labels)} rows")
     values, index = np.unique(np.array([f"{type(v).__name__}:{v}" for v in ids], dtype=object), return_inverse=True)
     first = np.zeros(len(values), dtype=np.int64)
     first[index[::-1]] = np.arange(len(index))[::-1]
     people = RawPeople(column, index.astype(np.int64), person_digests([ids[int(row)] for row in first]))
+    if len(files) == 2:
+        _check_disjoint(people.index[: len(files[0])], people.index[len(files[0]) :], source.test_path or "", column)
     _check_classes(people, labels, source.path)
     return people
+
+
+def _check_disjoint(train: np.ndarray, test: np.ndarray, shown: str, column: str) -> None:
+    """A person is in the training file or in the test file, never both (a person's rows are one split's)."""
+    shared = np.isin(test, train)
+    if shared.any():
+        raise WorkloadError(
+            f"task.dataset.test_path {shown}: {len(np.unique(test[shared]))} people of privacy.unit.column "
+            f"{column!r} also have rows in the training file (first at test row {int(np.flatnonzero(shared)[0])}); "
+            "a person's rows belong to one split: move them to one file"
+        )
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -85,7 +99,11 @@ def _ids(declared: str, path: str, shown: str, column: str, stamp: tuple[int, in
 
     from dptune.data.files import read_columns
 
-    table = read_columns(path, declared, [column], every_column=False)
+    try:
+        table = read_columns(path, declared, [column], every_column=False)
+    except WorkloadError as error:  # a missing column is named by its key in the space
+        message = str(error)
+        raise WorkloadError("privacy.unit." + message if message.startswith("column ") else message) from None
     ids = table.column(column)
     kind = ids.type
     if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):

@@ -122,6 +122,11 @@ def _check_knobs(spec: WorkloadSpec, info: DatasetInfo) -> DatasetInfo:
     if not 0.0 < spec.fraction <= 1.0:
         raise WorkloadError(f"fraction must be in (0, 1], got {spec.fraction}")
     if spec.examples_per_class is not None:
+        if spec.person_unit is not None:
+            raise WorkloadError(
+                "examples_per_class counts rows, and would keep part of a person's rows; with privacy.unit a "
+                "person, use fraction (whole people, each kept with that probability)"
+            )
         if spec.examples_per_class < 1:
             raise WorkloadError(f"examples_per_class must be >= 1 (or None for all), got {spec.examples_per_class}")
         if spec.fraction < 1.0:
@@ -186,8 +191,11 @@ def split_rows(
     are binomial (≈ fraction·n), not stratified. The later knobs ``fraction``,
     ``examples_per_class`` and the caps are seeded stratified samples of the pool, which depend
     on the whole population: with them, the DP guarantee is for the training and validation sets
-    they produce, with their sizes treated as public. Raises :class:`WorkloadError` when a split
-    comes out empty or a class has fewer than ``examples_per_class`` training rows.
+    they produce, with their sizes treated as public. Where the privacy unit is a person, ``digests``
+    are the people's (every row of a person carries it) and the later knobs keep whole people by the
+    same per-person rule (:func:`_person_knobs`), so none of this caveat applies to them. Raises
+    :class:`WorkloadError` when a split comes out empty or a class has fewer than ``examples_per_class``
+    training rows.
     """
     everything = np.arange(len(labels))
     if len(digests) != len(labels):
@@ -211,6 +219,8 @@ def split_rows(
                 f"{len(test)} at validation_fraction={spec.validation_fraction} (seed {spec.seed}); "
                 f"use more rows or classes, or another validation_fraction"
             )
+    if spec.person_unit is not None:  # whole people, each kept by its own keyed hash
+        return _person_knobs(SplitRows(train, val, test, kept, label_map), spec, digests)
     if spec.fraction < 1.0:
         train = splits.stratified_sample(
             train,
@@ -236,6 +246,28 @@ def split_rows(
     val = splits.cap(val, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 1))
     test = splits.cap(test, labels, spec.max_eval_examples, splits.stream(spec.seed, splits._CAP + 2))
     return SplitRows(train=train, val=val, test=test, kept=kept, label_map=label_map)
+
+
+def _person_knobs(rows: SplitRows, spec: WorkloadSpec, digests: np.ndarray) -> SplitRows:
+    """``fraction`` and the ``max_*_examples`` caps where the privacy unit is a person: each keeps whole
+    people, every person by the keyed hash of their digest (``splits.held_out``) with probability
+    ``fraction``, or ``cap / rows`` of the split, so adding or removing one person moves no other person
+    (row counts are then binomial around the share, not exact). ``examples_per_class`` counts rows and is
+    refused with a person unit (``check_spec``)."""
+
+    def keep(split: np.ndarray, share: float, purpose: str) -> np.ndarray:
+        return split if share >= 1.0 else split[splits.held_out(digests[split], share, spec.seed, purpose)]
+
+    def capped(split: np.ndarray, limit: int | None, purpose: str) -> np.ndarray:
+        return split if limit is None else keep(split, limit / max(len(split), 1), purpose)
+
+    train = keep(rows.train, spec.fraction, "fraction")
+    return replace(
+        rows,
+        train=capped(train, spec.max_train_examples, "cap-train"),
+        val=capped(rows.val, spec.max_eval_examples, "cap-val"),
+        test=capped(rows.test, spec.max_eval_examples, "cap-test"),
+    )
 
 
 def tuning_rows_bytes(train: np.ndarray, val: np.ndarray, sizes: tuple[int, int]) -> bytes:

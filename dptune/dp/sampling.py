@@ -61,17 +61,6 @@ def physical_batches(
         yield tuple(t.to(device, non_blocking=True) for t in chunk)
 
 
-def _starts(counts: torch.Tensor) -> torch.Tensor:
-    """Where each of consecutive groups of ``counts`` items begins (exclusive cumulative sum)."""
-    return counts.cumsum(0) - counts
-
-
-def _ranks(counts: torch.Tensor) -> torch.Tensor:
-    """Each item's position within its group, for consecutive groups of ``counts`` items."""
-    total = int(counts.sum())
-    return torch.arange(total) - torch.repeat_interleave(_starts(counts), counts, output_size=total)
-
-
 def _gather(dataset: Dataset[tuple[torch.Tensor, ...]], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The items ``rows`` of ``dataset`` collated as ``(*inputs, labels)`` (zero-length when empty)."""
     if isinstance(dataset, TensorDataset):
@@ -81,15 +70,62 @@ def _gather(dataset: Dataset[tuple[torch.Tensor, ...]], rows: torch.Tensor) -> t
     return tuple(default_collate([dataset[i] for i in rows.tolist()]))
 
 
+class PeopleRows:
+    """The training rows of each person (user-level DP: McMahan et al. 2018; Levy et al. 2021), on the
+    CPU: person u's k_u = ``sizes[u]`` rows are ``rows[starts[u]:starts[u] + k_u]`` (ascending), from
+    ``people``, the training split's person index of each row (dense ``0..N_people-1``,
+    :class:`dptune.data.spec.People`). :meth:`expand` turns the people a step sampled into the rows it
+    trains on; both runners use it (:class:`PersonPoissonLoader`, ``dptune.runners.batches``)."""
+
+    def __init__(self, people: np.ndarray, max_rows: int | None) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be ≥ 1 or None, got {max_rows}")
+        owners = torch.as_tensor(np.asarray(people), dtype=torch.int64)
+        self.rows = torch.argsort(owners, stable=True)
+        self.sizes = torch.bincount(owners, minlength=int(owners.max()) + 1 if len(owners) else 0)
+        self.starts = torch.cumsum(self.sizes, 0) - self.sizes
+        self.max_rows = max_rows
+
+    @property
+    def num_people(self) -> int:
+        """N_people, the privacy units of the training split."""
+        return len(self.sizes)
+
+    def used_sizes(self) -> torch.Tensor:
+        """m_u = min(k_u, ``max_rows``): the rows each person trains on when sampled (int64)."""
+        return self.sizes if self.max_rows is None else self.sizes.clamp(max=self.max_rows)
+
+    def expand(
+        self, person: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, owner, used) of the sampled ``person`` (int64 ids, in the order given): every row of
+        each, or with ``max_rows`` = m min(k_u, m) of them drawn uniformly without replacement (the first
+        m of a uniformly random order of the person's rows, by sorting i.i.d. float64 uniforms from
+        ``generator``, fresh at every call, drawn only when some person has more than m rows).
+        ``owner[i]`` is the position in ``person`` of row i's person; rows are grouped by owner in
+        ``person``'s order; ``used`` (one per person) counts each owner's rows."""
+        sizes = self.sizes[person]
+        owner = torch.repeat_interleave(torch.arange(len(person)), sizes)
+        first = torch.cumsum(sizes, 0) - sizes  # each owner's first position in the expanded list
+        rows = self.rows[torch.repeat_interleave(self.starts[person] - first, sizes) + torch.arange(len(owner))]
+        if self.max_rows is None or not bool((sizes > self.max_rows).any()):
+            return rows, owner, sizes
+        used = sizes.clamp(max=self.max_rows)
+        order = torch.argsort(torch.rand(len(rows), generator=generator, dtype=torch.float64))
+        order = order[torch.argsort(owner[order], stable=True)]  # each owner's rows in a random order
+        keep = torch.arange(len(order)) - first[owner] < used[owner]  # owners stay in place: first holds
+        return rows[order][keep], owner[keep], used
+
+
 class PersonPoissonLoader:
     """Person-level Poisson batches (user-level DP-SGD: McMahan et al. 2018; Levy et al. 2021).
 
     At each of ``steps`` steps each of the N_people people of ``people`` (the training split's person
     index of each row, dense ``0..N_people-1``, :class:`dptune.data.spec.People`) joins independently
     with probability q = ``sample_rate`` (a float64 uniform < q: the accountant's Poisson sampling of
-    units, exact up to the uniforms' 2⁻⁵³ resolution). A joined person u with k_u rows brings all of
-    them, or with ``max_rows`` = m a uniformly random subset of min(k_u, m) of them without replacement,
-    drawn afresh at every step. Every coin comes from ``generator`` (CPU), in step order.
+    units, exact up to the uniforms' 2⁻⁵³ resolution). A joined person brings the rows
+    :meth:`PeopleRows.expand` gives (all, or ``max_rows`` drawn afresh). Every coin comes from
+    ``generator`` (CPU), in step order.
 
     Each step yields ``(*inputs, labels, people)``: the rows grouped by person (people in ascending
     order), ``people`` their batch-local person ids ``0..P-1`` (int64, non-decreasing), the carrier of
@@ -108,17 +144,11 @@ class PersonPoissonLoader:
     ) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-        if max_rows is not None and max_rows < 1:
-            raise ValueError(f"max_rows must be ≥ 1 or None, got {max_rows}")
-        people_t = torch.as_tensor(people, dtype=torch.int64)
         self.dataset = dataset
         self.sample_rate = sample_rate
         self.steps = steps
         self.generator = generator
-        self.max_rows = max_rows
-        self._by_person = torch.argsort(people_t, stable=True)  # rows grouped by person, people ascending
-        self._rows = torch.bincount(people_t)  # k_u
-        self._starts = _starts(self._rows)
+        self.people = PeopleRows(people, max_rows)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for _ in range(self.steps):
@@ -127,23 +157,9 @@ class PersonPoissonLoader:
 
     def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One step's draw: (rows, their batch-local person ids), rows grouped by person."""
-        joined = torch.nonzero(
-            torch.rand(len(self._rows), generator=self.generator, dtype=torch.float64) < self.sample_rate
-        ).flatten()
-        counts = self._rows[joined]
-        people = torch.repeat_interleave(torch.arange(len(joined)), counts)
-        rows = self._by_person[torch.repeat_interleave(self._starts[joined], counts) + _ranks(counts)]
-        return (rows, people) if self.max_rows is None else self._subsample(rows, people, counts, self.max_rows)
-
-    def _subsample(
-        self, rows: torch.Tensor, people: torch.Tensor, counts: torch.Tensor, max_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """min(k_u, m) of each person's rows, uniformly without replacement: a random order within each
-        person (a permutation by fresh float64 keys, then a stable sort by person) cut at m = ``max_rows``."""
-        shuffled = torch.argsort(torch.rand(len(rows), generator=self.generator, dtype=torch.float64))
-        grouped = shuffled[torch.argsort(people[shuffled], stable=True)]
-        kept = grouped[_ranks(counts) < max_rows]
-        return rows[kept], people[kept]
+        coins = torch.rand(self.people.num_people, generator=self.generator, dtype=torch.float64)
+        rows, owner, _ = self.people.expand(torch.nonzero(coins < self.sample_rate).flatten(), self.generator)
+        return rows, owner
 
 
 def _person_chunks(rows_per_person: list[int], max_physical_batch_size: int) -> list[int]:

@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 from dptune.contract import TrialConfig
 from dptune.data import Workload
 from dptune.data.spec import Split
+from dptune.dp.sampling import PeopleRows
 from dptune.runners.common import probe_indices
 from dptune.runners.heads import augment
 
@@ -135,51 +136,20 @@ class PersonSample:
     head_shape: tuple[int, int] | None
 
 
-class PersonIndex:
-    """The training rows of each person (McMahan et al. 2018; Levy et al. 2021), on the CPU: the rows
-    of person u are ``rows[starts[u]:starts[u + 1]]`` (ascending), k_u = ``sizes[u]`` of them.
-
-    :meth:`sample` expands the people a step sampled into the rows it trains on: all k_u rows of each
-    when ``max_rows`` is None, else min(k_u, ``max_rows``) of them drawn uniformly without replacement
-    from the configuration's sampling coins, fresh at every step (the first m of a uniformly random
-    order of the person's rows: sorting i.i.d. float64 uniforms). ``head_shape`` (classes, dim + 1)
-    of the heads trained prices each step's band (:func:`band_width`); None: every person in the band.
-    """
+class PersonIndex(PeopleRows):
+    """The training rows of each person (:class:`~dptune.dp.sampling.PeopleRows`, the expansion the
+    one-trial runner's loader uses too) for a fused group: :meth:`sample` expands the (step, person)
+    pairs a configuration sampled into its :class:`PersonSample`. ``head_shape`` (classes, dim + 1) of
+    the heads trained prices each step's band (:func:`band_width`); None: every person in the band."""
 
     def __init__(self, people: np.ndarray, max_rows: int | None, head_shape: tuple[int, int] | None = None) -> None:
-        if max_rows is not None and max_rows < 1:
-            raise ValueError(f"max_rows must be ≥ 1 or None, got {max_rows}")
-        owners = torch.from_numpy(np.asarray(people, dtype=np.int64))
-        count = int(owners.max()) + 1 if len(owners) else 0
-        self.rows = torch.argsort(owners, stable=True)
-        self.sizes = torch.bincount(owners, minlength=count)
-        self.starts = torch.cumsum(self.sizes, 0) - self.sizes
-        self.max_rows = max_rows
+        super().__init__(people, max_rows)
         self.head_shape = head_shape
-
-    @property
-    def num_people(self) -> int:
-        """N_people, the privacy units of the training split."""
-        return len(self.sizes)
-
-    def used_sizes(self) -> torch.Tensor:
-        """m_u = min(k_u, ``max_rows``): the rows each person trains on when sampled (int64)."""
-        return self.sizes if self.max_rows is None else self.sizes.clamp(max=self.max_rows)
 
     def sample(self, step: torch.Tensor, person: torch.Tensor, generator: torch.Generator) -> PersonSample:
         """The rows of the sampled (``step``, ``person``) pairs (:meth:`PoissonSteps.draw`: in order of
-        step, then person)."""
-        sizes = self.sizes[person]
-        owner = torch.repeat_interleave(torch.arange(len(person)), sizes)
-        first = torch.cumsum(sizes, 0) - sizes  # each owner's first position in the expanded list
-        rows = self.rows[torch.repeat_interleave(self.starts[person] - first, sizes) + torch.arange(len(owner))]
-        used = sizes
-        if self.max_rows is not None and bool((sizes > self.max_rows).any()):
-            used = sizes.clamp(max=self.max_rows)
-            order = torch.argsort(torch.rand(len(rows), generator=generator, dtype=torch.float64))
-            order = order[torch.argsort(owner[order], stable=True)]  # each owner's rows in random order
-            keep = torch.arange(len(order)) - first[owner] < used[owner]  # owners stay in place: first holds
-            rows, owner = rows[order][keep], owner[keep]
+        step, then person), drawn with the configuration's sampling ``generator``."""
+        rows, owner, used = self.expand(person, generator)
         return _person_sample(step, owner, rows, used, self.head_shape)
 
 

@@ -166,7 +166,7 @@ def planned_mechanism(config: TrialConfig, num_train: int) -> Mechanism:
             f"the run's mechanism was planned for another run: q = {mechanism.sample_rate:g}, T = {mechanism.steps} "
             f"(epochs {list(mechanism.epoch_steps)}, expected batch {mechanism.expected_batch_size:g}) at "
             f"(ε, δ) = ({mechanism.epsilon:g}, {mechanism.delta:g}), but B = {config.batch_size} over "
-            f"{config.epochs} epochs of N = {num_train} rows trains at q = {schedule.sample_rate:g}, "
+            f"{config.epochs} epochs of N = {num_train} units (rows or people) trains at q = {schedule.sample_rate:g}, "
             f"T = {schedule.steps} (epochs {list(schedule.epoch_steps)}, expected batch "
             f"{schedule.expected_batch_size:g}) at ({config.epsilon:g}, {config.delta:g}); plan it for this "
             "workload (dptune.plan.mechanism)"
@@ -205,6 +205,7 @@ class PersonScore:
 
     count: int
     people: int
+    accuracy: float = math.nan  # the people's mean accuracy, (1/P) Σ_u c_u/k_u (exact, then rounded once)
 
     @classmethod
     def of(cls, correct: np.ndarray, people: np.ndarray) -> PersonScore:
@@ -219,19 +220,36 @@ class PersonScore:
             (Fraction(int(right[present][rows[present] == k].sum()), int(k)) for k in np.unique(rows[present])),
             Fraction(0),
         )
-        return cls(count=math.floor(total), people=int(present.sum()))
+        count = int(present.sum())
+        return cls(count=math.floor(total), people=count, accuracy=float(total / count))
 
 
 @dataclass(frozen=True)
 class Evaluation:
     """Mean cross-entropy and accuracy on a split; per-class counts for per-class accuracy; the count per
-    person (:class:`PersonScore`) where the privacy unit is a person."""
+    person (:class:`PersonScore`) where the privacy unit is a person.
+
+    ``accuracy`` is the share of rows predicted right, or, where the privacy unit is a person, the
+    people's mean accuracy: each person weighs one, as in the selection count, and the interval over
+    the split's people (``num_val``, ``num_test``) is then one of a mean of independent units in [0, 1]
+    (rows of one person are not independent). Build one with :meth:`of`.
+    """
 
     loss: float
     accuracy: float
     correct_per_class: np.ndarray
     examples_per_class: np.ndarray
     person_score: PersonScore | None = None
+
+    @classmethod
+    def of(
+        cls, loss: float, correct_per_class: np.ndarray, examples_per_class: np.ndarray, score: PersonScore | None
+    ) -> Evaluation:
+        """The evaluation of a split of ``examples_per_class`` rows with mean loss ``loss``, its per-class
+        right predictions and, where the unit is a person, its people's ``score``."""
+        rows = float(correct_per_class.sum()) / max(int(examples_per_class.sum()), 1)
+        accuracy = rows if score is None else score.accuracy
+        return cls(loss, accuracy, correct_per_class, examples_per_class, score)
 
     def class_accuracy(self) -> dict[int, float]:
         """Accuracy of every class present in the split."""

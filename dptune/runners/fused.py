@@ -178,7 +178,7 @@ def max_fused_configurations(
     num_classes: int,
     memory_bytes: int = FUSED_MEMORY_BYTES,
     *,
-    rows_per_unit: float | None = None,
+    person_rows: int | None = None,
 ) -> int:
     """How many configurations at ``config.batch_size`` fit one fused group in ``memory_bytes`` (≥ 0).
 
@@ -189,15 +189,14 @@ def max_fused_configurations(
     and S = :func:`chunk_steps` steps per draw: the gathered batch, its logits, δ, factors and
     norms, 4·n·(dim + 2 + 6·classes), the drawn batch indices, 16·S·n, the head, its optimizer
     state, gradient and S steps of noise, 4·d·(5 + S), and its share of the evaluation block's
-    logits, 12·``EVALUATION_ROWS``·classes. Person-level (``rows_per_unit``, the mean rows a sampled
-    person trains on, :func:`person_load`; B counts people): n is that bound times ``rows_per_unit``,
-    and every sampled person's G_u formed outright, 4·(B + 6√B + 16)·d, bounds the norms' work
-    (:func:`~dptune.runners.person_heads.person_norms`).
+    logits, 12·``EVALUATION_ROWS``·classes. Person-level (B counts people): n is ``person_rows``, a
+    bound on a step's rows (:func:`person_load`), and every sampled person's G_u formed outright,
+    4·(B + 6√B + 16)·d, bounds the norms' work (:func:`~dptune.runners.person_heads.person_norms`).
     """
     parameters = (feature_dim + 1) * num_classes
     steps = chunk_steps(parameters)
     people = _padded_batch_size(config.batch_size)
-    padded = people if rows_per_unit is None else math.ceil(people * rows_per_unit)
+    padded = people if person_rows is None else person_rows
     probe = min(config.diagnostic_examples, num_train) if config.diagnostics else 0
     shared = 4 * (num_train + 1) * (feature_dim + 4) + 4 * EVALUATION_ROWS * (feature_dim + 1) + 16 * probe * parameters
     per_config = (
@@ -205,18 +204,26 @@ def max_fused_configurations(
         + 16 * steps * padded
         + 4 * parameters * (5 + steps)
         + 12 * EVALUATION_ROWS * num_classes
-        + (0 if rows_per_unit is None else 4 * people * parameters)
+        + (0 if person_rows is None else 4 * people * parameters)
     )
     return max(0, (memory_bytes - shared) // per_config)
 
 
-def person_load(workload: Workload, config: TrialConfig) -> float | None:
-    """The rows a sampled person trains on, on average over the training people: the mean of
-    m_u = min(k_u, ``max_rows``); None where the unit is a row."""
+def person_load(workload: Workload, config: TrialConfig) -> int | None:
+    """A bound on the rows of one configuration's person-level batch at one step, at B = ``config.batch_size``
+    people sampled at q = B/N_people: each person brings m_u = min(k_u, ``max_rows``) rows, so the rows
+    have mean B·E[m] and variance ≤ B·E[m²]; the bound is B·E[m] + 6·√(B·E[m²]) + max m (None where
+    the unit is a row)."""
     people = person_index(workload, config)
     if people is None:
         return None
-    return float(people.used_sizes().double().mean()) if people.num_people else 1.0
+    used = people.used_sizes().double()
+    if not len(used):
+        return 1
+    batch = config.batch_size
+    return math.ceil(
+        batch * float(used.mean()) + 6 * math.sqrt(batch * float(used.square().mean())) + float(used.max())
+    )
 
 
 # --------------------------------------------------------------------------- the runner
@@ -258,14 +265,14 @@ def plan_groups(configs: Sequence[TrialConfig], workload: Workload, memory_bytes
     plans: list[GroupPlan] = []
     for (batch_size, _), members in by_batch_size.items():
         first = configs[members[0]]
-        rows_per_unit = person_load(workload, first)
+        person_rows = person_load(workload, first)
         fits = max_fused_configurations(
             first,
             num_train,
             feature_dim,
             workload.num_classes,
             memory_bytes,
-            rows_per_unit=rows_per_unit,
+            person_rows=person_rows,
         )
         if fits < 1:
             raise TrialConfigError(

@@ -219,16 +219,7 @@ def stacked_evaluations(
     if people is not None:
         right_np = torch.cat(right_rows, dim=1).numpy() if right_rows else np.zeros((k, 0), dtype=bool)
         scores = [PersonScore.of(right_np[i], people) for i in range(k)]
-    return [
-        Evaluation(
-            loss=float(loss_np[i]) / total,
-            accuracy=float(correct_np[i].sum()) / total,
-            correct_per_class=correct_np[i],
-            examples_per_class=examples,
-            person_score=scores[i],
-        )
-        for i in range(k)
-    ]
+    return [Evaluation.of(float(loss_np[i]) / total, correct_np[i], examples, scores[i]) for i in range(k)]
 
 
 def head_probe_gradients(head: torch.Tensor, features: torch.Tensor, labels: torch.Tensor) -> ProbeGradients:

@@ -133,13 +133,8 @@ def evaluate(
         total += torch.bincount(labels, minlength=num_classes)
         row_hits.append(hits)
     examples = int(total.sum())
-    return Evaluation(
-        loss=loss / examples,
-        accuracy=float(correct.sum()) / examples,
-        correct_per_class=correct.numpy(),
-        examples_per_class=total.numpy(),
-        person_score=None if people is None else PersonScore.of(torch.cat(row_hits).numpy() > 0, people),
-    )
+    score = None if people is None else PersonScore.of(torch.cat(row_hits).numpy() > 0, people)
+    return Evaluation.of(loss / examples, correct.numpy(), total.numpy(), score)
 
 
 class Trial:
@@ -173,7 +168,7 @@ class Trial:
             noise_multiplier=self.noise_multiplier,
             clip_bound=config.clip_bound,
             rule=config.clipping,
-            expected_batch_size=self.sample_rate * num_units,
+            expected_batch_size=mechanism.expected_batch_size,  # q·N of the schedule it plans (B units)
             autocast_dtype=self.autocast_dtype,
             person_level=workload.people is not None,
         )

@@ -16,7 +16,8 @@ class TuningSubsampleSpec(Strict):
     """Tune on a private subsample X₁ (Koskela & Kulkarni 2023, variant 1), then train the release on
     every training row with the chosen configuration, transferred by ``transfer``.
 
-    Every training and validation row joins X₁ independently with probability ``fraction`` (q₁),
+    Every training and validation row (person, with all their rows, under a person unit) joins X₁
+    independently with probability ``fraction`` (q₁),
     from secret coins. A tuning run of a proposed full-data configuration (C, B, η₀) keeps C and η₀
     and runs on X₁ with a Poisson rate and a step count fixed from public numbers:
 
@@ -25,7 +26,9 @@ class TuningSubsampleSpec(Strict):
       (B above q₁·N cannot be tuned and is pruned).
     """
 
-    fraction: float = Field(gt=0, lt=1, description="q₁: the probability that a row joins the tuning set")
+    fraction: float = Field(
+        gt=0, lt=1, description="q₁: the probability that a row (a person, under a person unit) joins the tuning set"
+    )
     transfer: Literal["sample_rate", "batch_size"] = Field(
         "sample_rate", description="what a tuning run keeps of the full-data configuration it stands for"
     )

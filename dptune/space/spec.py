@@ -402,6 +402,11 @@ class SearchSpace(_Strict):
             self._check_private_selection()
         if self.scheduler is not None:
             self._check_scheduler()
+        if self.privacy.person_unit is not None and self.training.diagnostics:
+            raise ValueError(
+                "training.diagnostics must be false with privacy.unit a person: the diagnostics measure rows' "
+                "gradient norms (and suggest C from them), while C clips each person's mean gradient"
+            )
         return self
 
     def _check_scheduler(self) -> None:

@@ -280,7 +280,8 @@ def statement_of_unit(space: SearchSpace, num_units: int | None) -> str:
             f"person's gradient is the mean over {rows}, clipped to C as one vector (user-level DP-SGD: McMahan et "
             "al. 2018; Levy et al. 2021); the validation and test splits take whole people; a DP validation score "
             "counts people (⌊Σ of each validation person's accuracy⌋, sensitivity 1 per person); a tuning "
-            "subsample keeps whole people. How many rows each person has stays inside the trust boundary."
+            "subsample keeps whole people. No count of a person's rows is released (the rows a step trained on "
+            "show only in throughput and wall times, outside (ε, δ) as for rows)."
         )
     if space.task.dataset_file is None:
         return ""

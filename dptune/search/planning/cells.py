@@ -471,7 +471,7 @@ def check_runner(space: SearchSpace, plans: list[CellPlan], base: TrialConfig, w
                 feature_dim,
                 workload.num_classes,
                 memory_bytes=budget,
-                rows_per_unit=fused.person_load(workload, base),
+                person_rows=fused.person_load(workload, replace(base, batch_size=batch_size)),
             )
             < 1
         ):

@@ -64,6 +64,15 @@ def run_seed(*key: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "big") >> 11
 
 
+#: What identifies an arm in the runs and the table.
+ARM_FIELDS = ("arm", "kind", "max_rows", "epsilon_person", "epsilon_run", "delta_run")
+
+
+def arm_fields(arm: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`ARM_FIELDS` of ``arm``."""
+    return {key: arm[key] for key in ARM_FIELDS}
+
+
 def people_rows(
     post_indices: list[int], texts: list[str], labels: list[str], words_per_row: int
 ) -> list[dict[str, str]]:
@@ -312,12 +321,7 @@ def main() -> None:
             ok = result.status == "ok"
             runs.append(
                 {
-                    "arm": arm["arm"],
-                    "kind": arm["kind"],
-                    "max_rows": arm["max_rows"],
-                    "epsilon_person": arm["epsilon_person"],
-                    "epsilon_run": arm["epsilon_run"],
-                    "delta_run": arm["delta_run"],
+                    **arm_fields(arm),
                     "batch_size": config.batch_size,
                     "clip_bound": config.clip_bound,
                     "base_learning_rate": config.base_learning_rate,
@@ -422,12 +426,7 @@ def summarise(arms: list[dict[str, Any]], runs: list[dict[str, Any]], test_rows:
         mechanism = arm["mechanisms"][str(best_key[0])]
         table.append(
             {
-                "arm": arm["arm"],
-                "kind": arm["kind"],
-                "max_rows": arm["max_rows"],
-                "epsilon_person": arm["epsilon_person"],
-                "epsilon_run": arm["epsilon_run"],
-                "delta_run": arm["delta_run"],
+                **arm_fields(arm),
                 "batch_size": best_key[0],
                 "clip_bound": best_key[1],
                 "base_learning_rate": best_key[2],

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ONE_CELL, REPO_ROOT
 from dptune.records import read_table
+from expected import pld_epsilon
 from hidden_runs import assert_nothing_of_the_hidden_runs_outside, private_search
 from people_data import newsgroup_people
 
@@ -85,8 +86,16 @@ def test_a_per_cell_search_of_people_prints_person_level_epsilon_and_hands_back_
     assert set(trials["status"]) == {"ok"} and (trials["epsilon_spent"] <= 8).all()
     # q = B/N_people: every run's sample rate counts people
     assert sorted(set((trials["sample_rate"] * people).round(6))) == [8.0, 16.0]
-    (search,) = {row.guarantee for row in read_table(str(tmp_path / "tiny"), "search").itertuples()}
+    search_rows = read_table(str(tmp_path / "tiny"), "search")
+    (search,) = set(search_rows["guarantee"])
     assert "The privacy unit is a person" in search and f"{people} people" in search and search in out
+    # independently: dp_accounting's PLD of each run's sampled Gaussian at q = B/N_people (B and N_people
+    # as planned and printed, not as recorded) meets the per-run ε, and their composition is the search's
+    ran = trials[trials["steps_taken"] > 0]
+    mechanisms = [(r.noise_multiplier, r.batch_size / people, r.steps) for r in ran.itertuples()]
+    for mechanism in mechanisms:
+        assert 7 < pld_epsilon([mechanism], 1e-5) <= 8 * 1.01
+    assert search_rows["epsilon_search"].iloc[0] == pytest.approx(pld_epsilon(mechanisms, 1e-5), rel=1e-6)
     models = sorted((tmp_path / "tiny" / "models").iterdir())
     assert models
     _card_and_predict(models[0], people_csv, tmp_path, people)

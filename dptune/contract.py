@@ -96,6 +96,8 @@ def timm_name(architecture: str, weights: str) -> str:
 #: folder ``hf_disk`` when it holds a ``save_to_disk`` dataset, else ``imagefolder``).
 DatasetFormat = Literal["auto", "csv", "tsv", "jsonl", "parquet", "imagefolder", "hf_disk"]
 DATASET_FORMATS: tuple[str, ...] = get_args(DatasetFormat)
+#: The formats whose column delimiter ``DatasetFile.sep`` sets.
+DELIMITED_FORMATS = ("csv", "tsv")
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ class DatasetFile:
     an image is a row, its folder's name its label. Without
     ``test_path`` a test split is carved from the rows. ``test_public``: the test file is outside the
     private data and may be published (otherwise its accuracy is a release about private rows, and a
-    private search withholds it). Read and checked by :mod:`dptune.data.files`.
+    private search withholds it). ``sep``: a csv or tsv file's delimiter (None: ``,`` for csv, a tab
+    for tsv). Read and checked by :mod:`dptune.data.files`.
     """
 
     path: str
@@ -119,6 +122,7 @@ class DatasetFile:
     format: DatasetFormat = "auto"
     test_path: str | None = None
     test_public: bool = False
+    sep: str | None = None
 
     @property
     def display_name(self) -> str:

@@ -141,6 +141,7 @@ def test_a_config_row_is_flat_and_names_the_workload_fields_as_result_rows_do() 
         "format": "auto",
         "test_path": None,
         "test_public": False,
+        "sep": None,
     }
     assert (row["split_seed"], row["seed"], row["classes"], row["max_train_examples"]) == (3, 7, (1, 2), 50)
     assert (row["dataset"], row["backbone"], row["peft"], row["epsilon"]) == ("20newsgroups", "minilm", "head", 1.0)

@@ -134,10 +134,10 @@ def test_binary_space_file_names_the_file(tmp_path: Path, capsys: pytest.Capture
         (["--storage", "/proc/dptune-results"], "--storage '/proc/dptune-results/tiny': not writable"),
         (["--storage", "/sys/dptune-results"], "--storage '/sys/dptune-results/tiny': not writable"),
         # ranges and limits
-        (["--set", f"seed={2**70}"], "seed: Input should be less than or equal to"),
+        (["--set", f"seed={2**70}"], "seed: must be at most"),
         (
             ["--set", "sampler.name=random", "--set", "sampler.trials_per_cell=1000000000"],
-            f"sampler.trials_per_cell: Input should be less than or equal to {MAX_TRIALS_PER_CELL}",
+            f"sampler.trials_per_cell: must be at most {MAX_TRIALS_PER_CELL}",
         ),
         (["--set", "sampler.name=tpe", "--trials-per-cell", "1000000000"], "sampler.trials_per_cell"),
         # --set values and keys that do not parse or do not fit
@@ -147,7 +147,7 @@ def test_binary_space_file_names_the_file(tmp_path: Path, capsys: pytest.Capture
         (["--set", "extends.file=x"], "--set 'extends.file': extends is a file name, not a section"),
         (["--set", "extends=nowhere.yaml"], "extends: 'nowhere.yaml' is no such file"),
         (["--set", "privacy.epsilons=*anchor"], "--set 'privacy.epsilons': not valid YAML"),
-        (["--set", "privacy.epsilons=[1e9]"], "privacy.epsilons.0: Input should be less than or equal to 50"),
+        (["--set", "privacy.epsilons=[1e9]"], "privacy.epsilons.0: must be at most 50"),
     ],
 )
 def test_bad_search_flag_is_refused_before_ray(

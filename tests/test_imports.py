@@ -191,6 +191,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "report",
             "plan",
             "privacy",
+            "model",
         }
     ),
     "search": frozenset(
@@ -211,7 +212,8 @@ ALLOWED: dict[str, frozenset[str]] = {
             "report",
         }
     ),
-    "predict": frozenset({"data", "models", "records", "runners", "search.finish"}),
+    "model": frozenset({"data", "models", "records", "runners"}),
+    "predict": frozenset({"data", "model", "search.finish"}),
     "__main__": frozenset(),
 }
 #: The parts of ``dptune.search`` with a place of their own in the map: its subpackages, and the checks

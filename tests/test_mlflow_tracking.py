@@ -30,10 +30,20 @@ import pandas as pd
 import pytest
 
 from conftest import ONE_CELL, REPO_ROOT, SHORT_PRIVATE, _free_ports, run_search
-from dptune import search
+from dptune import __version__, predict, search
+from dptune.data.sources import load_20newsgroups
 from dptune.records import TRUST_BOUNDARY, read_table, release_label
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE
-from dptune.search.finish.tracking import CHECK_TIMEOUT_S, DPTUNE_RUN_TAG, check_server
+from dptune.search.finish.publish import model_name
+from dptune.search.finish.tracking import (
+    CHECK_TIMEOUT_S,
+    CLASSIC_EXPERIMENT,
+    DPTUNE_RUN_TAG,
+    EXPERIMENT_KIND_TAG,
+    INSTANCE_TAG,
+    check_server,
+    kept_instance,
+)
 from dptune.search.preflight import PreflightError
 from dptune.space import load_space
 from dptune.space.tracking import TrackingSpec
@@ -157,11 +167,6 @@ def _client(url: str):  # -> mlflow.tracking.MlflowClient (imported here: a few 
     return MlflowClient(url)
 
 
-def _runs(client, experiment_id: str) -> dict[str, object]:
-    """The experiment's active runs by their ``dptune.run`` tag."""
-    return {run.data.tags[DPTUNE_RUN_TAG]: run for run in client.search_runs([experiment_id], max_results=1000)}
-
-
 def _free_url() -> str:
     """The URL of a loopback port nothing listens on."""
     (port,) = _free_ports(1)
@@ -171,20 +176,31 @@ def _free_url() -> str:
 # --------------------------------------------------------------------------- the key and the check before compute
 
 
-def test_the_key_is_an_http_url_and_leaves_the_search_id_as_it_was(capsys: pytest.CaptureFixture) -> None:
+def test_the_keys_are_checked_and_leave_the_search_id_as_it_was(capsys: pytest.CaptureFixture) -> None:
     plain = load_space(TINY)
-    tracked = load_space(TINY, {"tracking.mlflow": "http://127.0.0.1:5000/", "tracking.registered_model": "tiny"})
-    assert tracked.space.tracking == TrackingSpec(mlflow="http://127.0.0.1:5000", registered_model="tiny")
+    keys = {
+        "tracking.mlflow": "http://127.0.0.1:5000/",
+        "tracking.registered_model": "tiny",
+        "tracking.experiment": "a b",
+    }
+    tracked = load_space(TINY, keys)
+    assert tracked.space.tracking == TrackingSpec(
+        mlflow="http://127.0.0.1:5000", registered_model="tiny", experiment="a b"
+    )
     assert tracked.spec_hash == plain.spec_hash and "tracking" not in tracked.text  # not part of the search
     for bad in ("ftp://127.0.0.1:5000", "127.0.0.1:5000", "http://user:secret@host:5000", "http://host:0"):
         with pytest.raises(SystemExit) as info:
             search.main(["--space", str(TINY), "--set", f"tracking.mlflow={bad}", "--dry-run"])
         assert info.value.code == 2
         err = capsys.readouterr().err
-        assert "tracking.mlflow: Value error, expected the http:// or https:// URL of an MLflow tracking server" in err
-    with pytest.raises(SystemExit):
-        search.main(["--space", str(TINY), "--set", "tracking.registered_model=tiny", "--dry-run"])
-    assert "registered_model needs mlflow" in capsys.readouterr().err
+        assert "tracking.mlflow" in err and "expected the http:// or https:// URL of an MLflow tracking server" in err
+    for key in ("registered_model", "experiment"):
+        with pytest.raises(SystemExit):
+            search.main(["--space", str(TINY), "--set", f"tracking.{key}=tiny", "--dry-run"])
+        assert f"{key} needs mlflow" in capsys.readouterr().err
+    for bad in ("   ", "a\tb", "x" * 501):
+        with pytest.raises(ValueError, match="expected an MLflow experiment name: printable characters, not only"):
+            TrackingSpec(mlflow="http://127.0.0.1:5000", experiment=bad)
 
 
 class _Refusing(http.server.BaseHTTPRequestHandler):
@@ -240,25 +256,110 @@ def test_an_unreachable_server_is_refused_before_compute(search_env: dict[str, s
 
 # --------------------------------------------------------------------------- a search logged
 
+#: The experiment the non-private searches share, and the base name of their cells' registered models.
+SHARED = "dptune tests"
+REGISTERED = "tiny-models"
+#: ``--set`` flags of the tiny search in both its cells (ε = 1 and 8), without AUTO-S or diagnostics.
+TWO_CELLS = ("--set", "training.compare_auto_s=false", "--set", "training.diagnostics=false")
+#: In the search process (``sitecustomize``): the live logging looks every 0.2 s, and as the end's logging
+#: starts, the status of each run of this search that the server holds then goes to ``DPTUNE_TEST_SNAPSHOT``.
+_SNAPSHOT_AT_THE_END = """import json, os
+import dptune.search.finish.live_tracking as live
+import dptune.search.finish.tracking as tracking
+live.LIVE_POLL_S = 0.2
+_log = tracking.SearchLogger.log
+def log(self):
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(self.uri)
+    experiment = client.get_experiment_by_name(self.tracking.experiment)
+    mine = "tags.`dptune.instance` = '%s'" % tracking.kept_instance(self.results_root)
+    runs = client.search_runs([experiment.experiment_id], mine, max_results=1000)
+    with open(os.environ["DPTUNE_TEST_SNAPSHOT"], "w") as file:
+        json.dump({run.data.tags["dptune.run"]: run.info.status for run in runs}, file)
+    return _log(self)
+tracking.SearchLogger.log = log
+"""
 
-def test_a_search_logs_each_run_its_models_and_report_and_a_resume_adds_nothing(
-    mlflow_server: MlflowServer, search_env: dict[str, str], tmp_path: Path
+
+def _tracking(url: str) -> tuple[str, ...]:
+    """``--set`` flags that log to ``url``, into the ``SHARED`` experiment and ``REGISTERED`` models."""
+    keys = {"mlflow": url, "experiment": SHARED, "registered_model": REGISTERED}
+    return tuple(flag for key, value in keys.items() for flag in ("--set", f"tracking.{key}={value}"))
+
+
+def _mine(client, root: Path) -> dict[str, object]:
+    """The active runs of the search at ``root`` (its ``INSTANCE_TAG``) in ``SHARED``, by their run tag."""
+    experiment = client.get_experiment_by_name(SHARED)
+    mine = f"tags.`{INSTANCE_TAG}` = '{kept_instance(str(root))}'"
+    return {run.data.tags[DPTUNE_RUN_TAG]: run for run in client.search_runs([experiment.experiment_id], mine)}
+
+
+def _versions(client, name: str, search_id: str) -> list[object]:
+    """The versions of registered model ``name`` that the search ``search_id`` registered."""
+    versions = client.search_model_versions(f"name = '{name}'")
+    return [version for version in versions if version.tags["dptune.search_id"] == search_id]
+
+
+@dataclass(frozen=True)
+class LoggedSearch:
+    """The tiny search in both cells, logged to the module's server (``_tracking``): its results ``root``,
+    the first command (``first``) and a ``--resume`` of the finished search (``resumed``); ``snapshot``:
+    the status of each of its runs on the server when the first command's end logging started."""
+
+    root: Path
+    first: subprocess.CompletedProcess
+    resumed: subprocess.CompletedProcess
+    snapshot: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def logged(
+    mlflow_server: MlflowServer, search_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> LoggedSearch:
+    folder = tmp_path_factory.mktemp("logged")
+    hook, snapshot = folder / "hook", folder / "snapshot.json"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SNAPSHOT_AT_THE_END)
+    env = {
+        **search_env,
+        "PYTHONPATH": f"{hook}{os.pathsep}{search_env.get('PYTHONPATH', '')}",
+        "DPTUNE_TEST_SNAPSHOT": str(snapshot),
+    }
+    args = ("--space", str(TINY), "--storage", str(folder), *TWO_CELLS, *_tracking(mlflow_server.url))
+    first = run_search(env, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_search(search_env, *args, "--resume", "--no-report")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return LoggedSearch(folder / "tiny", first, resumed, json.loads(snapshot.read_text()))
+
+
+def test_runs_are_logged_as_they_finish(logged: LoggedSearch) -> None:
+    trials = read_table(str(logged.root), "trials")
+    trained = set(trials.loc[trials["status"] == "ok", "trial_id"])
+    assert len(trained) == 8 and "warning: tracking" not in logged.first.stderr
+    # when the search's end logging started, trained runs were on the server, finished, under a search
+    # run that was not: they were logged as they finished
+    assert logged.snapshot["search"] == "RUNNING"
+    live = {key for key, status in logged.snapshot.items() if status == "FINISHED"}
+    assert live & trained and live <= {*trials["trial_id"]}
+    assert f"mlflow: {len(trials) + 1} run(s) logged to " in logged.first.stdout
+    assert f"({len(trials) - len(live)} of them now)" in logged.first.stdout  # the search run was started live
+
+
+def test_a_search_logs_each_run_its_models_and_report(
+    mlflow_server: MlflowServer, logged: LoggedSearch, tmp_path: Path
 ) -> None:
-    tracking = ("--set", f"tracking.mlflow={mlflow_server.url}", "--set", "tracking.registered_model=tiny-models")
-    args = ("--space", str(TINY), "--storage", str(tmp_path), *ONE_CELL, *tracking)
-    completed = run_search(search_env, *args)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "warning: tracking" not in completed.stderr
-    root = tmp_path / "tiny"
+    root = logged.root
     trials, epochs = read_table(str(root), "trials"), read_table(str(root), "epochs")
-    (row,) = read_table(str(root), "search").to_dict("records")
-    assert f"mlflow: {len(trials) + 1} run(s) logged to {mlflow_server.url}/#/experiments/" in completed.stdout
+    (row, _) = read_table(str(root), "search").to_dict("records")  # one row per cell
     client = _client(mlflow_server.url)
-    experiment = client.get_experiment_by_name(row["search_id"])
-    runs = _runs(client, experiment.experiment_id)
+    experiment = client.get_experiment_by_name(SHARED)
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == CLASSIC_EXPERIMENT == "custom_model_development"
+    runs = _mine(client, root)
     assert set(runs) == {*trials["trial_id"], "search"}
     assert {run.info.status for run in runs.values()} == {"FINISHED"}
     parent = runs["search"]
+    assert parent.info.run_name == row["search_id"]
     for trial in trials.to_dict("records"):
         run = runs[trial["trial_id"]]
         params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
@@ -277,35 +378,80 @@ def test_a_search_logs_each_run_its_models_and_report_and_a_resume_adds_nothing(
         assert [(m.step, m.value) for m in history] == list(zip(curve["epoch"], curve["val_accuracy"], strict=True))
     assert parent.data.metrics["epsilon_search"] == row["epsilon_search"]
     summary = Path(client.download_artifacts(parent.info.run_id, "summary.txt", str(tmp_path))).read_text()
-    assert "best configuration per cell" in summary and summary.strip() in completed.stdout
+    assert "best configuration per cell" in summary and summary.strip() in logged.first.stdout
     assert client.list_artifacts(parent.info.run_id, "report")  # the report, built beside the results
     assert Path(client.download_artifacts(parent.info.run_id, "report/index.html", str(tmp_path))).stat().st_size
-    # each published model is in the run that trained it, with its card, and registered from there
-    (model,) = (root / "models").iterdir()
-    trial_id = json.loads((model / CARD_JSON).read_text())["model"]["trial_id"]
-    source = runs[trial_id].info.run_id
-    logged = Path(client.download_artifacts(source, "model", str(tmp_path / "download")))
-    for name in (MODEL_FILE, CARD_MD, CARD_JSON):
-        assert (logged / name).read_bytes() == (model / name).read_bytes(), name
-    (version,) = client.search_model_versions("name = 'tiny-models'")
-    assert version.source == f"runs:/{source}/model" and version.run_id == source
-    # --resume of the finished search logs nothing twice
-    again = run_search(search_env, *args, "--resume", "--no-report")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "is finished; nothing to run" in again.stdout and "mlflow: 0 run(s) logged" in again.stdout
-    assert len(client.search_runs([experiment.experiment_id], max_results=1000)) == len(runs)
-    assert len(client.search_model_versions("name = 'tiny-models'")) == 1
+    # each published model is a pyfunc model in the run that trained it, its cell's registered model's version
+    models = sorted((root / "models").iterdir())
+    assert len(models) == 2
+    for model in models:
+        trial_id = json.loads((model / CARD_JSON).read_text())["model"]["trial_id"]
+        source = runs[trial_id].info.run_id
+        logged_model = Path(client.download_artifacts(source, "model", str(tmp_path / trial_id)))
+        assert {path.name for path in logged_model.iterdir()} >= {"MLmodel", "python_model.pkl", "requirements.txt"}
+        assert f"dptune=={__version__}" in (logged_model / "requirements.txt").read_text().split()
+        for name in (MODEL_FILE, CARD_MD, CARD_JSON):
+            assert (logged_model / "artifacts" / model.name / name).read_bytes() == (model / name).read_bytes()
+        (version,) = _versions(client, f"{REGISTERED}-{model.name}", row["search_id"])
+        assert version.source == f"runs:/{source}/model" and version.run_id == source
+
+
+def test_a_registered_version_predicts_as_dptune_predict(
+    mlflow_server: MlflowServer, logged: LoggedSearch, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import mlflow.pyfunc
+
+    raw = load_20newsgroups()
+    rows = pd.DataFrame({"text": raw.inputs[raw.num_official_train :][:40]}, index=range(100, 140))
+    rows.to_parquet(tmp_path / "rows.parquet")
+    model = logged.root / "models" / model_name("eps=8|epochs=3", "normalized")
+    predict.main(
+        ["--model", str(model), "--input", str(tmp_path / "rows.parquet"), "--output", str(tmp_path / "out.parquet")]
+    )
+    expected = pd.read_parquet(tmp_path / "out.parquet")
+    search_id = read_table(str(logged.root), "search")["search_id"].iloc[0]
+    (version,) = _versions(_client(mlflow_server.url), f"{REGISTERED}-{model.name}", search_id)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{REGISTERED}-{model.name}/{version.version}")
+    assert pyfunc.metadata.get_input_schema().input_names() == ["text"]
+    predicted = pyfunc.predict(rows)
+    assert list(predicted.columns) == ["prediction", "softmax_score"] and predicted.index.tolist() == list(
+        range(100, 140)
+    )
+    assert predicted["prediction"].tolist() == expected["prediction"].tolist()
+    assert predicted["softmax_score"].to_numpy().tolist() == expected["softmax_score"].to_numpy().tolist()
+    assert expected["prediction"].nunique() > 1  # a model that tells the rows apart
+
+
+def test_a_resume_of_a_logged_search_logs_nothing_twice(mlflow_server: MlflowServer, logged: LoggedSearch) -> None:
+    assert "is finished; nothing to run" in logged.resumed.stdout
+    trials = read_table(str(logged.root), "trials")
+    assert f"mlflow: {len(trials) + 1} run(s) logged to {mlflow_server.url}/#/experiments/" in logged.resumed.stdout
+    assert "(0 of them now)" in logged.resumed.stdout
+    client = _client(mlflow_server.url)
+    assert len(_mine(client, logged.root)) == len(trials) + 1
+    search_id = read_table(str(logged.root), "search")["search_id"].iloc[0]
+    for model in (logged.root / "models").iterdir():
+        assert len(_versions(client, f"{REGISTERED}-{model.name}", search_id)) == 1
+
+
+def test_a_deleted_experiment_is_refused_before_compute(mlflow_server: MlflowServer) -> None:
+    client = _client(mlflow_server.url)
+    client.delete_experiment(client.create_experiment("deleted"))
+    with pytest.raises(PreflightError, match=r"tracking.experiment 'deleted': the experiment is deleted .* restore it"):
+        check_server(TrackingSpec(mlflow=mlflow_server.url, experiment="deleted"))
+    check_server(TrackingSpec(mlflow=mlflow_server.url, experiment="not there yet"))  # created when logging
 
 
 #: Kills the process whose id ``DPTUNE_TEST_KILL_PID`` holds when a search starts its logging.
 _KILL_BEFORE_LOGGING = """import os, signal, time
 import dptune.search.finish.tracking as tracking
-_log = tracking._SearchLogger.log
+_log = tracking.SearchLogger.log
 def log(self):
     os.kill(int(os.environ["DPTUNE_TEST_KILL_PID"]), signal.SIGKILL)
     time.sleep(1)
     return _log(self)
-tracking._SearchLogger.log = log
+tracking.SearchLogger.log = log
 """
 #: A TCP forwarder from a free loopback port (printed) to the port given: a stand-in for the server.
 _FORWARDER = """import socket, sys, threading
@@ -329,7 +475,7 @@ while True:
 
 
 def test_a_server_that_dies_before_logging_leaves_the_search_as_it_was(
-    mlflow_server: MlflowServer, search_env: dict[str, str], tmp_path: Path
+    mlflow_server: MlflowServer, logged: LoggedSearch, search_env: dict[str, str], tmp_path: Path
 ) -> None:
     port = int(mlflow_server.url.rsplit(":", 1)[1])
     forwarder = subprocess.Popen([sys.executable, "-c", _FORWARDER, str(port)], stdout=subprocess.PIPE, text=True)
@@ -344,26 +490,34 @@ def test_a_server_that_dies_before_logging_leaves_the_search_as_it_was(
             "DPTUNE_TEST_KILL_PID": str(forwarder.pid),
         }
         args = ("--space", str(TINY), "--storage", str(tmp_path), "--name", "dies", *ONE_CELL, "--no-report")
-        completed = run_search(env, *args, "--set", f"tracking.mlflow={dying}")
+        completed = run_search(env, *args, *_tracking(dying))
     finally:
         forwarder.kill()
         forwarder.wait()
     assert completed.returncode == 0, completed.stderr[-3000:]  # as without tracking
     (warning,) = [line for line in completed.stderr.splitlines() if line.startswith("warning: tracking")]
-    assert warning.startswith(f"warning: tracking.mlflow {dying}: opening the experiment ")
+    assert warning.startswith(f"warning: tracking.mlflow {dying}: opening the experiment {SHARED} failed")
     assert "Connection refused" in warning and "--resume to log what is missing" in warning
     root = tmp_path / "dies"
     trials = read_table(str(root), "trials")
     (row,) = read_table(str(root), "search").to_dict("records")  # the search finished and its records are whole
     assert len(trials) == 6 and len(list((root / "models").iterdir())) == 1
     assert "best configuration per cell" in completed.stdout
-    # --resume with the server reachable logs what was missing
-    again = run_search(search_env, *args, "--resume", "--set", f"tracking.mlflow={mlflow_server.url}")
+    # --resume with the server reachable logs what was missing, beside the other search in the experiment
+    again = run_search(search_env, *args, "--resume", *_tracking(mlflow_server.url))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"mlflow: {len(trials) + 1} run(s) logged" in again.stdout
     client = _client(mlflow_server.url)
-    experiment = client.get_experiment_by_name(row["search_id"])
-    assert set(_runs(client, experiment.experiment_id)) == {*trials["trial_id"], "search"}
+    mine, other = _mine(client, root), _mine(client, logged.root)
+    assert set(mine) == {*trials["trial_id"], "search"} and {run.info.status for run in mine.values()} == {"FINISHED"}
+    shared = set(trials["trial_id"]) & set(other)  # the same space: the same trial ids, told apart by instance
+    assert shared and all(mine[key].info.run_id != other[key].info.run_id for key in shared)
+    # its model is the next version of its cell's registered model, after the other search's
+    (model,) = (root / "models").iterdir()
+    versions = client.search_model_versions(f"name = '{REGISTERED}-{model.name}'")
+    first_id = read_table(str(logged.root), "search")["search_id"].iloc[0]
+    by_search = sorted((int(version.version), version.tags["dptune.search_id"]) for version in versions)
+    assert by_search == [(1, first_id), (2, row["search_id"])]
 
 
 # --------------------------------------------------------------------------- a private search: its release only
@@ -377,8 +531,12 @@ def own_server(tmp_path: Path) -> Iterator[MlflowServer]:
 
 
 def test_a_private_search_logs_its_release_and_nothing_of_its_hidden_runs(
-    own_server: MlflowServer, search_env: dict[str, str], tmp_path: Path
+    own_server: MlflowServer, search_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import mlflow.pyfunc
+
+    from dptune.model import load_model
+
     # a server of its own, whose whole folder is scanned: another search's scores (k/150 on a validation
     # split of the same size) would stand for a hidden run's score by chance
     mlflow_server = own_server
@@ -414,12 +572,19 @@ def test_a_private_search_logs_its_release_and_nothing_of_its_hidden_runs(
     assert int(run.data.params["steps"]) == card["configuration"]["steps"]
     assert run.data.metrics["epsilon"] == release["epsilon_total"] == 8
     assert run.data.metrics["noisy_val_accuracy"] == release["noisy_val_accuracy"]
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == CLASSIC_EXPERIMENT
     assert {f.path for f in client.list_artifacts(run.info.run_id)} == {"model", "report", "summary.txt"}
-    assert {f.path for f in client.list_artifacts(run.info.run_id, "model")} == {
-        f"model/{name}" for name in (MODEL_FILE, CARD_MD, CARD_JSON)
+    (folder,) = (root / "models").iterdir()
+    assert {f.path for f in client.list_artifacts(run.info.run_id, f"model/artifacts/{folder.name}")} == {
+        f"model/artifacts/{folder.name}/{name}" for name in (MODEL_FILE, CARD_MD, CARD_JSON)
     }
-    (version,) = client.search_model_versions("name = 'private-model'")
+    (version,) = client.search_model_versions(f"name = 'private-model-{folder.name}'")
     assert version.source == f"runs:/{run.info.run_id}/model"
+    # its registered version is loaded and predicts as the model folder does
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/private-model-{folder.name}/{version.version}")
+    rows = pd.DataFrame({"text": ["the orbit of the shuttle", "a new graphics card", "the hockey season"]})
+    pd.testing.assert_frame_equal(pyfunc.predict(rows), load_model(folder).predict_frame(rows))
     # nothing of the hidden runs anywhere the server keeps or logs: its store, its artifacts, its log
     needles = hidden_needles(hidden, read_table(str(root), "release"), card_numbers(root))
     digests = private_data_digests(root / TRUST_BOUNDARY)

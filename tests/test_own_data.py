@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -182,12 +183,15 @@ def test_a_bad_dataset_file_is_refused_naming_what_is_wrong(
     assert named in str(error.value)
 
 
-def test_the_space_takes_a_file_mapping(tmp_path: Path) -> None:
+def test_the_space_takes_a_file_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tiny = REPO_ROOT / "tests/spaces/tiny.yaml"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/tickets.csv").write_text("text,label\n")
+    monkeypatch.chdir(tmp_path)  # a path given by --set is taken from the working folder
     dataset = {"path": "data/tickets.csv", "input_column": "text", "label_column": "label"}
     task = load_space(tiny, {"task.dataset": dataset}).space.task
     assert task.dataset_name == "file:tickets.csv" and task.dataset_file is not None
-    assert task.dataset_file.path == str(Path("data/tickets.csv").resolve())
+    assert task.dataset_file.path == str(tmp_path / "data/tickets.csv")
     with pytest.raises(SpaceError, match="test_public: true needs test_path"):
         load_space(tiny, {"task.dataset": {**dataset, "test_public": True}})
 
@@ -294,17 +298,19 @@ def test_the_example_space_plans_a_private_search_on_the_files_dptune_makes(
     search_env: dict[str, str], tmp_path: Path
 ) -> None:
     """``search_spaces/own_data.yaml`` on the files ``python -m dptune.data.example data`` writes
-    (the README's "Your own data"), from a folder of the user's: read, checked and planned."""
+    (the README's "Your own data"), in a copy of the repository's layout (its ``../data/`` paths taken
+    from the space file's folder): read, checked and planned."""
     from conftest import search_command
     from dptune.data.example import GROUPS
 
+    shutil.copytree(REPO_ROOT / "search_spaces", tmp_path / "search_spaces")  # the repository's layout
     made = subprocess.run(
         [sys.executable, "-m", "dptune.data.example", "data"], cwd=tmp_path, capture_output=True, text=True, check=False
     )
     assert made.returncode == 0 and "wrote data/tickets.csv" in made.stdout, made.stderr
     train, test = (pd.read_csv(tmp_path / "data" / name) for name in ("tickets.csv", "tickets_test.csv"))
     assert sorted(set(train["label"])) == sorted(GROUPS) == sorted(set(test["label"])) and len(train) > len(test) > 1000
-    space = str(REPO_ROOT / "search_spaces/own_data.yaml")
+    space = "search_spaces/own_data.yaml"
     planned = subprocess.run(
         search_command("--space", space, "--dry-run"), cwd=tmp_path, env=search_env, capture_output=True, text=True
     )

@@ -249,7 +249,7 @@ def test_an_image_folder_search_hands_back_a_model_that_labels_the_test_folder_a
     assert card["data"]["class_names"] == [f"digit-{d}" for d in DIGITS] and card["peft"] == peft
     assert card["data"]["backbone"] == "efficientnet_lite0"
     labelled, right = _predicted_right(model, test, tmp_path / "labelled.parquet")
-    assert list(labelled.columns) == ["file", "folder", "prediction", "confidence"]
+    assert list(labelled.columns) == ["file", "folder", "prediction", "softmax_score"]
     assert len(labelled) == 3 * TEST_PER_DIGIT
     # the same inputs and parameters as the search's test pass, up to one row whose top two logits a
     # float rounding of another batching could swap

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-import dptune.predict as predict
 from dptune.contract import TrainedModel
+from dptune.model import Model
 from dptune.paths import write_file_atomic
 from dptune.predict import PredictError, evaluate, evaluate_file, main
 from dptune.records.weights import CARD_JSON, MODEL_FILE, weights_bytes
@@ -158,7 +158,7 @@ def _refused(model: Path, path: Path, label_column: str, monkeypatch: pytest.Mon
     def encode(*args: object, **kwargs: object) -> None:
         raise AssertionError("a refused file reached the model")
 
-    monkeypatch.setattr(predict, "class_predictions", encode)
+    monkeypatch.setattr(Model, "probabilities", encode)
     with pytest.raises(PredictError) as error:
         evaluate_file(model, str(path), "embedding", label_column)
     return str(error.value)

@@ -116,9 +116,9 @@ def test_predict_labels_a_public_test_file_as_the_search_scored_it(
     assert done.returncode == 0, done.stderr[-3000:]
     labelled = pd.read_parquet(out)
     source = READ[suffix](test)
-    assert list(labelled.columns) == [*source.columns, "prediction", "confidence"]
+    assert list(labelled.columns) == [*source.columns, "prediction", "softmax_score"]
     assert labelled["ticket"].tolist() == source["ticket"].tolist()
-    assert set(labelled["prediction"]) <= set(GROUPS) and labelled["confidence"].between(1 / 3, 1).all()
+    assert set(labelled["prediction"]) <= set(GROUPS) and labelled["softmax_score"].between(1 / 3, 1).all()
     correct = int((labelled["prediction"] == labelled["label"]).sum())
     # the same features (same backbone, weights and precision) and head: the search's test count, up to
     # one row whose two top logits a float rounding of another batching could swap

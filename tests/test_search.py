@@ -100,9 +100,7 @@ def test_bad_replicates_units_and_runners_fail_before_ray(
     monkeypatch.setenv("DPTUNE_CACHE_DIR", str(test_cache_dir))
     caps = ("--max-train-examples", str(TINY_TRAIN_EXAMPLES), "--max-eval-examples", str(TINY_EVAL_EXAMPLES))
     tiny = ("--space", str(TINY), "--storage", str(tmp_path), *caps)
-    assert "replicates: Input should be greater than or equal to 1 (got 0)" in main_exit(
-        capsys, *tiny, "--set", "replicates=0"
-    )
+    assert "replicates: must be at least 1 (got 0)" in main_exit(capsys, *tiny, "--set", "replicates=0")
     assert "resources.configurations_per_trial" in main_exit(
         capsys, *tiny, "--set", "resources.configurations_per_trial=0"
     )

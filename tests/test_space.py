@@ -1,5 +1,6 @@
 """Search-space files: shipped spaces load; bad specs fail with the file, the key and the rule."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,12 @@ DEFAULT = (ROOT / "search_spaces" / "default.yaml").read_text()
 
 
 @pytest.mark.parametrize("path", SPACES, ids=lambda p: p.name)
-def test_shipped_spaces_load(path: Path) -> None:
-    loaded = load_space(path)
+def test_shipped_spaces_load(path: Path, tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "search_spaces", tmp_path / "search_spaces")
+    (tmp_path / "data").mkdir()  # own_data.yaml's files, which `python -m dptune.data.example data` writes
+    for name in ("tickets.csv", "tickets_test.csv"):
+        (tmp_path / "data" / name).write_text("text,label\n")
+    loaded = load_space(tmp_path / "search_spaces" / path.name)
     # a space has at least one (ε, E) cell, or a total budget whose one cell the planner finds
     assert loaded.space.cells() or loaded.space.privacy.private_selection is not None
     assert len(loaded.spec_hash) == 16

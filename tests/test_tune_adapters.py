@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import pickle
+import re
 import signal
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -247,12 +248,15 @@ def test_a_finished_unit_prints_its_cells_progress(tmp_path: Path, capsys: pytes
     callback = RecordAndReport({"eps8-E4": CellRun(cell, "eps=8|epochs=4 normalized", 5)}, TuneRunState())
     other = {**PARAMS, "batch_size": 64, "clip_bound": 2.0}
     unit = Unit("eps8-E4", "t0", [PARAMS, other])
-    last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: '{"ok": 3, "error": 1}'}
+    statuses = ["ok", "ok", "error", "ok"]  # the unit's runs, in unit_runs order
+    last = {"done_recording": True, SCORES_KEY: [0.5, 0.625], RUN_STATUSES_KEY: json.dumps(statuses)}
     callback.on_trial_complete(0, [], trial(unit, last, saved_in=cell))
-    assert capsys.readouterr().out == (
+    out = capsys.readouterr().out
+    assert out.startswith(
         "[eps=8|epochs=4 normalized] 2/5 configurations × 2 replicates: runs 1 error, "
-        "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05)\n"
+        "3 ok; best so far 0.6250 (C=2 B=64 η₀=0.05); 4/10 runs done, "
     )
+    assert re.fullmatch(r".*; 4/10 runs done, \d\d:\d\d elapsed, about \d\d:\d\d left\n", out)
 
 
 def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
@@ -291,7 +295,8 @@ def test_a_unit_asha_stopped_records_the_steps_of_its_last_report(
     charged = charged_runs(str(tmp_path), "s").set_index("trial_id")
     second = replicate_trial_id(configuration_id(cell.cell_key, PARAMS), 1)
     assert charged.loc[second, "ended"] and charged.loc[second, "steps_taken"] == 3  # its start entry is closed
-    assert state.failures == [] and callback.runs[cell.cell_key] == {"stopped_early": 2}
+    # the replicate that recorded itself counts as it recorded itself, the other as stopped early
+    assert state.failures == [] and callback.progress.cells[cell.cell_key].counts() == {"ok": 1, "stopped_early": 1}
     assert "(stopped early at epoch 1)" in capsys.readouterr().out
 
 

@@ -9,11 +9,11 @@ split in the second. Each file is written whole or not at all.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 
 from dptune import __version__
+from dptune.errors import ArgumentParser
 from dptune.paths import write_file_atomic
 
 #: The newsgroups kept, by the ticket category each becomes.
@@ -25,6 +25,12 @@ GROUPS = {
 }
 #: The two files, in ``FOLDER``.
 TRAIN_FILE, TEST_FILE = "tickets.csv", "tickets_test.csv"
+#: What ``--help`` says the command does (plain text).
+DESCRIPTION = (
+    f"Write the example data owner's files that search_spaces/own_data.yaml tunes on: FOLDER/{TRAIN_FILE} and "
+    f"FOLDER/{TEST_FILE}, real 20 Newsgroups posts of {len(GROUPS)} groups as support tickets (a text column "
+    "and a label column), made from data that ships with dptune (no network)."
+)
 
 
 def write_example(folder: str) -> tuple[str, str]:
@@ -54,8 +60,10 @@ def write_example(folder: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dptune.data.example", description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", default="data", help="where to write the files (default: %(default)s)")
+    parser = ArgumentParser(prog="python -m dptune.data.example", description=DESCRIPTION)
+    parser.add_argument(
+        "folder", nargs="?", default="data", metavar="FOLDER", help="where to write the files (default: %(default)s)"
+    )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     args = parser.parse_args(argv)
     for path in write_example(args.folder):

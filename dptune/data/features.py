@@ -47,7 +47,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -416,13 +416,96 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _read(path: Path, rows: int, feature_dim: int) -> np.ndarray | None:
+def _read(path: Path, rows: int, feature_dim: int, load: bool = True) -> np.ndarray | None:
+    """The features in ``path`` if it holds (rows, feature_dim) float32 (``load`` False: mapped, not read)."""
     if not path.exists():
         return None
-    features = np.load(path)
+    features = np.load(path, mmap_mode=None if load else "r")
     if features.shape != (rows, feature_dim) or features.dtype != np.float32:
         return None  # stale or foreign file: re-encode and overwrite
     return features
+
+
+def weights_digest(backbone: str) -> str | None:
+    """The sha256 the feature cache keys ``backbone``'s weights by where they are a local folder or file
+    (:func:`folder_fingerprint`, no model built); None where only the built model tells
+    (:func:`weights_fingerprint` of its state dict)."""
+    from dptune.models.backbones import get_backbone
+
+    info = get_backbone(backbone)
+    source = info.weight_source() if info.weight_source is not None else None
+    return None if source is None else folder_fingerprint(source)
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureCache:
+    """The cache entries of ``raw``'s features by ``backbone``, of rows ``rows`` (None: every row): ``key``
+    is the cache key less its precision (:meth:`of`)."""
+
+    raw: RawDataset
+    rows: np.ndarray | None
+    backbone: str
+    key: dict[str, object]
+
+    @classmethod
+    def of(
+        cls,
+        raw: RawDataset,
+        rows: np.ndarray | None,
+        backbone: str,
+        weights: str,
+        *,
+        max_tokens: int | None,
+        image_size: int | None,
+    ) -> FeatureCache:
+        """The entries of ``raw`` rows ``rows`` encoded by ``backbone`` of weights sha256 ``weights``."""
+        from dptune.models.backbones import get_backbone
+
+        pooling = get_backbone(backbone).pooling
+        key = {
+            "format": FORMAT_VERSION,
+            "dataset": raw.name,
+            "data_sha256": raw.fingerprint,
+            "backbone": backbone,
+            "weights_sha256": weights,
+            "max_tokens": max_tokens if raw.modality == "text" else None,
+            "image_size": image_size if raw.modality == "image" else None,
+            "pooling": pooling
+            or ("attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output"),
+        }
+        return cls(raw, rows, backbone, key)
+
+    @property
+    def target_rows(self) -> np.ndarray:
+        """The rows an encoding encodes (ascending): every row, or each of ``rows`` once."""
+        return np.arange(len(self.raw.labels)) if self.rows is None else np.unique(self.rows)
+
+    def entry(self, precision: str) -> tuple[Path, Path, dict[str, object]]:
+        """(the full-dataset entry, the entry of exactly :attr:`target_rows`, the latter's key) in ``precision``."""
+        folder = cache_dir("features")
+        key = {**self.key, "precision": precision}
+        full = folder / _file_name(self.raw.name, self.backbone, key)
+        if self.rows is None:
+            return full, full, key
+        key = {**key, "rows_sha256": hashlib.sha256(self.target_rows.astype(np.int64).tobytes()).hexdigest()}
+        return full, folder / _file_name(self.raw.name, self.backbone, key), key
+
+    def find(self, precisions: Collection[str], feature_dim: int, load: bool = True) -> tuple[np.ndarray, str] | None:
+        """The features of ``rows`` (in ``rows`` order) and their precision from the first of ``precisions``
+        with an entry that holds them (the full dataset's serves any rows); None: none does. ``load`` False:
+        only which entry holds them (its file mapped, not read; the array is the whole entry's)."""
+        for precision in precisions:
+            full_path, path, _ = self.entry(precision)
+            full = _read(full_path, len(self.raw.labels), feature_dim, load)
+            if full is not None:
+                return (full if self.rows is None or not load else full[self.rows]), precision
+            if self.rows is not None:
+                part = _read(path, len(self.target_rows), feature_dim, load)
+                if part is not None and not load:
+                    return part, precision
+                if part is not None:
+                    return part[np.searchsorted(self.target_rows, self.rows)], precision
+        return None
 
 
 def cached_features(
@@ -450,48 +533,17 @@ def cached_features(
     candidates = candidate_precisions(device, raw.modality)
     choice = recorded_precision(device, backbone, candidates)
     extractor: nn.Module | None = None
-    source = info.weight_source() if info.weight_source is not None else None
-    if source is None:  # weights from a hub or a builder: identified by the loaded state dict
+    weights = weights_digest(backbone)
+    if weights is None:  # weights from a hub or a builder: identified by the loaded state dict
         extractor = build_feature_extractor(backbone, image_size=image_size)
         weights = weights_fingerprint(extractor)
-    else:
-        weights = folder_fingerprint(source)
-    base = {
-        "format": FORMAT_VERSION,
-        "dataset": raw.name,
-        "data_sha256": raw.fingerprint,
-        "backbone": backbone,
-        "weights_sha256": weights,
-        "max_tokens": max_tokens if raw.modality == "text" else None,
-        "image_size": image_size if raw.modality == "image" else None,
-        "pooling": info.pooling
-        or ("attention-mask mean of last hidden state" if raw.modality == "text" else "backbone pooled output"),
-    }
-    folder = cache_dir("features")
-    total = len(raw.labels)
-    target_rows = np.arange(total) if rows is None else np.unique(rows)
-
-    def entry(precision: str) -> tuple[Path, Path, dict[str, object]]:
-        """(the full-dataset entry, the entry of exactly ``target_rows``, the latter's key) in ``precision``."""
-        key = {**base, "precision": precision}
-        full = folder / _file_name(raw.name, backbone, key)
-        if rows is None:
-            return full, full, key
-        key = {**key, "rows_sha256": hashlib.sha256(target_rows.astype(np.int64).tobytes()).hexdigest()}
-        return full, folder / _file_name(raw.name, backbone, key), key
-
+    cache = FeatureCache.of(raw, rows, backbone, weights, max_tokens=max_tokens, image_size=image_size)
     # Nothing chosen yet: an entry in either precision serves as it is (nothing to encode, nothing to choose).
-    for precision in [choice.precision] if choice is not None else candidates:
-        full_path, path, _ = entry(precision)
-        full = _read(full_path, total, info.feature_dim)
-        if full is not None:
-            _describe(provenance, base, precision)
-            return full if rows is None else full[rows]
-        if rows is not None:
-            part = _read(path, len(target_rows), info.feature_dim)
-            if part is not None:
-                _describe(provenance, base, precision)
-                return part[np.searchsorted(target_rows, rows)]
+    found = cache.find([choice.precision] if choice is not None else candidates, info.feature_dim)
+    if found is not None:
+        _describe(provenance, cache.key, found[1])
+        return found[0]
+    target_rows = cache.target_rows
     if choice is None:
         extractor = extractor if extractor is not None else build_feature_extractor(backbone, image_size=image_size)
         probe = target_rows[
@@ -502,7 +554,7 @@ def cached_features(
         )
         left_out = openvino_left_out() if f"{OPENVINO}fp32" in candidates else {}
         choice = choose_precision(device, backbone, encode_probe, len(probe), candidates, left_out)
-    _, path, key = entry(choice.precision)
+    _, path, key = cache.entry(choice.precision)
     with exclusive(path.with_name(path.name + ".lock")):
         features = _read(path, len(target_rows), info.feature_dim)
         if features is None:
@@ -520,7 +572,7 @@ def cached_features(
             )
             _atomic_write(path.with_suffix(".json"), lambda h: h.write(json.dumps(key, indent=1).encode()))
             _atomic_write(path, lambda h: np.save(h, features))
-    _describe(provenance, base, choice.precision)
+    _describe(provenance, cache.key, choice.precision)
     if rows is None:
         return features
     return features[np.searchsorted(target_rows, rows)]

@@ -2,7 +2,8 @@
 
 Formats (``DatasetFile.format``, ``auto`` by suffix, or for a folder by its content):
 
-- ``csv``, ``tsv``, ``jsonl`` and ``parquet``, read with pyarrow, only the two named columns;
+- ``csv``, ``tsv``, ``jsonl`` and ``parquet``, read with pyarrow, only the two named columns (a csv or
+  tsv file split at ``DatasetFile.sep``, by default ``,`` or a tab);
 - ``hf_disk``, a Hugging Face dataset saved with ``save_to_disk`` (``datasets.load_from_disk``,
   memory-mapped), the two named columns; a ``ClassLabel`` label column keeps its class names;
 - ``imagefolder``, torchvision's layout ``<path>/<class>/<image>``: every image file (torchvision's
@@ -18,12 +19,13 @@ file. A path may be an object-store URI (:mod:`dptune.data.remote`: copied once 
 a table of image paths is read from local files only, as its images are not copied).
 
 Every check raises :class:`WorkloadError` naming the file, the column or row and what is allowed:
-missing file or column, an unknown format, unreadable rows or images, missing labels, fewer than 2
-classes, a class with fewer than :data:`MIN_ROWS_PER_CLASS` rows, empty texts, NaN or ragged
-embeddings, a test file whose input kind or classes differ. The fingerprint (sha256 of the files'
-bytes, for an image folder of its listing: each image's path, size and modification time, plus the
-format and the columns) keys the feature cache and is recorded, so a changed file is never served
-stale features. A dataset is read once per process per version (the same listing).
+missing file or column, an unknown format, unreadable rows or images, missing labels (null, NaN, blank
+or ``nan``: the rows named, to drop or fill), fewer than 2 classes, a class with fewer than
+:data:`MIN_ROWS_PER_CLASS` rows, empty texts, NaN or ragged embeddings, a test file whose input kind
+or classes differ. The fingerprint (sha256 of the files' bytes, for an image folder of its listing:
+each image's path, size and modification time, plus the format, the columns and any ``sep``) keys the
+feature cache and is recorded, so a changed file is never served stale features. A dataset is read
+once per process per version (the same listing).
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dptune.contract import DATASET_FORMATS, DatasetFile
+from dptune.contract import DATASET_FORMATS, DELIMITED_FORMATS, DatasetFile
 from dptune.data.remote import local_copy
 from dptune.data.sources import FOLDER_IMAGE_SIZE, DatasetInfo, ImageFiles, RawDataset, file_digest
 from dptune.data.spec import WorkloadError
@@ -50,6 +55,8 @@ FOLDER_FORMATS = ("imagefolder", "hf_disk")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 #: Fewest rows of a class: one to train on and one that the validation or test split may take.
 MIN_ROWS_PER_CLASS = 2
+#: Delimiters a csv or tsv file's one-column header is searched for, to hint at ``task.dataset.sep``.
+LIKELY_DELIMITERS = (",", ";", "\t", "|")
 
 #: A dataset's inputs as read: texts, image files, or embeddings ``(n, d)`` float32.
 Inputs = list[str] | list[Path] | np.ndarray
@@ -105,6 +112,10 @@ def read_dataset_file(source: DatasetFile) -> RawDataset:
     local = [local_copy(location, f"task.dataset.{key}") for key, location in zip(keys, given, strict=True)]
     try:
         kind = file_format(local[0], source.format)
+        if source.sep is not None and kind not in DELIMITED_FORMATS:
+            raise WorkloadError(
+                f"task.dataset.sep {source.sep!r}: applies to csv and tsv files; {local[0]} is {kind}: drop sep"
+            )
         stamps = tuple(_stamp(key, path, kind) for key, path in zip(keys, local, strict=True))
         return _read(source, tuple(local), kind, stamps)
     except WorkloadError as error:
@@ -185,6 +196,8 @@ def _read(source: DatasetFile, paths: tuple[str, ...], kind: str, stamps: tuple[
         stats = [(str(file), os.stat(file).st_size, os.stat(file).st_mtime_ns) for file in inputs]
         digest.update(repr(stats).encode())
     digest.update(f"{kind}|{source.input_column}|{source.label_column}".encode())
+    if source.sep is not None:  # files read with another delimiter (None keeps the digests made before sep)
+        digest.update(f"|sep={source.sep}".encode())
     return RawDataset(
         name=source.display_name,
         modality={"texts": "text", "images": "image", "embeddings": "features"}[_kind(inputs)],  # type: ignore[arg-type]
@@ -210,10 +223,14 @@ def _kind(inputs: Inputs) -> str:
     return "images" if inputs and isinstance(inputs[0], Path) else "texts"
 
 
-def read_columns(path: str, declared: str, wanted: list[str], *, every_column: bool = False) -> Any:
+def read_columns(
+    path: str, declared: str, wanted: list[str], *, every_column: bool = False, sep: str | None = None
+) -> Any:
     """Columns ``wanted`` (``every_column``: all of them, ``wanted`` checked to be there) of the
-    ``declared`` (or ``auto``: by suffix) format file ``path`` as a pyarrow Table, read with pyarrow;
-    :class:`WorkloadError` naming a missing column or an unreadable file."""
+    ``declared`` (or ``auto``: by suffix) format file ``path`` as a pyarrow Table, read with pyarrow
+    (a csv or tsv file split at ``sep``, None: ``,`` or a tab); :class:`WorkloadError` naming a missing
+    column (with a hint at ``sep`` when a delimited file's header is one column holding a likely
+    delimiter) or an unreadable file."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
@@ -233,20 +250,34 @@ def read_columns(path: str, declared: str, wanted: list[str], *, every_column: b
             table = pajson.read_json(path)
             _check_columns(path, wanted, table.column_names)
             return table if every_column else table.select(wanted)
-        parse = pacsv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
+        delimiter = sep or ("\t" if kind == "tsv" else ",")
+        parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
         names = pacsv.open_csv(path, parse_options=parse).schema.names
-        _check_columns(path, wanted, names)
+        _check_columns(path, wanted, names, _delimiter_hint(names, delimiter))
         convert = pacsv.ConvertOptions(include_columns=None if every_column else wanted)
         return pacsv.read_csv(path, parse_options=parse, convert_options=convert)
     except pa.ArrowInvalid as error:
         raise WorkloadError(f"{path}: unreadable as {kind} ({error})") from None
 
 
-def _check_columns(path: str, wanted: list[str], names: list[str]) -> None:
+def _check_columns(path: str, wanted: list[str], names: list[str], hint: str = "") -> None:
     roles = ("task.dataset.input_column", "task.dataset.label_column") if len(wanted) == 2 else ("column",)
     for role, column in zip(roles, wanted, strict=True):
         if column not in names:
-            raise WorkloadError(f"{role} {column!r} is not a column of {path}; its columns: {names}")
+            raise WorkloadError(f"{role} {column!r} is not a column of {path}; its columns: {names}{hint}")
+
+
+def _delimiter_hint(names: list[str], delimiter: str) -> str:
+    """When a delimited file's header reads as one column holding another likely delimiter (``text;label``
+    split at ``,``): the ``sep`` to set, else ""."""
+    counts = {mark: names[0].count(mark) for mark in LIKELY_DELIMITERS if mark != delimiter} if len(names) == 1 else {}
+    mark = max(counts, key=counts.__getitem__, default=None)
+    if mark is None or not counts[mark]:
+        return ""
+    return (
+        f"; the header is one column holding {mark!r}: if that is the file's delimiter, set "
+        f"task.dataset.sep: {json.dumps(mark)}"
+    )
 
 
 def _saved_dataset(path: str, wanted: list[str], every_column: bool) -> Any:
@@ -288,18 +319,23 @@ def _columns(source: DatasetFile, path: str, kind: str) -> tuple[Inputs, list[in
     if input_column is None or label_column is None:
         role = "input_column" if input_column is None else "label_column"
         raise WorkloadError(f"task.dataset.{role}: required for a {kind} dataset (only an image folder has none)")
-    table = read_columns(path, kind, [input_column, label_column])
+    table = read_columns(path, kind, [input_column, label_column], sep=source.sep)
     if table.num_rows == 0:
         raise WorkloadError(f"task.dataset {path}: no rows")
     label = table.column(label_column)
-    if label.null_count:
-        row = int(np.flatnonzero(label.is_null().to_numpy(zero_copy_only=False))[0])
-        raise WorkloadError(f"task.dataset {path}: row {row} has no {label_column!r} (labels must be set)")
+    labels = label.to_pylist()
+    names = _class_names(path, kind, label_column)
+    unlabelled = _unlabelled(labels, class_label=names is not None)
+    if unlabelled:
+        raise WorkloadError(
+            f"task.dataset {path}: data row {unlabelled[0]} has no {label_column!r} (a missing label: empty, blank, "
+            f"NaN or null{', or -1 in a ClassLabel column' if names else ''}); {len(unlabelled)} row(s) in all: "
+            f"{_rows(kind, unlabelled)}; drop those rows or fill in their labels"
+        )
     if not (pa.types.is_integer(label.type) or pa.types.is_string(label.type) or pa.types.is_large_string(label.type)):
         raise WorkloadError(
             f"task.dataset.label_column {label_column!r} of {path} holds {label.type}; labels are ints or strings"
         )
-    labels = label.to_pylist()
     column = table.column(input_column)
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         texts = column.to_pylist()
@@ -312,8 +348,8 @@ def _columns(source: DatasetFile, path: str, kind: str) -> tuple[Inputs, list[in
         if all(text.lower().endswith(IMAGE_SUFFIXES) for text in texts):  # image paths, relative to the file
             files = [Path(os.path.dirname(path), text) for text in texts]
             _check_images(path, files)
-            return files, labels, _class_names(path, kind, label_column)
-        return texts, labels, _class_names(path, kind, label_column)
+            return files, labels, names
+        return texts, labels, names
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         if not (pa.types.is_floating(column.type.value_type) or pa.types.is_integer(column.type.value_type)):
             raise WorkloadError(
@@ -336,11 +372,38 @@ def _columns(source: DatasetFile, path: str, kind: str) -> tuple[Inputs, list[in
                 f"task.dataset {path}: row {int(np.flatnonzero(~finite)[0])} of {input_column!r} holds NaN, "
                 "infinity or a missing number; embeddings must be finite"
             )
-        return values, labels, _class_names(path, kind, label_column)
+        return values, labels, names
     raise WorkloadError(
         f"task.dataset.input_column {input_column!r} of {path} holds {column.type}; it holds texts (strings) "
         "or embeddings (lists of numbers)"
     )
+
+
+def _unlabelled(labels: list[Any], *, class_label: bool) -> list[int]:
+    """The rows (0-based) whose label is missing: null, NaN, a blank string or ``nan`` (pandas' NaN written
+    as text), or -1 in a ``ClassLabel`` column (``class_label``: Hugging Face's "no label")."""
+    return [
+        row
+        for row, value in enumerate(labels)
+        if value is None
+        or (isinstance(value, float) and math.isnan(value))
+        or (isinstance(value, str) and value.strip().lower() in ("", "nan"))
+        or (class_label and value == -1)
+    ]
+
+
+def _rows(kind: str, rows: Sequence[int], most: int = 5) -> str:
+    """Data rows ``rows`` (0-based, the header not counted) named for the user, at most ``most``: with the
+    rows a spreadsheet shows them at (csv, tsv: the header is row 1) or the lines of a jsonl file."""
+    cut = ", …" if len(rows) > most else ""
+    listed = ", ".join(str(row) for row in rows[:most]) + cut
+    if kind in DELIMITED_FORMATS:
+        at = f"; rows {', '.join(str(row + 2) for row in rows[:most])}{cut} in a spreadsheet, whose header is row 1"
+    elif kind == "jsonl":
+        at = f"; lines {', '.join(str(row + 1) for row in rows[:most])}{cut} of the file"
+    else:
+        at = ""
+    return f"data rows {listed} (0-based, the header not counted{at})"
 
 
 def image_folder(path: str) -> tuple[list[Path], list[str]]:

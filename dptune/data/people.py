@@ -62,7 +62,7 @@ def read_people(source: DatasetFile, column: str, labels: np.ndarray) -> RawPeop
     for key in keys:
         location = getattr(source, key)
         path = local_copy(location, f"task.dataset.{key}")
-        files.append(_ids(source.format, path, location, column, _stamp(path)))
+        files.append(_ids(source.format, source.sep, path, location, column, _stamp(path)))
     ids = [value for file in files for value in file]
     if len(ids) != len(labels):
         raise WorkloadError(f"privacy.unit.column {column!r}: {len(ids)} ids for {len(labels)} rows")
@@ -93,14 +93,15 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _ids(declared: str, path: str, shown: str, column: str, stamp: tuple[int, int]) -> list[int | str]:
-    """The ids of ``column`` in the file ``path`` (``shown`` in messages), checked (read once per version)."""
+def _ids(declared: str, sep: str | None, path: str, shown: str, column: str, stamp: tuple[int, int]) -> list[int | str]:
+    """The ids of ``column`` in the file ``path`` (``shown`` in messages; a csv or tsv file split at ``sep``),
+    checked (read once per version)."""
     import pyarrow as pa
 
     from dptune.data.files import read_columns
 
     try:
-        table = read_columns(path, declared, [column], every_column=False)
+        table = read_columns(path, declared, [column], every_column=False, sep=sep)
     except WorkloadError as error:  # a missing column is named by its key in the space
         message = str(error)
         raise WorkloadError("privacy.unit." + message if message.startswith("column ") else message) from None

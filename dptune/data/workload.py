@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 from dptune.contract import NO_BACKBONE, WorkloadSpec
 from dptune.data import splits
+from dptune.data.encoding_plan import PlannedEncoding, planned_encoding
 from dptune.data.features import cached_features
 from dptune.data.files import dataset_file_info
 from dptune.data.people import RawPeople, read_people, split_people
@@ -144,7 +145,10 @@ def _check_knobs(spec: WorkloadSpec, info: DatasetInfo) -> DatasetInfo:
         raise WorkloadError(f"validation_fraction must be in (0, 1), got {spec.validation_fraction}")
     if spec.max_tokens is not None:
         if info.modality != "text":
-            raise WorkloadError(f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}")
+            raise WorkloadError(
+                f"max_tokens applies to text datasets; {spec.dataset!r} is {info.modality}: set task.max_tokens: null "
+                "(a space that extends default.yaml inherits its 128)"
+            )
         if spec.max_tokens < 8:
             raise WorkloadError(f"max_tokens must be >= 8, got {spec.max_tokens}")
     for name in ("max_train_examples", "max_eval_examples"):
@@ -309,11 +313,29 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
     backbone's features come from the cache (encoded on first use: every row of the dataset,
     or only the kept rows when ``max_train_examples``/``max_eval_examples`` cap the splits).
     """
+    return _workload(spec, data_dir, encode=True)[0]
+
+
+def planned_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> tuple[Workload, PlannedEncoding | None]:
+    """:func:`load_workload`'s workload with nothing encoded or tokenized (what a dry run plans from), and
+    what loading it would encode (None: no features to encode, the runs train on the rows' own inputs).
+
+    Its splits, labels, people and class names are the ones :func:`load_workload` makes (the same code: the
+    same rows, the same privacy units); the features of ``peft == "head"`` and a text model's token ids are
+    tensors on PyTorch's ``meta`` device, their shape without data (a head's ``provenance``, the identity of
+    its encoding, is empty).
+    """
+    return _workload(spec, data_dir, encode=False)
+
+
+def _workload(spec: WorkloadSpec, data_dir: Path | None, *, encode: bool) -> tuple[Workload, PlannedEncoding | None]:
+    """The workload of ``spec``; ``encode`` False: its encoded or tokenized inputs left unmade
+    (:func:`_unmade`), with what encoding them would take."""
     from dptune.models import get_backbone, load_tokenizer
 
     info = check_spec(spec)
     if info.modality == "features":
-        return _own_features(spec, info.load(data_dir, None))
+        return _own_features(spec, info.load(data_dir, None)), None
     backbone = get_backbone(spec.backbone)
     raw = info.load(data_dir, backbone.image_size)
     rows, labels, people = _rows_and_labels(spec, raw)
@@ -327,14 +349,22 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
         capped = spec.max_train_examples is not None or spec.max_eval_examples is not None
         needed = np.concatenate([rows.train, rows.val, rows.test]) if capped else None
         provenance: dict[str, str] = {}
-        features = cached_features(
-            raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size, provenance=provenance
-        )
-        position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
-        train, val, test = (
-            TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name]) for name in labels
-        )
-        return Workload(
+        planned = None
+        if encode:
+            features = cached_features(
+                raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size, provenance=provenance
+            )
+            position = np.arange(len(raw.labels)) if needed is None else _positions(needed, len(raw.labels))
+            train, val, test = (
+                TensorDataset(torch.from_numpy(features[position[getattr(rows, name)]]), labels[name])
+                for name in labels
+            )
+        else:
+            train, val, test = (_unmade(labels[name], (backbone.feature_dim,), torch.float32) for name in labels)
+            planned = planned_encoding(
+                raw, needed, spec.backbone, max_tokens=max_tokens, image_size=backbone.image_size
+            )
+        workload = Workload(
             *common,
             train,
             val,
@@ -344,12 +374,17 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
             provenance=provenance,
             people=people,
         )
+        return workload, planned
     if raw.modality == "text":
-        tokenizer = load_tokenizer(spec.backbone)
-        train, val, test = (
-            _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name]) for name in labels
-        )
-        return Workload(
+        if encode:
+            tokenizer = load_tokenizer(spec.backbone)
+            train, val, test = (
+                _tokenized(raw, getattr(rows, name), tokenizer, max_tokens, labels[name]) for name in labels
+            )
+        else:
+            assert max_tokens is not None, "a text backbone has a max_tokens"
+            train, val, test = (_unmade(labels[name], (max_tokens,), torch.int64, inputs=2) for name in labels)
+        workload = Workload(
             *common,
             train,
             val,
@@ -359,10 +394,19 @@ def load_workload(spec: WorkloadSpec, *, data_dir: Path | None = None) -> Worklo
             provenance={**identity, "max_tokens": str(max_tokens)},
             people=people,
         )
+        return workload, None
     train, val, test = (_images(raw, getattr(rows, name), labels[name]) for name in labels)
-    return Workload(
+    workload = Workload(
         *common, train, val, test, modality="image", image_size=backbone.image_size, provenance=identity, people=people
     )
+    return workload, None
+
+
+def _unmade(labels: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, inputs: int = 1) -> TensorDataset:
+    """A split of ``labels`` whose ``inputs`` input tensors (each row of ``shape`` and ``dtype``) are on
+    PyTorch's ``meta`` device: their shape without data, nothing encoded, tokenized or allocated."""
+    made = [torch.empty((len(labels), *shape), dtype=dtype, device="meta") for _ in range(inputs)]
+    return TensorDataset(*made, labels)
 
 
 def _rows_and_labels(spec: WorkloadSpec, raw: RawDataset) -> tuple[SplitRows, dict[str, torch.Tensor], People | None]:

@@ -18,12 +18,21 @@ The modules:
   σ, σ/B, cumulative noise σ√T, T ≥ T_min, the recommended B (``plan``, ``format_plan``, ``write_plan``);
 - :mod:`dptune.plan.cli`: the command line (flags checked before any accounting).
 
+Called, the package is the planner in Python: ``dptune.plan(50000, [1, 8], epochs=10)`` is the table
+as a pandas DataFrame, one row per (ε, B) (:class:`PlanRow`'s fields as columns).
+
 Every name of ``schedule``, ``table`` and ``cli`` is re-exported here (``from dptune.plan import
 total_steps, plan, main``); ``dptune.plan.mechanism`` is imported as itself, so that the one module
 that calibrates σ is named wherever σ is calibrated.
 """
 
 from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from dptune.plan.cli import main
 from dptune.plan.schedule import (
@@ -47,6 +56,9 @@ from dptune.plan.schedule import (
     total_steps,
 )
 from dptune.plan.table import RECOMMENDED_MARK, PlanRow, format_plan, plan, write_plan
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "DEFAULT_BASE_LEARNING_RATE",
@@ -74,3 +86,42 @@ __all__ = [
     "total_steps",
     "write_plan",
 ]
+
+
+class _Planner(types.ModuleType):
+    """This package, callable: ``dptune.plan(...)`` is :func:`~dptune.plan.table.plan` as a DataFrame."""
+
+    def __call__(
+        self,
+        num_examples: int,
+        epsilons: float | Sequence[float],
+        *,
+        epochs: int,
+        delta: float = DEFAULT_DELTA,
+        batch_sizes: Sequence[int] | None = None,
+        min_steps: int = DEFAULT_MIN_STEPS,
+        tolerance: float = DEFAULT_TOLERANCE,
+        base_learning_rate: float = DEFAULT_BASE_LEARNING_RATE,
+        reference_batch_size: int = DEFAULT_REFERENCE_BATCH_SIZE,
+    ) -> pd.DataFrame:
+        """The batch-size plan before any compute: one row per (ε, B) with q, T, σ, σ/B, σ√T, whether
+        T ≥ ``min_steps``, the √B-coupled learning rate and the B the rule recommends per ε; N =
+        ``num_examples`` privacy units. :class:`PlanError` names a bad argument before any accounting."""
+        import pandas as pd
+
+        targets = [epsilons] if isinstance(epsilons, (int, float)) else list(epsilons)
+        rows = plan(
+            num_examples,
+            targets,
+            delta,
+            epochs,
+            batch_sizes,
+            min_steps,
+            tolerance,
+            base_learning_rate=base_learning_rate,
+            reference_batch_size=reference_batch_size,
+        )
+        return pd.DataFrame([asdict(row) for row in rows])
+
+
+sys.modules[__name__].__class__ = _Planner

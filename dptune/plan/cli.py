@@ -18,8 +18,10 @@ from dptune.plan.schedule import (
     DEFAULT_MIN_STEPS,
     DEFAULT_REFERENCE_BATCH_SIZE,
     DEFAULT_TOLERANCE,
+    MAX_STEPS,
 )
 from dptune.plan.table import format_plan, plan, write_plan
+from dptune.privacy import MAX_EPSILON, MIN_EPSILON
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,9 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     parser.add_argument("--n", type=int, required=True, help="number of training examples N (≥ 1)")
-    parser.add_argument("--eps", type=float, nargs="+", required=True, help="one or more ε targets, each > 0")
+    parser.add_argument(
+        "--eps",
+        type=float,
+        nargs="+",
+        required=True,
+        help=f"one or more ε targets, each in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]",
+    )
     parser.add_argument("--delta", type=float, default=DEFAULT_DELTA, help="δ, in (0, 1) (default %(default)g)")
-    parser.add_argument("--epochs", type=int, required=True, help="epoch budget E (≥ 1)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        required=True,
+        help=f"epoch budget E (≥ 1; at most {MAX_STEPS:,} steps T = round(E·N/B) at the smallest B)",
+    )
     parser.add_argument(
         "--batch-sizes",
         type=int,
@@ -45,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         "--min-steps",
         type=int,
         default=DEFAULT_MIN_STEPS,
-        help="T_min of the min-step rule (default %(default)s, the paper's value on one dataset)",
+        help="T_min of the min-step rule, ≥ 1 and reached by the smallest B (default %(default)s, the paper's "
+        "value on one dataset)",
     )
     parser.add_argument(
         "--tolerance",
@@ -57,13 +71,13 @@ def _parser() -> argparse.ArgumentParser:
         "--base-lr",
         type=float,
         default=DEFAULT_BASE_LEARNING_RATE,
-        help="base learning rate η₀ of the √B coupling (default %(default)g)",
+        help="base learning rate η₀ of the √B coupling, > 0 (default %(default)g)",
     )
     parser.add_argument(
         "--reference-batch-size",
         type=int,
         default=DEFAULT_REFERENCE_BATCH_SIZE,
-        help="B_ref of the √B coupling, η = η₀·√(B/B_ref) (default %(default)s)",
+        help="B_ref of the √B coupling, η = η₀·√(B/B_ref), ≥ 1 (default %(default)s)",
     )
     parser.add_argument("--out", type=Path, help="also write the rows to this .csv or .parquet file")
     return parser

@@ -132,9 +132,14 @@ def _cache_key_secret(folder: Path) -> bytes:
     raise OSError(f"{path}: no usable cache key after {_KEY_ATTEMPTS} attempts (another process keeps replacing it)")
 
 
-def _signature(folder: Path, key: dict[str, object], value: float) -> str:
-    message = json.dumps({"key": key, "value": value}, sort_keys=True).encode()
+def keyed_digest(folder: Path, message: bytes) -> str:
+    """HMAC-SHA256 of ``message`` (hex) under the per-user secret of the cache ``folder``: a name for
+    private bytes that says nothing of them to whoever lacks the secret."""
     return hmac.new(_cache_key_secret(folder), message, hashlib.sha256).hexdigest()
+
+
+def _signature(folder: Path, key: dict[str, object], value: float) -> str:
+    return keyed_digest(folder, json.dumps({"key": key, "value": value}, sort_keys=True).encode())
 
 
 def _file_name(key: dict[str, object]) -> str:

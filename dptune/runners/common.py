@@ -183,12 +183,16 @@ def cached_workload(spec: WorkloadSpec) -> Workload:
 
 def model_provenance(workload: Workload) -> dict[str, str]:
     """What a run's saved model records of its inputs: the workload's provenance, its class names (JSON,
-    in label order) and its privacy unit (``row``, or ``person:<id column>``)."""
+    in label order), its privacy unit (``row``, or ``person:<id column>``) and, for a data owner's file,
+    its ``input_column`` (the column :class:`dptune.model.Model` reads from a table)."""
     unit = "row" if workload.people is None else f"person:{workload.people.column}"
+    own = workload.spec.dataset_file
+    column = {} if own is None or own.input_column is None else {"input_column": own.input_column}
     return {
         **workload.provenance,
         "class_names": json.dumps(workload.class_names, ensure_ascii=False),
         "privacy_unit": unit,
+        **column,
     }
 
 

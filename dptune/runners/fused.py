@@ -341,12 +341,18 @@ def _group_failure(
     return FusedTrialsFailed(f"fused group of batch_size {plan.batch_size} failed: {failure}", final)
 
 
+def _chunk_progress(progress: Callable[[float], None], before: int, size: int) -> Callable[[float], None]:
+    """``progress`` of a chunk of ``size`` configs after ``before`` others, told its share of epochs trained."""
+    return lambda share: progress(before + size * share)
+
+
 def run_fused(
     configs: Sequence[TrialConfig],
     on_done: Callable[[list[int], list[TrialResult]], None] | None = None,
     *,
     memory_bytes: int | None = None,
     workload: Workload | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> list[TrialResult]:
     """Train every config (K of them) as fused trials; one :class:`TrialResult` per config, in order,
     each what ``run_trial(config)`` would return in distribution (``engine="fused"``).
@@ -360,9 +366,11 @@ def run_fused(
     Configs are grouped by batch size, each group runs fused in chunks of at most
     :func:`max_fused_configurations` (:func:`plan_groups`), and ``on_done(indices, results)`` is
     called after each chunk with the positions in ``configs`` and their results, so the caller can
-    record them at once. A failure inside a chunk raises :class:`FusedTrialsFailed` carrying every
-    config's result. ``workload``: the splits to train on (a benchmark's own), else the configs'
-    workload spec's, loaded once per process; either way checked against the configs' privacy unit.
+    record them at once; ``progress(runs)`` after each epoch of a chunk but its last, with the configs
+    trained so far (a chunk of k at epoch e of E counts k·e/E; ≥ 0, below K). A failure inside a chunk
+    raises :class:`FusedTrialsFailed` carrying every config's result. ``workload``: the splits to train
+    on (a benchmark's own), else the configs' workload spec's, loaded once per process; either way
+    checked against the configs' privacy unit.
     """
     configs = list(configs)
     device = check_fusable(configs)
@@ -375,15 +383,18 @@ def run_fused(
         plans = plan_groups(configs, workload, FUSED_MEMORY_BYTES if memory_bytes is None else memory_bytes)
         data = DeviceWorkload.build(first, workload, device)
         results: list[TrialResult | None] = [None] * len(configs)
+        trained = 0  # configurations of the chunks run so far
         for plan in plans:
             group: FusedGroup | None = None
+            on_epoch = None if progress is None else _chunk_progress(progress, trained, len(plan.members))
             try:
                 group = FusedGroup(data, [configs[i] for i in plan.members], plan.noise_multiplier)
-                group_results = group.run()
+                group_results = group.run(on_epoch)
             except Exception as error:  # say what every configuration spent, finished or not
                 raise _group_failure(configs, results, plan, group, error, num_units) from error
             for i, result in zip(plan.members, group_results, strict=True):
                 results[i] = result
+            trained += len(plan.members)
             if on_done is not None:
                 on_done(plan.members, group_results)
     return [r for r in results if r is not None]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -358,8 +358,9 @@ class FusedGroup:
             class_names=dict(enumerate(workload.class_names)),
         )
 
-    def run(self) -> list[TrialResult]:
-        """Train the group's T steps epoch by epoch, as a trial does; one result per configuration."""
+    def run(self, on_epoch: Callable[[float], None] | None = None) -> list[TrialResult]:
+        """Train the group's T steps epoch by epoch, as a trial does; one result per configuration.
+        ``on_epoch(share)`` after each epoch but the last, with the share of the epochs trained (e/E)."""
         k = len(self.configs)
         epochs = self.configs[0].epochs
         probe_epochs = diagnostic_epochs(epochs) if self.configs[0].diagnostics else []
@@ -381,6 +382,8 @@ class FusedGroup:
             live = self._record_epoch(live, trained, epoch, epoch_start)
             if epoch in probe_epochs:
                 self._diagnose(live, epoch)
+            if on_epoch is not None and epoch < epochs:
+                on_epoch(epoch / epochs)
         self._finish(time.perf_counter() - start, train_time, examples_seen)
         return self.results
 

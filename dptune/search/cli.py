@@ -7,8 +7,6 @@ imports the driver (:mod:`dptune.search.driver`).
 
 from __future__ import annotations
 
-import os
-import sys
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -24,35 +22,35 @@ from dptune.errors import (
     stop_named,
     storage_error,
 )
-from dptune.paths import check_name
-from dptune.search import preflight
+from dptune.search.api import run, search_options
 from dptune.search.options import SearchOptions
-from dptune.space import SpaceError, load_space, parse_override
+from dptune.space import SpaceError, parse_override
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
-    """The command line's options: its flags parsed (:func:`_parser`), the space overrides they make
-    (:func:`_overrides`) and the names they give checked (:func:`_check_names`); a mistake exits with the
-    usage and one line."""
+    """The command line's options: its flags parsed (:func:`_parser`) and the space overrides they make
+    (:func:`_overrides`), checked as :func:`dptune.search.api.search_options` checks the API's arguments; a
+    mistake exits with the usage and one line."""
     parser = _parser()
     args = parser.parse_args(argv)
-    overrides = _overrides(parser, args)
-    _check_names(parser, args)
-    return SearchOptions(
-        space_path=Path(args.space),
-        storage=args.storage,
-        name=args.name,
-        address=args.address,
-        resume=args.resume,
-        dry_run=args.dry_run,
-        report=args.report,
-        overrides=overrides,
-        max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
-        quarantine_corrupt=args.quarantine_corrupt,
-        charge_unreadable_ledger=args.charge_unreadable_ledger,
-        report_dir=args.report_dir,
-    )
+    try:
+        return search_options(
+            Path(args.space),
+            storage=args.storage,
+            name=args.name,
+            address=args.address,
+            resume=args.resume,
+            dry_run=args.dry_run,
+            report=args.report,
+            report_dir=args.report_dir,
+            overrides=_overrides(parser, args),
+            max_train_examples=args.max_train_examples,
+            max_eval_examples=args.max_eval_examples,
+            quarantine_corrupt=args.quarantine_corrupt,
+            charge_unreadable_ledger=args.charge_unreadable_ledger,
+        )
+    except DptuneError as exc:
+        parser.error(str(exc))
 
 
 def _parser() -> ArgumentParser:
@@ -84,7 +82,10 @@ def _add_run_flags(parser: ArgumentParser) -> None:
     """How the search runs: resumed, planned only, and its report."""
     parser.add_argument("--resume", action="store_true", help="continue an interrupted search of the same name")
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the plan (cells, configurations, pruning, σ per B) and stop"
+        "--dry-run",
+        action="store_true",
+        help="print the plan (cells, configurations, pruning, σ per B) and what would be encoded, and stop: "
+        "nothing is encoded, trained or written",
     )
     parser.add_argument("--no-report", dest="report", action="store_false", help="do not build the HTML report")
     parser.add_argument(
@@ -139,22 +140,7 @@ def _overrides(parser: ArgumentParser, args: Namespace) -> dict[str, Any]:
         if args.trials_per_cell < 1:
             parser.error(f"--trials-per-cell must be ≥ 1 (got {args.trials_per_cell})")
         overrides["sampler.trials_per_cell"] = args.trials_per_cell
-    for flag in ("max_train_examples", "max_eval_examples"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be ≥ 1 (got {value})")
     return overrides
-
-
-def _check_names(parser: ArgumentParser, args: Namespace) -> None:
-    """``--name`` is one folder under ``--storage`` and ``--address`` a Ray address (its syntax only)."""
-    try:
-        if args.name is not None:
-            check_name(args.name, "--name")
-        if args.address is not None:
-            preflight.check_address_syntax(args.address)
-    except DptuneError as exc:
-        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,14 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     every run is recorded the driver's own line says what is not done (``finished.composing``)."""
     options = parse_args(argv)
     try:
-        loaded = load_space(options.space_path, options.overrides)  # a bad space is told before the driver loads
-        preflight.check_task_names(loaded)
-        if not options.dry_run:
-            for note in preflight.job_stop_warnings(os.environ):
-                print(f"warning: {note}", file=sys.stderr, flush=True)
-        from dptune.search.driver import run_search
-
-        run_search(options)
+        run(options)  # a bad space is told before the driver loads
     except DptuneError as exc:  # bad input, or a search that could not finish; anything else is a bug...
         report_and_exit(exc)
     except KeyboardInterrupt as interrupt:  # before every run is recorded, outside the Tune run or a second stop in it

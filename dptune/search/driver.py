@@ -29,6 +29,7 @@ from dptune.records.ledger import charged_runs, unreadable_ends
 from dptune.runners.trial import check_trial_can_run
 from dptune.search import preflight
 from dptune.search.damaged_ledger import charge_unreadable_starts
+from dptune.search.finish.live_tracking import live_logging
 from dptune.search.finish.outcome import check_every_run_recorded, stopped_by_signal
 from dptune.search.finish.tracking import check_server
 from dptune.search.finished import composing, conclude, report_location, search_finished, show_if_finished
@@ -38,7 +39,7 @@ from dptune.search.runs.execution import TrialContext
 from dptune.search.scheduling.ray_session import check_cluster_resources, init_ray, shutdown_embedded
 from dptune.search.scheduling.tune_run import run_cells, tune_storage
 from dptune.search.stopping import sigterm_raises, sigterm_stops_the_search
-from dptune.space import LoadedSpace, SearchSpace, load_space
+from dptune.space import LoadedSpace, SearchSpace
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -189,11 +190,14 @@ def _run_search(session: SearchSession) -> str:
 def load(options: SearchOptions) -> SearchSession:
     """Load the space (once), print the warnings of its settings, check its name and the MLflow server a
     finished search is logged to, and work out its mode."""
-    loaded = load_space(options.space_path, options.overrides)
+    loaded = options.load_space()
     preflight.check_task_names(loaded)  # an unknown dataset or backbone is told before anything loads
     name = options.name or loaded.space.name
     results_root = _results_root(options.storage, name)
-    notes = preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides)
+    notes = [
+        *loaded.notes,
+        *preflight.flag_warnings(loaded.space, trials_per_cell_flag="sampler.trials_per_cell" in options.overrides),
+    ]
     _warn(notes)
     check_name(name, "--name" if options.name else f"{loaded.path}: name")  # one folder under --storage
     check_server(loaded.space.tracking)  # the MLflow server a finished search is logged to answers
@@ -242,8 +246,12 @@ def check(session: SearchSession) -> bool:
 
 def plan(session: SearchSession) -> None:
     """Join the cluster (before data loads: one that refuses this driver fails first), load the workload,
-    plan the cells (the mode prepares them: a private search's K), check the runner, print the plan."""
-    from dptune.data import load_workload
+    plan the cells (the mode prepares them: a private search's K), check the runner, print the plan.
+
+    ``--dry-run`` plans from the same splits with nothing encoded (``workload.planned_workload``: the same
+    privacy units, so the same N, q, T and σ) and says what the search would encode."""
+    from dptune.data.encoding_plan import encoding_summary
+    from dptune.data.workload import load_workload, planned_workload
 
     options, space, mode = session.options, session.space, session.mode
     session.cluster = options.address or os.environ.get("RAY_ADDRESS")
@@ -255,9 +263,13 @@ def plan(session: SearchSession) -> None:
         f"dptune {__version__}: loading {space.task.dataset_name} for {space.task.backbone}/{space.task.peft}",
         flush=True,
     )
-    workload = session.workload = load_workload(
-        task_workload(space, options.max_train_examples, options.max_eval_examples)
-    )
+    spec = task_workload(space, options.max_train_examples, options.max_eval_examples)
+    if options.dry_run:
+        session.workload, encoding = planned_workload(spec)
+        print(encoding_summary(encoding, spec.peft), flush=True)
+    else:
+        session.workload = load_workload(spec)
+    workload = session.workload
     preflight.check_steps(space, workload.num_units)
     session.plans = mode.plan(space, workload.num_units)
     if not options.dry_run:
@@ -311,7 +323,8 @@ def run_units(session: SearchSession) -> None:
     options, space, mode = session.options, session.space, session.mode
     plans, contexts = session.plans, session.contexts
     proposals = mode.propose(space, plans, contexts)
-    failures, signals, failed = run_cells(space, plans, contexts, options.resume, mode)
+    with live_logging(space.tracking, session.results_root, session.search_id, private=mode.private):
+        failures, signals, failed = run_cells(space, plans, contexts, options.resume, mode)
     stopped_by_signal(signals, session.runs, session.search_id, space, plans, mode.private)
     if failures:
         raise SearchIncomplete(

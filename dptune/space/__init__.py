@@ -7,7 +7,9 @@ file, the key and what is allowed (``SpaceError``). See ``search_spaces/default.
 commented example of every key.
 
 - :mod:`~dptune.space.spec`: the typed spec (``SearchSpace`` and its parts), ``Cell``, ``LoadedSpace``;
-- :mod:`~dptune.space.files`: reading a file safely, ``extends``, overrides, ``load_space``;
+- :mod:`~dptune.space.files`: reading a file safely, ``extends``, overrides, relative paths (from the
+  folder of the file that writes them; an override's from the working folder), ``load_space``;
+- :mod:`~dptune.space.messages`: validation errors in the user's keys ("did you mean"), no validator internals;
 - :mod:`~dptune.space.tracking`: the ``tracking`` section (an MLflow server), left out of the recorded space.
 """
 

@@ -4,11 +4,19 @@ A spec file is read with a loader that accepts only plain YAML (mappings, lists,
 keys; at most ``MAX_SPEC_BYTES`` bytes and ``MAX_SPEC_NODES`` nodes, aliases counted where used),
 merged over the file it ``extends``, overridden key by key, and validated into a
 :class:`~dptune.space.spec.SearchSpace`; any problem raises :class:`~dptune.space.spec.SpaceError`
-naming the file, the key and what is allowed.
+naming the file, the key as written and what is allowed (an unknown key with the closest allowed one).
+A space given in Python is its YAML text, parsed by :func:`parse_space` under a name in the working
+folder (so its relative paths and ``extends`` are taken from there).
+
+Relative paths, one rule: ``extends`` and every path key (:data:`PATH_KEYS`) written in a space file
+are taken from that file's folder; those given by ``--set`` (an override) or in a Python mapping,
+from the working folder. A relative data or model path that does not exist is refused on load,
+naming the path as written, the folder it was taken from and the absolute path it became.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -17,7 +25,8 @@ import yaml
 from pydantic import ValidationError
 
 from dptune.errors import shown
-from dptune.space.spec import UNRECORDED, LoadedSpace, SearchSpace, SpaceError
+from dptune.space.messages import format_errors
+from dptune.space.spec import UNRECORDED, LoadedSpace, SearchSpace, SpaceError, reads_no_text
 
 #: Largest spec file read, in bytes (shipped specs are a few kB).
 MAX_SPEC_BYTES = 1_000_000
@@ -28,23 +37,14 @@ MAX_SPEC_NODES = 10_000
 _PLAIN_TAGS = frozenset(
     f"tag:yaml.org,2002:{name}" for name in ("map", "seq", "str", "int", "float", "bool", "null", "merge", "timestamp")
 )
-
-
-def _format_errors(path: Path, error: ValidationError) -> str:
-    lines = [f"{path}: invalid search space ({error.error_count()} problem(s))"]
-    for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif item["type"] == "missing":
-            message = "required key is missing"
-        elif item["type"] == "literal_error":
-            message = f"not allowed; {item['msg'].replace('Input should be', 'expected')}"
-        got = item.get("input")
-        quoted = "" if item["type"] == "missing" or isinstance(got, dict) else f" (got {shown(got)})"
-        lines.append(f"  - {key}: {message}{quoted}")
-    return "\n".join(lines)
+#: The keys whose value is a local path (or an object-store URI, left as it is): a relative one written
+#: in a space file is taken from that file's folder, as ``extends`` is; one given by ``--set`` or in a
+#: Python mapping from the working folder.
+PATH_KEYS = ("task.dataset.path", "task.dataset.test_path", "task.backbone.hf", "task.backbone.weights")
+_RULE = (
+    "A relative path written in a space file is taken from that file's folder (as extends is); one given "
+    "by --set or in a Python mapping, from the working folder."
+)
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -166,19 +166,98 @@ def _read_mapping(text: str, path: Path) -> dict[str, Any]:
     return data
 
 
-def _resolve_extends(data: dict[str, Any], path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Resolve ``extends: other.yaml`` (relative to ``path``): ``data`` deep-merged over the base's keys."""
+def _resolve_extends(
+    data: dict[str, Any], path: Path, folder: Path, absent: list[str], seen: tuple[Path, ...] = ()
+) -> dict[str, Any]:
+    """Resolve ``extends: other.yaml`` (relative to ``folder``: the space file's, or the working folder's
+    for one given by ``--set``): ``data`` deep-merged over the base's keys, the base's own relative paths
+    taken from the base's folder (those that do not exist told in ``absent``)."""
     parent = data.pop("extends", None)
     if parent is None:
         return data
     if not isinstance(parent, str) or not parent:
         raise SpaceError(f"{path}: extends: expected the file name of a base space, got {shown(parent)}")
-    base_path = (path.parent / parent).resolve()
+    base_path = (folder / parent).resolve()
     if base_path in seen or not base_path.is_file():
         problem = "a cycle" if base_path in seen else "no such file"
-        raise SpaceError(f"{path}: extends: {shown(parent)} is {problem} ({base_path})")
+        raise SpaceError(f"{path}: extends: {shown(parent)} is {problem} ({base_path}, {_origin(folder, path)})")
     base = _read_mapping(read_text(base_path), base_path)
-    return _merge(_resolve_extends(base, base_path, (*seen, base_path)), data)
+    _anchor_paths(base, base_path, str(base_path), absent)
+    return _merge(_resolve_extends(base, base_path, base_path.parent, absent, (*seen, base_path)), data)
+
+
+def _origin(folder: Path, space: Path | None) -> str:
+    """Where a relative path is taken from, in words: ``space``'s folder, or the working folder."""
+    if space is not None and space.is_file():
+        return f"relative to the folder of the space file {space.name}, {folder}"
+    return f"relative to the working folder {folder}" if folder == Path.cwd() else f"relative to {folder}"
+
+
+def _anchor_paths(data: dict[str, Any], space: Path | None, where: str, absent: list[str]) -> bool:
+    """Make each relative local path of :data:`PATH_KEYS` in ``data`` absolute, taken from the folder of
+    the file ``space`` (None: the working folder); whether any changed. One that does not exist is told
+    in ``absent`` (naming ``where``, the key, the path as written, the folder and the absolute path);
+    URIs and absolute paths are left to the data and model checks."""
+    folder = space.parent.resolve() if space is not None else Path.cwd()
+    changed = False
+    for key in PATH_KEYS:
+        *sections, name = key.split(".")
+        node: Any = data
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        written = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(written, str):
+            continue
+        local = written.removeprefix("file://")
+        if not local or "://" in local or Path(local).expanduser().is_absolute():
+            continue
+        resolved = (folder / local).resolve()
+        if not resolved.exists():
+            absent.append(
+                f"{where}: {key}: {shown(written)} ({_origin(folder, space)}) is {resolved}, which does not exist"
+            )
+        node[name] = str(resolved)
+        changed = True
+    return changed
+
+
+def _override(dotted: str, value: Any, absent: list[str]) -> dict[str, Any]:
+    """The keys an override writes, nested (a copy of ``value``), its relative paths taken from the
+    working folder (those that do not exist told in ``absent``)."""
+    patch: dict[str, Any] = {}
+    _apply_override(patch, dotted, copy.deepcopy(value))
+    _anchor_paths(patch, None, f"--set {dotted}", absent)
+    return patch
+
+
+def _inherited_tokens_ignored(data: dict[str, Any], extends: Any) -> str | None:
+    """Set ``task.max_tokens`` that ``data`` took from the space it extends to null where the backbone
+    reads no text (``spec.reads_no_text``: the rows are embeddings, or images): the note saying so, else
+    None. A value the space or an override writes is the user's, and validated as it is."""
+    task = data.get("task")
+    if not isinstance(task, dict) or task.get("max_tokens") is None:
+        return None
+    backbone = task.get("backbone")
+    if not (isinstance(backbone, dict) and "timm" in backbone) and not (
+        isinstance(backbone, str) and reads_no_text(backbone)
+    ):
+        return None
+    data["task"] = {**task, "max_tokens": None}
+    shown_backbone = "{timm: ...}" if isinstance(backbone, dict) else backbone
+    return (
+        f"task.max_tokens: {shown(task['max_tokens'])}, inherited through extends: {extends}, is ignored: "
+        f"backbone {shown_backbone} reads no text (write task.max_tokens: null to say so)"
+    )
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """Whether ``data`` (a space's own keys, or an override's) holds the dotted key ``dotted``, and its value."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -207,30 +286,43 @@ def parse_override(key: str, value: str) -> Any:
 
 
 def parse_space(text: str, path: Path | str = "<string>", overrides: dict[str, Any] | None = None) -> LoadedSpace:
-    """Validate YAML ``text``; ``overrides`` (dotted keys) are applied first (CLI flags).
+    """Validate YAML ``text`` (the space file ``path``'s); ``overrides`` (dotted keys: ``--set``) are applied
+    over it and its base.
 
-    A file may start from another with ``extends: base.yaml`` (path relative to the file): its
-    keys are deep-merged over the base's; ``--set extends=base.yaml`` sets or replaces it. The
-    recorded text is the fully resolved spec, without ``UNRECORDED`` (where the search is logged is not
-    what it is: ``--set tracking.mlflow=URL`` leaves the text, and the search's id, as it was).
+    A file may start from another with ``extends: base.yaml`` (path relative to the file): its keys are
+    deep-merged over the base's; ``--set extends=base.yaml`` (relative to the working folder) sets or
+    replaces it. Relative paths (:data:`PATH_KEYS`) are taken from the folder of the file that writes
+    them, an override's from the working folder. The recorded text is ``text`` as it is, or, when
+    anything was merged, overridden or made absolute, the fully resolved spec, without ``UNRECORDED``
+    (where the search is logged is not what it is: ``--set tracking.mlflow=URL`` leaves the text, and
+    the search's id, as it was): its paths absolute, it means the same from any folder.
     """
     path = Path(path)
     overrides = dict(overrides or {})
     data = _read_mapping(text, path)
+    absent: list[str] = []  # relative paths that do not exist: told once the space validates
+    rewritten = _anchor_paths(data, path, str(path), absent)
+    folder = path.parent
     if "extends" in overrides:
-        data["extends"] = overrides.pop("extends")
-    rewritten = "extends" in data or UNRECORDED in data
-    data = _resolve_extends(data, path)
+        data["extends"], folder = overrides.pop("extends"), Path.cwd()
+    rewritten |= "extends" in data or UNRECORDED in data
+    extends, (written, _) = data.get("extends"), _lookup(data, "task.max_tokens")
+    data = _resolve_extends(data, path, folder, absent)
     for dotted, value in overrides.items():
-        _apply_override(data, dotted, value)
+        patch = _override(dotted, value, absent)
+        _apply_override(data, dotted, _lookup(patch, dotted)[1])
         rewritten |= dotted.split(".")[0] != UNRECORDED
+        written |= _lookup(patch, "task.max_tokens")[0]
+    note = None if written or extends is None else _inherited_tokens_ignored(data, extends)
     try:
         space = SearchSpace.model_validate(data)
     except ValidationError as exc:
-        raise SpaceError(_format_errors(path, exc)) from None
+        raise SpaceError(format_errors(path, exc, data)) from None
+    if absent:
+        raise SpaceError("\n".join([*absent, _RULE]))
     recorded = {key: value for key, value in data.items() if key != UNRECORDED}
     text = yaml.safe_dump(recorded, sort_keys=False) if rewritten else text
-    return LoadedSpace(space=space, path=path, text=text)
+    return LoadedSpace(space=space, path=path, text=text, notes=(note,) if note else ())
 
 
 def spec_differences(old_text: str, new_text: str) -> list[str]:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dptune.contract import (
+    DELIMITED_FORMATS,
+    NO_BACKBONE,
+    TIMM_PREFIX,
     ClippingRule,
     DatasetFile,
     DatasetFormat,
@@ -46,6 +49,8 @@ UNRECORDED = "tracking"
 #: Largest ``seed``: Optuna's samplers take 32-bit seeds (NumPy ``RandomState``) and each cell
 #: adds an offset below 2**24 to the space's seed.
 MAX_SEED = 2**32 - 2**24 - 1
+#: The characters ``task.dataset.sep`` may not be.
+SEP_REFUSED = frozenset("\"'\n\r")
 
 
 class SpaceError(DptuneError, ValueError):
@@ -58,10 +63,13 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 class DatasetFileSpec(_Strict):
     """A data owner's own dataset (``task.dataset`` as a mapping; :class:`dptune.contract.DatasetFile`).
 
-    ``path`` and ``test_path``: local files or folders (a relative path is taken from the current
-    folder, ``file://`` is accepted) or object-store URIs (``s3://``, ``gs://``, ...: what
-    ``--storage`` accepts); ``format``: by suffix, or a folder by its content, under ``auto``.
-    ``input_column`` and ``label_column`` name a table's columns; an image folder has none."""
+    ``path`` and ``test_path``: local files or folders (``file://`` accepted; a relative path is taken
+    from the folder of the space file that writes it, one given by ``--set`` or a Python mapping from
+    the working folder: :data:`dptune.space.files.PATH_KEYS`) or object-store URIs (``s3://``,
+    ``gs://``, ...: what ``--storage`` accepts); ``format``: by suffix, or a folder by its content,
+    under ``auto``. ``input_column`` and ``label_column`` name a table's columns; an image folder has
+    none. ``sep``: a CSV or TSV file's delimiter, one character (None: ``,`` for csv, a tab for tsv);
+    left out of the dump when None, so the hash of a space without it is what it was before the key."""
 
     path: str = Field(min_length=1)
     format: DatasetFormat = "auto"
@@ -71,6 +79,9 @@ class DatasetFileSpec(_Strict):
     label_column: str | None = Field(None, min_length=1, description="ints or strings; not for an image folder")
     test_path: str | None = None
     test_public: bool = Field(False, description="the test file may be published (else it is private data)")
+    sep: str | None = Field(
+        None, exclude_if=lambda value: value is None, description="a csv or tsv file's delimiter, one character"
+    )
 
     @field_validator("path", "test_path")
     @classmethod
@@ -93,6 +104,23 @@ class DatasetFileSpec(_Strict):
             raise ValueError("an image folder has no columns: its class folders are the labels (drop the columns)")
         if self.format not in ("auto", "imagefolder") and not (self.input_column and self.label_column):
             raise ValueError(f"a {self.format} dataset needs input_column and label_column")
+        return self
+
+    @field_validator("sep")
+    @classmethod
+    def _one_character(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) != 1 or value in SEP_REFUSED):
+            raise ValueError(
+                "expected one character that separates the columns of a csv or tsv file, e.g. ';', '|' or "
+                '"\\t" (a tab), not a quote, a newline or a carriage return'
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _sep_of_a_table_file(self) -> Self:
+        """A named format that is not delimited refuses ``sep`` here; under ``auto`` the data check does."""
+        if self.sep is not None and self.format not in ("auto", *DELIMITED_FORMATS):
+            raise ValueError(f"sep applies to csv and tsv files; this dataset is {self.format}: drop sep")
         return self
 
     @model_validator(mode="after")
@@ -121,7 +149,8 @@ class TimmBackboneSpec(_Strict):
 
 
 def _local_path(value: str) -> str:
-    """``value`` (a path, ``~`` or ``file://`` allowed) as an absolute path, taken from the current folder."""
+    """``value`` (a path, ``~`` or ``file://`` allowed) as an absolute path, taken from the working folder
+    (a relative path written in a space file arrives here already taken from that file's folder)."""
     return str(Path(value.removeprefix("file://")).expanduser().resolve())
 
 
@@ -170,6 +199,27 @@ class TaskSpec(_Strict):
             f"a backbone mapping has the key hf ({{hf: DIR, pooling: mean|cls}}) or timm "
             f"({{timm: NAME, weights: FILE}}), not {sorted(value)}"
         )
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _tokens_of_texts(cls, value: int | None, info: ValidationInfo) -> int | None:
+        backbone = info.data.get("backbone")  # validated before max_tokens, when valid
+        if value is not None and isinstance(backbone, str) and reads_no_text(backbone):
+            raise ValueError(
+                f"applies to a text backbone; backbone {backbone} reads no text: set task.max_tokens: null"
+            )
+        return value
+
+
+#: The mapping forms of ``task.backbone`` (its validator turns each into a name).
+BACKBONE_FORMS: tuple[type[_Strict], ...] = (HfBackboneSpec, TimmBackboneSpec)
+
+
+def reads_no_text(backbone: str) -> bool:
+    """Whether ``backbone``, told from its name alone (no registry loaded), encodes no text: ``none``
+    (the rows are embeddings) and an own timm backbone (images). A registry image backbone is told
+    with the data (:func:`dptune.data.workload.check_spec`)."""
+    return backbone == NO_BACKBONE or backbone.startswith(TIMM_PREFIX)
 
 
 class RangeSpec(_Strict):
@@ -501,17 +551,21 @@ class Cell:
 
 @dataclass(frozen=True)
 class LoadedSpace:
-    """A validated space with the text it came from (recorded with the results, hashed into its id)."""
+    """A validated space with the text it came from (recorded with the results, hashed into its id).
+
+    ``notes``: what loading changed that the user should hear (each one line), e.g. an inherited key
+    that does not apply; printed with the search's other warnings."""
 
     space: SearchSpace
     path: Path
     text: str
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def spec_hash(self) -> str:
         """16 hex digits of SHA-256 of the validated space, not of its text: every key with its value as
         the model holds it (defaults filled in, ``1``, ``1.0`` and ``1.0e-05``/``1e-5`` as the number
-        they are, relative paths resolved from the current folder), keys sorted, without
+        they are, paths absolute: :data:`dptune.space.files.PATH_KEYS`), keys sorted, without
         ``UNRECORDED``. The same space in another layout (block or flow lists, key order, comments,
         number spelling) has the same hash; a changed value has another."""
         canonical = self.space.model_dump(mode="json", exclude={UNRECORDED})

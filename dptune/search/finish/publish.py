@@ -15,6 +15,22 @@ Which model, and what its (ε, δ) covers:
   configuration, the noisy validation score, the test accuracy only where the test split is public,
   and (ε_total, δ), which covers the tuning, the selection and this model. Nothing that orders it
   among the runs (no trial id, no time) leaves the trust boundary.
+
+The card (``model_card.json``), each field in its JSON type:
+
+- ``dptune_version`` (string); ``peft`` and ``logits`` (strings: ``contract.LogitsRule``);
+- ``model``: ``cell_id``, ``clipping`` (strings), ``trial_id`` (string; null in a private release);
+- ``data``: ``dataset`` (string), ``class_names`` (strings, in label order), ``data_sha256`` (string; null
+  in a private release), the features' provenance as the model file records it (strings: ``backbone``,
+  ``weights_sha256``, ``precision``, ``pooling``, ``privacy_unit``, ``input_column``, ``frozen_sha256``,
+  where the run has them) but ``max_tokens``, an integer (null for an image backbone), and ``notes``;
+- ``parameters``: each trained parameter's shape (integers);
+- ``configuration``: ``CONFIG_COLUMNS``, each in the JSON type of its ``trials`` column (integers, numbers,
+  strings; null where the record has none);
+- ``privacy``: ``epsilon``, ``delta`` (numbers), ``covers``, ``search_guarantee`` (strings);
+- ``accuracy``: accuracies (numbers), their 95 % Wilson intervals (two numbers, or null) and the rows or
+  people they were measured on (integers); a private release's ``test_*`` are null where its test split
+  is not public, and ``test_withheld`` says why (a string, else null).
 """
 
 from __future__ import annotations
@@ -25,12 +41,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 from scipy import stats
 
 from dptune import __version__
 from dptune.contract import TrainedModel
 from dptune.paths import write_file_atomic
-from dptune.records import read_table, release_label, withheld_reason
+from dptune.records import SCHEMAS, read_table, release_label, withheld_reason
 from dptune.records.weights import CARD_JSON, CARD_MD, MODEL_FILE, MODELS_FOLDER, read_weights, weights_bytes
 
 #: Confidence of the accuracy intervals on a card (Wilson score interval of one run's k of n).
@@ -224,13 +241,13 @@ def _publish(
             "dataset": str(run["dataset"]),
             "class_names": class_names,
             "data_sha256": fingerprint,
-            **provenance,
+            **{name: _card_value(name, value) for name, value in provenance.items()},
             "notes": f"{data_note}; the class names (the model's outputs) are taken as public",
         },
         "peft": str(run["peft"]),
         "logits": trained.logits,
         "parameters": {name: list(value.shape) for name, value in trained.parameters.items()},
-        "configuration": {name: _plain(run[name]) for name in CONFIG_COLUMNS},
+        "configuration": {name: _typed(run[name], SCHEMAS["trials"].field(name).type) for name in CONFIG_COLUMNS},
         "privacy": privacy,
         "accuracy": accuracy,
     }
@@ -253,11 +270,22 @@ def released_model(trained: TrainedModel, disclosure: Disclosure) -> TrainedMode
     return replace(trained, provenance=provenance)
 
 
-def _plain(value: Any) -> Any:
-    """A record's value as JSON: numpy scalars as Python numbers, missing as None."""
+def _card_value(name: str, value: str) -> Any:
+    """A provenance value (a string in the model file's header) in its card's JSON type: ``max_tokens`` an
+    int, or None where the model file says ``"None"`` (an image backbone); every other a string."""
+    if name == "max_tokens":
+        return None if value == "None" else int(value)
+    return value
+
+
+def _typed(value: Any, column: pa.DataType) -> Any:
+    """A record's value in the JSON type of its ``column`` (int, float or str), missing as None: an integer
+    column read with a missing value elsewhere comes back as floats, and numpy scalars are no JSON."""
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
-    return value.item() if hasattr(value, "item") else value
+    if pa.types.is_integer(column):
+        return int(value)
+    return float(value) if pa.types.is_floating(column) else str(value)
 
 
 def _unit_text(unit: str | None) -> str:
@@ -313,8 +341,9 @@ def card_markdown(card: dict[str, Any]) -> str:
     lines += [f"- {name}: {value}" for name, value in config.items()]
     lines += [
         "",
-        "Predict with `python -m dptune.predict --model <this folder> --input FILE --column COL --output FILE`"
-        " (an image folder as FILE takes no --column).",
+        "Predict with `python -m dptune.predict --model <this folder> --input FILE --output FILE` (the input"
+        " column by default the one the model was trained on; `--column COL` names another), or in Python"
+        " `dptune.load_model(<this folder>).predict(texts)`.",
         "",
     ]
     return "\n".join(lines)

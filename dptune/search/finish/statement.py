@@ -34,7 +34,7 @@ OUTSIDE = (
 )
 
 #: How a data owner scores the released model on labelled rows of their own, inside their boundary.
-OWNER_EVALUATION = "python -m dptune.predict --model <model folder> --input FILE --column COL --label-column LABEL"
+OWNER_EVALUATION = "python -m dptune.predict --model <model folder> --input FILE --label-column LABEL"
 
 #: The statement of a search whose coins are public (``reproducible: true``), whatever its shape.
 PUBLIC_COINS = (

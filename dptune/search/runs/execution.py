@@ -364,6 +364,12 @@ def selection_value(config: TrialConfig, status: str, val_accuracy: float, noisy
     return value if status == "ok" and math.isfinite(value) else 0.0
 
 
+#: Told, as a unit's runs train (:func:`run_configurations`), how many of its pending runs (those not recorded
+#: when it began) are trained so far, ≥ 0 (fractional inside a fused group: k runs at epoch e of E count
+#: k·e/E), and whether that many are recorded.
+UnitProgress = Callable[[float, bool], None]
+
+
 @dataclass(frozen=True)
 class FailedUnits:
     """The runs of a cell's units that failed for good in a Tune run: their ``trial_ids`` and the last
@@ -415,19 +421,27 @@ def run_configurations(
     context: TrialContext,
     configurations: Sequence[dict[str, Any]],
     report: Callable[[EpochMetrics], None] | None = None,
+    progress: UnitProgress | None = None,
 ) -> UnitOutcome:
     """Run every (configuration, replicate) of ``configurations`` that is not recorded yet.
 
     ``report`` (trial runner, one configuration and one replicate only) is called after every epoch
-    but the last, which the caller reports itself once the result is written. Then the unit's files
-    are compacted (``records.compact_records``: its rows and weights into a few files). Returns what the
-    cell's sampler is told; recorded runs count with their recorded values.
+    but the last, which the caller reports itself once the result is written. ``progress`` is told the
+    pending runs trained so far as they train (:data:`UnitProgress`), never of the last: the caller
+    reports the unit's end itself. Then the unit's files are compacted (``records.compact_records``: its
+    rows and weights into a few files). Returns what the cell's sampler is told; recorded runs count
+    with their recorded values.
     """
     store = ResultsStore(context.results_root)
     recorded = store.completed_trial_ids()
     runs = unit_runs(context, configurations)
     pending = [run for run in runs if run.trial_id not in recorded]
     results: dict[str, TrialResult] = {}  # by trial id
+
+    def trained(runs_trained: float, written: bool) -> None:
+        if progress is not None and runs_trained < len(pending):
+            progress(runs_trained, written)
+
     run_ids = charge_runs(context, pending)
     if context.fused and pending:
         from dptune.runners.fused import FusedTrialsFailed, run_fused
@@ -440,9 +454,10 @@ def run_configurations(
             )
             for position, result in zip(positions, finished, strict=True):
                 results[pending[position].trial_id] = result
+            trained(len(results), True)
 
         try:
-            run_fused([run.config for run in pending], on_done=record)
+            run_fused([run.config for run in pending], on_done=record, progress=lambda runs: trained(runs, False))
         except FusedTrialsFailed as failure:  # the failed group's runs record what they spent
             unrecorded = [p for p, run in enumerate(pending) if run.trial_id not in results]
             record(unrecorded, [failure.results[p] for p in unrecorded])
@@ -450,6 +465,7 @@ def run_configurations(
         per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
         for run, run_id in zip(pending, run_ids, strict=True):
             results[run.trial_id] = _run_one(context, run, per_epoch, run_id)
+            trained(len(results), True)
     compact_records(context.results_root, [run.trial_id for run in runs])  # the unit's own files, now it ends
     return _outcome(context, runs, results, len(pending))
 

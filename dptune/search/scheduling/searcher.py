@@ -29,6 +29,7 @@ from dptune.records import read_table
 from dptune.records.ledger import started_runs
 from dptune.search.planning.sampler import CellSampler
 from dptune.search.runs.execution import FailedUnits, TrialContext, record_pruned, unit_runs
+from dptune.search.scheduling.progress import say
 from dptune.search.scheduling.reconcile import unknown_configurations
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
@@ -182,10 +183,9 @@ class CellMultiplexer(Searcher):
                 self.suggested[cell_key] += sum(told.state != "pruned" for told in found.told)
             unrecorded[cell_key] = found.unrecorded
         if count := sum(map(len, unrecorded.values())):
-            print(
+            say(
                 f"{count} configuration(s) charged in the privacy ledger after Tune last saved its state run "
-                "again, as they were charged",
-                flush=True,
+                "again, as they were charged"
             )
         return unrecorded
 

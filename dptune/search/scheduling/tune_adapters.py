@@ -21,8 +21,8 @@ import json
 import logging
 import os
 import signal
+import time
 import traceback
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,10 +46,17 @@ from dptune.search.runs.execution import (
     write_result,
 )
 from dptune.search.runs.private_units import UNIT_DONE, PrivateUnit, run_private_unit
+from dptune.search.scheduling.progress import CellTally, SearchProgress, recorded_statuses
 from dptune.search.scheduling.searcher import CELL_KEY, METRIC, SCORES_KEY, Unit
 
-#: Key of a unit's last report: its runs' statuses, counted (JSON), for the cell's progress line.
+#: Key of a unit's last report: the status of each of its runs, in ``unit_runs`` order (a JSON list), for
+#: its cell's progress.
 RUN_STATUSES_KEY = "run_statuses"
+#: Key of a unit's intermediate report: how many of its runs not recorded when it began are trained so far
+#: (fractional inside a fused group), for its cell's progress (``execution.UnitProgress``).
+RUNS_TRAINED_KEY = "runs_trained"
+#: A unit reports its runs trained at most this often (s) between epochs, and each time it records runs.
+PROGRESS_INTERVAL_S = 2.0
 #: Key of the report of a unit that could not write to the results folder (a full or read-only disk):
 #: the error, in one line. The driver then ends the search (:meth:`TuneRunState.stop_search`).
 STORAGE_ERROR_KEY = "storage_error"
@@ -100,18 +107,28 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
 
     A unit of one configuration and one replicate on the ``trial`` runner reports every epoch
     but the last (ASHA decides on them); the last is reported once, after the result is written,
-    so a trial that trained every epoch keeps its full record whatever the scheduler does.
+    so a trial that trained every epoch keeps its full record whatever the scheduler does. A unit of
+    more runs (fused, or several on the ``trial`` runner: never under a scheduler) reports its runs
+    trained so far (``RUNS_TRAINED_KEY``) each time it records runs, and between epochs at most every
+    ``PROGRESS_INTERVAL_S``, so its cell's progress moves before it ends.
     """
     unit = Unit.of(params, contexts)
     context = contexts[unit.cell_key]
     epochs = context.base.epochs
+    last_report = time.monotonic()
 
     def report(metrics: EpochMetrics) -> None:
         if metrics.epoch < epochs:
             tune.report({**asdict(metrics), "done_recording": False})
 
+    def progress(trained: float, recorded: bool) -> None:
+        nonlocal last_report
+        if recorded or time.monotonic() - last_report >= PROGRESS_INTERVAL_S:
+            last_report = time.monotonic()
+            tune.report({RUNS_TRAINED_KEY: trained, METRIC: float("nan"), "done_recording": False})
+
     try:
-        outcome = run_configurations(context, unit.configurations, report)
+        outcome = run_configurations(context, unit.configurations, report, progress)
     except OSError as error:  # the results folder is full or read-only: the driver ends the search
         if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
             tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
@@ -119,7 +136,7 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
     tune.report(
         {
             SCORES_KEY: outcome.scores,
-            RUN_STATUSES_KEY: json.dumps(Counter(outcome.run_statuses)),
+            RUN_STATUSES_KEY: json.dumps(outcome.run_statuses),
             METRIC: max(outcome.scores),
             "epoch": epochs,
             "ran": outcome.ran,
@@ -285,15 +302,19 @@ def stop_on_signals(state: TuneRunState) -> Iterator[None]:
 
 
 class RecordAndReport(StopOnStorageFailure):
-    """Driver-side: a progress line per unit, and the records of runs a unit could not write itself.
+    """Driver-side: each cell's progress (:class:`~dptune.search.scheduling.progress.SearchProgress`: a bar
+    where someone watches, plain lines elsewhere), and the records of runs a unit could not write itself.
 
-    ``cells`` maps a ``cell_key`` to its :class:`CellRun`. A unit stopped by ASHA records the steps
-    of its last report (rows and a ledger end entry). A unit whose process was lost is retried by
-    Tune (``FailureConfig``); its unrecorded runs stay charged their planned steps in the ledger, get
-    no row, and run again on a retry or on ``--resume``. No hook raises: a failure (a full disk) ends
-    the search through :meth:`TuneRunState.stop_search`. (An end-to-end private search has none of this:
-    its units report nothing of their runs, :func:`private_unit_trainable`.) It pickles without its
-    contexts and run state; a restored Tuner's gets this driver's (:meth:`bind`).
+    ``cells`` maps a ``cell_key`` to its :class:`CellRun`. A unit's intermediate reports move its cell's
+    progress (``RUNS_TRAINED_KEY`` of a fused unit, the epochs of a trial unit); its last report's run
+    statuses count its runs done. A unit stopped by ASHA records the steps of its last report (rows and a
+    ledger end entry). A unit whose process was lost is retried by Tune (``FailureConfig``); its
+    unrecorded runs stay charged their planned steps in the ledger, get no row, and run again on a retry
+    or on ``--resume``. No hook raises: a failure (a full disk) ends the search through
+    :meth:`TuneRunState.stop_search`. (An end-to-end private search has none of this: its units report
+    nothing of their runs, :func:`private_unit_trainable`.) It pickles without its contexts, run state
+    and display; a restored Tuner's gets this driver's (:meth:`bind`), and its display starts from the
+    runs the results folder holds.
     """
 
     def __init__(self, cells: dict[str, CellRun], state: TuneRunState) -> None:
@@ -301,8 +322,7 @@ class RecordAndReport(StopOnStorageFailure):
         self._cells: dict[str, CellRun] | None = cells  # None once unpickled, until bound
         self._contexts: Mapping[str, TrialContext] | None = None
         self._cell_labels = {cell_key: (cell.label, cell.budget) for cell_key, cell in cells.items()}
-        self.finished = dict.fromkeys(cells, 0)
-        self.runs: dict[str, Counter[str]] = {cell_key: Counter() for cell_key in cells}  # runs per status, so far
+        self._progress: SearchProgress | None = None  # this driver's display, from its first event
         self.best: dict[str, tuple[float, dict[str, Any]]] = {}
 
     @property
@@ -314,38 +334,60 @@ class RecordAndReport(StopOnStorageFailure):
             raise RuntimeError("a restored Tuner's callback was not bound to this driver (tuners.restore_tuner)")
         return {key: CellRun(self._contexts[key], label, budget) for key, (label, budget) in self._cell_labels.items()}
 
+    @property
+    def progress(self) -> SearchProgress:
+        """This driver's display of the cells, started at the runs each has recorded."""
+        if self._progress is None:
+            tallies, recorded = {}, {}
+            for key, cell in self.cells.items():
+                context = cell.context
+                where = (context.results_root, context.search_id)
+                if where not in recorded:  # the trials table read once per results folder, not once per cell
+                    recorded[where] = recorded_statuses(*where)
+                statuses = recorded[where].get(key, {})
+                tallies[key] = CellTally(cell.label, cell.budget, context.replicates, statuses, best=self._best(key))
+            self._progress = SearchProgress(tallies)
+        return self._progress
+
     def bind(self, contexts: Mapping[str, TrialContext], state: TuneRunState) -> None:
         """Give a restored (unpickled) callback this driver's context of each cell and its run state."""
         super().bind(contexts, state)
         self._contexts = contexts
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_cells": None, "_contexts": None}
+        return {**super().__getstate__(), "_cells": None, "_contexts": None, "_progress": None}
 
-    def _progress(self, unit: Unit, what: str = "", runs: Mapping[str, int] | None = None) -> None:
-        """One line for ``unit``'s cell: configurations done of its budget, its runs so far by status (the
-        counts the summary table shows at the end), the best so far, and ``what`` happened now.
-        ``runs``: the statuses of the unit's runs that ended, added to the cell's counts."""
-        if runs is not None:
-            self.finished[unit.cell_key] += len(unit.configurations)
-            self.runs[unit.cell_key].update(runs)
-        cell = self.cells[unit.cell_key]
-        replicates = f" × {cell.context.replicates} replicates" if cell.context.replicates > 1 else ""
-        counts = (
-            ", ".join(f"{count} {status}" for status, count in sorted(self.runs[unit.cell_key].items()))
-            or "no run ended"
-        )
-        best = ""
-        if unit.cell_key in self.best:
-            score, params = self.best[unit.cell_key]
-            clip = f"C={params['clip_bound']:.3g} " if "clip_bound" in params else ""
-            best = f"; best so far {score:.4f} ({clip}B={params['batch_size']} η₀={params['base_learning_rate']:.3g})"
-        now = f" ({what})" if what else ""
-        print(
-            f"[{cell.label}] {self.finished[unit.cell_key]}/{cell.budget} configurations{replicates}: "
-            f"runs {counts}{now}{best}",
-            flush=True,
-        )
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "_progress": None})
+
+    def setup(
+        self,
+        stop: Any = None,
+        num_samples: int | None = None,
+        total_num_samples: int | None = None,
+        **info: Any,
+    ) -> None:
+        with contextlib.suppress(Exception):  # the display is no reason to fail a search
+            _ = self.progress
+
+    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+        if self._progress is not None:
+            self._progress.close()
+
+    def on_trial_result(
+        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+    ) -> None:
+        super().on_trial_result(iteration, trials, trial, result, **info)
+        if result.get("done_recording", True):
+            return
+        with contextlib.suppress(Exception):
+            cell_key = trial.config[CELL_KEY]
+            if RUNS_TRAINED_KEY in result:
+                self.progress.training(cell_key, trial.trial_id, float(result[RUNS_TRAINED_KEY]))
+            elif "epoch" in result:  # a trial unit of one run, after an epoch but its last
+                self.progress.training(
+                    cell_key, trial.trial_id, result["epoch"] / self.cells[cell_key].context.base.epochs
+                )
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         try:
@@ -356,53 +398,73 @@ class RecordAndReport(StopOnStorageFailure):
     def _complete(self, trial: Any) -> None:
         last = trial.last_result or {}
         unit = self._unit(trial)
-        if not last.get("done_recording"):
-            if self.state.stopping or "epoch" not in last:  # stopped with the search: run on --resume
-                return
-            self._record_unfinished(unit, trial, "stopped_early", "stopped by the ASHA scheduler")
-            context = self.cells[unit.cell_key].context
-            self._progress(
-                unit,
-                f"stopped early at epoch {last.get('epoch')}",
-                {"stopped_early": len(unit.configurations) * context.replicates},
-            )
+        context = self.cells[unit.cell_key].context
+        if last.get("done_recording"):
+            scores = last.get(SCORES_KEY, [])
+            for params, score in zip(unit.configurations, scores, strict=False):
+                if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
+                    self.best[unit.cell_key] = (score, params)
+            runs = [run.trial_id for run in unit_runs(context, unit.configurations)]
+            statuses = dict(zip(runs, json.loads(last.get(RUN_STATUSES_KEY, "[]")), strict=False))  # display only
+            what = ""
+        elif self.state.stopping or "epoch" not in last:  # stopped with the search: run on --resume
             return
-        scores = last.get(SCORES_KEY, [])
-        for params, score in zip(unit.configurations, scores, strict=False):
-            if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
-                self.best[unit.cell_key] = (score, params)
-        self._progress(unit, runs=json.loads(last.get(RUN_STATUSES_KEY, "{}")))
+        else:
+            statuses = self._record_unfinished(unit, trial, "stopped_early", "stopped by the ASHA scheduler")
+            what = f"stopped early at epoch {last.get('epoch')}"
+        with contextlib.suppress(Exception):  # the display is no reason to stop a search
+            self.progress.cells[unit.cell_key].best = self._best(unit.cell_key)
+            self.progress.ended(unit.cell_key, trial.trial_id, statuses, what)
 
     def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
-            self._progress(
-                self._unit(trial),
+            self.progress.failed(
+                trial.config[CELL_KEY],
+                trial.trial_id,
                 f"trial process lost ({_error_line(trial)}); its unrecorded runs are charged their "
                 "planned steps and run again",
             )
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         with contextlib.suppress(Exception):
-            self._progress(
-                self._unit(trial),
+            self.progress.failed(
+                trial.config[CELL_KEY],
+                trial.trial_id,
                 f"error: {_error_line(trial)}; its unrecorded runs are charged their planned steps "
                 "and run again on --resume",
             )
+
+    def _best(self, cell_key: str) -> str:
+        """The cell's best score so far and its configuration, as shown (empty: none yet)."""
+        if cell_key not in self.best:
+            return ""
+        score, params = self.best[cell_key]
+        clip = f"C={params['clip_bound']:.3g} " if "clip_bound" in params else ""
+        return f"{score:.4f} ({clip}B={params['batch_size']} η₀={params['base_learning_rate']:.3g})"
 
     def _unit(self, trial: Any) -> Unit:
         """The unit ``trial`` runs, with its configurations (read from its file)."""
         return Unit.of(trial.config, {key: cell.context for key, cell in self.cells.items()})
 
-    def _record_unfinished(self, unit: Unit, trial: Any, status: TrialStatus, reason: str) -> None:
-        """Record ``unit``'s runs that wrote no record themselves, from ``trial``'s last report."""
+    def _record_unfinished(self, unit: Unit, trial: Any, status: TrialStatus, reason: str) -> dict[str, str]:
+        """Record ``unit``'s runs that wrote no record themselves, from ``trial``'s last report; the status
+        of each of its runs, by trial id (those it recorded itself read back)."""
         context = self.cells[unit.cell_key].context
         store = ResultsStore(context.results_root)
         last = trial.last_result or {}
+        statuses: dict[str, str] = {}
+        recorded = []
         for run in unit_runs(context, unit.configurations):
             if store.has_trial(run.trial_id):
-                continue  # the run wrote its full record before the unit ended
+                recorded.append(run.trial_id)  # the run wrote its full record before the unit ended
+                continue
             result = unfinished_result(context, run, status, reason, last, METRIC)
             write_result(context, FinishedRun(run, result), ledger=True)
+            statuses[run.trial_id] = status
+        if recorded:
+            rows = store.read("trials", ["trial_id", "status"], trial_ids=recorded)
+            statuses.update(zip(rows["trial_id"].astype(str), rows["status"].astype(str), strict=True))
+        return statuses
 
 
 def _error_line(trial: Any) -> str:

@@ -30,8 +30,8 @@ from dptune.space.tracking import TrackingSpec
 LIVE_POLL_S = 5.0
 #: Seconds one try of a request of the live logging may take. A request is tried twice (the second try at
 #: once: an idle connection the server closed between two looks fails its first), so a server that does not
-#: answer stops the live logging within ``2 * LIVE_TIMEOUT_S`` (the end's logging logs the rest), and the
-#: search waits at most that for it.
+#: answer stops the live logging within ``2 * LIVE_TIMEOUT_S`` (the end's logging logs the rest); a slow one
+#: that answers costs the search's end at most the requests of the run being logged.
 LIVE_TIMEOUT_S = 10
 #: MLflow's HTTP settings while logging live (forced; no "View run at" line per run).
 LIVE_SETTINGS = MappingProxyType(
@@ -48,8 +48,9 @@ def live_logging(tracking: TrackingSpec, results_root: str, search_id: str, *, p
     """Around a search's runs: with ``tracking.mlflow`` and unless ``private`` (a private search's runs,
     their number and their times stay inside its trust boundary), a thread logs each run of ``search_id``
     within about ``LIVE_POLL_S`` of its record at ``results_root``, nested under the ``search`` run it
-    starts. On the way out it is stopped after the run it is logging (waited for, at most about
-    ``2 * LIVE_TIMEOUT_S``; not waited for when the search raised). A failure stops it with one warning
+    starts. On the way out it is stopped after the run it is logging (waited for: a few requests, each
+    given up after ``2 * LIVE_TIMEOUT_S`` at most, and the first that fails stops the thread; not waited
+    for when the search raised). A failure stops it with one warning
     line; ``tracking.log_search`` logs what it did not at the end."""
     if tracking.mlflow is None or private:
         yield

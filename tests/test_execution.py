@@ -175,3 +175,30 @@ def test_the_sampler_is_told_the_noisy_score_when_the_run_has_one_and_zero_for_a
     assert selection_value(noisy, "ok", 0.6, 0.55) == 0.55
     assert selection_value(base, "diverged", 0.6, math.nan) == 0.0
     assert selection_value(base, "ok", math.nan, math.nan) == 0.0
+
+
+def test_a_resume_reconciles_a_cell_beside_its_auto_s_twin_whose_starts_have_no_clip_bound(tmp_path: Path) -> None:
+    """The start entries read on ``--resume`` are every cell's: the AUTO-S twin's (cell key ``<key>-auto_s``,
+    no C sampled) share the normalized cell's key as a prefix and are not its configurations."""
+    import pandas as pd
+
+    from dptune.records.ledger import RunStart
+    from dptune.search.planning.sampler import CellSampler, CellSpec
+    from dptune.search.scheduling.reconcile import unknown_configurations
+
+    cell = context(tmp_path)
+    values = {"clip_bound": {"values": [0.5]}, "base_learning_rate": {"values": [0.05]}}
+    sampler = CellSampler(CellSpec("grid", 0, BATCH_SIZES, BATCH_SIZES, values))
+
+    def start(cell_key: str, params: dict[str, float]) -> RunStart:
+        configuration = configuration_id(cell_key, params)
+        trial = replicate_trial_id(configuration, 0)
+        return RunStart(trial, configuration, 0, "s", cell.cell_id, "normalized", params, 1.0, 0.3, 7, 1e-5, EPSILON)
+
+    own = {"clip_bound": 0.5, "batch_size": 32, "base_learning_rate": 0.05}
+    twin = {"batch_size": 32, "base_learning_rate": 0.05}
+    trials = pd.DataFrame(columns=["configuration_id", "trial_id", "status"])
+    found = unknown_configurations(
+        cell, sampler, [start(f"{cell.cell_key}-auto_s", twin), start(cell.cell_key, own)], trials
+    )
+    assert found.unrecorded == [own] and found.told == []

@@ -17,6 +17,7 @@ and every configuration that took a step is run until each replicate has its row
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,10 @@ def unknown_configurations(
     def unknown(params: dict[str, Any], configuration: str) -> bool:
         return configuration == configuration_id(context.cell_key, params) and params_key(params) not in known
 
+    own = re.compile(rf"{re.escape(context.cell_key)}-[0-9a-f]{{12}}")  # not another cell's (its `-auto_s` twin's)
     for start in started:
+        if not own.fullmatch(start.configuration_id):
+            continue
         params = _sampled(start.params, names)
         if unknown(params, start.configuration_id) and any(
             replicate_trial_id(start.configuration_id, r) not in recorded for r in range(context.replicates)

@@ -2,6 +2,8 @@
 synthetic ledgers and ``trials`` tables of 500, 2,000 and 8,000 runs (2 replicates each; one row in
 seven missing, so some configurations are charged without their rows), against a fresh sampler that
 knows none of them: seconds (best of 3) and microseconds per run. No Ray, no training (issue 49).
+Then a racing round's decision (``search.scheduling.racing.next_round``, issue 54) on the same ledger
+with every row recorded and scores spread over 20 points: its seconds and µs per run.
 
     .venv/bin/python bench/bench_reconcile_scale.py [--runs 500 2000 8000]
 """
@@ -23,7 +25,9 @@ from dptune.records import replicate_trial_id  # noqa: E402
 from dptune.records.ids import configuration_id  # noqa: E402
 from dptune.records.ledger import RunStart  # noqa: E402
 from dptune.search.planning.sampler import CellSampler  # noqa: E402
+from dptune.search.scheduling.racing import next_round  # noqa: E402
 from dptune.search.scheduling.reconcile import unknown_configurations  # noqa: E402
+from dptune.space.spec import RacingSpec  # noqa: E402
 from test_tune_adapters import GRID, context  # noqa: E402  (the tests' real cell context and spec)
 
 
@@ -67,6 +71,29 @@ def main() -> None:
             unknown_configurations(cell, CellSampler(spec), started, trials)
             seconds.append(time.perf_counter() - start)
         print(f"{runs} runs: {min(seconds):.3f} s, {min(seconds) / runs * 1e6:.0f} µs per run", flush=True)
+        whole = pd.DataFrame(
+            {
+                "configuration_id": [start.configuration_id for start in started],
+                "trial_id": [start.trial_id for start in started],
+                "replicate": [start.replicate for start in started],
+                **{name: [start.params[name] for start in started] for name in started[0].params},
+                "search_id": "s",
+                "cell_id": cell.cell_id,
+                "clipping": "normalized",
+                "status": "ok",
+                "val_accuracy": [0.6 + 0.2 * (index % 97) / 97 for index in range(len(started))],
+                "train_loss": 1.0,
+                "num_val": 1000,
+                "num_test": 1000,
+            }
+        ).assign(test_accuracy=lambda frame: frame["val_accuracy"])
+        names = list(spec.distributions())
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            next_round(cell, RacingSpec(budget=10_000), names, whole, started, None)
+            seconds.append(time.perf_counter() - start)
+        print(f"{runs} runs: a racing round {min(seconds):.3f} s, {min(seconds) / runs * 1e6:.0f} µs per run")
 
 
 if __name__ == "__main__":

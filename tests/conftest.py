@@ -289,6 +289,20 @@ def run_search(env: dict[str, str], *args: str, timeout: float = 1200) -> subpro
     )
 
 
+def start_search(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """``python -m dptune.search`` with the test caps and ``args``, started in a subprocess that leads its
+    own process group (as a shell's foreground job does: a Ctrl+C goes to the group), its output piped."""
+    return subprocess.Popen(
+        search_command(*args),
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(scope="session")
 def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One DPTUNE_CACHE_DIR for the run's subprocesses, every xdist worker's included (features

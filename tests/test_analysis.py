@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from scipy import stats
 
 import expected
 from dptune import analysis as an
@@ -469,13 +470,45 @@ def test_configurations_rank_by_mean_over_replicates_with_se(tmp_path: Path) -> 
     best = an.best_configurations(results.tuned).iloc[0]
     assert (best["clip_bound"], best["batch_size"], best["within_noise"], best["configurations"]) == (1.0, 256, 2, 3)
     assert (best["clip_low"], best["clip_high"], best["batch_low"], best["batch_high"]) == (0.1, 1.0, 64, 256)
-    t = 4.302653  # Student t, 2 degrees of freedom, 97.5 %
-    assert best["interval_source"] == "replicates"
-    assert (best["val_low"], best["val_high"]) == pytest.approx(
-        (0.72 - t * 0.02 / math.sqrt(3), 0.72 + t * 0.02 / math.sqrt(3)), rel=1e-5
-    )
-    test_std = np.std([0.60, 0.62, 0.67], ddof=1)
-    assert best["test_high"] == pytest.approx(0.63 + t * test_std / math.sqrt(3), rel=1e-5)
+    # the interval: coins' variance pooled (ν = 3) over R = 3 plus the split's binomial variance
+    assert best["interval_source"] == "coins and split"
+    assert (best["val_low"], best["val_high"]) == pytest.approx(_coins_and_split(0.72, 1000, 3, pooled, 3.0))
+    # test: A's own variance exceeds the pool (B's and C's test scores tie: pooled 0); the pool's ν = 3
+    test_variance = np.var([0.60, 0.62, 0.67], ddof=1)
+    assert (best["test_low"], best["test_high"]) == pytest.approx(_coins_and_split(0.63, 600, 3, test_variance, 3.0))
+
+
+def _wilson(accuracy: float, rows: int) -> tuple[float, float]:
+    """Wilson's 95 % score interval of round(accuracy·rows) of rows, by scipy."""
+    interval = stats.binomtest(round(accuracy * rows), rows).proportion_ci(0.95, method="wilson")
+    return interval.low, interval.high
+
+
+def _coins_and_split(mean: float, rows: int, replicates: int, variance: float, df: float) -> tuple[float, float]:
+    """The interval of a configuration's mean, computed here from its definition (analysis.intervals)."""
+    coins = stats.t.ppf(0.975, df) * math.sqrt(variance / replicates)
+    low, high = _wilson(mean, rows)  # MOVER (Zou & Donner 2008): the two half-widths in quadrature, per side
+    return max(0.0, mean - math.hypot(coins, mean - low)), min(1.0, mean + math.hypot(coins, high - mean))
+
+
+def test_tied_replicates_get_an_interval_no_narrower_than_the_splits(tmp_path: Path) -> None:
+    configs = [
+        Replicated(1.0, 256, 1e-3, (0.979, 0.979), (0.958, 0.958)),
+        Replicated(0.1, 256, 1e-3, (0.9, 0.9), (0.9, 0.9)),
+    ]
+    results = _replicated(tmp_path, {EPS_LOOSE: configs}, num_val=143, num_test=143)
+    best = an.best_configurations(results.tuned).iloc[0]
+    assert best["val_std"] == 0 and best["test_std"] == 0  # the replicates tie: a t interval is a point
+    assert (best["test_low"], best["test_high"]) == pytest.approx(_wilson(0.958, 143))
+    assert best["test_high"] - best["test_low"] > 0.05
+    # the console's summary and the report's guideline table print that interval
+    from dptune.report import build_report
+    from dptune.search.finish.outcome import format_summary, summary_table
+
+    root = str(tmp_path / "rep")
+    assert f"[{best['test_low']:.3f}, {best['test_high']:.3f}]" in format_summary(summary_table(root))
+    page = build_report([root], tmp_path / "report").read_text()
+    assert f"[{100 * best['test_low']:.1f}, {100 * best['test_high']:.1f}]" in page
 
 
 def test_single_replicate_noise_is_the_validation_splits_binomial_noise(tmp_path: Path) -> None:
@@ -495,9 +528,8 @@ def test_single_replicate_noise_is_the_validation_splits_binomial_noise(tmp_path
     assert ranked.loc[0.1, "within_noise"]  # .02 ≤ 1.92·√(.0129² + .0132²) ≈ .035
     assert not ranked.loc[10.0, "within_noise"]  # .05 > 1.92·√(.0129² + .0136²) ≈ .036
     best = an.best_configurations(results.tuned).iloc[0]
-    assert best["interval_source"] == "binomial" and best["within_noise"] == 2
-    half = 1.959964 * math.sqrt(0.74 * 0.26 / 2000)
-    assert (best["test_low"], best["test_high"]) == pytest.approx((0.74 - half, 0.74 + half), rel=1e-5)
+    assert best["interval_source"] == "split" and best["within_noise"] == 2
+    assert (best["test_low"], best["test_high"]) == pytest.approx(_wilson(0.74, 2000))
 
 
 def test_single_replicate_results_select_exactly_as_trials_did(results: an.Results) -> None:
@@ -505,7 +537,7 @@ def test_single_replicate_results_select_exactly_as_trials_did(results: an.Resul
     trials = an.select_best(results.tuned, an.CELL)
     assert best["trial_id"].tolist() == trials["trial_id"].tolist() and (best["replicates"] == 1).all()
     assert np.allclose(best["val_accuracy"], trials["val_accuracy"])
-    assert (best["interval_source"] == "binomial").all() and (best["within_noise"] >= 1).all()
+    assert (best["interval_source"] == "split").all() and (best["within_noise"] >= 1).all()
     assert ((best["val_low"] <= best["val_accuracy"]) & (best["val_accuracy"] <= best["val_high"])).all()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_search, search_command
+from conftest import REPO_ROOT, run_search, search_command, start_search
 from dptune import search
 from dptune.records import lease, read_table
 from expected import pld_epsilon
@@ -163,15 +163,7 @@ def test_a_trial_worker_whose_search_is_gone_starts_and_writes_nothing(tmp_path:
 
 def test_two_searches_on_one_folder_run_one_and_refuse_the_other(search_env: dict[str, str], tmp_path: Path) -> None:
     args = (*SMALL, "--storage", str(tmp_path), "--set", "training.runner=trial")
-    first = subprocess.Popen(
-        search_command(*args, "--resume"),
-        cwd=REPO_ROOT,
-        env=search_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its embedded Ray's processes are in its session: checked below
-    )
+    first = start_search(search_env, *args, "--resume")  # its embedded Ray's processes in its session
     lease_file = tmp_path / "tiny" / lease.LEASE_FILE
     deadline = time.monotonic() + 900  # generous: a machine at load 10 starts Python slowly
     while not (lease_file.is_file() and lease_file.read_text()):
@@ -720,15 +712,7 @@ def test_a_stop_signal_leaves_the_search_unfinished_and_resume_runs_the_rest_onc
         "--set",
         "base_learning_rate.values=[0.01, 0.001]",
     )
-    driver = subprocess.Popen(
-        search_command(*args),
-        cwd=REPO_ROOT,
-        env=search_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # the driver leads its own process group, as a shell's foreground job does
-    )
+    driver = start_search(search_env, *args)
     root = tmp_path / "tiny"
     deadline = time.monotonic() + 900
     while not list((root / "ledger").glob("end-*.json")):

@@ -172,13 +172,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dp": frozenset({"models", "privacy"}),
     "records": frozenset(),
     "runners": frozenset({"dp", "data", "models", "plan", "privacy", "records"}),
-    "analysis": frozenset({"plan", "records"}),
+    "analysis": frozenset({"plan", "records", "space"}),
     "report": frozenset({"analysis", "records"}),
     "search.preflight": frozenset({"space", "plan", "privacy", "records"}),
     "search.planning": frozenset({"space", "plan", "privacy", "data", "runners", "records", "search.runs"}),
     "search.runs": frozenset({"runners", "records", "plan", "privacy"}),
     "search.scheduling": frozenset(
-        {"search.preflight", "search.runs", "search.planning", "space", "records", "plan", "privacy"}
+        {"search.preflight", "search.runs", "search.planning", "space", "records", "plan", "privacy", "analysis"}
     ),
     "search.finish": frozenset(
         {

@@ -385,8 +385,16 @@ def test_a_search_logs_each_run_its_models_and_report(
     models = sorted((root / "models").iterdir())
     assert len(models) == 2
     for model in models:
-        trial_id = json.loads((model / CARD_JSON).read_text())["model"]["trial_id"]
+        card = json.loads((model / CARD_JSON).read_text())
+        trial_id = card["model"]["trial_id"]
         source = runs[trial_id].info.run_id
+        metrics = client.get_run(source).data.metrics  # the card's intervals, the numbers it prints
+        intervals = {
+            key.removesuffix("_interval"): value for key, value in card["accuracy"].items() if key.endswith("_interval")
+        }
+        assert set(intervals) == {"val", "test", "configuration_val", "configuration_test"}
+        for name, interval in intervals.items():
+            assert [metrics[f"{name}_accuracy_low"], metrics[f"{name}_accuracy_high"]] == interval, name
         logged_model = Path(client.download_artifacts(source, "model", str(tmp_path / trial_id)))
         assert {path.name for path in logged_model.iterdir()} >= {"MLmodel", "python_model.pkl", "requirements.txt"}
         assert f"dptune=={__version__}" in (logged_model / "requirements.txt").read_text().split()

@@ -330,14 +330,18 @@ def test_replicated_results_show_intervals_and_where_the_paper_holds(tmp_path: P
         encoding="utf-8"
     )
     best = html_table(page, "Best configuration per cell").set_index(["ε", "E"])
-    half = 4.302653 * 0.005 / 3**0.5  # Student t (2 df) · std/√R, by hand
     sure = best.loc[("1", "10")]
     assert (sure["optimal C [interval]"], sure["optimal B [interval]"], sure["R"]) == (
         "10 [10, 10]",
         "64 [64, 64]",
         "3",
     )
-    assert sure["val % [interval]"] == f"70.0 [{100 * (0.70 - half):.1f}, {100 * (0.70 + half):.1f}]"
+    # the one interval function at the cell's pooled spread: every configuration's std is .005 at R = 3, each
+    # variance scaled by the median of χ²₂/2 (ln 2), with Σ(R − 1)/2 = 6 degrees of freedom; n_val = 300
+    low, high = an.accuracy_interval(0.70, 300, 3, 0.005**2 / math.log(2), 6)
+    assert sure["val % [interval]"] == f"70.0 [{100 * low:.1f}, {100 * high:.1f}]"
+    wilson = an.accuracy_interval(0.70, 300)
+    assert low <= wilson[0] and high >= wilson[1]  # never narrower than the split's own interval
     assert sure["within noise"] == "1 of 6"
     wide = best.loc[("1", "3")]  # gap .05 < d·√(2·.1²/3) ≈ .2 (d ≈ 2.4 at K = 6): every configuration is within noise
     assert wide["within noise"] == "6 of 6" and wide["optimal C [interval]"] == "10 [0.1, 10]"

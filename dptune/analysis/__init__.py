@@ -53,6 +53,7 @@ from dptune.analysis.configurations import (
     best_set_constant,
     normal_quantile,
     rank_configurations,
+    with_intervals,
 )
 from dptune.analysis.coverage import coverage, missing_data, privacy_statements, task_difficulty, task_order
 from dptune.analysis.efficiency import replicated_grid_cells, search_efficiency, trials_needed
@@ -64,8 +65,9 @@ from dptune.analysis.gradients import (
     retention_weights,
     stratum_accuracy_by_clip,
 )
-from dptune.analysis.grid import accuracy_grid, unfinished_bins
+from dptune.analysis.grid import accuracy_grid, configuration_intervals, unfinished_bins
 from dptune.analysis.guideline import FixedSetting, fixed_setting, guideline_table
+from dptune.analysis.intervals import IntervalSource, accuracy_interval, accuracy_intervals
 from dptune.analysis.results import (
     AUTO_S,
     BINS_PER_DECADE,
@@ -129,6 +131,7 @@ __all__ = [
     "check_results_paths",
     "class_strata",
     "clipping_diagnostics",
+    "configuration_intervals",
     "coverage",
     "diagnosed_best",
     "finished_trials",
@@ -162,5 +165,9 @@ __all__ = [
     "trends",
     "trials_needed",
     "unfinished_bins",
+    "with_intervals",
     "with_strata",
+    "IntervalSource",
+    "accuracy_interval",
+    "accuracy_intervals",
 ]

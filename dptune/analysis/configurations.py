@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, special, stats
 
+from dptune.analysis.intervals import accuracy_intervals
 from dptune.analysis.results import CELL, CONFIDENCE, AnalysisError
 
 
@@ -71,20 +72,41 @@ def _best_set_constant(configurations: int, confidence: float, nu: float) -> flo
     return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-6))
 
 
+def _pooled_variance(table: pd.DataFrame, by: list[str], std: str) -> tuple[pd.Series, pd.Series]:
+    """Per configuration: s², the run-to-run variance of one run's score pooled over its group of ``by``
+    (the median of the replicated configurations' variances ``std``², each scaled by the median of
+    χ²_{R−1}/(R−1) so that it estimates σ², s² ~ σ²χ²_{R−1}/(R−1): robust to diverged configurations
+    whose scores scatter widely), and its degrees of freedom, half of Σ(R_k − 1) (the median keeps
+    about half the information); NaN and 0 where no configuration of the group is replicated."""
+    r = table["replicates"].astype(float)
+    replicated = r >= 2
+    scaled = (table[std] ** 2) / (stats.chi2.median(np.maximum(r - 1, 1)) / np.maximum(r - 1, 1))
+    groups = [table[c] for c in by]
+    pooled = scaled.where(replicated).groupby(groups, sort=False, dropna=False).transform("median")
+    df = (r - 1).where(replicated, 0.0).groupby(groups, sort=False, dropna=False).transform("sum") / 2
+    return pooled, df.where(df >= 1, np.where(df > 0, 1.0, 0.0))
+
+
+def _run_spread(table: pd.DataFrame, by: list[str], std: str) -> tuple[pd.Series, pd.Series]:
+    """Per configuration: the variance of one run's score over fresh coins, the group's pooled s²
+    (``_pooled_variance``) or the configuration's own where that is larger (a configuration noisier
+    than the rest keeps its spread), and the pooled variance's degrees of freedom. The pooled ones
+    also for the larger own variance: its R − 1 (1 at R = 2) would make the t factor 12.7 where the
+    pool's is about 2 (measured in ``bench/bench_intervals.py``: 98 % coverage and intervals twice
+    as wide at R = 2 with R − 1, 97.1–97.7 % with the pool's)."""
+    pooled, df = _pooled_variance(table, by, std)
+    own = table[std] ** 2
+    return pooled.where(~(own > pooled), own), df
+
+
 def _noise_scale(table: pd.DataFrame, by: list[str]) -> tuple[pd.Series, pd.Series]:
     """Per configuration: its score's standard error ``noise_se`` and the degrees of freedom of the
-    variance behind it (per group of ``by``; ``rank_configurations`` says how)."""
+    variance behind it (``rank_configurations`` says how)."""
     r = table["replicates"].astype(float)
-    own = table["val_std"] ** 2
-    # each replicated configuration's variance scaled so that its median estimates σ² (s² ~ σ²χ²_{R−1}/(R−1))
-    scaled = own / (stats.chi2.median(np.maximum(r - 1, 1)) / np.maximum(r - 1, 1))
-    replicated = r >= 2
-    pooled = scaled.where(replicated).groupby([table[c] for c in by], sort=False, dropna=False).transform("median")
-    df = (r - 1).where(replicated, 0.0).groupby([table[c] for c in by], sort=False, dropna=False).transform("sum")
+    variance, df = _run_spread(table, by, "val_std")
     binomial = np.sqrt(table["val_accuracy"] * (1 - table["val_accuracy"]) / table["num_val"]).fillna(0.0)
-    variance = np.fmax(pooled, own.where(replicated))  # the larger of the cell's and the configuration's own
-    se = np.where(replicated, np.sqrt(variance / r), np.fmax(np.sqrt(pooled), binomial))
-    nu = np.where(df > 0, np.maximum(df / 2, 1.0), np.inf)  # the median keeps about half the information
+    se = np.where(r >= 2, np.sqrt(variance / r), np.fmax(np.sqrt(variance), binomial))
+    nu = np.where(df > 0, df, np.inf)
     return pd.Series(se, index=table.index), pd.Series(nu, index=table.index)
 
 
@@ -220,18 +242,21 @@ def _empty_with(frame: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     return empty[list(columns)]
 
 
-def _mean_interval(
-    mean: pd.Series, std: pd.Series, replicates: pd.Series, rows: pd.Series, confidence: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """(low, high) of the interval of a mean accuracy, clipped to [0, 1] (see ``best_configurations``)."""
-    r = replicates.to_numpy(dtype=float)
-    p = mean.to_numpy(dtype=float)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        t = stats.t.ppf(0.5 + confidence / 2, np.maximum(r - 1, 1))
-        replicated = t * std.to_numpy(dtype=float) / np.sqrt(r)
-        binomial = normal_quantile(confidence) * np.sqrt(p * (1 - p) / rows.to_numpy(dtype=float))
-    half = np.where(r >= 2, replicated, binomial)
-    return np.clip(p - half, 0.0, 1.0), np.clip(p + half, 0.0, 1.0)
+def with_intervals(ranked: pd.DataFrame, by: Sequence[str], confidence: float = CONFIDENCE) -> pd.DataFrame:
+    """``ranked`` (``rank_configurations``'s table, grouped by ``by``) with the ``confidence`` interval of
+    every configuration's mean validation and test accuracy: ``val_low``/``val_high``,
+    ``test_low``/``test_high`` and ``interval_source`` (of the test interval), by
+    :func:`dptune.analysis.intervals.accuracy_intervals`: the run-to-run spread pooled over the group's
+    configurations (``_run_spread``) over R, plus the split's binomial noise, never narrower than the
+    split's Wilson interval; the split's alone where no configuration of the group is replicated."""
+    table = ranked.copy()
+    for measure, rows in (("val", "num_val"), ("test", "num_test")):
+        variance, df = _run_spread(table, list(by), f"{measure}_std")
+        table[f"{measure}_low"], table[f"{measure}_high"], source = accuracy_intervals(
+            table[f"{measure}_accuracy"], table[rows], table["replicates"], variance, df, confidence
+        )
+    table["interval_source"] = source
+    return table
 
 
 def best_configurations(
@@ -241,12 +266,7 @@ def best_configurations(
 
     Columns of ``rank_configurations`` for the best, plus ``val_low``/``val_high`` and
     ``test_low``/``test_high``: the ``confidence`` interval of its mean accuracy, and
-    ``interval_source``:
-    - ``"replicates"`` (R ≥ 2): Student t over the replicates, mean ± t_{R−1}·std/√R — what a
-      rerun of the configuration with fresh coins scores on the same splits;
-    - ``"binomial"`` (R = 1, no replicate spread exists): mean ± z·√(p(1 − p)/n), the sampling
-      noise of one score on the n-row split; the training coins' spread is not measured.
-    Both are clipped to [0, 1] (NaN where a split size is unrecorded). ``configurations``: how
+    ``interval_source`` (``with_intervals``). ``configurations``: how
     many the group ranked; ``within_noise``: how many are within noise of the best (≥ 1), its
     confidence set (``rank_configurations``); ``clip_low``/``clip_high``, ``batch_low``/``batch_high``:
     the extreme C and B of that set, the ``confidence`` interval of the optimal C and B (it holds
@@ -278,10 +298,7 @@ def best_configurations(
         batch_high=("batch_size", "max"),
     )
     spread["configurations"] = ranked.groupby(by).size()
+    ranked = with_intervals(ranked, by, confidence)
     best = ranked[ranked["rank"] == 1].drop(columns="within_noise").merge(spread.reset_index(), on=by)
-    for measure, rows in (("val", "num_val"), ("test", "num_test")):
-        best[f"{measure}_low"], best[f"{measure}_high"] = _mean_interval(
-            best[f"{measure}_accuracy"], best[f"{measure}_std"], best["replicates"], best[rows], confidence
-        )
-    best["interval_source"] = np.where(best["replicates"] >= 2, "replicates", "binomial")
-    return best.sort_values(by).reset_index(drop=True)[[*[c for c in ranked.columns if c != "within_noise"], *extra]]
+    kept = [c for c in ranked.columns if c != "within_noise" and c not in extra]
+    return best.sort_values(by).reset_index(drop=True)[[*kept, *extra]]

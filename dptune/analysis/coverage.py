@@ -1,13 +1,19 @@
-"""Coverage: what the results hold and what is missing; task difficulty and the order of tasks."""
+"""Coverage: what the results hold and what is missing; task difficulty and the order of tasks; the
+public plan of an end-to-end private search."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
+import yaml
 
+from dptune import plan
 from dptune.analysis.configurations import best_configurations
 from dptune.analysis.gradients import grad_norm_samples
 from dptune.analysis.results import Results
+from dptune.space.spec import BatchSizeSpec
 
 
 def coverage(results: Results) -> pd.DataFrame:
@@ -36,7 +42,9 @@ def coverage(results: Results) -> pd.DataFrame:
 
 
 def missing_data(results: Results) -> list[str]:
-    """Plain-language notes on what the results lack (empty when nothing is missing)."""
+    """Plain-language notes on what the results lack (empty when nothing is missing). The runs of an
+    end-to-end private search lack by design what its bound refuses (diagnostics, AUTO-S, a second ε
+    or E): no note says so, nor suggests what private mode refuses."""
     notes: list[str] = []
     trials = results.trials
     if trials.empty and not results.release.empty:
@@ -54,10 +62,12 @@ def missing_data(results: Results) -> list[str]:
         remaining = int(coverage(results)["remaining"].sum())
         if remaining:
             notes.append(f"{remaining} planned trial(s) have no record yet (a search still running, or stopped)")
-    if results.diagnostics.empty:
-        notes.append("no diagnostics recorded (trials ran with diagnostics off): sections 3, 4 and 7 are empty")
     if results.classes["test_accuracy"].notna().sum() == 0:
         notes.append("no per-class accuracies recorded: classes cannot be split into easy and hard")
+    if set(trials["search_id"]) <= set(results.release["search_id"]):  # the runs of private searches only
+        return notes
+    if results.diagnostics.empty:
+        notes.append("no diagnostics recorded (trials ran with diagnostics off): sections 3, 4 and 7 are empty")
     if results.auto_s.empty:
         notes.append("no AUTO-S trials (training.compare_auto_s was off): section 5 is empty")
     if results.finished["epsilon"].nunique() < 2:
@@ -81,6 +91,70 @@ def privacy_statements(results: Results) -> list[str]:
             text = "no statement of what (ε, δ) covers was recorded with this search."
         statements.append(f"{search_id}: {text}")
     return statements
+
+
+#: The columns of :func:`selection_plans`.
+PLAN_COLUMNS = ["search_id", "batch_size", "sample_rate", "steps", "noise_multiplier", "cumulative_noise", "planned"]
+
+
+def selection_plans(results: Results) -> pd.DataFrame:
+    """The public plan of each end-to-end private search in ``results`` (a search with a release): one row
+    per batch size B its space names, from its ``search`` row's public numbers alone (N, E, δ, the
+    per-run ε its planner found, the recorded space) — never from its runs.
+
+    ``planned`` says what became of B: ``"planned"`` (a run may draw it), ``"pruned: T < T_min"`` (the
+    min-step rule), ``"dropped: B > N"``, or, tuning on a subsample with the transfer rule ``batch_size``,
+    ``"not tuned: B > q₁·N"``. A planned B has q = B/N, T = round(E·N/B) and σ, the noise multiplier of
+    a full-data run at the per-run ε and δ (the planner's, ``dptune.plan``), and σ√T; the others NaN.
+    Under ``tuning_subsample`` these are the release's mechanisms (its one training on every row); the
+    tuning runs on the subsample have their own q and T, by the transfer rule.
+    """
+    releases = results.release.drop_duplicates("search_id").set_index("search_id")
+    frames = [
+        _selection_plan(row, releases.loc[row["search_id"]])
+        for _, row in results.search.drop_duplicates("search_id").iterrows()
+        if row["search_id"] in releases.index
+    ]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PLAN_COLUMNS)
+
+
+def _selection_plan(search: pd.Series, release: pd.Series) -> pd.DataFrame:
+    """:func:`selection_plans` of one search: its ``search`` row and its ``release`` row."""
+    spec = yaml.safe_load(str(search["spec_yaml"]))
+    num_train, epochs = int(search["num_train"]), int(search["epochs"])
+    min_steps = int(spec.get("min_steps", plan.DEFAULT_MIN_STEPS))
+    sizes = BatchSizeSpec.model_validate(spec["batch_size"])
+    fraction, transfer = release.get("tuning_fraction"), release.get("transfer")
+    status = dict.fromkeys(sizes.oversized(num_train), "dropped: B > N")
+    for b in sizes.candidates(num_train):
+        if plan.total_steps(num_train, b, epochs) < min_steps:
+            status[b] = f"pruned: T < {min_steps}"
+        elif transfer == "batch_size" and pd.notna(fraction) and b > fraction * num_train:
+            status[b] = "not tuned: B > q₁·N"
+        else:
+            status[b] = "planned"
+    planned = [b for b, what in status.items() if what == "planned"]
+    with warnings.catch_warnings():  # δ > 1/N was the search's to warn about, when it planned
+        warnings.simplefilter("ignore", UserWarning)
+        rows = plan.plan(
+            num_train, [float(search["epsilon_per_trial"])], float(search["delta"]), epochs, planned, min_steps
+        )
+    by_size = {row.batch_size: row for row in rows}
+    return pd.DataFrame(
+        [
+            {
+                "search_id": search["search_id"],
+                "batch_size": b,
+                "sample_rate": by_size[b].sample_rate if b in by_size else np.nan,
+                "steps": by_size[b].steps if b in by_size else np.nan,
+                "noise_multiplier": by_size[b].noise_multiplier if b in by_size else np.nan,
+                "cumulative_noise": by_size[b].cumulative_noise if b in by_size else np.nan,
+                "planned": what,
+            }
+            for b, what in status.items()
+        ],
+        columns=PLAN_COLUMNS,
+    )
 
 
 def task_difficulty(results: Results) -> pd.DataFrame:

@@ -297,6 +297,7 @@ def published_models(paths: Sequence[str]) -> pd.DataFrame:
                     "val_accuracy": accuracy.get("val_accuracy"),
                     "test_accuracy": accuracy.get("test_accuracy"),
                     "test_interval": accuracy.get("test_interval"),
+                    "num_test": accuracy.get("num_test"),
                     "epsilon": privacy["epsilon"],
                     "delta": privacy["delta"],
                     "covers": privacy["covers"],

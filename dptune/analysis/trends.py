@@ -161,7 +161,8 @@ def paper_trend_checks(ranked: pd.DataFrame) -> pd.DataFrame:
     same value (each cell's set holds that value alone: no move, at the resolution of the values
     searched); else ``not established`` (the intervals overlap), with ``replicates_needed``
     (``replicates_to_separate``; NaN where no count up to 1,024 would do). ``group`` names the equal
-    columns, e.g. ``E = 10``.
+    columns, e.g. ``E = 10``; ``harder_epsilon``/``harder_epochs`` and ``easier_epsilon``/``easier_epochs``
+    are the two cells' ε and E (the points a figure joins).
     """
     columns = [
         "condition",
@@ -170,6 +171,10 @@ def paper_trend_checks(ranked: pd.DataFrame) -> pd.DataFrame:
         "quantity",
         "harder",
         "easier",
+        "harder_epsilon",
+        "harder_epochs",
+        "easier_epsilon",
+        "easier_epochs",
         "harder_value",
         "harder_low",
         "harder_high",
@@ -218,6 +223,10 @@ def paper_trend_checks(ranked: pd.DataFrame) -> pd.DataFrame:
                         "quantity": quantity,
                         "harder": f"{_SETTING[trend.factor]} = {harder[trend.factor]:g}",
                         "easier": f"{_SETTING[trend.factor]} = {easier[trend.factor]:g}",
+                        "harder_epsilon": harder["epsilon"],
+                        "harder_epochs": harder["epochs"],
+                        "easier_epsilon": easier["epsilon"],
+                        "easier_epochs": easier["epochs"],
                         "harder_value": hard[0],
                         "harder_low": hard[1],
                         "harder_high": hard[2],

@@ -13,8 +13,9 @@ in Rehn et al., ICLR 2026); a section whose data is missing says what is missing
 The modules: ``figures`` (the index and drawing constants), ``document`` (sections, tables,
 formats, the figure writer), ``plotting`` (shared matplotlib helpers), one module per section
 (``overview``, ``heatmaps``, ``optimal``, ``grad_norms``, ``retention``, ``auto_s``,
-``batch_noise``, ``clipping``, ``guidelines``, ``efficiency``), ``build`` (``build_report``) and
-``cli`` (``main``).
+``batch_noise``, ``clipping``, ``guidelines``, ``efficiency``), ``private`` (the report of an
+end-to-end private search: only what may be released, and where the owner's report is), ``build``
+(``build_report``) and ``cli`` (``main``).
 """
 
 from __future__ import annotations

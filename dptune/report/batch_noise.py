@@ -8,8 +8,17 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from dptune import analysis as an
+from dptune.analysis.grid import configuration_intervals
 from dptune.report.document import Context, Section, budgets_of, format_percent, format_points, format_sig
-from dptune.report.plotting import MARKERS, empty_panel, log_axis, new_figure, series_colors
+from dptune.report.plotting import (
+    MARKERS,
+    dodged,
+    empty_panel,
+    interval_errors,
+    log_axis,
+    new_figure,
+    series_colors,
+)
 
 
 def batch_noise(ctx: Context) -> Section:
@@ -18,6 +27,9 @@ def batch_noise(ctx: Context) -> Section:
     if table.empty:
         section.note("Missing: no trial recorded σ and T (no finished trials yet).")
         return section
+    keys = [*an.CELL, "batch_size", "trial_id"]
+    intervals = configuration_intervals(ctx.results.tuned, keys[:-1])[[*keys, "test_low", "test_high"]]
+    table = table.merge(intervals, on=keys, how="left")
     bounds = an.min_steps(ctx.results)
     section.text(
         "σ√T is the cumulative DP noise (σ: noise multiplier the trial trained with, T: its steps); the "
@@ -36,6 +48,9 @@ def batch_noise(ctx: Context) -> Section:
         figure, axes = new_figure(2, len(epochs), width=4.2, height=3.0)
         for column, n_epochs in enumerate(epochs):
             top, bottom = axes[0, column], axes[1, column]
+            if column:  # the columns compare one quantity across E: one range per row
+                top.sharey(axes[0, 0])
+                bottom.sharey(axes[1, 0])
             per_step = top.twinx()
             both = part[part["epochs"] == n_epochs]
             if not np.isfinite(both["cumulative_noise"]).any():  # every B of this E was pruned
@@ -54,8 +69,15 @@ def batch_noise(ctx: Context) -> Section:
                     noisy["batch_size"], noisy["per_step_noise"], color=colors[epsilon], linestyle=":", linewidth=1.2
                 )
                 measured = line[np.isfinite(line["test_accuracy"])]
-                bottom.plot(
-                    measured["batch_size"], 100 * measured["test_accuracy"], color=colors[epsilon], marker=marker
+                accuracy = 100 * measured["test_accuracy"]
+                bottom.errorbar(
+                    dodged(measured["batch_size"], k, len(epsilons), step=0.03),
+                    accuracy,
+                    yerr=interval_errors(accuracy, 100 * measured["test_low"], 100 * measured["test_high"]),
+                    color=colors[epsilon],
+                    marker=marker,
+                    capsize=2,
+                    elinewidth=0.8,
                 )
                 recommended = noisy[noisy["batch_size"] == line["recommended_batch_size"].iloc[0]]
                 top.plot(
@@ -69,7 +91,7 @@ def batch_noise(ctx: Context) -> Section:
                 )
                 best = line[line["measured_best"]]
                 bottom.plot(
-                    best["batch_size"],
+                    dodged(best["batch_size"], k, len(epsilons), step=0.03),
                     100 * best["test_accuracy"],
                     marker="*",
                     markersize=14,
@@ -90,7 +112,9 @@ def batch_noise(ctx: Context) -> Section:
             log_axis(per_step, "y", data=both["per_step_noise"])
             per_step.set_ylabel("per-step noise σ/B (dotted, log)", fontsize=8)
             top.set_ylabel("cumulative noise σ√T")
-            bottom.set_ylabel("test accuracy (%) at B\n(C, η chosen on validation)")
+            bottom.set_ylabel(
+                f"test accuracy (%) at B\n(C, η chosen on validation;\nbars: {100 * an.CONFIDENCE:g} % intervals)"
+            )
             top.set_title(
                 f"E = {n_epochs}" + (f" (T_min = {bounds[task]}; shaded: T < T_min)" if task in bounds else ""),
                 fontsize=8,

@@ -18,6 +18,7 @@ from dptune.report.guidelines import guidelines
 from dptune.report.heatmaps import heatmaps
 from dptune.report.optimal import optimal
 from dptune.report.overview import overview
+from dptune.report.private import is_owner_only, is_release_only, owner_banner, release_sections, with_released_parts
 from dptune.report.retention import retention
 
 SECTIONS: tuple[Callable[[Context], Section], ...] = (
@@ -45,7 +46,10 @@ def build_report(
     """Build the report of the result datasets at ``paths`` into folder ``out``; return its index.html.
 
     ``hard_fraction`` (0 < f < 1) and ``hard_classes`` (labels or names) define the strata
-    (``analysis.class_strata``).
+    (``analysis.class_strata``). The public results of an end-to-end private search (a release, no run)
+    get the report of what may be released (``private.release_sections``); a path that is such a search's
+    trust boundary (``<results>/inside_trust_boundary``) gets the owner-only report of its runs, with the
+    search's release from ``<results>``, opened by a notice that it is not for release.
     Raises ``AnalysisError`` for missing datasets or bad options before anything is written.
     """
     started = time.monotonic()
@@ -55,12 +59,14 @@ def build_report(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise an.AnalysisError(f"--out {out}: exists and is not a folder")
+    owner = is_owner_only(paths)
+    default_title = f"dptune report: {', '.join(map(_name, paths))}"
     options = Options(
         hard_fraction=hard_fraction,
         hard_classes=tuple(hard_classes) if hard_classes else None,
-        title=title or f"dptune report: {', '.join(map(_name, paths))}",
+        title=title or (f"OWNER-ONLY, NOT FOR RELEASE — {default_title}" if owner else default_title),
     )
-    results = an.load_results(paths)
+    results = an.load_results(with_released_parts(paths) if owner else paths)
     strata = an.class_strata(results, hard_fraction, options.hard_classes)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("fig*.png"):  # figures of an earlier build into the same folder
@@ -69,10 +75,11 @@ def build_report(
     ctx = Context(
         results=results, strata=strata, tasks=an.task_order(results), options=options, writer=ReportWriter(out)
     )
-    sections = [make(ctx) for make in SECTIONS]
+    sections = release_sections(ctx) if is_release_only(results) else [make(ctx) for make in SECTIONS]
+    banner = owner_banner(paths, [s for s in sections if s.left_out]) if owner else None
     index = out / "index.html"
     seconds = None if not results.release.empty else time.monotonic() - started
-    index.write_text(render(sections, options.title, results.sources, seconds), encoding="utf-8")
+    index.write_text(render(sections, options.title, results.sources, seconds, banner), encoding="utf-8")
     return index
 
 

@@ -8,6 +8,7 @@ from dptune.errors import ArgumentParser, DptuneError, report_and_exit
 from dptune.paths import probe_writable
 from dptune.report.build import build_report
 from dptune.report.figures import figure_index
+from dptune.report.private import is_owner_only
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,4 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     except DptuneError as exc:  # bad input (a corrupt part, an unwritable --out...); anything else is a bug
         report_and_exit(exc)
     figures = len(list(index.parent.glob("fig*.png")))
-    print(f"report written to {index} ({figures} figures)")
+    owner = (
+        "owner-only report (NOT for release: the runs inside the trust boundary) "
+        if is_owner_only(args.results)
+        else "report "
+    )
+    print(f"{owner}written to {index} ({figures} figures)")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from dptune import analysis as an
 from dptune.report.document import Context, Section, budgets_of, format_percent, format_sig
 from dptune.report.plotting import (
     empty_panel,
     figure_legend,
+    interval_errors,
     label_panel,
     log_axis,
     new_figure,
@@ -20,7 +19,7 @@ def clipping(ctx: Context) -> Section:
     section = Section(7, "Clipping diagnostics: C* of Theorem 5.2 and the bias/variance split")
     table = an.clipping_diagnostics(ctx.results)
     if table.empty:
-        section.note("Missing: no diagnostics recorded (C* and the MSE split need diagnostics: true).")
+        section.note(ctx.no_diagnostics("C* and the MSE split"))
         return section
     section.text(
         "C* minimises the per-step MSE of the clipped noisy gradient against the true one on the probe "
@@ -28,7 +27,7 @@ def clipping(ctx: Context) -> Section:
         "rather than picking it privately. Lower MSE tightens the per-step progress bound (Theorem 5.4)."
     )
     best = an.best_configurations(ctx.results.tuned)
-    figure, axes, panels = task_epoch_panels(ctx, table)
+    figure, axes, panels = task_epoch_panels(ctx, table, share=True)
     for ax, task, n_epochs, part in panels:
         part = part.sort_values("epsilon")
         tuned = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
@@ -48,21 +47,21 @@ def clipping(ctx: Context) -> Section:
             linestyle="--",
             label="C* of the best trial",
         )
-        y = tuned["clip_bound"].to_numpy(dtype=float)
         ax.errorbar(
             tuned["epsilon"],
-            y,
-            yerr=np.vstack([y - tuned["clip_low"].to_numpy(dtype=float), tuned["clip_high"].to_numpy(dtype=float) - y]),
+            tuned["clip_bound"],
+            yerr=interval_errors(tuned["clip_bound"], tuned["clip_low"], tuned["clip_high"]),
             color="black",
             marker="o",
             capsize=3,
-            label="optimal C (best configuration; bars: within noise)",
+            linestyle="none",
+            label="optimal C (best configuration; bars: its confidence set)",
         )
-        log_axis(ax, "x", part["epsilon"])
+        log_axis(ax, "x", table["epsilon"].unique())
         log_axis(
             ax,
             "y",
-            data=[*part["optimal_clip_low"], *part["optimal_clip_high"], *tuned["clip_low"], *tuned["clip_high"]],
+            data=[*table["optimal_clip_low"], *table["optimal_clip_high"], *best["clip_low"], *best["clip_high"]],
         )
         label_panel(
             ax, f"{task}\nE = {n_epochs}", "privacy budget ε (log scale)", "clip bound (gradient norm, log scale)"
@@ -74,7 +73,7 @@ def clipping(ctx: Context) -> Section:
     for task in [t for t in ctx.tasks if t in set(table["task"])]:
         part = points[points["task"] == task]
         epsilons, epoch_list = budgets_of(part, task)
-        figure, axes = new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9)
+        figure, axes = new_figure(len(epoch_list), len(epsilons), width=3.6, height=2.9, share=True)
         for row, n_epochs in enumerate(epoch_list):
             for column, epsilon in enumerate(epsilons):
                 ax = axes[row, column]
@@ -115,11 +114,13 @@ def clipping(ctx: Context) -> Section:
                     "x",
                     None if ctx.results.clip_binned else part["clip_bound"].unique(),
                     [
-                        *cell["clip_bound"],
-                        *row_best[["diagnosed_clip_bound", "optimal_clip_median"]].to_numpy().ravel(),
+                        *part["clip_bound"],
+                        *table.loc[table["task"] == task, ["diagnosed_clip_bound", "optimal_clip_median"]]
+                        .to_numpy()
+                        .ravel(),
                     ],
                 )
-                log_axis(ax, "y", data=cell[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
+                log_axis(ax, "y", data=part[["mse_bias", "mse_variance", "mse_total"]].to_numpy().ravel())
                 label_panel(
                     ax,
                     f"ε = {epsilon:g}, E = {n_epochs}",

@@ -17,8 +17,12 @@ def decide(section: Section, results: an.Results) -> None:
     and B with their intervals over the set within noise of the best (section 2), η the rate used."""
     best = an.best_configurations(results.tuned)
     models = results.models
+    released = results.release["cell_id"]
+    private = best["cell_id"].isin(released) if "cell_id" in best.columns else pd.Series(False, index=best.index)
     if not best.empty:
-        table = pd.DataFrame([_cell_row(row, models) for _, row in best.iterrows()])
+        table = pd.DataFrame(
+            [_cell_row(row, models, bool(p)) for (_, row), p in zip(best.iterrows(), private, strict=True)]
+        )
         covers = table["what (ε, δ) covers"].unique()
         if len(covers) == 1:  # one statement for every model: said once, under the table
             table = table.drop(columns="what (ε, δ) covers")
@@ -32,6 +36,14 @@ def decide(section: Section, results: an.Results) -> None:
         )
         if len(covers) == 1 and covers[0] != "–":
             section.text(f"What each model's (ε, δ) covers: {covers[0]}.")
+    if private.any():
+        section.text(
+            "The runs of an end-to-end private search are ranked here on their exact validation accuracies, which "
+            "no (ε, δ) covers: the ranking is for the data owner's understanding only. The model to release is "
+            "the search's release below, chosen on noisy scores; publishing another run's model, or any of these "
+            "accuracies, voids the guarantee."
+        )
+    if not private.all():
         section.text(
             "Choosing among configurations by their exact validation accuracy is not differentially private: each "
             "model alone is (ε, δ)-DP at its cell's ε, but its choice among the runs is not covered by any ε here, "
@@ -42,14 +54,19 @@ def decide(section: Section, results: an.Results) -> None:
         )
     if not results.release.empty:
         for _, release in results.release.iterrows():
-            folder = _release_folder(release, models)
+            folder = release_folder(release, models)
             section.text(
                 f"Release of the private search {release['search_id']} ({release_label(release)}): C = "
                 f"{format_sig(release['clip_bound'])}, B = {format_int(release['batch_size'])}, η = "
-                f"{format_sig(release['learning_rate'])}; model {folder}; one (ε, δ) = "
+                f"{format_sig(release['learning_rate'])}; model "
+                f"{'not in these results' if folder is None else f'{folder}/model.safetensors'}; one (ε, δ) = "
                 f"({format_sig(release['epsilon_total'])}, {format_sig(release['delta_total'])}) covers the "
                 "tuning, the selection and this model, and nothing else is released: the runs behind it stay "
-                "inside the trust boundary and are not in this report. "
+                + (
+                    "inside the trust boundary: those in this report are not for release. "
+                    if release["search_id"] in set(results.trials["search_id"])
+                    else "inside the trust boundary and are not in this report. "
+                )
                 + (
                     f"Test accuracy {format_percent(release['test_accuracy'])} % (public test split)."
                     if pd.notna(release["test_accuracy"])
@@ -60,9 +77,10 @@ def decide(section: Section, results: an.Results) -> None:
         section.note("Missing: no finished run with a tuned clip bound and no release: nothing to decide yet.")
 
 
-def _cell_row(row: pd.Series, models: pd.DataFrame) -> dict[str, str]:
-    """One cell's decision: its best configuration, the model published from it, and the advice."""
-    model = _model_of(row, models)
+def _cell_row(row: pd.Series, models: pd.DataFrame, private: bool) -> dict[str, str]:
+    """One cell's decision: its best configuration, the model published from it, and the advice
+    (``private``: the cell of an end-to-end private search, whose one model is its release)."""
+    model = None if private else _model_of(row, models)
     accuracy = (
         _accuracy(model["test_accuracy"], model["test_interval"])
         if model is not None
@@ -78,14 +96,21 @@ def _cell_row(row: pd.Series, models: pd.DataFrame) -> dict[str, str]:
         "optimal B [interval]": f"{format_int(row['batch_size'])} [{format_int(row['batch_low'])}, "
         f"{format_int(row['batch_high'])}]",
         "η": format_sig(row["learning_rate"]),
-        "model to release": "none published (run dptune.search with a results folder to get models/)"
-        if model is None
-        else f"{model['folder']}/model.safetensors",
+        "model to release": _model_text(model, private),
         "(ε, δ)": "–" if model is None else f"({format_sig(model['epsilon'])}, {format_sig(model['delta'])})",
         "what (ε, δ) covers": "–" if model is None else str(model["covers"]),
         "model's test % [interval]": accuracy,
-        "advice": advice(row),
+        "advice": "none: a run chosen on exact accuracies voids the guarantee" if private else advice(row),
     }
+
+
+def _model_text(model: pd.Series | None, private: bool) -> str:
+    """The decision's model to release: the published model's file, or why there is none."""
+    if private:
+        return "only the private search's release (below)"
+    if model is None:
+        return "none published (run dptune.search with a results folder to get models/)"
+    return f"{model['folder']}/model.safetensors"
 
 
 def _model_of(row: pd.Series, models: pd.DataFrame) -> pd.Series | None:
@@ -101,16 +126,16 @@ def _model_of(row: pd.Series, models: pd.DataFrame) -> pd.Series | None:
     return None if match.empty else match.iloc[0]
 
 
-def _release_folder(release: pd.Series, models: pd.DataFrame) -> str:
-    """The model file of a private search's release (its cell, C and B), or a note that it is not here."""
+def release_folder(release: pd.Series, models: pd.DataFrame) -> str | None:
+    """The model folder of a private search's release (its cell, C and B), or None where it is not here."""
     if models.empty:
-        return "not in these results"
+        return None
     match = models[
         (models["cell_id"] == release_label(release))
         & (models["clip_bound"] == release["clip_bound"])
         & (models["batch_size"] == release["batch_size"])
     ]
-    return "not in these results" if match.empty else f"{match['folder'].iloc[0]}/model.safetensors"
+    return None if match.empty else str(match["folder"].iloc[0])
 
 
 def _accuracy(accuracy: float | None, interval: list[float] | None) -> str:

@@ -177,6 +177,13 @@ class Context:
     options: Options
     writer: ReportWriter
 
+    def no_diagnostics(self, needs: str) -> str:
+        """The note of a section drawn from diagnostics the results lack; ``needs``: what needs them. A
+        private search's (its results hold a release) can have none: private mode refuses them."""
+        if not self.results.release.empty:
+            return f"Missing: a private search records no diagnostics ({needs} would read exact gradient norms)."
+        return f"Missing: no diagnostics recorded ({needs} need diagnostics: true)."
+
 
 def budgets_of(frame: pd.DataFrame, task: str) -> tuple[list[float], list[int]]:
     """The ε and the E values ``frame`` holds for ``task``, ascending."""
@@ -194,22 +201,28 @@ table.data th{background:#eee}caption{text-align:left;font-style:italic;padding:
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.85em;color:#444}
 p.missing,li.missing{background:#fff4e0;border-left:4px solid #e0a030;padding:4px 8px}
 nav li{margin:2px 0}
+div.owner-only{background:#fde8e8;border:3px solid #b00020;padding:4px 12px;margin:1em 0}
+div.owner-only strong{color:#b00020;font-size:1.15em}
 """
 
 
-def render(sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float | None) -> str:
+def render(
+    sections: Sequence[Section], title: str, sources: Sequence[str], seconds: float | None, banner: str | None = None
+) -> str:
     """The self-contained HTML document of ``sections``: those with something to show in full, then
     one line for each left out for lack of data (:attr:`Section.left_out`), saying what it lacks.
     ``seconds``: how long the build took, shown with its time; None (a report that holds a private
     search's release): neither is shown, since the build follows the search's end, and its time
-    and duration would date a search whose wall time grows with its secret number of runs."""
+    and duration would date a search whose wall time grows with its secret number of runs.
+    ``banner``: HTML that opens the page, under the title (an owner-only report's notice, which names
+    the sections left out itself: no list of them follows)."""
     shown = [s for s in sections if not s.left_out]
     contents = "".join(f'<li><a href="#s{s.number}">{s.number}. {html.escape(s.title)}</a></li>' for s in shown)
     body = "".join(
         f'<section id="s{s.number}"><h2>{s.number}. {html.escape(s.title)}</h2>{"".join(s.blocks)}</section>'
         for s in shown
     )
-    if left := [s for s in sections if s.left_out]:
+    if banner is None and (left := [s for s in sections if s.left_out]):
         lines = "".join(
             f'<li class="missing" id="s{s.number}">{s.number}. {html.escape(s.title)}: '
             f"{html.escape(' '.join(note.removeprefix('Missing: ') for note in s.notes))}</li>"
@@ -223,7 +236,7 @@ def render(sections: Sequence[Section], title: str, sources: Sequence[str], seco
     )
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{banner or ''}"
         f"<p>dptune {html.escape(__version__)}{built} from "
         f"{html.escape(', '.join(sources))}.</p><nav><ol>{contents}</ol></nav>{body}</body></html>"
     )

@@ -29,7 +29,7 @@ def efficiency(ctx: Context) -> Section:
         f"{100 * tolerance:g} point under the best's. Shares over {BOOTSTRAP_RESAMPLES:,} bootstrap draw "
         "orders."
     )
-    figure, axes, panels = task_epoch_panels(ctx, curves)
+    figure, axes, panels = task_epoch_panels(ctx, curves, share=True)
     for ax, task, n_epochs, part in panels:
         epsilons = sorted(part["epsilon"].unique())
         for color, epsilon in zip(series_colors(len(epsilons)), epsilons, strict=True):

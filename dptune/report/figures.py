@@ -37,47 +37,57 @@ FIGURES: tuple[FigureInfo, ...] = (
         "Per task, one panel per (E, ε): test accuracy (%) at each clip bound C × batch size B of the "
         "configuration whose η (and other options) is best on validation there (means over its replicates). "
         "Blank: not evaluated; 'pruned': T < T_min; 'failed': diverged or error. The cell chosen on "
-        "validation is outlined. C is log-binned when the sampler was continuous.",
+        "validation is outlined. Each bin also shows what it holds: k×R, its k configurations of R replicates "
+        "each ('k: n runs' where R varies). Hatched: the bin's configuration is within noise of the panel's best "
+        "(the 95 % confidence set of the best configuration, section 2), so these runs cannot tell it apart "
+        "from the best. C is log-binned when the sampler was continuous.",
         per_task=True,
     ),
     FigureInfo(
         "fig2-optimal-c-b",
         2,
         "Optimal C and B against ε (paper Fig. 2)",
-        "Optimal C (left) and B (right) per cell against ε, one line per task and E: the configuration "
+        "Optimal C (left) and B (right) per cell against ε, one marker per task and E: the configuration "
         "with the best mean validation accuracy over its replicates; bars: the range of C and B over the "
         "configurations within noise of it, the 95 % confidence set of the best configuration (Gupta's "
-        "subset selection; section 2 says how it is made).",
+        "subset selection; section 2 says how it is made). Points are not joined: a segment joins two cells "
+        "only where section 2's comparison establishes the move (their intervals are disjoint). The paper "
+        "reports a larger C and a smaller B under tighter privacy; the table below says what these runs "
+        "establish.",
     ),
     FigureInfo(
         "fig3-grad-norms",
         3,
         "Per-example gradient norms (paper Fig. 3)",
         "Distribution of ‖g_i‖ on the diagnostic probe of each cell's best diagnosed trial (last "
-        "diagnostic epoch), per ε, easy and hard classes side by side. Tighter privacy and harder "
-        "classes shift it up (the paper's right shift).",
+        "diagnostic epoch), per ε, easy and hard classes side by side; the panels share one range. The paper "
+        "reports that tighter privacy and harder classes shift it up (its right shift); the text below says "
+        "what these probes show (medians of one run per cell, not a test).",
     ),
     FigureInfo(
         "fig4a-retention-weights",
         4,
         "Retention weights w_y(C) (paper Fig. 4)",
         "Mean over the easy and over the hard classes of w_y(C) = mean_y min(1, C/‖g_i‖) (Eq. 3), "
-        "computed from the probe gradient norms at the task's C grid, per ε. Small C down-weights "
-        "the hard classes.",
+        "computed from the probe gradient norms at the task's C grid, per ε; the panels share one range. The "
+        "paper reports that a small C down-weights the hard classes; the text below says whether these probes "
+        "show it.",
     ),
     FigureInfo(
         "fig4b-stratum-accuracy",
         4,
         "Easy and hard class accuracy against C",
-        "Mean test accuracy of the easy and of the hard classes of the best trial (over B, η, chosen "
-        "on validation) at each C, per ε.",
+        "Mean test accuracy of the easy and of the hard classes of the best configuration (over B, η, chosen "
+        "on validation; means over its replicates) at each C, per ε; bars: its 95 % interval "
+        "(dptune.analysis.with_intervals); the panels share one range.",
     ),
     FigureInfo(
         "fig5-auto-s",
         5,
         "AUTO-S against tuned C (paper Fig. 5)",
-        "Test accuracy (all classes and hard classes) of the best tuned-C trial and the best AUTO-S "
-        "trial per cell against ε.",
+        "Test accuracy (all classes and hard classes) of the best tuned-C and the best AUTO-S configuration "
+        "per cell (chosen on validation) against ε; bars: 95 % intervals (dptune.analysis.with_intervals); the "
+        "panels share one range.",
     ),
     FigureInfo(
         "fig6-cumulative-noise",
@@ -86,24 +96,25 @@ FIGURES: tuple[FigureInfo, ...] = (
         "Per task, top: σ√T of the recorded trials against B per ε (columns: E), with the per-step "
         "noise σ/B (old rule, dotted, right axis), the region excluded by the min-step rule T < T_min shaded "
         "and the "
-        "rule's recommended B marked; bottom: measured test accuracy of the best trial at each B, the "
-        "measured best B starred.",
+        "rule's recommended B marked; bottom: measured test accuracy of the best configuration at each B with "
+        "its 95 % interval (bars), the measured best B starred. Each row shares one range.",
         per_task=True,
     ),
     FigureInfo(
         "fig7a-optimal-clip",
         7,
         "C* of Theorem 5.2 against the optimal C",
-        "Per task and E: the optimal C (best configuration on validation, bars: its confidence set) and C* of "
-        "Theorem 5.2 from the best trial's probe (band: C* over all diagnosed trials of the cell) against ε.",
+        "Per task and E: the optimal C (best configuration on validation, bars: its confidence set; points not "
+        "joined) and C* of Theorem 5.2 from the best diagnosed trial's probe (band: C* over all diagnosed trials "
+        "of the cell) against ε; the panels share one range.",
     ),
     FigureInfo(
         "fig7b-mse-split",
         7,
         "Clipping bias and noise variance against C",
         "Per task, one panel per (E, ε): the per-step MSE of the clipped noisy gradient split into "
-        "clipping bias and noise variance, one point per trial at its own C; vertical lines: tuned C "
-        "and the median C*.",
+        "clipping bias and noise variance, one point per trial at its own C; vertical lines: C of the "
+        "diagnosed run and the median C*; the panels share one range.",
         per_task=True,
     ),
     FigureInfo(

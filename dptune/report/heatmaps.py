@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.patches import Rectangle
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.patches import Patch, Rectangle
 
 from dptune import analysis as an
 from dptune.report.document import Context, Section, budgets_of, format_level
 from dptune.report.figures import COLOR_MAP
 from dptune.report.plotting import empty_panel, new_figure
+
+#: How a bin within noise of its cell's best is marked: hatched over its colour.
+WITHIN_NOISE_HATCH = "////"
+
+
+def _runs(item: pd.Series) -> str:
+    """How much a bin holds: ``k×R`` (k configurations of R replicates each), or k and its runs where R varies."""
+    configurations, trials = int(item["configurations"]), int(item["trials"])
+    if trials == configurations * int(item["replicates"]):
+        return f"{configurations}×{int(item['replicates'])}"
+    return f"{configurations}: {trials} runs"
+
+
+def _bins(ax: Axes, cell: pd.DataFrame, clips: list[float], batches: list[float], low: float, high: float) -> None:
+    """Each evaluated bin's accuracy, what it holds, and a hatch where it is within noise of the cell's best."""
+    for item in cell.to_dict("records"):
+        i, j = clips.index(item["clip_bin"]), batches.index(item["batch_bin"])
+        value = 100 * item["test_accuracy"]
+        shade = (value - low) / (high - low) if high > low else 0.5
+        color = "black" if shade > 0.55 else "white"
+        if item["within_noise"]:
+            ax.add_patch(
+                Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=WITHIN_NOISE_HATCH, edgecolor="grey", linewidth=0)
+            )
+        ax.text(j, i + 0.12, f"{value:.1f}", ha="center", va="center", fontsize=7, color=color, weight="bold")
+        ax.text(j, i - 0.24, _runs(pd.Series(item)), ha="center", va="center", fontsize=5.5, color=color)
 
 
 def heatmaps(ctx: Context) -> Section:
@@ -48,18 +76,7 @@ def heatmaps(ctx: Context) -> Section:
                 for item in cell.itertuples(index=False):
                     matrix[clips.index(item.clip_bin), batches.index(item.batch_bin)] = 100 * item.test_accuracy
                 image = ax.imshow(matrix, origin="lower", cmap=COLOR_MAP, vmin=low, vmax=high, aspect="auto")
-                for (i, j), value in np.ndenumerate(matrix):
-                    if np.isfinite(value):
-                        shade = (value - low) / (high - low) if high > low else 0.5
-                        ax.text(
-                            j,
-                            i,
-                            f"{value:.1f}",
-                            ha="center",
-                            va="center",
-                            fontsize=7,
-                            color="black" if shade > 0.55 else "white",
-                        )
+                _bins(ax, cell, clips, batches, low, high)
                 missing = others[(others["epsilon"] == epsilon) & (others["epochs"] == n_epochs)]
                 for item in missing.itertuples(index=False):
                     ax.text(
@@ -88,5 +105,31 @@ def heatmaps(ctx: Context) -> Section:
         figure.suptitle(f"{task}: test accuracy (%) of the η chosen on validation", fontsize=10)
         if image is not None:
             figure.colorbar(image, ax=axes, label="test accuracy (%)", shrink=0.8)
+        figure.legend(
+            handles=[
+                Patch(facecolor="none", edgecolor="black", linewidth=1.5, label="best bin (chosen on validation)"),
+                Patch(
+                    facecolor="none",
+                    edgecolor="grey",
+                    hatch=WITHIN_NOISE_HATCH,
+                    label=f"within noise of the best ({100 * an.CONFIDENCE:g} % confidence set)",
+                ),
+            ],
+            loc="outside lower center",
+            ncols=2,
+            fontsize=7,
+        )
         ctx.writer.figure(section, figure, "fig1-accuracy-heatmaps", task)
+        section.text(_on_these_data(task, part))
     return section
+
+
+def _on_these_data(task: str, part: pd.DataFrame) -> str:
+    """What the heatmaps of ``task`` show about its optimum: how many bins cannot be told apart from it."""
+    cells = part.groupby(["epsilon", "epochs"])
+    alone = int((cells["within_noise"].sum() == 1).sum())
+    return (
+        f"{task}: {int(part['within_noise'].sum())} of {len(part)} evaluated (C, B) bins over its {cells.ngroups} "
+        f"panels are within noise of their panel's best (hatched): their best configuration cannot be told apart "
+        f"from the best on these runs; the best bin is the only one within noise in {alone} of {cells.ngroups} panels."
+    )

@@ -6,10 +6,20 @@ from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 
 from dptune import analysis as an
 from dptune.report.document import Context, Section, format_int, format_percent, format_sig
-from dptune.report.plotting import MARKERS, figure_legend, log_axis, new_figure, series_colors
+from dptune.report.plotting import (
+    MARKERS,
+    dodged,
+    figure_legend,
+    interval_errors,
+    label_panel,
+    log_axis,
+    new_figure,
+    series_colors,
+)
 
 
 def _interval(value: float, low: float, high: float, formatter: Callable[[float], str]) -> str:
@@ -17,23 +27,34 @@ def _interval(value: float, low: float, high: float, formatter: Callable[[float]
     return f"{formatter(value)} [{formatter(low)}, {formatter(high)}]"
 
 
-def _uncertainty_rule(best: pd.DataFrame) -> list[str]:
-    """How the scores, intervals and the within-noise set of ``best_configurations`` were made, in words."""
-    replicates = best["replicates"].astype(int)
+def _uncertainty_rule(best: pd.DataFrame, ranked: pd.DataFrame) -> list[str]:
+    """How the scores, intervals and the within-noise set of ``best_configurations`` were made, in words
+    (``ranked``: every configuration, whose replicates it counts)."""
+    replicates = ranked["replicates"].astype(int)
     level = f"{100 * an.CONFIDENCE:g} %"
-    p, n_val = best["val_accuracy"].astype(float), best["num_val"].astype(float)
-    binomial = an.normal_quantile(an.CONFIDENCE) * np.sqrt(p * (1 - p) / n_val)
+    n_val = best["num_val"].astype(float)
+    low, high, _ = an.accuracy_intervals(best["val_accuracy"], n_val)
     split = (
-        f"the validation split's binomial noise √(p(1 − p)/n_val) (n_val = {format_int(n_val.median())} rows: "
-        f"±{format_percent(float(binomial.median()))} points at the {level} level for the best's accuracy, the median "
-        "over cells)"
+        f"the validation split's binomial noise √(p(1 − p)/n_val) (n_val = {format_int(n_val.median())} rows; the "
+        f"best's accuracy has a Wilson interval ±{format_percent(float(np.nanmedian((high - low) / 2)))} points wide "
+        f"at the {level} level, the median over cells)"
+    )
+    interval = (
+        f"The {level} interval of a configuration's mean accuracy (dptune.analysis.accuracy_intervals) combines "
+        "two independent parts: the run-to-run spread of one run over fresh coins, pooled over the cell's "
+        "configurations (the median of their replicate variances, robust to diverged runs; a configuration noisier "
+        "than the rest keeps its own) over R, a half-width h = t·√(s²/R); and the evaluation split's binomial "
+        "noise, its Wilson interval [l, u], which every replicate shares and R does not shrink. Each side adds "
+        "the two in quadrature, [p − √(h² + (p − l)²), p + √(h² + (u − p)²)] (MOVER), so the interval is never "
+        "narrower than the split's Wilson interval: tied replicates give a Wilson-wide interval, not a point."
     )
     if replicates.max() < 2:
         lines = [
             f"Each configuration ran once (R = 1): no replicate spread exists. Its score is its validation "
-            f"accuracy; intervals and the within-noise set use {split}, the only noise scale one run has. The "
-            "spread of the training coins is not measured, so they understate the uncertainty by whatever "
-            "that spread adds: run replicates (replicates: R) to measure it."
+            f"accuracy; the within-noise set uses {split}, the only noise scale one run has. {interval} Here no "
+            "configuration is replicated, so the coins' spread is unmeasured and every interval is the split's "
+            "alone: it understates the uncertainty by whatever that spread adds; run replicates (replicates: R) "
+            "to measure it."
         ]
     else:
         counts = "R = " + (
@@ -41,12 +62,17 @@ def _uncertainty_rule(best: pd.DataFrame) -> list[str]:
             if replicates.min() == replicates.max()
             else f"{replicates.min()} to {replicates.max()}"
         )
+        measured = int((best["interval_source"] == "coins and split").sum())
+        others = (
+            ""
+            if measured == len(best)
+            else f" ({len(best) - measured} cell(s) replicated no configuration: their intervals are the split's alone)"
+        )
         lines = [
             f"Each configuration ran {counts} times with fresh coins; its score is the mean validation accuracy "
-            f"over its replicates, and its standard error se = std/√R. Intervals of the best configuration's "
-            f"mean accuracies are {level} Student t intervals over its replicates (a rerun with fresh coins on "
-            "the same splits; the splits' own sampling noise comes on top). A configuration run once in a "
-            f"replicated search takes the cell's pooled spread, never below {split}."
+            f"over its replicates. {interval} Here {measured} of {len(best)} cells' intervals hold both parts"
+            f"{others}. A configuration run once in a replicated search takes the cell's pooled spread in the "
+            f"ranking, never below {split}."
         ]
     lines.append(
         f"Within noise of the best: the {level} confidence set of the best configuration (Gupta's subset "
@@ -94,9 +120,9 @@ def _needed(count: float, harder_value: float, easier_value: float) -> str:
     return "no replicate count up to 1,024 would: the gaps to the best are too small against the noise"
 
 
-def _paper_checks(section: Section, ranked: pd.DataFrame) -> None:
-    """The table and the plain statement of where the optimal C and B move as the paper says."""
-    checks = an.paper_trend_checks(ranked)
+def _paper_checks(section: Section, checks: pd.DataFrame) -> None:
+    """The table and the plain statement of where the optimal C and B move as the paper says (``checks``:
+    ``paper_trend_checks``)."""
     if checks.empty:
         return
     rows = []
@@ -154,46 +180,10 @@ def optimal(ctx: Context) -> Section:
     ranked = an.rank_configurations(ctx.results.tuned)
     if best["epsilon"].nunique() < 2:
         section.note("Only one ε in the results: the trend against ε needs two or more privacy budgets.")
-    for line in _uncertainty_rule(best):
+    for line in _uncertainty_rule(best, ranked):
         section.text(line)
-    figure, axes = new_figure(1, 2, width=4.6, height=3.6)
-    series = [(task, n) for task in ctx.tasks for n in sorted(best.loc[best["task"] == task, "epochs"].unique())]
-    colors = series_colors(len(series))
-    for k, (task, n_epochs) in enumerate(series):
-        part = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
-        x = part["epsilon"].to_numpy() * (1 + 0.04 * (k - (len(series) - 1) / 2))  # dodge overlapping bars
-        for ax, value, low, high in (
-            (axes[0, 0], "clip_bound", "clip_low", "clip_high"),
-            (axes[0, 1], "batch_size", "batch_low", "batch_high"),
-        ):
-            y = part[value].to_numpy(dtype=float)
-            errors = np.vstack([y - part[low].to_numpy(dtype=float), part[high].to_numpy(dtype=float) - y])
-            ax.errorbar(
-                x,
-                y,
-                yerr=errors,
-                color=colors[k],
-                marker=MARKERS[k % len(MARKERS)],
-                capsize=3,
-                linestyle="-" if n_epochs == max(best["epochs"]) else "--",
-                label=f"{task}, E = {n_epochs}",
-            )
-    for ax, column, low_col, high_col, name, unit in (
-        (axes[0, 0], "clip_bound", "clip_low", "clip_high", "optimal clip bound C", "gradient norm"),
-        (axes[0, 1], "batch_size", "batch_low", "batch_high", "optimal batch size B", "examples"),
-    ):
-        log_axis(ax, "x", best["epsilon"].unique())
-        spread = best[[column, low_col, high_col]].to_numpy(dtype=float).ravel()
-        log_axis(ax, "y", np.unique(spread), spread)
-        ax.set_xlabel("privacy budget ε (log scale)")
-        ax.set_ylabel(f"{name} ({unit}, log scale)")
-        ax.grid(True, which="major", alpha=0.3)
-    figure_legend(figure, axes, 2)
-    figure.suptitle(
-        f"Optimal (C, B) per cell, selected on validation; bars: C and B over the {100 * an.CONFIDENCE:g} % "
-        "confidence set of the best",
-        fontsize=10,
-    )
+    checks = an.paper_trend_checks(ranked)
+    figure = _optimal_figure(ctx, best, checks)
     ctx.writer.figure(section, figure, "fig2-optimal-c-b")
     section.table(
         _best_table(best),
@@ -203,8 +193,65 @@ def optimal(ctx: Context) -> Section:
             "best, of all ranked; optimal C and B: the best's, with their range over that set as the interval."
         ),
     )
-    _paper_checks(section, ranked)
+    _paper_checks(section, checks)
     return section
+
+
+#: Fig. 2's panels: the axes column, the quantity of ``paper_trend_checks``, its columns and axis label.
+_PANELS = (
+    (0, "C", "clip_bound", "clip_low", "clip_high", "optimal clip bound C (gradient norm, log scale)"),
+    (1, "B", "batch_size", "batch_low", "batch_high", "optimal batch size B (examples, log scale)"),
+)
+
+
+def _optimal_figure(ctx: Context, best: pd.DataFrame, checks: pd.DataFrame) -> Figure:
+    """Fig. 2: each cell's optimal C and B as a point with its interval over the confidence set of the best, and
+    a segment only for the moves ``paper_trend_checks`` establishes (the two cells' intervals are disjoint)."""
+    figure, axes = new_figure(1, 2, width=4.6, height=3.6)
+    axes[0, 1].sharex(axes[0, 0])
+    series = [(task, n) for task in ctx.tasks for n in sorted(best.loc[best["task"] == task, "epochs"].unique())]
+    colors = series_colors(len(series))
+    position: dict[tuple[str, float, int], float] = {}
+    for k, (task, n_epochs) in enumerate(series):
+        part = best[(best["task"] == task) & (best["epochs"] == n_epochs)].sort_values("epsilon")
+        x = dodged(part["epsilon"], k, len(series))
+        position.update({(task, e, n_epochs): float(v) for e, v in zip(part["epsilon"], x, strict=True)})
+        for column, _, value, low, high, _ in _PANELS:
+            axes[0, column].errorbar(
+                x,
+                part[value],
+                yerr=interval_errors(part[value], part[low], part[high]),
+                color=colors[k],
+                marker=MARKERS[k % len(MARKERS)],
+                capsize=3,
+                linestyle="none",
+                label=f"{task}, E = {n_epochs}",
+            )
+    established = checks[checks["verdict"] != "not established"]
+    for column, quantity, *_ in _PANELS:
+        for row in established[established["quantity"] == quantity].itertuples(index=False):
+            ends = [
+                (position[(row.task, row.harder_epsilon, row.harder_epochs)], row.harder_value),
+                (position[(row.task, row.easier_epsilon, row.easier_epochs)], row.easier_value),
+            ]
+            axes[0, column].plot(*zip(*ends, strict=True), color="black", linewidth=1.2, label=_SEGMENT)
+    for column, _, value, low, high, label in _PANELS:
+        ax = axes[0, column]
+        log_axis(ax, "x", best["epsilon"].unique())
+        spread = best[[value, low, high]].to_numpy(dtype=float).ravel()
+        log_axis(ax, "y", np.unique(spread), spread)
+        label_panel(ax, "", "privacy budget ε (log scale)", label, grid_axis="both")
+    figure_legend(figure, axes, 3)
+    figure.suptitle(
+        f"Optimal (C, B) per cell, selected on validation; bars: C and B over the {100 * an.CONFIDENCE:g} % "
+        f"confidence set of the best;\n{len(established)} of {len(checks)} compared moves established "
+        "(drawn as segments)",
+        fontsize=10,
+    )
+    return figure
+
+
+_SEGMENT = "established move (intervals disjoint)"
 
 
 def _best_table(best: pd.DataFrame) -> pd.DataFrame:

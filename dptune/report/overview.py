@@ -57,8 +57,13 @@ def overview(ctx: Context) -> Section:
             "runs tuned on a secret subsample of that share of the training and validation rows and the "
             "chosen configuration, transferred by the rule named, trained the released model once on every "
             "training row (Koskela & Kulkarni 2023); how well each rule transfers is measured in "
-            "bench/RESULTS.md. Their runs are not in this report: the per-run records stay inside the data "
-            "owner's trust boundary.",
+            "bench/RESULTS.md. "
+            + (
+                "Their runs in this report are from inside the data owner's trust boundary: not for release."
+                if set(results.release["search_id"]) & set(results.trials["search_id"])
+                else "Their runs are not in this report: the per-run records stay inside the data owner's trust "
+                "boundary."
+            ),
         )
     if not results.models.empty:
         models = results.models.assign(

@@ -13,6 +13,7 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
+from numpy.typing import ArrayLike
 
 from dptune.report.document import Context
 from dptune.report.figures import COLOR_MAP
@@ -26,10 +27,28 @@ def series_colors(count: int) -> list[tuple[float, float, float, float]]:
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def new_figure(rows: int, columns: int, width: float = 3.8, height: float = 3.2) -> tuple[Figure, np.ndarray]:
+def new_figure(
+    rows: int, columns: int, width: float = 3.8, height: float = 3.2, share: bool = False
+) -> tuple[Figure, np.ndarray]:
+    """A figure of ``rows`` × ``columns`` panels; with ``share``, every panel has the same x and y range
+    (panels that compare one quantity: a reader compares positions, not tick labels)."""
     figure = Figure(figsize=(max(width * columns + 0.6, 7.0), height * rows + 0.5), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False)
+    axes = figure.subplots(rows, columns, squeeze=False, sharex=share, sharey=share)
     return figure, axes
+
+
+def dodged(x: ArrayLike, index: int, count: int, step: float = 0.04) -> np.ndarray:
+    """``x`` (a log axis) shifted by a factor 1 + ``step``·(index − centre), so that the bars of ``count``
+    series at the same x stay apart."""
+    return np.asarray(x, dtype=float) * (1 + step * (index - (count - 1) / 2))
+
+
+def interval_errors(value: ArrayLike, low: ArrayLike, high: ArrayLike) -> np.ndarray:
+    """The 2 × n ``yerr`` of ``errorbar`` for intervals [low, high] around ``value`` (0 where unknown)."""
+    centre = np.asarray(value, dtype=float)
+    below = centre - np.asarray(low, dtype=float)
+    above = np.asarray(high, dtype=float) - centre
+    return np.nan_to_num(np.clip(np.vstack([below, above]), 0.0, None))
 
 
 def _tick(value: float) -> str:
@@ -84,14 +103,14 @@ Panel = tuple[Axes, str, int, pd.DataFrame]
 
 
 def task_epoch_panels(
-    ctx: Context, frame: pd.DataFrame, width: float = 4.0, height: float = 3.1
+    ctx: Context, frame: pd.DataFrame, width: float = 4.0, height: float = 3.1, share: bool = False
 ) -> tuple[Figure, np.ndarray, list[Panel]]:
     """A figure with one panel per (task, E) of ``frame``: rows are the tasks in report order,
-    columns the E values ascending. A panel ``frame`` has no rows for is marked empty; the others
-    are returned for the caller to draw."""
+    columns the E values ascending (``share``: one x and y range for all, ``new_figure``). A panel
+    ``frame`` has no rows for is marked empty; the others are returned for the caller to draw."""
     tasks = [t for t in ctx.tasks if t in set(frame["task"])]
     epochs = sorted(frame["epochs"].unique())
-    figure, axes = new_figure(len(tasks), len(epochs), width=width, height=height)
+    figure, axes = new_figure(len(tasks), len(epochs), width=width, height=height, share=share)
     panels: list[Panel] = []
     for row, task in enumerate(tasks):
         for column, n_epochs in enumerate(epochs):

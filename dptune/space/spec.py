@@ -378,6 +378,18 @@ class TrainingSpec(_Strict):
     diagnostic_examples: int = Field(256, ge=8, le=512)
 
 
+class RacingSpec(_Strict):
+    """Adaptive replication (racing, as in F-Race and irace): after a cell's first pass, rounds add ``step``
+    replicates to each configuration within noise of the best, until ``dptune.search.scheduling.racing``
+    says the optimum is pinned down or ``budget`` extra runs of the cell are spent."""
+
+    step: int = Field(2, ge=1, le=20, description="replicates a round adds to each configuration it races")
+    max_replicates: int = Field(16, ge=2, le=100, description="most replicates of one configuration")
+    budget: int = Field(
+        ..., ge=1, le=100_000, description="most runs the rounds add per cell (and clipping rule), over the first pass"
+    )
+
+
 class SearchSpace(_Strict):
     """A whole search-space file."""
 
@@ -410,6 +422,11 @@ class SearchSpace(_Strict):
         le=100,
         description="runs per configuration, each with fresh coins; "
         "samplers and the analysis rank configurations by their mean validation accuracy",
+    )
+    racing: RacingSpec | None = Field(
+        None,
+        description="add replicates, in rounds, to the configurations within noise of each cell's best until "
+        "its optimum is pinned down or a run budget is spent (null: every configuration runs `replicates` times)",
     )
     reproducible: bool = Field(
         False,
@@ -448,6 +465,11 @@ class SearchSpace(_Strict):
             raise ValueError(f"sampler '{self.sampler.name}' needs sampler.trials_per_cell")
         if len(set(self.epochs)) != len(self.epochs):
             raise ValueError("epochs must be distinct")
+        if self.racing is not None and self.racing.max_replicates <= self.replicates:
+            raise ValueError(
+                f"racing.max_replicates ({self.racing.max_replicates}) must exceed replicates ({self.replicates}), "
+                "the first pass's runs per configuration"
+            )
         if self.privacy.private_selection is not None:
             self._check_private_selection()
         if self.scheduler is not None:
@@ -465,6 +487,7 @@ class SearchSpace(_Strict):
             f"{key} {why}"
             for key, bad, why in (
                 ("replicates", self.replicates > 1, "must be 1"),
+                ("racing", self.racing is not None, "must be absent"),
                 (
                     "resources.configurations_per_trial",
                     self.resources.configurations_per_trial not in ("auto", 1),
@@ -508,6 +531,10 @@ class SearchSpace(_Strict):
                 "must be ≥ 2: the mean of the random trial count",
             ),
             "replicates": (self.replicates != 1, "must be 1: the bound counts each run as one candidate"),
+            "racing": (
+                self.racing is not None,
+                "must be absent: racing reruns configurations chosen on exact validation accuracies",
+            ),
             "reproducible": (
                 self.reproducible,
                 "must be false: reproducible coins (from the space's public seed) make K, the proposals and "

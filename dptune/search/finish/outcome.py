@@ -143,8 +143,9 @@ def _composition_columns(
     ``whole`` search's (every row alike), the runs charged but ``unrecorded``, and its ``statement``."""
     cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
     cell = composition_cost(cell_runs, space.privacy.delta)
-    return {
-        "trials_planned": plan.configurations * space.replicates,
+    replicate = cell_runs["trial_id"].drop_duplicates().astype(str).str.rsplit("-r", n=1).str[-1].astype(int)
+    return {  # racing rounds add to the first pass's plan the runs they decided on
+        "trials_planned": plan.configurations * space.replicates + int((replicate >= space.replicates).sum()),
         "trials_with_steps": cell.trials_with_steps,
         "epsilon_cell": cell.epsilon,
         "accountant_cell": cell.accountant,
@@ -315,7 +316,9 @@ def format_summary(best: pd.DataFrame) -> str:
 #: The line above the summary table.
 SUMMARY_HEADER = (
     "best configuration per cell (mean over its replicates, selected on exact validation accuracy: not "
-    "a DP release; test interval: t over replicates, or binomial with one; within noise: configurations "
+    "a DP release; test interval: 95 %, the coins' run-to-run spread pooled over the cell and the test split's "
+    "sampling noise (the split's alone where no configuration was replicated), as the report and the model "
+    "card print it; within noise: configurations "
     "not distinguishable from the best):"
 )
 
@@ -487,6 +490,8 @@ def stopped_by_signal(
         recorded = int(trained.sum()) if len(trials) else 0
         planned = sum(plan.configurations for plan in plans) * space.replicates
         done = f"{recorded} of {planned} runs recorded"
+        if space.racing is not None:  # the rounds decide their runs as they go
+            done = f"{recorded} runs recorded (the first pass plans {planned}; racing rounds add more)"
     raise SearchInterrupted(
         f"stopped by {how} before the search finished: {done}. Run the same command with --resume to run the "
         "rest, each exactly once (what finished is kept, and every training that took a step stays charged in "

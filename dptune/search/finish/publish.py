@@ -28,9 +28,13 @@ The card (``model_card.json``), each field in its JSON type:
 - ``configuration``: ``CONFIG_COLUMNS``, each in the JSON type of its ``trials`` column (integers, numbers,
   strings; null where the record has none);
 - ``privacy``: ``epsilon``, ``delta`` (numbers), ``covers``, ``search_guarantee`` (strings);
-- ``accuracy``: accuracies (numbers), their 95 % Wilson intervals (two numbers, or null) and the rows or
+- ``accuracy``: accuracies (numbers), their 95 % intervals (two numbers, or null;
+  :func:`dptune.analysis.accuracy_interval`: this model's, the split's Wilson interval) and the rows or
   people they were measured on (integers); a private release's ``test_*`` are null where its test split
-  is not public, and ``test_withheld`` says why (a string, else null).
+  is not public, and ``test_withheld`` says why (a string, else null). A search without private
+  selection adds its configuration's mean accuracies over its replicates with the intervals the
+  summary and the report print (``configuration_*``; ``configuration_interval_source``: ``split`` or
+  ``coins and split``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
-from scipy import stats
 
 from dptune import __version__
 from dptune.contract import TrainedModel
@@ -101,12 +104,18 @@ def model_name(cell_id: str, clipping: str) -> str:
 
 
 def accuracy_interval(accuracy: float, rows: int) -> list[float] | None:
-    """The Wilson score interval (``CARD_CONFIDENCE``) of an accuracy measured on ``rows`` rows."""
-    if rows <= 0 or pd.isna(accuracy):
-        return None
-    correct = round(float(accuracy) * rows)
-    interval = stats.binomtest(correct, rows).proportion_ci(confidence_level=CARD_CONFIDENCE, method="wilson")
-    return [float(interval.low), float(interval.high)]
+    """A model's accuracy measured on ``rows`` rows with its ``CARD_CONFIDENCE`` interval, as every
+    output prints it (:func:`dptune.analysis.accuracy_interval`: the split's Wilson interval); None
+    where there is none."""
+    from dptune.analysis import accuracy_interval as interval_of
+
+    interval = interval_of(float(accuracy), int(rows), confidence=CARD_CONFIDENCE)
+    return None if interval is None else list(interval)
+
+
+def _pair(low: float, high: float) -> list[float] | None:
+    """An interval as a card stores it (two numbers), or None where it has none."""
+    return None if pd.isna(low) or pd.isna(high) else [float(low), float(high)]
 
 
 def show_models(results_root: str, folders: list[str]) -> list[str]:
@@ -128,7 +137,7 @@ def publish_search_models(
     trials: pd.DataFrame | None = None,
 ) -> list[str]:
     """Publish the best model of each cell and clipping rule of a search without private selection;
-    ``adaptive``: TPE proposed or ASHA stopped runs on exact validation accuracies. Returns the
+    ``adaptive``: TPE proposed, ASHA stopped or racing replicated runs on exact validation accuracies. Returns the
     models' folders. A cell whose best run left no weights (results from before weights were kept)
     is skipped. ``trials``: the ``trials`` table of ``runs`` (every search's rows) when the caller has
     read it once every run was recorded; None: read here."""
@@ -151,8 +160,8 @@ def publish_search_models(
             run["epsilon"],
             run["delta"],
             (
-                "NOTHING as released: the search adapted to exact validation accuracies (TPE proposals or ASHA "
-                "stops), so which runs exist, and this model, depend on private rows; ε is its run's noisy "
+                "NOTHING as released: the search adapted to exact validation accuracies (TPE proposals, ASHA "
+                "stops or racing), so which runs exist, and this model, depend on private rows; ε is its run's noisy "
                 "steps' budget for a configuration fixed in advance"
                 if adaptive
                 else "this model's training alone: it is (ε, δ)-DP with ε = its cell's per-run budget. Choosing "
@@ -169,6 +178,10 @@ def publish_search_models(
             "test_interval": accuracy_interval(run["test_accuracy"], int(run["num_test"])),
             "num_test": int(run["num_test"]),
             "configuration_val_mean": float(configuration["val_accuracy"]),
+            "configuration_val_interval": _pair(configuration["val_low"], configuration["val_high"]),
+            "configuration_test_mean": float(configuration["test_accuracy"]),
+            "configuration_test_interval": _pair(configuration["test_low"], configuration["test_high"]),
+            "configuration_interval_source": str(configuration["interval_source"]),
             "configuration_replicates": int(configuration["replicates"]),
         }
         folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, SEARCH_DISCLOSURE)
@@ -305,7 +318,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         value, interval = accuracy.get(name), accuracy.get(name.replace("accuracy", "interval"))
         if value is None:
             return "withheld"
-        bounds = f" (95% Wilson interval {interval[0]:.1%}–{interval[1]:.1%})" if interval else ""
+        bounds = f" (95% interval {interval[0]:.1%}–{interval[1]:.1%}, this model on this split)" if interval else ""
         return f"{value:.1%}{bounds}"
 
     lines = [
@@ -337,6 +350,18 @@ def card_markdown(card: dict[str, Any]) -> str:
         + (f" on {accuracy['num_test']} {units}" if accuracy.get("num_test") else "")
         + (f" ({accuracy['test_withheld']})" if accuracy.get("test_withheld") else "")
     )
+    if accuracy.get("configuration_test_interval"):
+        low, high = accuracy["configuration_test_interval"]
+        spread = (
+            "the coins' run-to-run spread pooled over the cell and the split's sampling noise"
+            if accuracy.get("configuration_interval_source") == "coins and split"
+            else "the split's sampling noise only: the coins' spread was not measured (no replicate in the cell)"
+        )
+        lines.append(
+            f"- this configuration, mean test accuracy over its {accuracy['configuration_replicates']} run(s): "
+            f"{accuracy['configuration_test_mean']:.1%} (95% interval {low:.1%}–{high:.1%}: {spread}; "
+            "the search's summary and report print the same)"
+        )
     lines += ["", "## Configuration", ""]
     lines += [f"- {name}: {value}" for name, value in config.items()]
     lines += [

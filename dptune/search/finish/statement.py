@@ -59,7 +59,7 @@ def statement_of_cells(
     if space.reproducible:
         return statement_of_public_coins()
     whole = _composition_text(cost)
-    adaptive = space.sampler.name == "tpe" or space.scheduler is not None
+    adaptive = space.sampler.name == "tpe" or space.scheduler is not None or space.racing is not None
     parts = _adaptive_parts(space, whole) if adaptive else [_composing_part(space, whole)]
     parts.append("A run that diverged is charged its planned steps: its stop read an exact loss.")
     parts.append(f"NOT covered by (ε, δ): {OUTSIDE}.")
@@ -99,7 +99,7 @@ def _composing_part(space: SearchSpace, whole: str) -> str:
 
 
 def _adaptive_parts(space: SearchSpace, whole: str) -> list[str]:
-    """TPE proposals or ASHA stopping: what each trial's DP-SGD still bounds, what the adaptivity voids,
+    """TPE proposals, ASHA stopping or racing: what each trial's DP-SGD still bounds, what the adaptivity voids,
     what the composition ``whole`` (its text, when known) counts, and the shapes that do compose."""
     parts = [
         f"Each trial's noisy training steps are DP-SGD at its cell's ε (δ = {space.privacy.delta:g}; PRV accountant, "
@@ -119,13 +119,19 @@ def _adaptive_parts(space: SearchSpace, whole: str) -> list[str]:
             "outside (ε, δ); a stopped run is charged the steps it took, and releasing the surviving "
             "models is not (ε, δ)-DP."
         )
+    if space.racing is not None:
+        parts.append(
+            "Racing chose which configurations got more replicates, and how many, from earlier runs' exact "
+            "validation accuracies (not DP): which runs exist and their number depend on private rows, so no "
+            "trial's model, and no set of them, is (ε, δ)-DP as released."
+        )
     if whole:
         parts.append(
             f"The {whole} counts the noisy steps of every trial; it is not a bound on releasing them, "
             "because of the adaptivity above."
         )
     parts.append(
-        "Use sampler random or grid without a scheduler for a composition bound over released trials, "
+        "Use sampler random or grid without a scheduler or racing for a composition bound over released trials, "
         "or privacy.private_selection for an end-to-end one."
     )
     return parts

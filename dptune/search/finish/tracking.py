@@ -328,7 +328,7 @@ class SearchLogger:
         models = []
         for folder, card in cards.items():
             run_id = self.run_ids[card["model"]["trial_id"]]
-            self._log_model(run_id, folder)
+            self._log_model(run_id, folder, card)
             models.append((run_id, card))
         if parent is None or parent.info.status != "FINISHED":
             self.doing = "logging the search run"
@@ -372,14 +372,17 @@ class SearchLogger:
         self._values(run_id, {name: trial[name] for name in (*CONFIG_COLUMNS, *TRIAL_PARAMS)}, metrics)
         self.client.set_terminated(run_id, end_time=finished)
 
-    def _log_model(self, run_id: str, folder: Path) -> None:
-        """The published model ``folder`` as the run's pyfunc model ``MODEL_ARTIFACT``, unless logged before
-        (the run's ``MODEL_TAG``, set once it is whole)."""
+    def _log_model(self, run_id: str, folder: Path, card: dict[str, Any]) -> None:
+        """The published model ``folder`` as the run's pyfunc model ``MODEL_ARTIFACT``, with the intervals
+        its ``card`` prints as metrics (:func:`card_interval_metrics`), unless logged before (the run's
+        ``MODEL_TAG``, set once it is whole)."""
         if run_id in self.modelled:
             return
         from dptune.search.finish.mlflow_model import log_pyfunc
 
         self.doing = f"logging the model {folder.name}"
+        now = _now_ms()
+        self.client.log_batch(run_id, metrics=[_metric(k, v, now) for k, v in card_interval_metrics(card).items()])
         log_pyfunc(self.client, run_id, folder, MODEL_ARTIFACT)
         self.client.set_tag(run_id, MODEL_TAG, folder.name)
         self.modelled.add(run_id)
@@ -414,7 +417,7 @@ class SearchLogger:
                     "peft": card["peft"],
                 }
                 self._values(run_id, params, metrics)
-                self._log_model(run_id, folder)
+                self._log_model(run_id, folder, card)
                 with tempfile.TemporaryDirectory(prefix="dptune-mlflow-") as summary:
                     Path(summary, "summary.txt").write_text(summary_text(self.results_root, private=True) + "\n")
                     self.client.log_artifacts(run_id, summary)
@@ -498,6 +501,21 @@ def kept_instance(results_root: str) -> str | None:
     """The ``INSTANCE_TAG`` kept in the results folder's ``INSTANCE_FILE`` (None: there is none)."""
     kept = read_file(results_root, INSTANCE_FILE)
     return None if kept is None else str(json.loads(kept)["instance"])
+
+
+def card_interval_metrics(card: dict[str, Any]) -> dict[str, float]:
+    """The accuracy intervals a model card prints, as MLflow metrics: ``<accuracy>_low``/``_high`` for
+    each of its intervals (the model's, and its configuration's over replicates where it has one), the
+    numbers the card, the search's summary and its report print."""
+    accuracy = card["accuracy"]
+    metrics = {}
+    for name, value in accuracy.items():
+        if name.endswith("_interval") and value is not None:
+            measured = name.removesuffix("_interval") + "_accuracy"  # val_interval: val_accuracy_low/_high
+            metrics[f"{measured}_low"], metrics[f"{measured}_high"] = float(value[0]), float(value[1])
+    if accuracy.get("configuration_test_mean") is not None:
+        metrics["configuration_test_accuracy"] = float(accuracy["configuration_test_mean"])
+    return metrics
 
 
 def _metric(name: str, value: Any, timestamp_ms: int, step: int = 0) -> Metric:

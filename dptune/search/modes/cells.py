@@ -131,5 +131,5 @@ class CellSearch:
         releases: list[tuple[dict[str, Any], pd.Series]],
     ) -> list[str]:
         """The best model of each cell and clipping rule (``publish.publish_search_models``)."""
-        adaptive = space.sampler.name == "tpe" or space.scheduler is not None
+        adaptive = space.sampler.name == "tpe" or space.scheduler is not None or space.racing is not None
         return show_models(results_root, publish_search_models(results_root, runs, search_rows, adaptive=adaptive))

@@ -24,6 +24,7 @@ accounted here too (:func:`unfinished_result`), so the Ray layer does no account
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -156,13 +157,18 @@ def run_spec(context: TrialContext, params: dict[str, Any], replicate: int = 0, 
     return RunSpec(context.cell_key, configuration, trial, params, replicate, index, config)
 
 
-def unit_runs(context: TrialContext, configurations: Sequence[dict[str, Any]]) -> list[RunSpec]:
-    """Every run of ``configurations`` in cell ``context``: R replicates each, in order (configuration,
-    replicate)."""
+def unit_runs(
+    context: TrialContext,
+    configurations: Sequence[dict[str, Any]],
+    replicates: Sequence[Sequence[int]] | None = None,
+) -> list[RunSpec]:
+    """Every run of ``configurations`` in cell ``context``, in order (configuration, replicate): the
+    replicates 0 … R − 1 of each, or ``replicates[i]`` of the i-th (a racing round's extra replicates,
+    :mod:`dptune.search.scheduling.racing`)."""
     return [
         run_spec(context, params, replicate, index)
         for index, params in enumerate(configurations)
-        for replicate in range(context.replicates)
+        for replicate in (range(context.replicates) if replicates is None else replicates[index])
     ]
 
 
@@ -422,8 +428,10 @@ def run_configurations(
     configurations: Sequence[dict[str, Any]],
     report: Callable[[EpochMetrics], None] | None = None,
     progress: UnitProgress | None = None,
+    replicates: Sequence[Sequence[int]] | None = None,
 ) -> UnitOutcome:
-    """Run every (configuration, replicate) of ``configurations`` that is not recorded yet.
+    """Run every (configuration, replicate) of ``configurations`` that is not recorded yet (the
+    replicates of :func:`unit_runs`).
 
     ``report`` (trial runner, one configuration and one replicate only) is called after every epoch
     but the last, which the caller reports itself once the result is written. ``progress`` is told the
@@ -434,7 +442,7 @@ def run_configurations(
     """
     store = ResultsStore(context.results_root)
     recorded = store.completed_trial_ids()
-    runs = unit_runs(context, configurations)
+    runs = unit_runs(context, configurations, replicates)
     pending = [run for run in runs if run.trial_id not in recorded]
     results: dict[str, TrialResult] = {}  # by trial id
 
@@ -462,7 +470,7 @@ def run_configurations(
             unrecorded = [p for p, run in enumerate(pending) if run.trial_id not in results]
             record(unrecorded, [failure.results[p] for p in unrecorded])
     else:
-        per_epoch = report if len(configurations) == 1 and context.replicates == 1 else None
+        per_epoch = report if len(runs) == 1 else None
         for run, run_id in zip(pending, run_ids, strict=True):
             results[run.trial_id] = _run_one(context, run, per_epoch, run_id)
             trained(len(results), True)
@@ -475,9 +483,9 @@ def _outcome(context: TrialContext, runs: Sequence[RunSpec], results: dict[str, 
     order), from this call's results (by trial id) and the records of runs that finished before it."""
     rows = None
     scores, statuses, run_statuses = [], [], []
-    for start in range(0, len(runs), context.replicates):
+    for _, group in itertools.groupby(runs, key=lambda run: run.index):
         values, states = [], []
-        for run in runs[start : start + context.replicates]:
+        for run in group:
             result = results.get(run.trial_id)
             if result is None:
                 if rows is None:

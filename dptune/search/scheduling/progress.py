@@ -18,6 +18,7 @@ runs done would reveal the secret number of runs K.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -51,8 +52,9 @@ class CellTally:
 
     @property
     def planned(self) -> int:
-        """Runs the cell plans: configurations × replicates."""
-        return self.budget * self.replicates
+        """Runs the cell plans: configurations × replicates, or the runs it recorded where more (a racing
+        round adds runs: the plan grows with each round)."""
+        return max(self.budget * self.replicates, len(self.statuses) + math.ceil(sum(self.training.values())))
 
     @property
     def done(self) -> float:
@@ -231,6 +233,7 @@ class SearchProgress:
         bar = self._bars[cell_key]
         if line is not None:
             bar.write(line, file=self.stream)
+        bar.total = max(bar.total, self.cells[cell_key].planned)
         bar.n = max(bar.n, _shown(self.cells[cell_key].done))
         bar.set_postfix_str(self._postfix(cell_key), refresh=False)
         bar.update(0)  # redraws when mininterval has passed since the last draw

@@ -45,7 +45,7 @@ class UnknownConfigurations:
     unrecorded: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _sampled(params: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+def sampled_params(params: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
     """``params`` as the sampler proposes them: its hyperparameters only, B an int."""
     return {name: int(params[name]) if name == "batch_size" else float(params[name]) for name in names}
 
@@ -69,14 +69,14 @@ def unknown_configurations(
     for start in started:
         if not own.fullmatch(start.configuration_id):
             continue
-        params = _sampled(start.params, names)
+        params = sampled_params(start.params, names)
         if unknown(params, start.configuration_id) and any(
             replicate_trial_id(start.configuration_id, r) not in recorded for r in range(context.replicates)
         ):
             unrecorded.setdefault(start.configuration_id, params)
     found = UnknownConfigurations()
     for configuration, group in mine.groupby("configuration_id", sort=True):
-        params = _sampled(group.iloc[0], names)
+        params = sampled_params(group.iloc[0], names)
         if configuration in unrecorded or not unknown(params, str(configuration)):
             continue
         if (group["status"] == PRUNED).any():

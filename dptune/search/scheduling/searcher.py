@@ -28,9 +28,11 @@ from dptune.paths import read_file, write_file_atomic
 from dptune.records import read_table
 from dptune.records.ledger import started_runs
 from dptune.search.planning.sampler import CellSampler
-from dptune.search.runs.execution import FailedUnits, TrialContext, record_pruned, unit_runs
+from dptune.search.runs.execution import FailedUnits, RunSpec, TrialContext, record_pruned, unit_runs
 from dptune.search.scheduling.progress import say
+from dptune.search.scheduling.racing import next_round
 from dptune.search.scheduling.reconcile import unknown_configurations
+from dptune.space.spec import RacingSpec
 
 #: The metric every sampler and scheduler optimises: accuracy on the validation split.
 METRIC = "val_accuracy"
@@ -45,13 +47,20 @@ SCORES_KEY = "scores"
 @dataclass(frozen=True)
 class Unit:
     """One Tune trial's work: ``configurations`` (each a dict of the sampled C, B and η₀) of the
-    cell ``cell_key``. ``unit_id`` is the id of the Tune trial it was suggested for (unique in the search,
-    also across resumes). Tune holds it as a config of its cell and id (:meth:`config`); the
-    configurations are in its file (:meth:`save`), which :meth:`of` reads back."""
+    cell ``cell_key``, each run the cell's R times, or, in a racing round, ``replicates[i]`` of the i-th
+    (replicate indices: :mod:`dptune.search.scheduling.racing`). ``unit_id`` is the id of the Tune trial
+    it was suggested for (unique in the search, also across resumes). Tune holds it as a config of its
+    cell and id (:meth:`config`); the configurations are in its file (:meth:`save`), which :meth:`of`
+    reads back."""
 
     cell_key: str
     unit_id: str
     configurations: list[dict[str, Any]]
+    replicates: list[list[int]] | None = None
+
+    def runs(self, context: TrialContext) -> list[RunSpec]:
+        """Every run of the unit (``execution.unit_runs``)."""
+        return unit_runs(context, self.configurations, self.replicates)
 
     def config(self) -> dict[str, Any]:
         """The unit as a Tune trial's config: its cell and id (tens of bytes, whatever its size)."""
@@ -60,7 +69,8 @@ class Unit:
     def save(self, context: TrialContext) -> None:
         """Write the unit's configurations (JSON) where :meth:`of` reads them: durable before Tune, which
         may save the unit's config in its state at once, hears of the unit."""
-        data = json.dumps(self.configurations).encode()
+        kept = self.configurations if self.replicates is None else [self.configurations, self.replicates]
+        data = json.dumps(kept).encode()
         write_file_atomic(units_folder(context), f"{self.unit_id}.json", data, durable=True)
 
     @classmethod
@@ -72,7 +82,10 @@ class Unit:
             raise FileNotFoundError(
                 f"unit {unit_id}: no file of its configurations in {units_folder(contexts[cell_key])}"
             )
-        return cls(cell_key, unit_id, json.loads(data))
+        kept = json.loads(data)
+        if kept and isinstance(kept[0], list):  # a racing round's: [configurations, replicates]
+            return cls(cell_key, unit_id, kept[0], kept[1])
+        return cls(cell_key, unit_id, kept)
 
 
 def units_folder(context: TrialContext) -> str:
@@ -109,6 +122,7 @@ class CellMultiplexer(Searcher):
         num_train: int,
         min_steps: int,
         metric: str = METRIC,
+        racing: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(metric=metric, mode="max")
         self.samplers = samplers
@@ -120,6 +134,12 @@ class CellMultiplexer(Searcher):
         self.suggested = dict.fromkeys(samplers, 0)
         self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
         self.turn = 0
+        self.racing = racing  # the space's racing (``RacingSpec`` as plain data), None: no racing
+        self.races: dict[str, dict[str, Any]] = (
+            {key: {"signature": None, "ended": None, "rounds": 0, "queued": [[], []]} for key in samplers}
+            if racing is not None
+            else {}
+        )
         self._unrecorded: dict[str, list[dict[str, Any]]] | None = None  # per cell, once this process reads it
 
     @property
@@ -162,10 +182,60 @@ class CellMultiplexer(Searcher):
                 self.budgets[cell_key] = self.suggested[cell_key]
                 continue
             self.suggested[cell_key] += len(configurations)
-            self.owner[trial_id] = unit = Unit(cell_key, trial_id, configurations)
-            unit.save(context)
-            return unit.config()
-        return Searcher.FINISHED
+            return self._hand_out(Unit(cell_key, trial_id, configurations))
+        return self._race(trial_id)
+
+    def _hand_out(self, unit: Unit) -> dict[str, Any]:
+        """Keep ``unit`` as the trial's, write its file, and return its Tune config."""
+        self.owner[unit.unit_id] = unit
+        unit.save(self.contexts[unit.cell_key])
+        return unit.config()
+
+    def _race(self, trial_id: str) -> dict[str, Any] | str | None:
+        """Once every cell's first pass is handed out: a unit of a racing round (``racing``), None while a
+        cell waits for its running units before its next round is decided, or ``FINISHED``."""
+        waiting = False
+        for cell_key in self.samplers:
+            race = self.races.get(cell_key)
+            if race is None or race["ended"] is not None:
+                continue
+            if not race["queued"][0]:
+                if any(unit.cell_key == cell_key for unit in self.owner.values()):
+                    waiting = True
+                    continue
+                self._decide_round(cell_key, race)
+                if race["ended"] is not None:
+                    continue
+            size = self.unit_sizes[cell_key]
+            configurations, replicates = (part[:size] for part in race["queued"])
+            race["queued"] = [part[size:] for part in race["queued"]]
+            return self._hand_out(Unit(cell_key, trial_id, configurations, replicates))
+        return None if waiting else Searcher.FINISHED
+
+    def _decide_round(self, cell_key: str, race: dict[str, Any]) -> None:
+        """Decide cell ``cell_key``'s next racing round from the results folder (``racing.next_round``)
+        into ``race``: its runs queued, or why the race ended."""
+        assert self.racing is not None
+        context = self.contexts[cell_key]
+        trials = read_table(context.results_root, "trials")
+        trials = trials[trials["search_id"] == context.search_id]
+        started = started_runs(context.results_root, context.search_id)
+        names = list(self.samplers[cell_key].spec.distributions())
+        chosen = next_round(context, RacingSpec(**self.racing), names, trials, started, race["signature"])
+        race["signature"], race["ended"] = chosen.signature, chosen.ended
+        race["queued"] = [chosen.configurations, chosen.replicates]
+        label = f"{context.cell_id} {context.base.clipping}"  # as the cell's progress names it
+        runs = sum(map(len, chosen.replicates))
+        if chosen.lost:
+            say(f"[{label}] {runs} racing run(s) charged in the privacy ledger without a record run again")
+        elif chosen.ended is None:
+            race["rounds"] += 1
+            say(
+                f"[{label}] racing round {race['rounds']}: {runs} more run(s) of "
+                f"{len(chosen.configurations)} configuration(s)"
+            )
+        else:
+            say(f"[{label}] racing ended after {race['rounds']} round(s): {chosen.ended}")
 
     def _reconcile(self) -> dict[str, list[dict[str, Any]]]:
         """Teach each cell's sampler what the results folder holds and it does not know (Tune's saved state
@@ -191,7 +261,7 @@ class CellMultiplexer(Searcher):
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
         unit = self.owner.pop(trial_id, None)
-        if unit is None:  # a unit restarted on --resume after it errored: its sampler was told then
+        if unit is None or unit.replicates is not None:  # restarted after it errored (told then), or a racing round's
             return
         sampler = self.samplers[unit.cell_key]
         if error or not result:
@@ -208,16 +278,19 @@ class CellMultiplexer(Searcher):
             "samplers": {key: sampler.state() for key, sampler in self.samplers.items()},
             "budgets": self.budgets,
             "suggested": self.suggested,
-            "owner": {trial_id: [unit.cell_key, unit.configurations] for trial_id, unit in self.owner.items()},
+            "owner": {
+                trial_id: [unit.cell_key, unit.configurations, unit.replicates] for trial_id, unit in self.owner.items()
+            },
             "turn": self.turn,
+            "races": self.races,
         }
 
     def _load_dynamic_state(self, state: dict[str, Any]) -> None:
         self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
         self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
+        self.races = state.get("races", {})
         self.owner = {
-            trial_id: Unit(cell_key, trial_id, configurations)
-            for trial_id, (cell_key, configurations) in state["owner"].items()
+            trial_id: Unit(cell_key, trial_id, *kept) for trial_id, (cell_key, *kept) in state["owner"].items()
         }
         self._unrecorded = None
 
@@ -239,7 +312,7 @@ class CellMultiplexer(Searcher):
 
 
 #: The attributes of a :class:`CellMultiplexer` that change as it runs (its JSON checkpoint).
-_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn")
+_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn", "races")
 
 
 def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str, FailedUnits]:
@@ -252,7 +325,7 @@ def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str
             continue
         unit = Unit.of(result.config, contexts)
         trials, _ = failed.setdefault(unit.cell_key, ([], ""))
-        trials += [spec.trial_id for spec in unit_runs(contexts[unit.cell_key], unit.configurations)]
+        trials += [spec.trial_id for spec in unit.runs(contexts[unit.cell_key])]
         lines = str(result.error).strip().splitlines()
         failed[unit.cell_key] = (trials, lines[-1] if lines else type(result.error).__name__)
     return {key: FailedUnits(tuple(trials), error) for key, (trials, error) in failed.items()}

@@ -42,7 +42,6 @@ from dptune.search.runs.execution import (
     TrialContext,
     run_configurations,
     unfinished_result,
-    unit_runs,
     write_result,
 )
 from dptune.search.runs.private_units import UNIT_DONE, PrivateUnit, run_private_unit
@@ -128,7 +127,7 @@ def tune_trainable(params: dict[str, Any], contexts: dict[str, TrialContext]) ->
             tune.report({RUNS_TRAINED_KEY: trained, METRIC: float("nan"), "done_recording": False})
 
     try:
-        outcome = run_configurations(context, unit.configurations, report, progress)
+        outcome = run_configurations(context, unit.configurations, report, progress, unit.replicates)
     except OSError as error:  # the results folder is full or read-only: the driver ends the search
         if storage_error(error) is not None:  # and the unit stays unfinished, so --resume runs it again
             tune.report({STORAGE_ERROR_KEY: storage_error(error), METRIC: float("nan"), "done_recording": False})
@@ -404,7 +403,7 @@ class RecordAndReport(StopOnStorageFailure):
             for params, score in zip(unit.configurations, scores, strict=False):
                 if unit.cell_key not in self.best or score > self.best[unit.cell_key][0]:
                     self.best[unit.cell_key] = (score, params)
-            runs = [run.trial_id for run in unit_runs(context, unit.configurations)]
+            runs = [run.trial_id for run in unit.runs(context)]
             statuses = dict(zip(runs, json.loads(last.get(RUN_STATUSES_KEY, "[]")), strict=False))  # display only
             what = ""
         elif self.state.stopping or "epoch" not in last:  # stopped with the search: run on --resume
@@ -454,7 +453,7 @@ class RecordAndReport(StopOnStorageFailure):
         last = trial.last_result or {}
         statuses: dict[str, str] = {}
         recorded = []
-        for run in unit_runs(context, unit.configurations):
+        for run in unit.runs(context):
             if store.has_trial(run.trial_id):
                 recorded.append(run.trial_id)  # the run wrote its full record before the unit ended
                 continue

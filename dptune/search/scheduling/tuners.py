@@ -55,6 +55,7 @@ def search_tuner(
         contexts=contexts,
         num_train=plans[0].num_train,
         min_steps=space.min_steps,
+        racing=None if space.racing is None else space.racing.model_dump(),
     )
     callback = RecordAndReport(
         {

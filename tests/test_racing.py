@@ -17,7 +17,7 @@ from dptune import analysis as an
 from dptune.records import read_table, replicate_trial_id
 from dptune.records.ids import configuration_id
 from dptune.records.ledger import RunStart, charged_runs
-from dptune.search.scheduling.racing import next_round
+from dptune.search.scheduling.racing import next_round, open_comparison
 from dptune.space.spec import RacingSpec
 from test_execution import context
 
@@ -28,8 +28,9 @@ B = {"clip_bound": 1.0, "batch_size": 64, "base_learning_rate": 0.05}
 C = {"clip_bound": 0.1, "batch_size": 64, "base_learning_rate": 0.001}
 
 
-def _rows(cell_key: str, scores: dict[str, tuple[dict[str, float], list[float]]]) -> pd.DataFrame:
-    """``trials`` rows of cell ``cell_key``: each named configuration with one finished run per score."""
+def _rows(cell_key: str, scores: dict[str, tuple[dict[str, float], list[float]]], epsilon: float = 8.0) -> pd.DataFrame:
+    """``trials`` rows of cell ``cell_key`` (ε = ``epsilon``, E = 2): each named configuration with one
+    finished run per score."""
     rows = []
     for params, values in scores.values():
         configuration = configuration_id(cell_key, params)
@@ -41,7 +42,9 @@ def _rows(cell_key: str, scores: dict[str, tuple[dict[str, float], list[float]]]
                     "trial_id": replicate_trial_id(configuration, replicate),
                     "replicate": replicate,
                     "search_id": "s",
-                    "cell_id": "eps=8|epochs=2",
+                    "cell_id": f"eps={epsilon:g}|epochs=2",
+                    "epsilon": epsilon,
+                    "epochs": 2,
                     "clipping": "normalized",
                     "status": "ok",
                     "val_accuracy": value,
@@ -73,8 +76,11 @@ def test_a_round_adds_replicates_to_the_confidence_set_of_the_best_only(tmp_path
     assert [p["clip_bound"] for p in chosen.configurations] == [0.5, 1.0]  # best first
     assert chosen.replicates == [[2, 3], [2, 3]]
     assert chosen.signature == [sorted(configuration_id(cell.cell_key, p) for p in (A, B)), 0.5, 1.0, 32, 64]
-    again = next_round(cell, RacingSpec(step=2, max_replicates=8, budget=100), NAMES, trials, [], chosen.signature)
-    assert again.ended == "the confidence set and the optimal C and B intervals stopped changing"
+    spec = RacingSpec(step=2, max_replicates=8, budget=100, patience=2)
+    once = next_round(cell, spec, NAMES, trials, [], chosen.signature, unchanged=0)
+    assert once.ended is None and once.replicates == [[2, 3], [2, 3]]  # one unchanged round: patience 2 races on
+    twice = next_round(cell, spec, NAMES, trials, [], chosen.signature, unchanged=1)
+    assert twice.ended == "the confidence set and the optimal C and B intervals did not change in 2 round(s)"
 
 
 def test_a_round_keeps_to_the_budget_and_max_replicates(tmp_path: Path) -> None:
@@ -96,6 +102,22 @@ def test_runs_charged_without_a_row_run_again_before_a_new_round(tmp_path: Path)
     lost = next_round(cell, RacingSpec(budget=100), NAMES, trials, started, ["previous"])
     assert lost.ended is None and lost.lost and lost.signature == ["previous"]
     assert lost.configurations == [B] and lost.replicates == [[2, 3]]
+    failed = frozenset({replicate_trial_id(configuration_id(cell.cell_key, B), 3)})  # a unit that failed: Tune's
+    after = next_round(cell, RacingSpec(budget=100), NAMES, trials, started, ["previous"], excluded=failed)
+    assert after.replicates == [[2]]
+
+
+def test_a_cell_at_an_end_of_an_open_comparison_races_on_though_its_set_holds_still(tmp_path: Path) -> None:
+    cell = context(tmp_path)
+    here = _rows(cell.cell_key, SCORES)
+    other = _rows("eps1-E2", {"A": (A, [0.70, 0.71]), "B": (B, [0.70, 0.70])}, epsilon=1.0)
+    assert open_comparison(cell, pd.concat([here, other])) and not open_comparison(cell, here)
+    spec = RacingSpec(budget=100, patience=1)
+    signature = next_round(cell, spec, NAMES, here, [], None).signature
+    alone = next_round(cell, spec, NAMES, here, [], signature)
+    assert alone.ended is not None and alone.ended.startswith("the confidence set and the optimal C and B")
+    compared = next_round(cell, spec, NAMES, pd.concat([here, other]), [], signature)
+    assert compared.ended is None and compared.replicates == [[2, 3], [2, 3]]
 
 
 def test_a_set_of_one_ends_the_race(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def test_public_report_shows_the_release_its_guarantee_and_plan_and_nothing_from
     assert (
         f"{configuration['noise_multiplier']:.4f}" in text and f"ε = {release['epsilon_per_trial']:.4g} per run" in text
     )
-    released_row = re.search(r"<tr>\s*<td>32</td>(.*?)</tr>", page, flags=re.S)
+    released_row = re.search(rf"<tr>\s*<td>{int(release['batch_size'])}</td>(.*?)</tr>", page, flags=re.S)
     assert (
         released_row and "◀ released" in released_row.group(1) and f"{configuration['steps']}" in released_row.group(1)
     )

@@ -227,6 +227,40 @@ def test_the_searcher_pickles_and_checkpoints_plain_data(tmp_path: Path) -> None
     assert [value for _, value, _ in restored.samplers["a"].told] == [0.5, 0.6]
 
 
+def _racing_searcher(cell: TrialContext) -> CellMultiplexer:
+    """A searcher of one racing cell ``a``: a first pass of 2 configurations in one unit, then rounds."""
+    return CellMultiplexer(
+        {"a": CellSampler(GRID)},
+        budgets={"a": 2},
+        unit_sizes={"a": 2},
+        contexts={"a": cell},
+        num_train=N,
+        min_steps=1,
+        racing={"step": 2, "max_replicates": 4, "budget": 8, "patience": 2},
+    )
+
+
+def test_a_racing_unit_that_failed_is_waited_for_once_a_resume_restarts_it(tmp_path: Path) -> None:
+    """A racing search's unit that errored is kept (``errored``): a restored searcher holds it as running,
+    since the restored Tuner restarts it, and its cell decides no round until it ends; its end tells no
+    sampler (its cell's sampler was told when it failed)."""
+    cell = context(tmp_path)
+    searcher = _racing_searcher(cell)
+    unit = Unit.of(searcher.suggest("t0"), {"a": cell})
+    searcher.on_trial_complete("t0", error=True)
+    assert searcher.errored == {"t0": unit} and not searcher.owner
+    told = list(searcher.samplers["a"].told)
+    checkpoint = tmp_path / "searcher.json"
+    searcher.save(str(checkpoint))
+    restored = _racing_searcher(cell)
+    restored.restore(str(checkpoint))
+    restored._unrecorded = {"a": []}  # nothing for the reconciliation to hand out: the unit is Tune's to rerun
+    assert restored.owner == {"t0": unit}
+    assert restored.suggest("t1") is None  # its cell waits for the restarted unit before any round
+    restored.on_trial_complete("t0", {SCORES_KEY: [0.5, 0.6]})
+    assert not restored.owner and not restored.errored and restored.samplers["a"].told == told
+
+
 def test_each_cell_has_its_own_asha() -> None:
     schedulers = {
         key: ASHAScheduler(time_attr="epoch", max_t=EPOCHS, grace_period=1, reduction_factor=2) for key in ("a", "b")

@@ -60,18 +60,21 @@ def configuration_intervals(
     """The intervals of every configuration's mean test accuracy, and of its mean class accuracy per stratum.
 
     One row per configuration of ``rank_configurations(trials, by)``: ``by``, ``configuration_id``,
-    ``trial_id`` (its first replicate, the key the figures' tables carry), ``rank``, ``test_low`` and
-    ``test_high`` (``with_intervals``). With ``strata`` (``class_strata``) and ``accuracy``
-    (``stratum_accuracy``), per stratum s also ``s_low``/``s_high``: the same function with the
-    stratum's mean class accuracy in place of the test accuracy (its run-to-run spread pooled over the
-    group's configurations) and the stratum's share of the test rows in place of ``num_test``
-    (``num_test`` times the stratum's share of the task's classes: the records count no test rows per
-    class, so the classes are taken as equally represented in the split). NaN where a configuration
-    has no class accuracies.
+    ``trial_id`` (its first replicate, the key the figures' tables carry), ``rank`` (within its group of
+    ``by``, e.g. a (C, B) bin), ``test_low`` and ``test_high`` (``with_intervals`` over its cell,
+    ``CELL``: the run-to-run spread is pooled over the cell's configurations whatever ``by`` groups, so
+    a configuration has the interval every other output prints). With ``strata`` (``class_strata``)
+    and ``accuracy`` (``stratum_accuracy``), per stratum s also ``s_low``/``s_high``: the same function
+    with the stratum's mean class accuracy in place of the test accuracy (its spread pooled over the
+    cell) and the stratum's share of the test rows in place of ``num_test`` (``num_test`` times the
+    stratum's share of the task's classes: the records count no test rows per class, so the classes
+    are taken as equally represented in the split). NaN where a configuration has no class accuracies.
     """
     by = list(by)
     key = [*by, "configuration_id", "trial_id", "rank"]
-    table = with_intervals(rank_configurations(trials, by), by)[[*key, "test_low", "test_high"]]
+    cell = [*CELL, "configuration_id"]  # ``by`` holds the cell's columns (and may group finer)
+    bounds = with_intervals(rank_configurations(trials, CELL), CELL)[[*cell, "test_low", "test_high"]]
+    table = rank_configurations(trials, by)[key].merge(bounds, on=cell, how="left")
     if strata is None or accuracy is None or strata.empty:
         return table
     scored = with_strata(trials, accuracy)
@@ -84,11 +87,11 @@ def configuration_intervals(
     for stratum in STRATA:
         rows = scored["num_test"] * scored["task"].map(shares[stratum])
         as_test = scored.assign(test_accuracy=scored[stratum], num_test=rows)
-        ranked = with_intervals(rank_configurations(as_test, by), by)
-        bounds = ranked[[*key, "test_low", "test_high"]].rename(
+        ranked = with_intervals(rank_configurations(as_test, CELL), CELL)
+        bounds = ranked[[*cell, "test_low", "test_high"]].rename(
             columns={"test_low": f"{stratum}_low", "test_high": f"{stratum}_high"}
         )
-        table = table.merge(bounds, on=key, how="left")
+        table = table.merge(bounds, on=cell, how="left")
     return table
 
 

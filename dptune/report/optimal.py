@@ -227,7 +227,7 @@ def _optimal_figure(ctx: Context, best: pd.DataFrame, checks: pd.DataFrame) -> F
                 linestyle="none",
                 label=f"{task}, E = {n_epochs}",
             )
-    established = checks[checks["verdict"] != "not established"]
+    established = checks[checks["verdict"].isin(["agrees", "disagrees"])]  # a move (a "no change" is none)
     for column, quantity, *_ in _PANELS:
         for row in established[established["quantity"] == quantity].itertuples(index=False):
             ends = [

@@ -16,6 +16,7 @@ it saying, first, that it is not for release.
 from __future__ import annotations
 
 import html
+import os
 from collections.abc import Sequence
 
 import pandas as pd
@@ -33,8 +34,10 @@ def is_release_only(results: an.Results) -> bool:
 
 
 def _parent(path: str) -> str | None:
-    """The results folder of ``path`` when ``path`` is a private search's trust boundary, else None."""
-    head, _, name = path.rstrip("/").rpartition("/")
+    """The results folder of ``path`` when ``path`` is a private search's trust boundary, else None (a
+    local path is made absolute first: ``inside_trust_boundary`` or ``…/inside_trust_boundary/.``)."""
+    local = "://" not in path
+    head, _, name = (os.path.abspath(path) if local else path.rstrip("/")).rpartition("/")
     return head if name == TRUST_BOUNDARY and head else None
 
 

@@ -385,9 +385,8 @@ class RacingSpec(_Strict):
 
     step: int = Field(2, ge=1, le=20, description="replicates a round adds to each configuration it races")
     max_replicates: int = Field(16, ge=2, le=100, description="most replicates of one configuration")
-    budget: int = Field(
-        ..., ge=1, le=100_000, description="most runs the rounds add per cell (and clipping rule), over the first pass"
-    )
+    budget: int = Field(..., ge=1, le=100_000, description="most runs the rounds add per cell, over its first pass")
+    patience: int = Field(2, ge=1, le=20, description="rounds in a row that change neither the set nor C, B: the end")
 
 
 class SearchSpace(_Strict):

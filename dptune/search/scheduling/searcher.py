@@ -133,6 +133,7 @@ class CellMultiplexer(Searcher):
         self.min_steps = min_steps
         self.suggested = dict.fromkeys(samplers, 0)
         self.owner: dict[str, Unit] = {}  # by Tune trial id: the units suggested and not yet complete
+        self.errored: dict[str, Unit] = {}  # by Tune trial id: a racing search's units that failed
         self.turn = 0
         self.racing = racing  # the space's racing (``RacingSpec`` as plain data), None: no racing
         self.races: dict[str, dict[str, Any]] = (
@@ -221,7 +222,13 @@ class CellMultiplexer(Searcher):
         trials = trials[trials["search_id"] == context.search_id]
         started = started_runs(context.results_root, context.search_id)
         names = list(self.samplers[cell_key].spec.distributions())
-        chosen = next_round(context, RacingSpec(**self.racing), names, trials, started, race["signature"])
+        failed = frozenset(
+            run.trial_id for unit in self.errored.values() if unit.cell_key == cell_key for run in unit.runs(context)
+        )
+        previous, unchanged = race["signature"], race.get("unchanged", 0)
+        chosen = next_round(context, RacingSpec(**self.racing), names, trials, started, previous, unchanged, failed)
+        if not chosen.lost:
+            race["unchanged"] = unchanged + 1 if previous is not None and chosen.signature == previous else 0
         race["signature"], race["ended"] = chosen.signature, chosen.ended
         race["queued"] = [chosen.configurations, chosen.replicates]
         label = f"{context.cell_id} {context.base.clipping}"  # as the cell's progress names it
@@ -261,7 +268,10 @@ class CellMultiplexer(Searcher):
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
         unit = self.owner.pop(trial_id, None)
-        if unit is None or unit.replicates is not None:  # restarted after it errored (told then), or a racing round's
+        restarted = self.errored.pop(trial_id, None) is not None  # on --resume, after it errored: told then
+        if unit is not None and error and self.racing is not None:
+            self.errored[trial_id] = unit  # Tune runs it again on --resume (``restart_errored``)
+        if unit is None or restarted or unit.replicates is not None:  # a racing round's tells nothing
             return
         sampler = self.samplers[unit.cell_key]
         if error or not result:
@@ -283,15 +293,21 @@ class CellMultiplexer(Searcher):
             },
             "turn": self.turn,
             "races": self.races,
+            "errored": {
+                trial_id: [unit.cell_key, unit.configurations, unit.replicates]
+                for trial_id, unit in self.errored.items()
+            },
         }
 
     def _load_dynamic_state(self, state: dict[str, Any]) -> None:
         self.samplers = {key: CellSampler.from_state(value) for key, value in state["samplers"].items()}
         self.budgets, self.suggested, self.turn = state["budgets"], state["suggested"], state["turn"]
         self.races = state.get("races", {})
-        self.owner = {
-            trial_id: Unit(cell_key, trial_id, *kept) for trial_id, (cell_key, *kept) in state["owner"].items()
-        }
+        self.owner, self.errored = (
+            {trial_id: Unit(cell_key, trial_id, *kept) for trial_id, (cell_key, *kept) in units.items()}
+            for units in (state["owner"], state.get("errored", {}))
+        )
+        self.owner.update(self.errored)  # a restored Tuner restarts every unit that errored: its cell waits for it
         self._unrecorded = None
 
     def save(self, checkpoint_path: str) -> None:
@@ -312,7 +328,7 @@ class CellMultiplexer(Searcher):
 
 
 #: The attributes of a :class:`CellMultiplexer` that change as it runs (its JSON checkpoint).
-_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn", "races")
+_DYNAMIC_STATE = ("samplers", "budgets", "suggested", "owner", "turn", "races", "errored")
 
 
 def failed_units(results: Any, contexts: Mapping[str, TrialContext]) -> dict[str, FailedUnits]:

@@ -1,4 +1,4 @@
-"""Racing against fixed replicates on the paper's questions (issue 54): ``search_spaces/paper_questions_20ng.yaml``
+"""Racing against fixed replicates on the paper's questions (issue 54): ``search_spaces/racing_20ng.yaml``
 (20 Newsgroups, MiniLM features, ε ∈ {1, 2, 4, 8}, E ∈ {5, 20}, 40 configurations per cell, 2 replicates
 then racing rounds) run as it is, and the same space with no racing at fixed replicate counts R, one search
 at a time through ``python -m dptune.search`` (embedded Ray, no report). Per search: runs trained (per
@@ -30,7 +30,7 @@ from typing import Any
 
 from machine import machine
 
-SPACE = "search_spaces/paper_questions_20ng.yaml"
+SPACE = "search_spaces/racing_20ng.yaml"
 #: A racing cell's console line: ``[cell key] racing ended after N round(s): why``.
 ENDED = re.compile(r"\[(?P<cell>[^\]]+)\] racing ended after (?P<rounds>\d+) round\(s\): (?P<why>.+)")
 

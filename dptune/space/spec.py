@@ -424,6 +424,7 @@ class SearchSpace(_Strict):
     )
     racing: RacingSpec | None = Field(
         None,
+        exclude_if=lambda value: value is None,  # a space without it keeps its hash (and search id) from before
         description="add replicates, in rounds, to the configurations within noise of each cell's best until "
         "its optimum is pinned down or a run budget is spent (null: every configuration runs `replicates` times)",
     )

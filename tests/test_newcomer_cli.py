@@ -262,6 +262,10 @@ CARD_TYPES: dict[str, tuple[type, ...]] = {
     "accuracy.test_interval": (list,),
     "accuracy.num_test": (int,),
     "accuracy.configuration_val_mean": (float,),
+    "accuracy.configuration_val_interval": (list,),
+    "accuracy.configuration_test_mean": (float,),
+    "accuracy.configuration_test_interval": (list,),
+    "accuracy.configuration_interval_source": (str,),
     "accuracy.configuration_replicates": (int,),
 }
 
@@ -287,7 +291,8 @@ def test_every_field_of_a_model_card_has_its_json_type(tiny_search: SearchRun) -
         assert not wrong, f"{path}: {wrong}"
         assert fields["data.max_tokens"] == 64  # tests/spaces/tiny.yaml's, as the features were encoded
         assert all(type(n) is int for n in fields["parameters.weight"] + fields["parameters.bias"])
-        assert all(type(x) is float for x in fields["accuracy.val_interval"] + fields["accuracy.test_interval"])
+        intervals = ("val_interval", "test_interval", "configuration_val_interval", "configuration_test_interval")
+        assert all(type(x) is float for name in intervals for x in fields[f"accuracy.{name}"])
         assert all(type(name) is str for name in fields["data.class_names"])
 
 

@@ -143,8 +143,8 @@ def _composition_columns(
     ``whole`` search's (every row alike), the runs charged but ``unrecorded``, and its ``statement``."""
     cell_runs = charged[(charged["cell_id"] == plan.cell.cell_id) & (charged["clipping"] == plan.clipping)]
     cell = composition_cost(cell_runs, space.privacy.delta)
-    replicate = cell_runs["trial_id"].drop_duplicates().astype(str).str.rsplit("-r", n=1).str[-1].astype(int)
-    return {  # racing rounds add to the first pass's plan the runs they decided on
+    replicate = cell_runs["trial_id"].drop_duplicates().astype(str).str.extract(r"-r(\d+)$")[0].astype(float)
+    return {  # racing rounds add to the first pass's plan the runs they decided on (a stand-in id has none)
         "trials_planned": plan.configurations * space.replicates + int((replicate >= space.replicates).sum()),
         "trials_with_steps": cell.trials_with_steps,
         "epsilon_cell": cell.epsilon,

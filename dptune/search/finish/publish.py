@@ -113,6 +113,24 @@ def accuracy_interval(accuracy: float, rows: int) -> list[float] | None:
     return None if interval is None else list(interval)
 
 
+def _search_accuracy(run: pd.Series, configuration: pd.Series) -> dict[str, Any]:
+    """A search's card's ``accuracy``: its ``run``'s and its ``configuration``'s (``best_configurations``)."""
+    return {
+        "val_accuracy": float(run["val_accuracy"]),
+        "val_interval": accuracy_interval(run["val_accuracy"], int(run["num_val"])),
+        "num_val": int(run["num_val"]),
+        "test_accuracy": float(run["test_accuracy"]),
+        "test_interval": accuracy_interval(run["test_accuracy"], int(run["num_test"])),
+        "num_test": int(run["num_test"]),
+        "configuration_val_mean": float(configuration["val_accuracy"]),
+        "configuration_val_interval": _pair(configuration["val_low"], configuration["val_high"]),
+        "configuration_test_mean": float(configuration["test_accuracy"]),
+        "configuration_test_interval": _pair(configuration["test_low"], configuration["test_high"]),
+        "configuration_interval_source": str(configuration["interval_source"]),
+        "configuration_replicates": int(configuration["replicates"]),
+    }
+
+
 def _pair(low: float, high: float) -> list[float] | None:
     """An interval as a card stores it (two numbers), or None where it has none."""
     return None if pd.isna(low) or pd.isna(high) else [float(low), float(high)]
@@ -170,20 +188,7 @@ def publish_search_models(
             ),
             row["guarantee"],
         )
-        accuracy = {
-            "val_accuracy": float(run["val_accuracy"]),
-            "val_interval": accuracy_interval(run["val_accuracy"], int(run["num_val"])),
-            "num_val": int(run["num_val"]),
-            "test_accuracy": float(run["test_accuracy"]),
-            "test_interval": accuracy_interval(run["test_accuracy"], int(run["num_test"])),
-            "num_test": int(run["num_test"]),
-            "configuration_val_mean": float(configuration["val_accuracy"]),
-            "configuration_val_interval": _pair(configuration["val_low"], configuration["val_high"]),
-            "configuration_test_mean": float(configuration["test_accuracy"]),
-            "configuration_test_interval": _pair(configuration["test_low"], configuration["test_high"]),
-            "configuration_interval_source": str(configuration["interval_source"]),
-            "configuration_replicates": int(configuration["replicates"]),
-        }
+        accuracy = _search_accuracy(run, configuration)
         folder = _publish(results_root, runs, str(run["trial_id"]), key, run, privacy, accuracy, SEARCH_DISCLOSURE)
         if folder is not None:
             folders.append(folder)
@@ -309,6 +314,21 @@ def _unit_text(unit: str | None) -> str:
     return f"one person, identified by `{column}`, with all their rows (user-level DP)"
 
 
+def _configuration_line(accuracy: dict[str, Any]) -> str:
+    """The card's line of its configuration's mean test accuracy with the interval the summary prints."""
+    low, high = accuracy["configuration_test_interval"]
+    spread = (
+        "the coins' run-to-run spread pooled over the cell and the split's sampling noise"
+        if accuracy.get("configuration_interval_source") == "coins and split"
+        else "the split's sampling noise only: the coins' spread was not measured (no replicate in the cell)"
+    )
+    return (
+        f"- this configuration, mean test accuracy over its {accuracy['configuration_replicates']} run(s): "
+        f"{accuracy['configuration_test_mean']:.1%} (95% interval {low:.1%}–{high:.1%}: {spread}; "
+        "the search's summary and report print the same)"
+    )
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     """The model card for a person: what the model is, what it was trained on, what its ε covers."""
     privacy, accuracy, config = card["privacy"], card["accuracy"], card["configuration"]
@@ -351,17 +371,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         + (f" ({accuracy['test_withheld']})" if accuracy.get("test_withheld") else "")
     )
     if accuracy.get("configuration_test_interval"):
-        low, high = accuracy["configuration_test_interval"]
-        spread = (
-            "the coins' run-to-run spread pooled over the cell and the split's sampling noise"
-            if accuracy.get("configuration_interval_source") == "coins and split"
-            else "the split's sampling noise only: the coins' spread was not measured (no replicate in the cell)"
-        )
-        lines.append(
-            f"- this configuration, mean test accuracy over its {accuracy['configuration_replicates']} run(s): "
-            f"{accuracy['configuration_test_mean']:.1%} (95% interval {low:.1%}–{high:.1%}: {spread}; "
-            "the search's summary and report print the same)"
-        )
+        lines.append(_configuration_line(accuracy))
     lines += ["", "## Configuration", ""]
     lines += [f"- {name}: {value}" for name, value in config.items()]
     lines += [

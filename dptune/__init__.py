@@ -13,6 +13,7 @@ The public API is :data:`__all__`; every other name, and every sub-module, is dp
 - :func:`load_model` reads a published model folder into a :class:`Model`: ``predict``,
   ``predict_proba``, ``predict_frame``, ``card``;
 - :func:`plan` is the batch-size planner's table (q, T, σ per (ε, B)) before any compute;
+- :func:`audit` is an empirical privacy audit: one training with canaries, an ε lower bound;
 - :func:`load_space` validates a space file; :class:`DptuneError` is every refusal's type.
 
 Data flows one way: search space → plan (accounting, pruning) → trials → result records → analysis
@@ -40,6 +41,7 @@ _PUBLIC = {
     "load_model": "dptune.model",
     "Model": "dptune.model",
     "plan": "dptune.plan",
+    "audit": "dptune.audit",
     "PlanRow": "dptune.plan.table",
     "load_space": "dptune.space",
     "SearchSpace": "dptune.space",
@@ -55,6 +57,7 @@ __all__ = [
     "SearchResult",
     "SearchSpace",
     "__version__",
+    "audit",
     "load_model",
     "load_space",
     "plan",
@@ -66,7 +69,8 @@ def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         raise AttributeError(f"module 'dptune' has no attribute {name!r}")
     module = importlib.import_module(_PUBLIC[name])
-    return module if module.__name__ == f"dptune.{name}" else getattr(module, name)  # dptune.plan: callable
+    callable_package = module.__name__ == f"dptune.{name}"  # dptune.plan and dptune.audit are called
+    return module if callable_package else getattr(module, name)
 
 
 def __dir__() -> list[str]:

@@ -1,3 +1,4 @@
+from dptune.audit import _Auditor
 from dptune.errors import DptuneError as DptuneError
 from dptune.model import Model as Model
 from dptune.model import load_model as load_model
@@ -13,3 +14,4 @@ from dptune.space import load_space as load_space
 __version__: str
 __all__: list[str]
 plan: _Planner
+audit: _Auditor

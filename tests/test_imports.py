@@ -212,6 +212,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "report",
         }
     ),
+    "audit": frozenset({"dp", "data", "runners", "plan", "privacy", "records", "space", "search", "search.planning"}),
     "model": frozenset({"data", "models", "records", "runners"}),
     "predict": frozenset({"data", "model", "search.finish"}),
     "__main__": frozenset(),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, SHORT_PRIVATE
+import dptune
+from conftest import REPO_ROOT, SHORT_PRIVATE, TINY_EVAL_EXAMPLES, TINY_TRAIN_EXAMPLES
 from dptune import analysis as an
 from dptune.records import TRUST_BOUNDARY, read_table
 from dptune.records.weights import CARD_JSON
@@ -114,3 +115,18 @@ def test_owner_report_of_the_trust_boundary_says_first_it_is_not_for_release(
     # no list of sections a private search cannot have, and no advice it refuses
     assert "Left out for lack of data" not in text and "diagnostics: true" not in notice
     assert "Not shown: sections a private search cannot fill" in notice
+
+
+def test_an_audit_is_refused_in_the_public_report(
+    private_root: Path, tmp_path: Path, search_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit's numbers come from a second training on the private rows, outside ε_total: the public
+    report of a private search refuses ``--audit`` before writing anything."""
+    monkeypatch.setenv("DPTUNE_CACHE_DIR", search_env["DPTUNE_CACHE_DIR"])
+    audit = tmp_path / "audit"
+    caps = {"max_train_examples": TINY_TRAIN_EXAMPLES, "max_eval_examples": TINY_EVAL_EXAMPLES}
+    dptune.audit(REPO_ROOT / "tests/spaces/tiny.yaml", out=audit, canaries=100, progress=False, **caps)
+    out = tmp_path / "public"
+    with pytest.raises(an.AnalysisError, match="not part of its public report"):
+        build_report([str(private_root)], out, audit=str(audit))
+    assert not out.exists()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dptune.contract import CLIPPING_RULES, ClippingRule
+from dptune.dp import faults
 
 if TYPE_CHECKING:  # torch-free at import, like the rule names in dptune.contract
     import torch
@@ -57,6 +58,8 @@ def clip_factors(
     ``clip_bound`` is C, or a tensor of C values that broadcasts against them (the fused runner's
     ``(k, 1)`` bounds of k configurations against ``(k, n)`` norms).
     """
+    if faults.clipping_bypassed():
+        return per_example_norms.new_ones(()).expand_as(per_example_norms).clone()
     if rule == "auto_s":
         return 1.0 / (per_example_norms + stability)
     return (clip_bound / (per_example_norms + _NORM_EPSILON)).clamp(max=1.0)
@@ -64,7 +67,8 @@ def clip_factors(
 
 def noise_std(noise_multiplier: float, clip_bound: float, rule: ClippingRule) -> float:
     """Standard deviation s of the Gaussian noise added to the clipped sum (module table)."""
-    return noise_multiplier if rule == "auto_s" else noise_multiplier * clip_bound
+    std = noise_multiplier if rule == "auto_s" else noise_multiplier * clip_bound
+    return std * faults.noise_factor()
 
 
 def update_scale(clip_bound: float, rule: ClippingRule, expected_batch_size: float) -> float:

@@ -14,8 +14,9 @@ The modules: ``figures`` (the index and drawing constants), ``document`` (sectio
 formats, the figure writer), ``plotting`` (shared matplotlib helpers), one module per section
 (``overview``, ``heatmaps``, ``optimal``, ``grad_norms``, ``retention``, ``auto_s``,
 ``batch_noise``, ``clipping``, ``guidelines``, ``efficiency``), ``private`` (the report of an
-end-to-end private search: only what may be released, and where the owner's report is), ``build``
-(``build_report``) and ``cli`` (``main``).
+end-to-end private search: only what may be released, and where the owner's report is), ``audit``
+(the section of an empirical privacy audit's folder, ``--audit DIR``: its verdicts, notes and figure,
+never its canaries), ``build`` (``build_report``) and ``cli`` (``main``).
 """
 
 from __future__ import annotations

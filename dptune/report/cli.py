@@ -6,6 +6,7 @@ from dptune import __version__
 from dptune import analysis as an
 from dptune.errors import ArgumentParser, DptuneError, report_and_exit
 from dptune.paths import probe_writable
+from dptune.report.audit import read_audit
 from dptune.report.build import build_report
 from dptune.report.figures import figure_index
 from dptune.report.private import is_owner_only
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> None:
         "--hard-classes", help="comma-separated labels or class names that are hard (overrides --hard-fraction)"
     )
     parser.add_argument("--title", help="report title")
+    parser.add_argument(
+        "--audit",
+        metavar="DIR",
+        help="folder of an empirical privacy audit (written by python -m dptune.audit --out DIR), shown as a section",
+    )
     parser.add_argument("--figure-index", action="store_true", help="print the Markdown index of the figures and exit")
     parser.add_argument("--version", action="version", version=f"dptune {__version__}")
     args = parser.parse_args(argv)
@@ -45,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     hard = [c.strip() for c in args.hard_classes.split(",") if c.strip()] if args.hard_classes else None
     try:
         an.check_results_paths(args.results)
+        if args.audit is not None:
+            read_audit(args.audit)
         probe_writable(args.out, "--out")
         index = build_report(
             args.results,
@@ -52,10 +60,11 @@ def main(argv: list[str] | None = None) -> None:
             hard_fraction=args.hard_fraction,
             hard_classes=hard,
             title=args.title,
+            audit=args.audit,
         )
     except DptuneError as exc:  # bad input (a corrupt part, an unwritable --out...); anything else is a bug
         report_and_exit(exc)
-    figures = len(list(index.parent.glob("fig*.png")))
+    figures = len(list(index.parent.glob("fig*.png"))) + (args.audit is not None)
     owner = (
         "owner-only report (NOT for release: the runs inside the trust boundary) "
         if is_owner_only(args.results)

@@ -147,14 +147,15 @@ class ReportWriter:
         buffer = io.BytesIO()
         FigureCanvasAgg(figure)  # render with Agg: no pyplot, no GUI backend, no global state
         figure.savefig(buffer, format="png", dpi=DPI)
-        data = buffer.getvalue()
+        self.embed_png(section, buffer.getvalue(), name, info.title + (f" — {task}" if task else ""), info.shows)
+
+    def embed_png(self, section: Section, data: bytes, name: str, title: str, shows: str) -> None:
+        """Save the PNG ``data`` as ``name`` and embed it (base64) with its ``title`` and what it ``shows``."""
         (self.out / name).write_bytes(data)
         encoded = base64.b64encode(data).decode("ascii")
-        title = info.title + (f" — {task}" if task else "")
-        text = html.escape(info.shows)
         section.blocks.append(
             f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
-            f"<figcaption><b>{html.escape(title)}</b> ({html.escape(name)}). {text}</figcaption></figure>"
+            f"<figcaption><b>{html.escape(title)}</b> ({html.escape(name)}). {html.escape(shows)}</figcaption></figure>"
         )
 
 

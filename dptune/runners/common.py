@@ -27,11 +27,12 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from dptune.contract import NO_BACKBONE, Mechanism, TrialConfig, WorkloadSpec, is_own_backbone
+from dptune.contract import NO_BACKBONE, ClippingRule, Mechanism, TrialConfig, WorkloadSpec, is_own_backbone
 from dptune.data import DATASETS, Workload, load_workload
 from dptune.dp.clipping import check_rule
 from dptune.dp.discrete_gaussian import sample_discrete_gaussian
@@ -48,6 +49,20 @@ from dptune.privacy import check_delta
 PROBE_MEMORY_BYTES = 1 << 30
 #: Stream of the public split seed that picks the diagnostics probe.
 _PROBE_STREAM = 7
+
+
+class StepObserver(Protocol):
+    """An auditor's view of a head's DP steps (:mod:`dptune.audit`): called once per step with the
+    step's released gradients of K heads on features, ``released`` (K, classes, dim + 1) in the layout
+    [W | b] (``dptune.runners.heads.stack_heads``), ``update_scale_k · (Σ_i f_i g_i + s_k·z_k)`` as the
+    engine made them, before the optimizer steps with them, with each head's clip bound C_k and update
+    scale (K,) and the clipping rule. It may add terms of the same form to ``released`` (the audit's
+    gradient canaries) and read it; it draws no coin of the run. The fused runner calls it for a group
+    (K configurations), the trial runner for its one head (K = 1)."""
+
+    def __call__(
+        self, released: torch.Tensor, clip_bounds: torch.Tensor, scales: torch.Tensor, rule: ClippingRule
+    ) -> None: ...
 
 
 def _choices(registry: Mapping[str, object]) -> str:

@@ -78,7 +78,7 @@ from dptune.errors import DptuneError, TrialConfigError
 from dptune.plan import run_schedule
 from dptune.runners.batches import DeviceWorkload, chunk_steps, person_index
 from dptune.runners.common import cached_workload, check_config, check_fits_workload, planned_mechanism, torch_threads
-from dptune.runners.fused_group import FUSED_ENGINE, FusedGroup
+from dptune.runners.fused_group import FUSED_ENGINE, FusedGroup, ObserverFactory
 from dptune.runners.heads import EVALUATION_ROWS, FUSABLE_OPTIMIZERS
 
 #: Working-set budget of one fused group on its device (bytes): :func:`max_fused_configurations`.
@@ -353,6 +353,7 @@ def run_fused(
     memory_bytes: int | None = None,
     workload: Workload | None = None,
     progress: Callable[[float], None] | None = None,
+    observers: ObserverFactory | None = None,
 ) -> list[TrialResult]:
     """Train every config (K of them) as fused trials; one :class:`TrialResult` per config, in order,
     each what ``run_trial(config)`` would return in distribution (``engine="fused"``).
@@ -370,7 +371,9 @@ def run_fused(
     trained so far (a chunk of k at epoch e of E counts k·e/E; ≥ 0, below K). A failure inside a chunk
     raises :class:`FusedTrialsFailed` carrying every config's result. ``workload``: the splits to train
     on (a benchmark's own), else the configs' workload spec's, loaded once per process; either way
-    checked against the configs' privacy unit.
+    checked against the configs' privacy unit. ``observers``: an auditor's
+    :class:`~dptune.runners.common.StepObserver` of each group's steps (:mod:`dptune.audit`), built
+    from the group's positions and q; a search passes none.
     """
     configs = list(configs)
     device = check_fusable(configs)
@@ -388,7 +391,8 @@ def run_fused(
             group: FusedGroup | None = None
             on_epoch = None if progress is None else _chunk_progress(progress, trained, len(plan.members))
             try:
-                group = FusedGroup(data, [configs[i] for i in plan.members], plan.noise_multiplier)
+                observer = None if observers is None else observers(plan.members, plan.mechanism.sample_rate)
+                group = FusedGroup(data, [configs[i] for i in plan.members], plan.noise_multiplier, observer)
                 group_results = group.run(on_epoch)
             except Exception as error:  # say what every configuration spent, finished or not
                 raise _group_failure(configs, results, plan, group, error, num_units) from error

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from dptune.contract import ClippingRule, Diagnostics, EpochMetrics, TrainedModel, TrialConfig, TrialResult
+from dptune.dp import faults
 from dptune.dp.clipping import update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose
@@ -55,6 +56,7 @@ from dptune.runners.batches import (
 )
 from dptune.runners.common import (
     Evaluation,
+    StepObserver,
     diagnostic_epochs,
     diverged_charge,
     model_provenance,
@@ -79,6 +81,11 @@ FUSED_ENGINE = "fused"
 #: each) took 86 ms a step gathered all at once (116 MB), 59 ms in blocks of 12, 56 ms in blocks
 #: of 4 (13 MB) and 67 ms one at a time; at B ≤ 256 one block of all 36 was the fastest.
 GATHER_BLOCK_BYTES = 16 << 20
+
+
+#: Builds a group's :class:`StepObserver` from the positions of its configurations (in the list given
+#: to ``run_fused``) and its Poisson sample rate q.
+ObserverFactory = Callable[[Sequence[int], float], StepObserver]
 
 
 def gather_block_configurations(width: int, row_values: int) -> int:
@@ -142,6 +149,7 @@ class GroupCoins:
             configs[0].clipping,
             schedule.expected_batch_size,
         )
+        self._reused: torch.Tensor | None = None  # the one draw a reused_noise fault adds at every step
         weights, biases = [], []
         self.samplers: list[PoissonSteps] = []
         self.noise_coins: list[DeviceCoins] = []
@@ -168,6 +176,9 @@ class GroupCoins:
         for block, coins, std in zip(noise, self.noise_coins, self.noise_stds, strict=True):
             coins.refresh()  # CUDA: a fresh secret Philox key and offset for this chunk; CPU: nothing
             block.normal_(0.0, std, generator=coins.generator)
+        if faults.noise_reused():  # a test's broken mechanism (dptune.dp.faults): step 0's noise at every step
+            self._reused = noise[:, 0].clone() if self._reused is None else self._reused
+            noise = self._reused.unsqueeze(1).expand_as(noise)
         noise = noise.transpose(0, 1)
         if self.people is not None:
             people = self.people
@@ -197,9 +208,15 @@ class LockStep:
     (``all_active``) and then skips the masks; on a GPU every step applies them, with no sync."""
 
     def __init__(
-        self, configs: Sequence[TrialConfig], heads: torch.Tensor, schedule: GroupSchedule, stop_on_loss: bool
+        self,
+        configs: Sequence[TrialConfig],
+        heads: torch.Tensor,
+        schedule: GroupSchedule,
+        stop_on_loss: bool,
+        observer: StepObserver | None = None,
     ) -> None:
         first = configs[0]
+        self.observer = observer
         device = heads.device
         k = len(configs)
         self.heads = heads  # (K, classes, dim + 1), updated in place
@@ -227,6 +244,8 @@ class LockStep:
         rows = BatchRows.of(data, draws.index, draws.persons)
         for t, width in enumerate(widths.tolist()):
             gradients = self._gradients(data, rows.step(t, width, bands[t]), draws.noise[t])
+            if self.observer is not None:
+                self.observer(gradients.heads, self.clip_bounds, self.scales, self.rule)
             self.steps_done += 1
             if self.stop_on_loss:  # the trial's rule: a non-finite loss ends it before its optimizer steps
                 self._stop_non_finite(gradients.losses)
@@ -327,7 +346,13 @@ class _EpochTraining:
 class FusedGroup:
     """K configurations with one batch size B, trained in lock-step (see :mod:`dptune.runners.fused`)."""
 
-    def __init__(self, data: DeviceWorkload, configs: Sequence[TrialConfig], noise_multiplier: float) -> None:
+    def __init__(
+        self,
+        data: DeviceWorkload,
+        configs: Sequence[TrialConfig],
+        noise_multiplier: float,
+        observer: StepObserver | None = None,
+    ) -> None:
         self.data = data
         self.configs = list(configs)
         first = self.configs[0]
@@ -335,7 +360,7 @@ class FusedGroup:
         self.private_score = first.score_noise_multiplier is not None
         self.coins = GroupCoins(self.configs, self.schedule, data)
         self.lock_step = LockStep(
-            self.configs, self.coins.initial_heads, self.schedule, stop_on_loss=first.stops_on_exact_loss
+            self.configs, self.coins.initial_heads, self.schedule, first.stops_on_exact_loss, observer
         )
         self.parameters = self.lock_step.heads[0].numel()
         self.results = [self._new_result(config) for config in self.configs]

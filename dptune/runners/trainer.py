@@ -74,6 +74,7 @@ from dptune.contract import (
 from dptune.data import Workload
 from dptune.data.features import weights_fingerprint
 from dptune.data.spec import People, Split
+from dptune.dp.clipping import update_scale
 from dptune.dp.coins import DeviceCoins, cpu_generator, init_seed, score_generator, trial_coins
 from dptune.dp.diagnostics import diagnose, probe_gradients
 from dptune.dp.engine import DPEngine, DPStepSpec, PhysicalBatch, summed_cross_entropy
@@ -88,6 +89,7 @@ from dptune.runners.checkpoint import RunCheckpoint
 from dptune.runners.common import (
     Evaluation,
     PersonScore,
+    StepObserver,
     cached_workload,
     check_config,
     check_fits_workload,
@@ -140,8 +142,11 @@ def evaluate(
 class Trial:
     """State of one running trial (built by :func:`run` after every check has passed)."""
 
-    def __init__(self, config: TrialConfig, device: torch.device, workload: Workload) -> None:
+    def __init__(
+        self, config: TrialConfig, device: torch.device, workload: Workload, observer: StepObserver | None = None
+    ) -> None:
         self.config = config
+        self.observer = observer
         self.device = device
         self.workload = workload
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
@@ -259,6 +264,22 @@ class Trial:
             split_people,
         )
 
+    def _observe(self, observer: StepObserver) -> None:
+        """Show ``observer`` the step's released gradient of the head (a head on features only), as one
+        (1, classes, dim + 1) [W | b], and keep what it adds to it."""
+        if not isinstance(self.model, nn.Linear) or self.model.weight.grad is None or self.model.bias.grad is None:
+            raise TypeError("a step observer sees a linear head on cached features (peft 'head') only")
+        weight, bias = self.model.weight.grad, self.model.bias.grad
+        released = torch.cat([weight, bias.unsqueeze(1)], dim=1).unsqueeze(0)
+        spec = self.spec
+        scale = update_scale(spec.clip_bound, spec.rule, spec.expected_batch_size)
+        device = released.device
+        observer(
+            released, torch.tensor([spec.clip_bound], device=device), torch.tensor([scale], device=device), spec.rule
+        )
+        weight.copy_(released[0, :, :-1])
+        bias.copy_(released[0, :, -1])
+
     def run(self, report: Reporter | None, checkpoint: RunCheckpoint | None = None) -> TrialResult:
         """Train (from ``checkpoint``'s state when it holds one; saving it before the first step and
         after every epoch but the last, ``dptune.runners.checkpoint``) and return the result."""
@@ -291,6 +312,8 @@ class Trial:
             for batch in itertools.islice(batches, epoch_length):
                 self.noise_coins.refresh()  # CUDA: a fresh secret Philox key and offset; CPU: nothing
                 loss = self.engine.noisy_gradient(self._physical_batches(batch))
+                if self.observer is not None:
+                    self._observe(self.observer)
                 self.steps_taken += 1
                 if not math.isfinite(loss) and config.stops_on_exact_loss:
                     result.status = "diverged"
@@ -440,15 +463,24 @@ class Trial:
         return noisy_score(val, sigma, self.score_generator)
 
 
-def run(config: TrialConfig, report: Reporter | None = None, checkpoint: RunCheckpoint | None = None) -> TrialResult:
+def run(
+    config: TrialConfig,
+    report: Reporter | None = None,
+    checkpoint: RunCheckpoint | None = None,
+    *,
+    workload: Workload | None = None,
+    observer: StepObserver | None = None,
+) -> TrialResult:
     """Check ``config``, load and build everything, then train (continuing ``checkpoint``'s state
-    when it holds one); see the module docstring."""
+    when it holds one); see the module docstring. ``workload``: the splits to train on (an audit's
+    own), else the config's workload spec's; ``observer``: an auditor's view of a head's steps
+    (:class:`~dptune.runners.common.StepObserver`; a search passes none)."""
     device = check_config(config)
     with torch_threads(config.threads):
-        workload = cached_workload(config.workload)
+        workload = cached_workload(config.workload) if workload is None else workload
         check_fits_workload(config, workload)
         planned_mechanism(config, workload.num_units)  # before the model is built
-        trial = Trial(config, device, workload)
+        trial = Trial(config, device, workload, observer)
         try:
             return trial.run(report, checkpoint)
         except Exception as error:  # once training may have begun: say what was spent

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from dptune.contract import ClassDiagnostics, Diagnostics, EpochMetrics, Reporter, TrialConfig, TrialResult, TrialStatus
 from dptune.errors import TrialConfigError, TrialFailed
 from dptune.runners.checkpoint import RunCheckpoint
+
+if TYPE_CHECKING:  # torch-free at import: the driver imports this module before torch
+    from dptune.data import Workload
+    from dptune.runners.common import StepObserver
 
 #: The contract types are re-exported here for callers that import them with ``run_trial``.
 __all__ = [
@@ -35,7 +40,12 @@ __all__ = [
 
 
 def run_trial(
-    config: TrialConfig, report: Reporter | None = None, checkpoint: RunCheckpoint | None = None
+    config: TrialConfig,
+    report: Reporter | None = None,
+    checkpoint: RunCheckpoint | None = None,
+    *,
+    workload: Workload | None = None,
+    observer: StepObserver | None = None,
 ) -> TrialResult:
     """Fine-tune ``config.workload``'s backbone on its dataset with DP; call ``report`` per epoch.
 
@@ -44,14 +54,18 @@ def run_trial(
     has begun is raised as :class:`TrialFailed` (with the steps taken). A run whose loss turns
     non-finite returns status ``"diverged"``. With ``checkpoint`` the run keeps its whole state there
     between epochs and continues from it when a lost process left one (:mod:`dptune.runners.checkpoint`).
+    ``workload`` and ``observer``: an audit's own splits (on which a public schedule, ``config.schedule``,
+    is the audited model's q and T) and its view of the head's steps (:mod:`dptune.audit`; a search
+    passes neither).
     Implementation: :mod:`dptune.runners.trainer` (imported here on first use, so that importing this
     module stays torch-free).
     """
     leave_deleted_working_directory()
-    _refuse_public_schedule(config)
+    if workload is None:  # on its spec's workload a public schedule is a tuning run's, on a subsample
+        _refuse_public_schedule(config)
     from dptune.runners.trainer import run
 
-    return run(config, report, checkpoint)
+    return run(config, report, checkpoint, workload=workload, observer=observer)
 
 
 def _refuse_public_schedule(config: TrialConfig) -> None:

@@ -18,13 +18,12 @@ from dptune.errors import (
     SearchIncomplete,
     SearchInterrupted,
     report_and_exit,
-    shown,
     stop_named,
     storage_error,
 )
 from dptune.search.api import run, search_options
 from dptune.search.options import SearchOptions
-from dptune.space import SpaceError, parse_override
+from dptune.space import SpaceError, parse_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> SearchOptions:
@@ -127,15 +126,10 @@ def _add_recovery_flags(parser: ArgumentParser) -> None:
 
 def _overrides(parser: ArgumentParser, args: Namespace) -> dict[str, Any]:
     """The space overrides of ``--set`` and ``--trials-per-cell``, each value parsed; the data caps checked."""
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--set {shown(item)}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
-        try:
-            overrides[key] = parse_override(key, value)
-        except SpaceError as exc:
-            parser.error(str(exc))
+    try:
+        overrides = parse_overrides(args.set)
+    except SpaceError as exc:
+        parser.error(str(exc))
     if args.trials_per_cell is not None:
         if args.trials_per_cell < 1:
             parser.error(f"--trials-per-cell must be ≥ 1 (got {args.trials_per_cell})")

@@ -13,7 +13,7 @@ commented example of every key.
 - :mod:`~dptune.space.tracking`: the ``tracking`` section (an MLflow server), left out of the recorded space.
 """
 
-from dptune.space.files import load_space, parse_override, parse_space, spec_differences
+from dptune.space.files import load_space, parse_override, parse_overrides, parse_space, spec_differences
 from dptune.space.spec import MAX_TRIALS_PER_CELL, Cell, LoadedSpace, ResourcesSpec, SearchSpace, SpaceError
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "SpaceError",
     "load_space",
     "parse_override",
+    "parse_overrides",
     "parse_space",
     "spec_differences",
 ]

@@ -17,7 +17,7 @@ naming the path as written, the folder it was taken from and the absolute path i
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +283,18 @@ def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 def parse_override(key: str, value: str) -> Any:
     """The YAML value of ``--set KEY=VALUE``, parsed like a spec (``SpaceError`` naming the flag)."""
     return parse_yaml(value, f"--set {shown(key)}")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """The overrides of the ``--set KEY=VALUE`` flags ``items``, each value parsed (:func:`parse_override`);
+    ``SpaceError`` naming an item that is not KEY=VALUE or whose value does not parse."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpaceError(f"--set {shown(item)}: expected KEY=VALUE, e.g. privacy.epsilons=[1,8]")
+        overrides[key] = parse_override(key, value)
+    return overrides
 
 
 def parse_space(text: str, path: Path | str = "<string>", overrides: dict[str, Any] | None = None) -> LoadedSpace:

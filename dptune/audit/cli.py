@@ -11,8 +11,8 @@ from __future__ import annotations
 from dptune import __version__
 from dptune.audit.api import DEFAULT_CANARIES, Configuration, audit
 from dptune.audit.cite import cite_audit
-from dptune.audit.run import RUNNERS
-from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown
+from dptune.audit.run import RUNNERS, AuditInterrupted
+from dptune.errors import ArgumentParser, DptuneError, report_and_exit, shown, stop_named
 from dptune.space import SpaceError, parse_overrides
 
 
@@ -71,7 +71,8 @@ def _configuration(parser: ArgumentParser, text: str) -> Configuration:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags, run :func:`~dptune.audit.api.audit` and print its summary."""
+    """Parse the flags, run :func:`~dptune.audit.api.audit` and print its summary; a bad flag or value is
+    told in one line before any compute, a Ctrl+C ends it in one line (exit status 130)."""
     parser = _parser()
     args = parser.parse_args(argv)
     configurations = [_configuration(parser, c) for c in args.configuration or []]
@@ -99,6 +100,15 @@ def main(argv: list[str] | None = None) -> None:
         cited = cite_audit(args.model, args.out) if args.cite else None
     except DptuneError as error:
         report_and_exit(error)
+    except KeyboardInterrupt as interrupt:
+        how, number = stop_named(interrupt)
+        report_and_exit(
+            AuditInterrupted(
+                f"stopped by {how} before the audit finished: it wrote no audit.json (a folder without one holds "
+                "no finished audit, and the report and --cite refuse it); run the same command again",
+                number,
+            )
+        )
     print(report, end="")
     print(f"wrote {args.out}")
     if cited is not None:

@@ -34,6 +34,14 @@ class AuditError(DptuneError, ValueError):
     """An audit cannot run as asked: the message names the problem and what is allowed."""
 
 
+class AuditInterrupted(DptuneError):
+    """An audit stopped by a signal before it finished; its exit status is 128 + the signal's number."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.exit_status = 128 + signal_number
+
+
 @dataclass(frozen=True)
 class AuditedRun:
     """One audited configuration: its run's record, its canaries' scores (name → (m,), higher meaning
